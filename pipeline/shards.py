@@ -7,7 +7,8 @@ Layout of an extract directory (any URI pyarrow.fs opens: a local path, s3://, g
     manifest.json            settings identity + every finished shard (merged index)
     target_head.safetensors  the target's input embedding and lm_head, stored once
     shards/rR-NNNNN.arrow    Arrow IPC file, zstd-compressed buffers, one record batch per sample
-    shards/rR-NNNNN.json     that shard's entry (rows, tokens, bytes, crc32, sample ids);
+    shards/rR-NNNNN.json     that shard's entry (rows, tokens, bytes, crc32, sample ids, and
+                             counts: response tokens, finish reasons, argmax mismatches);
                              written before the .arrow is renamed into place, so a shard
                              counts as finished exactly when both exist
 
@@ -214,6 +215,23 @@ def sample_record_batch(sample: Sample, tensor_names: list[str], schema: pa.Sche
     return pa.RecordBatch.from_arrays(columns, schema=schema)
 
 
+def empty_stats() -> dict:
+    """Per-shard counts kept in the shard's entry, so totals never require re-reading shards."""
+    return {"response_tokens": 0, "finish_reasons": {}, "argmax_mismatches": 0,
+            "greedy_samples": 0, "greedy_response_tokens": 0, "greedy_argmax_mismatches": 0}
+
+
+def add_sample_stats(stats: dict, sample: Sample) -> None:
+    mismatches = int(sample.tensors["argmax_mismatch"].sum()) if "argmax_mismatch" in sample.tensors else 0
+    stats["response_tokens"] += sample.response_len
+    stats["finish_reasons"][sample.finish_reason] = stats["finish_reasons"].get(sample.finish_reason, 0) + 1
+    stats["argmax_mismatches"] += mismatches
+    if sample.greedy:
+        stats["greedy_samples"] += 1
+        stats["greedy_response_tokens"] += sample.response_len
+        stats["greedy_argmax_mismatches"] += mismatches
+
+
 class ShardWriter:
     """Appends samples to size-bounded shards of one rank; every shard lands atomically.
 
@@ -251,6 +269,7 @@ class ShardWriter:
         self._writer = ipc.new_file(self._stream, self.schema, options=self.options)
         self._ids: list[str] = []
         self._tokens = 0
+        self._stats = empty_stats()
         self.next_index += 1
 
     def write(self, sample: Sample) -> None:
@@ -263,6 +282,7 @@ class ShardWriter:
         self._writer.write_batch(sample_record_batch(sample, self.tensor_names, self.schema))
         self._ids.append(sample.sample_id)
         self._tokens += int(sample.input_ids.numel())
+        add_sample_stats(self._stats, sample)
         if self._stream.tell() >= self.shard_bytes:
             self.finish_shard()
 
@@ -281,6 +301,7 @@ class ShardWriter:
             "bytes": size,
             "crc32": crc,
             "sample_ids": self._ids,
+            **self._stats,
         }
         write_json_atomic(self.fs, join(self.root, SHARD_DIR, self._name + ".json"), entry)
         self.fs.move(self._tmp, join(self.root, SHARD_DIR, self._name + ".arrow"))
