@@ -28,12 +28,10 @@ from pipeline.extract_cli import extract, inspect  # noqa: E402
 main.add_command(extract)
 main.add_command(inspect)
 
-try:  # stage 2 may be absent while it is being built
-    from scoring.score_cli import score  # noqa: E402
+from scoring.score_cli import fit, score  # noqa: E402
 
-    main.add_command(score)
-except ImportError:  # pragma: no cover
-    pass
+main.add_command(score)
+main.add_command(fit)
 
 
 if __name__ == "__main__":

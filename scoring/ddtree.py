@@ -1,0 +1,97 @@
+"""DDTree (Ringel & Romano, arXiv 2604.12989): the draft tree of budget N and how deep the
+target's greedy path reaches into it.
+
+From one drafter pass we have per-depth distributions q_1..q_L (L = block length - 1). A node is
+a prefix u = (u_1..u_d) scored by prod q_i(u_i); the tree of budget N is the N best prefixes,
+found best-first with a heap over the top-K tokens of every depth, K = min(N, V), the root (the
+block's first token) not counted. We reproduce the reference `build_ddtree_tree` pop order
+exactly (same heap keys: (-log weight, rank tuple), same float arithmetic), so ties resolve
+the same way.
+
+Key fact used here: the heap's pop sequence does not depend on N (a node whose last rank is
+>= N is preceded by its N lower-ranked siblings), so the tree of budget N is the first N pops
+of one run with K = max budget. We therefore run the heap once per anchor and record when each
+prefix of the target's path is popped; the accepted depth for every budget follows.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+import numpy as np
+import torch
+
+NOT_IN_TREE = np.iinfo(np.int64).max
+
+
+def top_log_probs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k log-probabilities and token ids per depth, float32, as the reference computes them
+    (top-k of the logits minus their logsumexp). logits [..., L, V] -> ([..., L, k], [..., L, k])."""
+    logits = logits.float()
+    top_logits, top_ids = torch.topk(logits, k=min(k, logits.shape[-1]), dim=-1)
+    return top_logits - torch.logsumexp(logits, dim=-1, keepdim=True), top_ids
+
+
+def path_pop_indices(top_logp: np.ndarray, path_ranks: np.ndarray, max_budget: int) -> np.ndarray:
+    """Pop index (0-based) of each prefix of the target path in the best-first tree build.
+
+    top_logp [L, K] float32 log-probs of the top-K tokens per depth (K = min(max_budget, V)).
+    path_ranks [D] rank of the target's token at depth d+1 among the top-K (-1 if absent);
+    D <= L is how far the target path is known. Returns [D] pop indices (NOT_IN_TREE when the
+    prefix is not among the first max_budget pops). The tree of budget N contains the prefix of
+    depth d iff its pop index < N.
+    """
+    depth_limit, topk = top_logp.shape
+    result = np.full(len(path_ranks), NOT_IN_TREE, dtype=np.int64)
+    if len(path_ranks) == 0 or path_ranks[0] < 0 or max_budget <= 0:
+        return result
+    # Prefix of depth d as a rank tuple; popped nodes are compared against the next one needed.
+    wanted_depth = 1
+    wanted = (int(path_ranks[0]),)
+    first_logw = float(top_logp[0, 0])
+    heap = [(-first_logw, (0,), 1, 0, first_logw)]
+    pops = 0
+    while heap and pops < max_budget:
+        _, ranks, depth, rank, logw = heapq.heappop(heap)
+        if ranks == wanted:
+            result[wanted_depth - 1] = pops
+            if wanted_depth == len(path_ranks) or path_ranks[wanted_depth] < 0:
+                break
+            wanted = wanted + (int(path_ranks[wanted_depth]),)
+            wanted_depth += 1
+        pops += 1
+        if rank + 1 < topk:
+            sibling_logw = logw - float(top_logp[depth - 1, rank]) + float(top_logp[depth - 1, rank + 1])
+            heapq.heappush(heap, (-sibling_logw, ranks[:-1] + (rank + 1,), depth, rank + 1, sibling_logw))
+        if depth < depth_limit:
+            child_logw = logw + float(top_logp[depth, 0])
+            heapq.heappush(heap, (-child_logw, ranks + (0,), depth + 1, 0, child_logw))
+    return result
+
+
+def accepted_depth(pop_indices: np.ndarray, budget: int) -> int:
+    """alpha for a tree of `budget` nodes: the deepest target-path prefix inside the tree.
+    Prefixes enter the tree parent-first, so this is the count of leading pop indices < budget."""
+    inside = pop_indices < budget
+    return int(inside.size if inside.all() else np.argmin(inside))
+
+
+def build_tree(top_logp: np.ndarray, top_ids: np.ndarray, budget: int) -> list[tuple[int, ...]]:
+    """The tree of `budget` nodes as token-id prefixes, in pop order (for inspection and tests)."""
+    depth_limit, topk = top_logp.shape
+    topk = min(topk, budget)
+    nodes: list[tuple[int, ...]] = []
+    if budget <= 0 or depth_limit == 0:
+        return nodes
+    first_logw = float(top_logp[0, 0])
+    heap = [(-first_logw, (0,), 1, 0, first_logw)]
+    while heap and len(nodes) < budget:
+        _, ranks, depth, rank, logw = heapq.heappop(heap)
+        nodes.append(tuple(int(top_ids[d, r]) for d, r in enumerate(ranks)))
+        if rank + 1 < topk:
+            sibling_logw = logw - float(top_logp[depth - 1, rank]) + float(top_logp[depth - 1, rank + 1])
+            heapq.heappush(heap, (-sibling_logw, ranks[:-1] + (rank + 1,), depth, rank + 1, sibling_logw))
+        if depth < depth_limit:
+            child_logw = logw + float(top_logp[depth, 0])
+            heapq.heappush(heap, (-child_logw, ranks + (0,), depth + 1, 0, child_logw))
+    return nodes

@@ -1,0 +1,305 @@
+"""The DFlash drafter (z-lab `DFlashDraftModel` semantics), written for batched replay.
+
+Same weights and key names as the reference: `fc`, `hidden_norm`, `norm`,
+`layers.{i}.self_attn.{q,k,v,o}_proj`, `layers.{i}.self_attn.{q,k}_norm`,
+`layers.{i}.mlp.{gate,up,down}_proj`, `layers.{i}.{input,post_attention}_layernorm`.
+
+The drafter has no embedding and no lm_head of its own: block inputs are the target's input
+embeddings (times `input_embedding_scale`), logits come from the target's lm_head (times
+`output_multiplier`, then optional tanh soft-capping).
+
+Why a re-implementation instead of calling the reference module: the reference runs one block
+at a time against a growing KV cache. Replay scores every response position as an anchor, so
+here the context keys/values (a function of the target features alone: `k_proj(hidden_norm(
+fc(features)))` per layer) are computed once per sample and shared by a batch of anchors, each
+of which sees only the context before it. Norms, MLP and RoPE are transformers' Qwen3 modules,
+the same ones the reference uses, so the arithmetic matches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from transformers import Qwen3Config
+from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding
+
+from pipeline.layer_ids import build_target_layer_ids
+
+# Fields the DFlash family uses that this implementation does not; a config carrying any of
+# them is a variant we refuse by name rather than score wrong.
+UNSUPPORTED_VARIANT_FIELDS = {
+    "conv_kernel_size": "DFlash2 (grouped dynamic convolutions)",
+    "conv_group_size": "DFlash2 (grouped dynamic convolutions)",
+    "selector_rank": "DFlash2 (candidate selector)",
+    "selector_top_k": "DFlash2 (candidate selector)",
+}
+SUPPORTED_ARCHITECTURES = {"DFlashDraftModel"}
+
+
+class DrafterConfigError(ValueError):
+    """A drafter config this implementation cannot score exactly."""
+
+
+@dataclass
+class DrafterConfig:
+    """What the replay needs to know about a drafter (parsed from its config.json)."""
+
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rms_norm_eps: float
+    block_size: int
+    mask_token_id: int
+    target_layer_ids: list[int]
+    num_target_layers: int | None
+    layer_types: list[str]
+    sliding_window: int | None
+    is_causal: bool | None
+    input_embedding_scale: float = 1.0
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None
+    attention_bias: bool = False
+    raw: dict = field(default_factory=dict, repr=False)
+
+    def layer_is_causal(self, index: int) -> bool:
+        """As the reference: sliding layers are causal unless `is_causal` overrides all layers."""
+        if self.is_causal is not None:
+            return bool(self.is_causal)
+        return self.layer_types[index] == "sliding_attention"
+
+    def layer_window(self, index: int) -> int | None:
+        return self.sliding_window if self.layer_types[index] == "sliding_attention" else None
+
+
+def _dflash_value(raw: dict, name: str, default=None):
+    """The reference reads `dflash_config[name]` first, then the top-level field."""
+    return (raw.get("dflash_config") or {}).get(name, raw.get(name, default))
+
+
+def parse_drafter_config(raw: dict, source: str = "config") -> DrafterConfig:
+    """Validate and parse a z-lab DFlash config dict; errors name the field and the file."""
+    architectures = raw.get("architectures") or ["DFlashDraftModel"]
+    for arch in architectures:
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise DrafterConfigError(
+                f"{source}: architecture {arch!r} is not supported (specreplay implements "
+                f"{sorted(SUPPORTED_ARCHITECTURES)}); refusing rather than scoring it wrong"
+            )
+    for name, variant in UNSUPPORTED_VARIANT_FIELDS.items():
+        if _dflash_value(raw, name) is not None:
+            raise DrafterConfigError(
+                f"{source}: field {name!r} belongs to the {variant} variant, which specreplay does not "
+                f"implement; refusing rather than scoring it wrong"
+            )
+    for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size"):
+        if name not in raw:
+            raise DrafterConfigError(f"{source}: missing field {name!r}; is this a DFlash drafter config.json?")
+    mask_token_id = _dflash_value(raw, "mask_token_id")
+    if mask_token_id is None:
+        raise DrafterConfigError(f"{source}: missing dflash_config.mask_token_id")
+    num_layers = int(raw["num_hidden_layers"])
+    num_target_layers = raw.get("num_target_layers")
+    layer_ids = _dflash_value(raw, "target_layer_ids")
+    if layer_ids is None:
+        if num_target_layers is None:
+            raise DrafterConfigError(
+                f"{source}: neither dflash_config.target_layer_ids nor num_target_layers is set, so the "
+                f"feature layers are unknown"
+            )
+        layer_ids = build_target_layer_ids(int(num_target_layers), num_layers)
+    layer_types = raw.get("layer_types") or ["full_attention"] * num_layers
+    if len(layer_types) != num_layers:
+        raise DrafterConfigError(f"{source}: layer_types has {len(layer_types)} entries for {num_layers} layers")
+    unknown = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
+    if unknown:
+        raise DrafterConfigError(f"{source}: layer_types {unknown} not supported (full_attention, sliding_attention)")
+    sliding_window = raw.get("sliding_window")
+    if "sliding_attention" in layer_types and not sliding_window:
+        raise DrafterConfigError(f"{source}: layer_types has sliding_attention but sliding_window is not set")
+    softcap = _dflash_value(raw, "final_logit_softcapping")
+    heads = int(raw["num_attention_heads"])
+    return DrafterConfig(
+        hidden_size=int(raw["hidden_size"]),
+        num_hidden_layers=num_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
+        head_dim=int(raw.get("head_dim") or raw["hidden_size"] // heads),
+        intermediate_size=int(raw["intermediate_size"]),
+        vocab_size=int(raw["vocab_size"]),
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        block_size=int(_dflash_value(raw, "block_size", 16)),
+        mask_token_id=int(mask_token_id),
+        target_layer_ids=[int(i) for i in layer_ids],
+        num_target_layers=None if num_target_layers is None else int(num_target_layers),
+        layer_types=list(layer_types),
+        sliding_window=None if sliding_window is None else int(sliding_window),
+        is_causal=raw.get("is_causal"),
+        input_embedding_scale=float(_dflash_value(raw, "input_embedding_scale", 1.0)),
+        output_multiplier=float(_dflash_value(raw, "output_multiplier", 1.0)),
+        final_logit_softcapping=None if softcap is None or float(softcap) <= 0 else float(softcap),
+        attention_bias=bool(raw.get("attention_bias", False)),
+        raw=raw,
+    )
+
+
+def _hf_config(config: DrafterConfig) -> Qwen3Config:
+    """The Qwen3Config the reference would build (drives RoPE scaling and the MLP activation)."""
+    raw = {k: v for k, v in config.raw.items() if k not in ("architectures", "auto_map", "dflash_config")}
+    hf = Qwen3Config(**raw)
+    hf.head_dim = config.head_dim
+    return hf
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [..., heads, T, d] with cos/sin [..., T, d] (broadcast over heads)."""
+    return x * cos.unsqueeze(-3) + rotate_half(x) * sin.unsqueeze(-3)
+
+
+class DrafterAttention(nn.Module):
+    def __init__(self, config: DrafterConfig):
+        super().__init__()
+        d, bias = config.head_dim, config.attention_bias
+        self.heads, self.kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, d
+        self.q_proj = nn.Linear(config.hidden_size, self.heads * d, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, self.kv_heads * d, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, self.kv_heads * d, bias=bias)
+        self.o_proj = nn.Linear(self.heads * d, config.hidden_size, bias=bias)
+        self.q_norm = Qwen3RMSNorm(d, eps=config.rms_norm_eps)
+        self.k_norm = Qwen3RMSNorm(d, eps=config.rms_norm_eps)
+
+    def keys_values(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x [..., T, H] -> roped, normed keys and values [..., kv_heads, T, d]."""
+        shape = (*x.shape[:-1], self.kv_heads, self.head_dim)
+        k = self.k_norm(self.k_proj(x).view(shape)).transpose(-2, -3)
+        v = self.v_proj(x).view(shape).transpose(-2, -3)
+        return apply_rope(k, cos, sin), v
+
+    def forward(self, x, cos, sin, ctx_k, ctx_v, ctx_visible, block_visible):
+        """Block queries attend to [context ; block].
+
+        x [A, b, H]; cos/sin [A, b, d]; ctx_k/ctx_v [kv_heads, T, d] shared by all anchors;
+        ctx_visible [A, b, T] and block_visible [b, b] are boolean masks.
+        """
+        A, b, _ = x.shape
+        groups = self.heads // self.kv_heads
+        q = self.q_norm(self.q_proj(x).view(A, b, self.heads, self.head_dim)).transpose(1, 2)
+        q = apply_rope(q, cos, sin).contiguous().view(A, self.kv_heads, groups * b, self.head_dim)
+        k, v = self.keys_values(x, cos, sin)  # [A, kv_heads, b, d]
+        scale = self.head_dim**-0.5
+        # Grouped-query attention without materialising repeated keys: the query heads of
+        # one kv group are stacked along the query axis.
+        scores = torch.cat([q @ ctx_k.transpose(-1, -2), q @ k.transpose(-1, -2)], dim=-1) * scale
+        visible = torch.cat([ctx_visible, block_visible.expand(A, b, b)], dim=-1)  # [A, b, T+b]
+        visible = visible[:, None, None].expand(A, 1, groups, b, visible.shape[-1]).reshape(A, 1, groups * b, -1)
+        scores = scores.masked_fill(~visible, float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        T = ctx_k.shape[-2]
+        out = probs[..., :T] @ ctx_v + probs[..., T:] @ v  # [A, kv_heads, groups*b, d]
+        out = out.view(A, self.heads, b, self.head_dim).transpose(1, 2).reshape(A, b, -1)
+        return self.o_proj(out)
+
+
+class DrafterLayer(nn.Module):
+    def __init__(self, config: DrafterConfig, hf_config: Qwen3Config):
+        super().__init__()
+        self.self_attn = DrafterAttention(config)
+        self.mlp = Qwen3MLP(hf_config)
+        self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, h, cos, sin, ctx_k, ctx_v, ctx_visible, block_visible):
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, ctx_k, ctx_v, ctx_visible, block_visible)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+def block_masks(anchors: torch.Tensor, block_len: int, ctx_len: int, is_causal: bool, window: int | None):
+    """Visibility for blocks starting at `anchors` (absolute positions) over context 0..ctx_len-1.
+
+    As the reference's `_attention_mask` over absolute positions: context key j is visible to
+    the query at q = anchor + i iff j < anchor (the drafter only sees context before its
+    block) and, for sliding layers, q - j < window. Inside the block, full-attention layers are
+    bidirectional; causal layers see k <= i; windowed layers |i - k| < window (or i - k when causal).
+    """
+    device = anchors.device
+    i = torch.arange(block_len, device=device)
+    j = torch.arange(ctx_len, device=device)
+    ctx_visible = j[None, None, :] < anchors[:, None, None]
+    if window is not None:
+        query_pos = anchors[:, None] + i[None, :]
+        ctx_visible = ctx_visible & ((query_pos[:, :, None] - j[None, None, :]) < window)
+    else:
+        ctx_visible = ctx_visible.expand(len(anchors), block_len, ctx_len)
+    block_visible = torch.ones(block_len, block_len, dtype=torch.bool, device=device)
+    rel = i[:, None] - i[None, :]  # query index - key index
+    if is_causal:
+        block_visible &= rel >= 0
+    if window is not None:
+        block_visible &= rel < window
+        if not is_causal:
+            block_visible &= -rel < window
+    return ctx_visible, block_visible
+
+
+class DFlashDrafter(nn.Module):
+    def __init__(self, config: DrafterConfig):
+        super().__init__()
+        self.config = config
+        hf = _hf_config(config)
+        self.fc = nn.Linear(len(config.target_layer_ids) * config.hidden_size, config.hidden_size, bias=False)
+        self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.layers = nn.ModuleList(DrafterLayer(config, hf) for _ in range(config.num_hidden_layers))
+        self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary = Qwen3RotaryEmbedding(hf)  # buffers only, not in the state dict
+
+    def rope(self, like: torch.Tensor, positions: torch.Tensor):
+        """cos/sin [*positions.shape, d] in like's dtype."""
+        flat = positions.reshape(1, -1)
+        cos, sin = self.rotary(like, flat)
+        return cos.view(*positions.shape, -1), sin.view(*positions.shape, -1)
+
+    def context_kv(self, features: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer (k, v) [kv_heads, T, d] of context positions 0..T-1 from target features [T, n*H]."""
+        ctx = self.hidden_norm(self.fc(features))
+        cos, sin = self.rope(ctx, torch.arange(ctx.shape[0], device=ctx.device))
+        return [layer.self_attn.keys_values(ctx, cos, sin) for layer in self.layers]
+
+    def forward(self, block_embeds: torch.Tensor, anchors: torch.Tensor, context: list) -> torch.Tensor:
+        """Drafter hidden states [A, b, H] (after the final norm) for blocks at `anchors`.
+
+        block_embeds [A, b, H] are the (scaled) target embeddings of [x_anchor, mask, ...];
+        `context` is `context_kv(features)`; each anchor sees only context before it.
+        """
+        A, b, _ = block_embeds.shape
+        positions = anchors[:, None] + torch.arange(b, device=anchors.device)[None, :]
+        cos, sin = self.rope(block_embeds, positions)
+        ctx_len = context[0][0].shape[-2]
+        masks = {}
+        h = block_embeds
+        for index, layer in enumerate(self.layers):
+            kind = (self.config.layer_is_causal(index), self.config.layer_window(index))
+            if kind not in masks:
+                masks[kind] = block_masks(anchors, b, ctx_len, *kind)
+            ctx_k, ctx_v = context[index]
+            h = layer(h, cos, sin, ctx_k, ctx_v, *masks[kind])
+        return self.norm(h)
+
+    def logits(self, hidden: torch.Tensor, lm_head: torch.Tensor) -> torch.Tensor:
+        """Target lm_head on drafter states, then output_multiplier and optional soft-capping."""
+        logits = torch.nn.functional.linear(hidden, lm_head)
+        if self.config.output_multiplier != 1.0:
+            logits = logits * self.config.output_multiplier
+        cap = self.config.final_logit_softcapping
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits

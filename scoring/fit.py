@@ -1,0 +1,150 @@
+"""A small DFlash drafter trainer over stored shards (`specreplay fit`).
+
+It exists so a newcomer sees real acceptance numbers and tests have fitted drafters; it is not
+a training framework. Loss: cross-entropy of the block's draft positions against the stored
+target tokens at random anchors, position k weighted by exp(-(k - 1) / gamma) as in the DFlash
+paper (gamma 7 for block 16, 5 for 10, 4 for 8). The target's embedding and lm_head stay
+frozen (they are the target's); only the drafter's own weights train.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+from dataclasses import dataclass
+
+import torch
+from safetensors.torch import save_file
+
+from pipeline.layer_ids import build_target_layer_ids
+from pipeline.shards import Sample
+from scoring.drafter import DFlashDrafter, parse_drafter_config
+from scoring.replay import select_feature_columns
+
+GAMMA_BY_BLOCK = {16: 7.0, 10: 5.0, 8: 4.0}
+
+
+def position_decay_gamma(block_size: int) -> float:
+    """gamma of the DFlash position-decay loss weights; the paper's values, else block_size / 2."""
+    return GAMMA_BY_BLOCK.get(block_size, block_size / 2)
+
+
+def position_weights(block_size: int) -> torch.Tensor:
+    """w_k = exp(-(k - 1) / gamma) for draft positions k = 1..block_size - 1."""
+    k = torch.arange(1, block_size, dtype=torch.float32)
+    return torch.exp(-(k - 1) / position_decay_gamma(block_size))
+
+
+def new_drafter_config(target: dict, num_layers: int = 1, block_size: int = 8, layer_ids: list[int] | None = None,
+                       mask_token_id: int | None = None, num_heads: int | None = None,
+                       intermediate_size: int | None = None, sliding_window: int | None = None,
+                       layer_types: list[str] | None = None) -> dict:
+    """A z-lab-format config.json dict for a drafter of a target described by the manifest's
+    `settings.target` (hidden_size, num_layers, vocab_size)."""
+    hidden = int(target["hidden_size"])
+    heads = num_heads or max(1, hidden // 64)
+    kv_heads = heads if heads % 2 else max(1, heads // 2)
+    ids = layer_ids or build_target_layer_ids(int(target["num_layers"]), num_layers)
+    raw = {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "hidden_size": hidden,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": hidden // heads,
+        "intermediate_size": intermediate_size or 3 * hidden,
+        "vocab_size": int(target["vocab_size"]),
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 32768,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "tie_word_embeddings": False,
+        "block_size": block_size,
+        "num_target_layers": int(target["num_layers"]),
+        "dflash_config": {"mask_token_id": int(target["vocab_size"]) - 1 if mask_token_id is None else mask_token_id,
+                          "target_layer_ids": list(ids)},
+    }
+    if layer_types is not None:
+        raw["layer_types"] = layer_types
+        raw["sliding_window"] = sliding_window
+    return raw
+
+
+def save_drafter(drafter: DFlashDrafter, out_dir: str, extra_config: dict | None = None) -> str:
+    """Write a z-lab-format checkpoint directory (config.json + model.safetensors)."""
+    os.makedirs(out_dir, exist_ok=True)
+    raw = dict(drafter.config.raw, **(extra_config or {}))
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(raw, f, indent=1)
+    state = {k: v.detach().cpu().contiguous() for k, v in drafter.state_dict().items()}
+    save_file(state, os.path.join(out_dir, "model.safetensors"))
+    return out_dir
+
+
+@dataclass
+class FitOptions:
+    steps: int = 300
+    lr: float = 3e-3
+    anchors_per_step: int = 32
+    seed: int = 0
+    save_every: int = 0  # 0: only the final checkpoint
+    init_std: float = 0.02
+
+
+def fit_drafter(samples: list[Sample], head: dict, stored_layer_ids: list[int], config_raw: dict, out_dir: str | None,
+                options: FitOptions, progress=None) -> tuple[DFlashDrafter, list[str]]:
+    """Train a drafter on stored samples; returns it and the checkpoint dirs written
+    (`out_dir/step_<N>`), if any."""
+    torch.manual_seed(options.seed)
+    rng = random.Random(options.seed)
+    config = parse_drafter_config(config_raw, "new drafter config")
+    drafter = DFlashDrafter(config)
+    for name, param in drafter.named_parameters():
+        if param.dim() > 1:
+            torch.nn.init.normal_(param, std=options.init_std)
+    drafter.train()
+    embed = head["embed_tokens"].float()
+    lm_head = head["lm_head"].float()
+    weights = position_weights(config.block_size)
+    usable = [s for s in samples if s.response_len >= 2]
+    if not usable:
+        raise ValueError("no sample has a response of 2+ tokens to train on")
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=options.lr, weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: min(1.0, (step + 1) / 20) * 0.5 * (1 + math.cos(math.pi * step / options.steps)))
+    written = []
+    B = config.block_size
+    for step in range(1, options.steps + 1):
+        sample = rng.choice(usable)
+        ids = sample.input_ids
+        seq_len, prompt_len = ids.numel(), sample.prompt_len
+        features = select_feature_columns(sample.features.float(), stored_layer_ids, config.target_layer_ids)
+        count = min(options.anchors_per_step, seq_len - 1 - prompt_len)
+        anchors = torch.tensor(sorted(rng.sample(range(prompt_len, seq_len - 1), count)))
+        context = drafter.context_kv(features[: int(anchors.max())])
+        block_ids = torch.full((count, B), config.mask_token_id)
+        block_ids[:, 0] = ids[anchors]
+        hidden = drafter(torch.nn.functional.embedding(block_ids, embed) * config.input_embedding_scale, anchors, context)
+        logits = drafter.logits(hidden[:, 1:], lm_head)
+        positions = anchors[:, None] + torch.arange(1, B)[None, :]
+        known = positions < seq_len
+        targets = torch.where(known, ids[positions.clamp(max=seq_len - 1)], torch.full_like(positions, -100))
+        loss_each = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none",
+                                                      ignore_index=-100).view(count, B - 1)
+        w = weights[None, :] * known
+        loss = (loss_each * w).sum() / w.sum()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        if progress is not None:
+            progress(step, float(loss.detach()))
+        if out_dir is not None and ((options.save_every and step % options.save_every == 0) or step == options.steps):
+            written.append(save_drafter(drafter, os.path.join(out_dir, f"step_{step}"), {"step": step}))
+    drafter.eval()
+    return drafter, written

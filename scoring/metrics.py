@@ -1,0 +1,72 @@
+"""Acceptance metrics: short pure functions over per-anchor tensors, each stating its definition.
+
+Conventions. An anchor t is a response position where a block [x_t, mask, ...] starts. Block
+position k = 1..L (L = block length - 1) drafts the token at t + k; the target's token there is
+y_k (the stored greedy token) or -1 where it is unknown (past the end of the response) or past
+the block. "bonus-exclusive" counts accepted draft tokens only; "bonus-inclusive" adds the
+token the target itself contributes at every step (what the online loop appends).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def leading_matches(draft_tokens: torch.Tensor, target_tokens: torch.Tensor) -> torch.Tensor:
+    """Chain acceptance, bonus-exclusive: the number of leading block positions whose draft
+    equals the target token. [A, L] x [A, L] -> [A] int64. Unknown targets (-1) never match."""
+    match = (draft_tokens == target_tokens) & (target_tokens >= 0)
+    return match.long().cumprod(dim=1).sum(dim=1)
+
+
+def produced_tokens(accepted: torch.Tensor, anchors: torch.Tensor, seq_len: int,
+                    next_stop: torch.Tensor) -> torch.Tensor:
+    """Tokens one decoding step at each anchor appends (bonus-inclusive), as `dflash_generate`:
+    accepted + 1, capped by the tokens that exist after the anchor (the max_new_tokens budget
+    for greedy responses) and cut just after the first stop token.
+
+    produced(t) = min(accepted(t) + 1, seq_len - 1 - t, next_stop(t) - t), where next_stop(t)
+    is the first position > t holding a stop token (seq_len + big when none).
+    """
+    return torch.minimum(torch.minimum(accepted + 1, seq_len - 1 - anchors), next_stop - anchors)
+
+
+def position_match(draft_tokens: torch.Tensor, target_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-position match, independent of earlier positions: (match [A, L] bool, known [A, L] bool).
+    The per-position match rate is match.sum() / known.sum() over any set of anchors."""
+    known = target_tokens >= 0
+    return (draft_tokens == target_tokens) & known, known
+
+
+def reached_accept(accepted: torch.Tensor, block_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Acceptance per block position conditioned on reaching it (the "where does it die" curve).
+    reached[a, k] = accepted[a] >= k (position k+1 was verified); accepted_here[a, k] =
+    accepted[a] >= k + 1. Rate at position k+1 = accepted_here.sum(0) / reached.sum(0)."""
+    k = torch.arange(block_positions, device=accepted.device)
+    return accepted[:, None] >= k[None, :], accepted[:, None] >= k[None, :] + 1
+
+
+def expected_accepted(target_logprob: torch.Tensor) -> torch.Tensor:
+    """Smooth acceptance proxy, bonus-exclusive: sum_k prod_{j<=k} q_j(y_j), the expected
+    chain length if each position were accepted independently with the draft's probability
+    of the target token. target_logprob [A, L] = log q_k(y_k), NaN where unknown (treated as 0
+    probability, so the product stops there)."""
+    logp = torch.nan_to_num(target_logprob.double(), nan=float("-inf"))
+    return torch.exp(torch.cumsum(logp, dim=1)).sum(dim=1).float()
+
+
+def kl_on_topk(target_topk_logprobs: torch.Tensor, draft_logprobs_at_topk: torch.Tensor) -> torch.Tensor:
+    """KL(p || q) restricted to the target's stored top-k support, both renormalised there:
+    p^ = softmax(log p over the support), q^ likewise; KL = sum p^ (log p^ - log q^).
+    [..., k] x [..., k] -> [...]."""
+    log_p = torch.log_softmax(target_topk_logprobs.float(), dim=-1)
+    log_q = torch.log_softmax(draft_logprobs_at_topk.float(), dim=-1)
+    return (log_p.exp() * (log_p - log_q)).sum(dim=-1)
+
+
+def tau(produced_per_step: list[list[int]]) -> float:
+    """Mean acceptance length (bonus-inclusive), as the DFlash benchmark reports it: the mean
+    over responses of each response's mean `produced`. Responses with no step (their first
+    token was already a stop token) are left out, as the benchmark does."""
+    means = [sum(steps) / len(steps) for steps in produced_per_step if steps]
+    return sum(means) / len(means) if means else float("nan")

@@ -1,0 +1,390 @@
+"""`specreplay score`: replay shards through drafter checkpoints and write parquet results.
+
+Per checkpoint, under its output directory:
+    anchors.parquet  one row per (sample, anchor): all-anchor metrics
+    walk.parquet     one row per simulated decoding step (chain and each DDTree budget)
+    samples.parquet  one row per (sample, method)
+    summary.parquet  one row per (dataset, method), plus dataset "(all)"
+    run.json         checkpoint path/hash/config, shards identity, versions, wall time
+Every row carries `checkpoint` and `dataset`, so results of many checkpoints concatenate in
+one polars scan: pl.scan_parquet("results/*/summary.parquet").
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+import platform
+import sys
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+from tqdm import tqdm
+
+from pipeline.shards import ShardSet
+from scoring import metrics
+from scoring.checkpoint import check_compatibility, load_drafter
+from scoring.replay import AnchorTensors, ReplayOptions, replay_sample, select_feature_columns
+from scoring.walk import next_stop_positions, stop_mask, walk
+
+DEFAULT_BUDGETS = (4, 8, 16, 32, 64, 128, 256)
+ALL_DATASETS = "(all)"
+
+
+@dataclass
+class ScoreConfig:
+    ckpts: list[str]
+    shards: str
+    out: str
+    ddtree_budgets: list[int] = field(default_factory=lambda: list(DEFAULT_BUDGETS))
+    device: str = "auto"
+    dtype: str = "auto"
+    memory_budget: int = 2 << 30
+    limit: int | None = None
+    force: bool = False
+    quiet: bool = False
+
+
+def resolve_device_dtype(device: str, dtype: str) -> tuple[str, torch.dtype]:
+    """GPU if present, else CPU; fp32 on CPU and bf16 on GPU unless told otherwise."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    names = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
+             "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
+    if dtype == "auto":
+        return device, torch.bfloat16 if device.startswith("cuda") else torch.float32
+    if dtype not in names:
+        raise ValueError(f"--dtype {dtype!r}: use one of auto, {', '.join(names)}")
+    return device, names[dtype]
+
+
+def expand_checkpoints(patterns: list[str]) -> list[str]:
+    """Paths as given, globs expanded (sorted), duplicates dropped; missing paths are an error."""
+    paths: list[str] = []
+    for pattern in patterns:
+        matches = sorted(glob.glob(pattern)) if any(c in pattern for c in "*?[") else [pattern]
+        if not matches:
+            raise FileNotFoundError(f"--ckpt {pattern!r} matches nothing")
+        for path in matches:
+            if not os.path.exists(path):
+                raise FileNotFoundError(f"--ckpt {path}: no such file or directory")
+            if path not in paths:
+                paths.append(path)
+    return paths
+
+
+def result_dir_name(path: str) -> str:
+    """Results sub-directory for one of several checkpoints: 'run1_step_200' for
+    run1/step_200/ and 'run1_step_200' for run1/step_200.pt."""
+    path = os.path.normpath(os.path.abspath(path))
+    parent, base = os.path.split(path)
+    stem = os.path.splitext(base)[0] if os.path.isfile(path) else base
+    return f"{os.path.basename(parent)}_{stem}"
+
+
+def shards_identity(manifest: dict) -> str:
+    """Content identity of an extract: its settings and every shard's checksum."""
+    blob = json.dumps({"settings": manifest["settings"],
+                       "shards": sorted((s["file"], s["crc32"]) for s in manifest["shards"])}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def method_names(budgets: list[int]) -> list[str]:
+    return ["chain"] + [f"ddtree-{n}" for n in budgets]
+
+
+def _list_column(values: np.ndarray, lengths: np.ndarray, value_type) -> pa.Array:
+    """A list<...> Arrow column from a flat array and per-row lengths, without Python loops."""
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values, type=value_type))
+
+
+class SampleScorer:
+    """Turns one sample's AnchorTensors into anchor, walk and sample rows."""
+
+    def __init__(self, budgets: list[int], stop_token_ids: list[int], block_size: int):
+        self.budgets = budgets
+        self.stop_token_ids = stop_token_ids
+        self.block_size = block_size
+        self.anchor_tables: list[pa.Table] = []
+        self.walk_rows: dict[str, list] = {k: [] for k in ("dataset", "sample_id", "method", "step", "anchor", "produced", "accepted_len")}
+        self.sample_rows: list[dict] = []
+        # all-anchor aggregates per dataset: sums we can combine without keeping every anchor
+        self.position_stats: dict[str, dict[str, np.ndarray]] = {}
+
+    def add(self, sample, result: AnchorTensors) -> None:
+        ids = sample.input_ids
+        seq_len, prompt_len = ids.numel(), sample.prompt_len
+        is_stop = stop_mask(ids, self.stop_token_ids)
+        next_stop = next_stop_positions(is_stop)[result.anchors]
+        anchors = result.anchors
+        accepted = metrics.leading_matches(result.draft_tokens, result.target_tokens)
+        produced = {"chain": metrics.produced_tokens(accepted, anchors, seq_len, next_stop)}
+        accepted_by_method = {"chain": accepted}
+        for budget in self.budgets:
+            alpha = (result.tree_pop_index < budget).long().cumprod(dim=1).sum(dim=1)
+            name = f"ddtree-{budget}"
+            accepted_by_method[name] = alpha
+            produced[name] = metrics.produced_tokens(alpha, anchors, seq_len, next_stop)
+
+        mismatches = int(sample.argmax_mismatch.sum()) if "argmax_mismatch" in sample.tensors else 0
+        exact = bool(sample.greedy and mismatches == 0)
+        for name, steps_produced in produced.items():
+            steps = walk(steps_produced, prompt_len, is_stop)
+            for step, (anchor, count) in enumerate(steps):
+                self.walk_rows["dataset"].append(sample.dataset)
+                self.walk_rows["sample_id"].append(sample.sample_id)
+                self.walk_rows["method"].append(name)
+                self.walk_rows["step"].append(step)
+                self.walk_rows["anchor"].append(anchor)
+                self.walk_rows["produced"].append(count)
+                self.walk_rows["accepted_len"].append(int(accepted_by_method[name][anchor - prompt_len]))
+            counts = [c for _, c in steps]
+            self.sample_rows.append({
+                "dataset": sample.dataset, "sample_id": sample.sample_id, "method": name,
+                "prompt_len": prompt_len, "response_len": seq_len - prompt_len,
+                "finish_reason": sample.finish_reason, "greedy": sample.greedy,
+                "argmax_mismatches": mismatches, "exact": exact, "steps": len(steps),
+                "tokens_produced": sum(counts),
+                "tau": (sum(counts) / len(counts)) if counts else None,
+                "prompt_text": sample.prompt_text,
+            })
+        self._add_anchor_table(sample, result, accepted, produced, accepted_by_method)
+
+    def _add_anchor_table(self, sample, result, accepted, produced, accepted_by_method):
+        A = result.anchors.numel()
+        if A == 0:
+            return
+        match, known = metrics.position_match(result.draft_tokens, result.target_tokens)
+        lengths = known.sum(dim=1).numpy()
+        flat_known = known.numpy()
+        columns = {
+            "dataset": pa.array([sample.dataset] * A),
+            "sample_id": pa.array([sample.sample_id] * A),
+            "anchor": pa.array(result.anchors.numpy().astype(np.int32)),
+            "anchor_offset": pa.array((result.anchors - sample.prompt_len).numpy().astype(np.int32)),
+            "block_len": pa.array(result.block_len.numpy().astype(np.int32)),
+            "accepted_len": pa.array(accepted.numpy().astype(np.int32)),
+            "produced_chain": pa.array(produced["chain"].numpy().astype(np.int32)),
+            "expected_accepted_len": pa.array(metrics.expected_accepted(result.target_logprob).numpy()),
+            "draft_match": _list_column(match.numpy()[flat_known], lengths, pa.bool_()),
+            "target_prob": _list_column(result.target_logprob.exp().numpy()[flat_known], lengths, pa.float32()),
+            "kl_topk": _list_column(result.kl_topk.numpy()[flat_known], lengths, pa.float32()),
+        }
+        for budget in self.budgets:
+            columns[f"ddtree_{budget}_accepted_len"] = pa.array(accepted_by_method[f"ddtree-{budget}"].numpy().astype(np.int32))
+        self.anchor_tables.append(pa.table(columns))
+
+        stats = self.position_stats.setdefault(sample.dataset, _empty_position_stats(self.block_size - 1))
+        reached, accepted_here = metrics.reached_accept(accepted, self.block_size - 1)
+        # positions beyond a (truncated) block or the known response cannot be reached
+        reachable = known
+        stats["reached"] += (reached & reachable).sum(0).numpy()
+        stats["accepted"] += (accepted_here & reachable).sum(0).numpy()
+        stats["match"] += match.sum(0).numpy()
+        stats["known"] += known.sum(0).numpy()
+
+
+def _empty_position_stats(L: int) -> dict[str, np.ndarray]:
+    return {k: np.zeros(L, dtype=np.int64) for k in ("reached", "accepted", "match", "known")}
+
+
+def summarize(scorer: SampleScorer, anchors: pa.Table | None, methods: list[str], identity: dict) -> pa.Table:
+    """One row per (dataset, method), plus dataset '(all)'."""
+    import polars as pl
+
+    samples = pl.DataFrame(scorer.sample_rows)
+    anchor_df = pl.from_arrow(anchors) if anchors is not None and anchors.num_rows else None
+    rows = []
+    datasets = sorted(samples["dataset"].unique().to_list()) + [ALL_DATASETS]
+    for dataset in datasets:
+        subset = samples if dataset == ALL_DATASETS else samples.filter(pl.col("dataset") == dataset)
+        a_sub = None
+        if anchor_df is not None:
+            a_sub = anchor_df if dataset == ALL_DATASETS else anchor_df.filter(pl.col("dataset") == dataset)
+        stats = _empty_position_stats(scorer.block_size - 1)
+        for name, s in scorer.position_stats.items():
+            if dataset in (ALL_DATASETS, name):
+                for key in stats:
+                    stats[key] += s[key]
+        for method in methods:
+            m = subset.filter(pl.col("method") == method)
+            scored = m.filter(pl.col("steps") > 0)
+            per_sample = [t for t in scored["tau"].to_list()]
+            row = {
+                **identity, "dataset": dataset, "method": method,
+                "tau": metrics.tau([[v] for v in per_sample]),
+                "samples": m.height, "samples_without_steps": m.height - scored.height,
+                "steps": int(m["steps"].sum()), "tokens_produced": int(m["tokens_produced"].sum()),
+                "inexact_samples": int((~m["exact"]).sum()),
+                "argmax_mismatches": int(m["argmax_mismatches"].sum()),
+                "exact": bool(m["exact"].all()),
+            }
+            if a_sub is not None and a_sub.height:
+                col = "accepted_len" if method == "chain" else f"ddtree_{method.split('-')[1]}_accepted_len"
+                row["anchors"] = a_sub.height
+                row["anchor_accepted_len_mean"] = float(a_sub[col].mean())  # bonus-exclusive
+            if method == "chain" and a_sub is not None and a_sub.height:
+                row["anchor_produced_mean"] = float(a_sub["produced_chain"].mean())  # bonus-inclusive
+                row["anchor_expected_accepted_len_mean"] = float(a_sub["expected_accepted_len"].mean())
+                row["target_prob_mean"] = float(a_sub["target_prob"].explode().mean())
+                row["kl_topk_mean"] = float(a_sub["kl_topk"].explode().mean())
+                with np.errstate(invalid="ignore", divide="ignore"):
+                    row["accept_rate_by_position"] = (stats["accepted"] / stats["reached"]).tolist()
+                    row["match_rate_by_position"] = (stats["match"] / stats["known"]).tolist()
+            rows.append(row)
+    return pl.DataFrame(rows, infer_schema_length=None).to_arrow()
+
+
+def _write_table(table: pa.Table, path: str) -> None:
+    tmp = path + ".tmp"
+    pq.write_table(table, tmp, compression="zstd")
+    os.replace(tmp, path)
+
+
+def _with_identity(table: pa.Table, identity: dict) -> pa.Table:
+    for index, (key, value) in enumerate(identity.items()):
+        table = table.add_column(index, key, pa.array([value] * table.num_rows))
+    return table
+
+
+def score_checkpoint(ckpt: str, shardset: ShardSet, head: dict, out_dir: str, config: ScoreConfig) -> dict | None:
+    """Score one checkpoint; returns its run record (None when skipped as already scored)."""
+    device, dtype = resolve_device_dtype(config.device, config.dtype)
+    started = time.time()
+    drafter, info = load_drafter(ckpt, dtype=dtype, device=device)
+    manifest = shardset.manifest
+    check_compatibility(info.config, manifest, ckpt)
+    shards_id = shards_identity(manifest)
+    run_path = os.path.join(out_dir, "run.json")
+    if not config.force and os.path.exists(run_path):
+        with open(run_path) as f:
+            previous = json.load(f)
+        if (previous.get("checkpoint", {}).get("content_hash") == info.content_hash
+                and previous.get("shards", {}).get("identity") == shards_id
+                and previous.get("ddtree_budgets") == list(config.ddtree_budgets)):
+            if not config.quiet:
+                print(f"{info.name}: already scored on these shards in {out_dir} (use --force to redo)")
+            return None
+
+    settings = manifest["settings"]
+    stored_layer_ids = settings["layer_ids"]
+    drafter_layer_ids = info.config.target_layer_ids
+    embed = head["embed_tokens"].to(device=device, dtype=dtype)
+    lm_head = head["lm_head"].to(device=device, dtype=dtype)
+    budgets = sorted(set(config.ddtree_budgets))
+    options = ReplayOptions(max_budget=max(budgets) if budgets else 0, memory_bytes=config.memory_budget,
+                            dtype=dtype, device=device)
+    stop_ids = list(settings["target"]["stop_token_ids"])
+    max_new_tokens = int(settings["max_new_tokens"])
+    scorer = SampleScorer(budgets, stop_ids, info.config.block_size)
+
+    total = shardset.num_samples if config.limit is None else min(config.limit, shardset.num_samples)
+    progress = tqdm(total=total, desc=f"score {info.name}", unit="sample", disable=config.quiet, dynamic_ncols=True)
+    anchors_done = 0
+    for index, sample in enumerate(shardset.samples(tensors=["features", "topk_ids", "topk_logprobs", "argmax_mismatch"])):
+        if index >= total:
+            break
+        # Given (teacher-forced) responses may be longer than the extract's budget.
+        budget = max_new_tokens if sample.greedy else max(max_new_tokens, sample.response_len)
+        result = replay_sample(
+            drafter, embed, lm_head, sample,
+            lambda f: select_feature_columns(f, stored_layer_ids, drafter_layer_ids), budget, options,
+        )
+        scorer.add(sample, result)
+        anchors_done += result.anchors.numel()
+        progress.update(1)
+        progress.set_postfix(anchors_per_s=f"{anchors_done / max(time.time() - started, 1e-9):.0f}")
+    progress.close()
+
+    identity = {"checkpoint": info.name, "checkpoint_hash": info.content_hash[:16], "step": info.step}
+    methods = method_names(budgets)
+    anchors = pa.concat_tables(scorer.anchor_tables) if scorer.anchor_tables else None
+    summary = summarize(scorer, anchors, methods, identity)
+    os.makedirs(out_dir, exist_ok=True)
+    if anchors is not None:
+        _write_table(_with_identity(anchors, identity), os.path.join(out_dir, "anchors.parquet"))
+    _write_table(_with_identity(pa.table(scorer.walk_rows), identity), os.path.join(out_dir, "walk.parquet"))
+    _write_table(_with_identity(pa.Table.from_pylist(scorer.sample_rows), identity), os.path.join(out_dir, "samples.parquet"))
+    _write_table(summary, os.path.join(out_dir, "summary.parquet"))
+
+    wall = time.time() - started
+    record = {
+        "checkpoint": {"path": os.path.abspath(ckpt), "name": info.name, "content_hash": info.content_hash,
+                       "step": info.step, "config": info.config_raw},
+        "shards": {"uri": shardset.uri, "identity": shards_id, "target": settings["target"].get("name"),
+                   "samples": total},
+        "ddtree_budgets": list(config.ddtree_budgets),
+        "device": device, "dtype": str(dtype).replace("torch.", ""),
+        "anchors": anchors_done, "wall_time_s": round(wall, 3),
+        "versions": {"specreplay": _version(), "torch": torch.__version__, "python": platform.python_version()},
+        "command": sys.argv,
+    }
+    with open(run_path + ".tmp", "w") as f:
+        json.dump(record, f, indent=1)
+    os.replace(run_path + ".tmp", run_path)
+    if not config.quiet:
+        print_summary(summary, info.name, out_dir, record)
+    return record
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("specreplay")
+    except Exception:  # noqa: BLE001 - running from a source tree
+        return "dev"
+
+
+def print_summary(summary: pa.Table, name: str, out_dir: str, record: dict) -> None:
+    import polars as pl
+
+    df = pl.from_arrow(summary)
+    print(f"\n{name}: {record['shards']['samples']} samples, {record['anchors']} anchors, "
+          f"{record['dtype']} on {record['device']}, {record['wall_time_s']:.1f}s -> {out_dir}")
+    methods = [m for m in df["method"].unique(maintain_order=True).to_list()]
+    header = f"{'dataset':<16}" + "".join(f"{m:>12}" for m in methods) + f"{'streak':>10}"
+    print("tau (mean accepted + bonus per step, simulated walk)")
+    print(header)
+    for dataset in df["dataset"].unique(maintain_order=True).to_list():
+        d = df.filter(pl.col("dataset") == dataset)
+        taus = {r["method"]: r["tau"] for r in d.iter_rows(named=True)}
+        chain = d.filter(pl.col("method") == "chain").row(0, named=True)
+        streak = chain.get("anchor_accepted_len_mean")
+        print(f"{dataset:<16}" + "".join(f"{_fmt(taus.get(m)):>12}" for m in methods) + f"{_fmt(streak):>10}")
+    overall = df.filter((pl.col("dataset") == ALL_DATASETS) & (pl.col("method") == "chain")).row(0, named=True)
+    rates = overall.get("accept_rate_by_position") or []
+    print("chain acceptance per block position (all anchors, given the position was reached):")
+    print("  " + " ".join(f"{k + 1}:{_fmt(r, 2)}" for k, r in enumerate(rates)))
+    if overall["inexact_samples"]:
+        print(f"note: {overall['inexact_samples']} of {overall['samples']} samples are not exact walks "
+              f"(given responses or {overall['argmax_mismatches']} positions where the stored token is not the "
+              f"full-forward argmax); their walk numbers approximate the online loop")
+
+
+def _fmt(value, digits: int = 3) -> str:
+    if value is None or (isinstance(value, float) and value != value):
+        return "-"
+    return f"{value:.{digits}f}"
+
+
+def run_score(config: ScoreConfig) -> list[dict]:
+    """Score every checkpoint; each gets its own results directory (the --out itself for one
+    checkpoint, --out/<name> for several)."""
+    paths = expand_checkpoints(config.ckpts)
+    shardset = ShardSet(config.shards)
+    head = shardset.target_head()
+    records = []
+    for path in paths:
+        out_dir = config.out if len(paths) == 1 else os.path.join(config.out, result_dir_name(path))
+        record = score_checkpoint(path, shardset, head, out_dir, config)
+        if record is not None:
+            records.append(record)
+    return records

@@ -1,0 +1,42 @@
+"""The simulated decoding walk: the path an online speculative-decoding loop takes.
+
+Offline replay is exact because, for a response that is the target's own greedy output, the
+target's argmax after any prefix is the next stored token: the step taken at anchor t produces
+`produced(t)` tokens (computed for every anchor by the replay), and the online loop visits
+t0 = prompt_len, t1 = t0 + produced(t0), ... until the response is complete.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def stop_mask(input_ids: torch.Tensor, stop_token_ids: list[int]) -> torch.Tensor:
+    """[N] bool: where the sequence holds a stop token."""
+    return torch.isin(input_ids, torch.tensor(stop_token_ids, dtype=input_ids.dtype))
+
+
+def next_stop_positions(is_stop: torch.Tensor) -> torch.Tensor:
+    """next_stop[t] = the first position > t holding a stop token, or N + 1 if none. [N] int64."""
+    n = is_stop.numel()
+    positions = torch.where(is_stop, torch.arange(n), torch.full((n,), n + 1))
+    # suffix minimum over positions > t
+    shifted = torch.cat([positions[1:], torch.tensor([n + 1])])
+    return torch.flip(torch.cummin(torch.flip(shifted, [0]), dim=0).values, [0])
+
+
+def walk(produced: torch.Tensor, prompt_len: int, is_stop: torch.Tensor) -> list[tuple[int, int]]:
+    """Steps (anchor, produced) the online loop takes. `produced[i]` belongs to anchor
+    prompt_len + i (anchors prompt_len .. N - 2); is_stop [N] marks stop tokens. No step when
+    the first response token is already a stop token; the walk ends when the response is
+    complete or a step ended on a stop token (`produced` is already cut there)."""
+    seq_len = is_stop.numel()
+    stops = is_stop.tolist()
+    values = produced.tolist()
+    steps = []
+    start = prompt_len
+    while start < seq_len - 1 and not stops[start]:
+        step = values[start - prompt_len]
+        steps.append((start, step))
+        start += step
+    return steps
