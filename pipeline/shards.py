@@ -210,9 +210,15 @@ def sample_record_batch(sample: Sample, tensor_names: list[str], schema: pa.Sche
     ]
     for name in tensor_names:
         tensor = sample.tensors[name]
-        columns.append(pa.array([encode_tensor(tensor)], pa.large_binary()))
+        columns.append(_one_binary(encode_tensor(tensor)))
         columns.append(pa.array([list(tensor.shape)], pa.list_(pa.int64())))
     return pa.RecordBatch.from_arrays(columns, schema=schema)
+
+
+def _one_binary(buffer: pa.Buffer) -> pa.Array:
+    """A one-element large_binary array over `buffer` without copying it through Python bytes."""
+    offsets = pa.py_buffer(np.array([0, buffer.size], dtype=np.int64))
+    return pa.LargeBinaryArray.from_buffers(pa.large_binary(), 1, [None, offsets, buffer])
 
 
 def empty_stats() -> dict:

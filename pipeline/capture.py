@@ -1,0 +1,182 @@
+"""One full-sequence forward per sample: feature layers through hooks, next-token distribution in chunks.
+
+What is stored for a sample of N tokens (prompt_len P, R = N - P response tokens):
+
+    features         [N, n*H]  storage dtype  layer ids in list order, concatenated on the last dim
+    topk_ids         [R+1, k]  int32          row i: top-k of the distribution of token P+i
+    topk_logprobs    [R+1, k]  float32        log_softmax of the logits (computed in float32)
+    argmax_mismatch  [R]       uint8          1 where argmax of row i != stored token P+i
+    logits           [R+1, V]  float32        optional, raw logits (after any softcap/scale)
+    last_hidden      [N, H]    storage dtype  optional, the final norm's OUTPUT (what lm_head reads)
+
+Layer id i is transformers' `hidden_states[i + 1]`, which is what the reference DFlash loop
+feeds its drafter. For i < L-1 that is the output of decoder layer i, captured by a forward hook
+on that layer only (all L+1 hidden states are never requested). For the last layer, L-1,
+transformers 5 replaces `hidden_states[L]` with the final-norm output (`tie_last_hidden_states`),
+so that id is taken from the decoder's `last_hidden_state`, not from the layer's raw output.
+
+The batch is always one unpadded sequence, so stored values equal a plain single-sequence forward
+bit for bit (a padded batch differs by ~1e-6, SPEC §5). The lm_head runs over fixed-size windows
+of positions, never over [N, V]; see `head_windows` for why the windows all have the same size.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from pipeline.generate import model_device
+from pipeline.target import decoder_layers, text_config
+
+# The lm_head runs over windows of at least this many rows: CPU BLAS switches to a different
+# kernel for GEMMs with few rows, whose float rounding then differs from a full forward's.
+MIN_HEAD_ROWS = 64
+MAX_HEAD_ROWS = 8192
+# Bytes per logit row element while a window is live: model-dtype logits, a float32 copy,
+# its log_softmax and topk's scratch.
+_BYTES_PER_LOGIT = 16
+
+
+@dataclass
+class CaptureConfig:
+    layer_ids: list[int]
+    feature_dtype: torch.dtype
+    top_k: int = 32
+    store_logits: bool = False
+    store_last_hidden: bool = False
+    head_budget_bytes: int = 1 << 30  # memory for one lm_head window; sets the window rows
+
+
+def head_rows(vocab_size: int, budget_bytes: int) -> int:
+    """Rows per lm_head window so that one window's logits and softmax fit `budget_bytes`."""
+    rows = budget_bytes // max(1, vocab_size * _BYTES_PER_LOGIT)
+    return int(min(MAX_HEAD_ROWS, max(MIN_HEAD_ROWS, rows)))
+
+
+def head_windows(lo: int, hi: int, total: int, rows: int) -> list[tuple[int, int, int]]:
+    """(start, end, keep_from) windows that cover rows lo..hi-1 of a sequence of `total` rows.
+
+    Every window has exactly `rows` rows (or all `total` rows when the sequence is shorter):
+    the last window is shifted back to overlap its neighbour, and a short range is widened into
+    the prompt. Matmuls of one fixed shape round exactly like the full forward's on CPU BLAS,
+    while a 3-row tail GEMM does not; the overlap costs at most one extra window per sample.
+    Rows below `keep_from` in a window were already produced and are dropped.
+    """
+    size = min(rows, total)
+    windows, start = [], lo
+    while start < hi:
+        end = min(start + size, hi)
+        begin = max(0, end - size) if end - start < size else start
+        windows.append((begin, end, start))
+        start = end
+    return windows
+
+
+def postprocess_logits(logits: torch.Tensor, config) -> torch.Tensor:
+    """What the model's own forward does after its lm_head (Gemma softcap, Cohere/Granite scale)."""
+    scale = getattr(config, "logit_scale", None)
+    if scale is not None:
+        logits = logits * scale
+    divide = getattr(config, "logits_scaling", None)
+    if divide is not None:
+        logits = logits / divide
+    cap = getattr(config, "final_logit_softcapping", None)
+    if cap is not None:
+        logits = torch.tanh(logits / cap) * cap
+    return logits
+
+
+def text_decoder(model) -> torch.nn.Module:
+    """The module that owns the decoder layers and the final norm (for VLM wrappers, the
+    language model). Calling it instead of the full model skips the lm_head over all positions."""
+    layers = decoder_layers(model)
+    for module in model.modules():
+        if getattr(module, "layers", None) is layers:
+            return module
+    raise ValueError(f"{type(model).__name__}: cannot find the module that owns its decoder layers")
+
+
+def ties_last_hidden_state(decoder) -> bool:
+    """Whether transformers reports the final-norm output as the last hidden state (see module doc)."""
+    tie = getattr(getattr(decoder, "config", None), "tie_last_hidden_states", None)
+    return True if tie is None else bool(tie)
+
+
+@contextmanager
+def layer_outputs(layers: torch.nn.ModuleList, layer_ids: list[int]):
+    """Forward hooks on just the layers in `layer_ids`; yields {layer id: output [B, T, H]}."""
+    captured: dict[int, torch.Tensor] = {}
+    handles = []
+
+    def hook_for(layer_id):
+        def hook(module, args, output):
+            captured[layer_id] = output[0] if isinstance(output, (tuple, list)) else output
+
+        return hook
+
+    try:
+        for layer_id in sorted(set(layer_ids)):
+            handles.append(layers[layer_id].register_forward_hook(hook_for(layer_id)))
+        yield captured
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def next_token_distribution(hidden: torch.Tensor, head: torch.nn.Module, config, lo: int, targets: torch.Tensor,
+                            top_k: int, rows: int, store_logits: bool) -> dict[str, torch.Tensor]:
+    """Top-k / argmax-mismatch (and optionally full logits) for rows lo..T-1 of `hidden` [T, H].
+
+    `targets` [T - lo - 1] are the stored tokens at positions lo+1..T-1 (row lo+i predicts
+    position lo+i+1). log_softmax runs in float32 whatever the model dtype; argmax is taken on
+    the logits themselves, as greedy decoding does.
+    """
+    total = hidden.shape[0]
+    ids, logprobs, argmax, full = [], [], [], []
+    for begin, end, keep in head_windows(lo, total, total, rows):
+        logits = postprocess_logits(head(hidden[begin:end].to(head.weight.device)), config)[keep - begin:].float()
+        argmax.append(logits.argmax(dim=-1).cpu())
+        values, indices = torch.topk(torch.log_softmax(logits, dim=-1), top_k, dim=-1)
+        ids.append(indices.to(torch.int32).cpu())
+        logprobs.append(values.cpu())
+        if store_logits:
+            full.append(logits.cpu())
+    best = torch.cat(argmax)
+    out = {
+        "topk_ids": torch.cat(ids),
+        "topk_logprobs": torch.cat(logprobs),
+        "argmax_mismatch": (best[:-1] != targets.cpu()).to(torch.uint8),
+    }
+    if store_logits:
+        out["logits"] = torch.cat(full)
+    return out
+
+
+@torch.inference_mode()
+def capture_sample(model, input_ids: list[int], prompt_len: int, config: CaptureConfig) -> dict[str, torch.Tensor]:
+    """All stored tensors of one sample (see the module docstring for shapes and meaning)."""
+    if not 1 <= prompt_len <= len(input_ids):
+        raise ValueError(f"prompt_len {prompt_len} outside 1..{len(input_ids)}")
+    decoder = text_decoder(model)
+    layers = decoder_layers(model)
+    last = len(layers) - 1
+    from_norm = ties_last_hidden_state(decoder)
+    hooked = [i for i in config.layer_ids if not (i == last and from_norm)]
+
+    ids = torch.tensor([input_ids], dtype=torch.long, device=model_device(model))
+    with layer_outputs(layers, hooked) as captured:
+        final = decoder(input_ids=ids, use_cache=False).last_hidden_state[0]  # [N, H], final-norm output
+    parts = [final if (i == last and from_norm) else captured[i][0] for i in config.layer_ids]
+    tensors = {"features": torch.cat([p.to(config.feature_dtype).cpu() for p in parts], dim=-1)}
+
+    head = model.get_output_embeddings()
+    vocab = head.weight.shape[0]
+    k = min(config.top_k, vocab)
+    targets = ids[0, prompt_len:]
+    tensors.update(next_token_distribution(final, head, text_config(model), prompt_len - 1, targets, k,
+                                           head_rows(vocab, config.head_budget_bytes), config.store_logits))
+    if config.store_last_hidden:
+        tensors["last_hidden"] = final.to(config.feature_dtype).cpu()
+    return tensors

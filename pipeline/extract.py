@@ -1,0 +1,573 @@
+"""`specreplay extract`: run the target once over a prompt set and write shards + manifest (SPEC §2).
+
+Flow (every check happens before the first byte is written):
+  1. parse prompts, load the target, render prompts, resolve and check layer ids, top-k, dtypes;
+  2. build the settings identity; an OUT holding a manifest with other settings is refused
+     (the message lists each differing setting) unless `overwrite`, which deletes the old outputs;
+  3. rank 0: remove temporary files of an interrupted run, store the target head once, write
+     manifest.json with complete=false;
+  4. every rank: skip samples already in finished shards (by id), take pending[rank::world],
+     generate (batched greedy) + capture (one forward per sample), write its own shards;
+  5. rank 0: merge every finished shard entry (sorted by file name) into manifest.json,
+     complete=true, with totals.
+
+Resume is exact because a sample is either in a finished shard (never touched again) or redone
+from scratch: shards land atomically (see pipeline/shards.py) and settings cannot change
+between runs without `--overwrite`.
+
+Manifest layout (manifest.json):
+    format_version, complete
+    settings   the identity compared on resume: format_version, target (architecture,
+               num_layers, hidden_size, vocab_size, config_hash, dtype, stop/pad/bos ids,
+               chat_template_hash, weights_fingerprint), layer_ids, feature_dtype, top_k,
+               store_logits, store_last_hidden, max_new_tokens, enable_thinking, decoding,
+               prompts (hash, count, rendered_hash)
+    target     the full TargetInfo (name and path included; not part of the identity, so a
+               moved model directory still resumes)
+    tensors    {tensor name: dtype name} as stored in the shards
+    prompts    {name, hash, count, rendered_hash}
+    target_head, shards (entries sorted by file name), totals, run (informational)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pipeline import shards
+from pipeline.layer_ids import build_target_layer_ids, check_layer_ids
+
+FEATURE_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16,
+}
+
+
+@dataclass
+class ExtractConfig:
+    model: str = "smollm2"  # "smollm2", a transformers directory, or a .gguf file
+    prompts: str = "default"  # a bundled set name or a JSONL path
+    out: str = "data/shards/smollm2-default"  # local path or any pyarrow.fs URI
+    max_new_tokens: int = 128
+    layer_ids: list[int] | None = None  # explicit; else from draft_config; else the DFlash formula
+    draft_config: str | None = None  # drafter config.json (or its directory)
+    num_draft_layers: int = 5  # n of the formula default
+    top_k: int = 32
+    store_logits: bool = False
+    store_last_hidden: bool = False
+    dtype: str = "auto"  # model dtype: auto = fp32 on CPU, bf16 on CUDA
+    feature_dtype: str | None = None  # storage dtype of features; None = the model dtype (lossless)
+    enable_thinking: bool | None = None  # None = the chat template's default
+    limit: int | None = None
+    batch_size: int = 8
+    shard_bytes: int = shards.DEFAULT_SHARD_BYTES
+    zstd_level: int = shards.DEFAULT_ZSTD_LEVEL
+    overwrite: bool = False
+    quiet: bool = False
+    device: str | None = None  # None = cuda when available, else cpu; "auto" = device_map over GPUs
+    head_budget_mb: int = 1024  # memory for one lm_head window (sets its rows)
+
+
+@dataclass
+class Dist:
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+
+@dataclass
+class Item:
+    """One prompt ready to run: rendered prompt ids and, when given, the response to teacher-force."""
+
+    sample_id: str
+    dataset: str
+    prompt_ids: list[int]
+    prompt_text: str
+    given: list[int] | None = None
+
+
+# ---------------------------------------------------------------------------------------------
+# distributed (torchrun)
+
+
+def dist_from_env() -> Dist:
+    return Dist(int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)),
+                int(os.environ.get("LOCAL_RANK", 0)))
+
+
+def init_dist(dist: Dist) -> None:
+    if dist.world > 1 and not torch.distributed.is_initialized():
+        if torch.cuda.is_available():
+            torch.cuda.set_device(dist.local_rank)  # NCCL collectives run on the current device
+            torch.distributed.init_process_group("nccl")
+        else:
+            torch.distributed.init_process_group("gloo")
+
+
+def barrier(dist: Dist) -> None:
+    if dist.world > 1:
+        torch.distributed.barrier()
+
+
+def resolve_device(device: str | None, dist: Dist) -> str:
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and dist.world > 1:
+        device = f"cuda:{dist.local_rank}"  # one GPU per rank
+    return device
+
+
+# ---------------------------------------------------------------------------------------------
+# validation helpers (pure, read-only)
+
+
+def draft_layer_ids(path: str, num_target_layers: int) -> list[int]:
+    """Feature layers a drafter config asks for, as the reference DFlashDraftModel resolves them:
+    dflash_config.target_layer_ids, else target_layer_ids, else the formula with
+    num_target_layers and the drafter's num_hidden_layers."""
+    config_path = Path(path)
+    if config_path.is_dir():
+        config_path = config_path / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"--draft-config {path}: no such file (pass a drafter config.json or its directory)")
+    try:
+        config = json.loads(config_path.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"--draft-config {config_path}: not valid JSON ({error})") from error
+    ids = (config.get("dflash_config") or {}).get("target_layer_ids", config.get("target_layer_ids"))
+    if ids is not None:
+        return [int(i) for i in ids]
+    if "num_hidden_layers" not in config:
+        raise ValueError(
+            f"--draft-config {config_path}: has neither dflash_config.target_layer_ids nor num_hidden_layers; "
+            f"pass --layer-ids explicitly"
+        )
+    layers = int(config.get("num_target_layers") or num_target_layers)
+    return build_target_layer_ids(layers, int(config["num_hidden_layers"]))
+
+
+def resolve_layer_ids(config: ExtractConfig, num_target_layers: int) -> list[int]:
+    if config.layer_ids is not None:
+        ids, where = list(config.layer_ids), "--layer-ids"
+    elif config.draft_config is not None:
+        ids, where = draft_layer_ids(config.draft_config, num_target_layers), f"--draft-config {config.draft_config}"
+    else:
+        ids = build_target_layer_ids(num_target_layers, config.num_draft_layers)
+        where = f"the default layer ids for {config.num_draft_layers} drafter layers"
+    if not ids:
+        raise ValueError(f"{where}: no layer ids")
+    if len(set(ids)) != len(ids):
+        fix = ("pass --layer-ids explicitly or fewer --num-draft-layers"
+               if config.layer_ids is None and config.draft_config is None else "list each layer once")
+        raise ValueError(f"{where}: duplicate layer ids {ids} (target has {num_target_layers} layers); {fix}")
+    check_layer_ids(ids, num_target_layers, where)
+    return ids
+
+
+def parse_feature_dtype(name: str | None, model_dtype: str) -> str:
+    if name is None:
+        return model_dtype
+    key = str(name).lower().removeprefix("torch.")
+    if key not in FEATURE_DTYPES:
+        raise ValueError(f"--feature-dtype {name!r} is not supported; use one of {', '.join(FEATURE_DTYPES)}")
+    return shards.DTYPE_NAMES[FEATURE_DTYPES[key]]
+
+
+def validate_numbers(config: ExtractConfig) -> None:
+    checks = [("--max-new-tokens", config.max_new_tokens), ("--top-k", config.top_k),
+              ("--batch-size", config.batch_size), ("--shard-bytes", config.shard_bytes),
+              ("--num-draft-layers", config.num_draft_layers)]
+    for name, value in checks:
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    if config.limit is not None and config.limit < 1:
+        raise ValueError(f"--limit must be >= 1, got {config.limit}")
+
+
+def prepare_items(records, tokenizer, enable_thinking) -> list[Item]:
+    from pipeline.prompts import render_prompt, render_response
+
+    items, seen = [], set()
+    for record in records:
+        if record.id in seen:
+            raise ValueError(f"prompt set: duplicate id {record.id!r}; every prompt needs a unique id")
+        seen.add(record.id)
+        prompt_ids, prompt_text = render_prompt(record, tokenizer, enable_thinking)
+        if not prompt_ids:
+            raise ValueError(f"prompt {record.id!r} renders to zero tokens; give it some text or input_ids")
+        given = render_response(record, tokenizer)
+        if given is not None and len(given) == 0:
+            raise ValueError(f"prompt {record.id!r}: its given response is empty")
+        items.append(Item(record.id, record.dataset, [int(t) for t in prompt_ids], prompt_text,
+                          None if given is None else [int(t) for t in given]))
+    if not items:
+        raise ValueError("the prompt set is empty")
+    return items
+
+
+def rendered_hash(items: list[Item]) -> str:
+    """sha256 of exactly what the target sees (ids, prompt tokens, given responses)."""
+    digest = hashlib.sha256()
+    for item in items:
+        digest.update(json.dumps([item.sample_id, item.prompt_ids, item.given]).encode())
+    return digest.hexdigest()
+
+
+def weights_fingerprint(model, per_tensor: int = 4096) -> str:
+    """sha256 of a strided sample of every parameter: cheap even at 27B, and tells two targets
+    with the same config.json apart (a fine-tune), which config_hash cannot."""
+    digest = hashlib.sha256()
+    for name, param in model.named_parameters():
+        if param.device.type == "meta":
+            continue
+        flat = param.detach().reshape(-1)
+        step = max(1, flat.numel() // per_tensor)
+        sample = flat[::step][:per_tensor].float().cpu().contiguous()
+        digest.update(name.encode())
+        digest.update(sample.numpy().tobytes())
+    return digest.hexdigest()[:32]
+
+
+# ---------------------------------------------------------------------------------------------
+# settings identity
+
+
+TARGET_IDENTITY = ("architecture", "num_layers", "hidden_size", "vocab_size", "config_hash", "dtype",
+                   "stop_token_ids", "pad_token_id", "bos_token_id", "chat_template_hash")
+
+
+def settings_identity(config: ExtractConfig, info, fingerprint: str, layer_ids: list[int], feature_dtype: str,
+                      top_k: int, prompts: dict) -> dict:
+    target = {key: getattr(info, key) for key in TARGET_IDENTITY}
+    target["weights_fingerprint"] = fingerprint
+    return {
+        "format_version": shards.FORMAT_VERSION,
+        "target": target,
+        "layer_ids": list(layer_ids),
+        "feature_dtype": feature_dtype,
+        "top_k": top_k,
+        "store_logits": bool(config.store_logits),
+        "store_last_hidden": bool(config.store_last_hidden),
+        "max_new_tokens": int(config.max_new_tokens),
+        "enable_thinking": config.enable_thinking,
+        "decoding": "greedy",
+        "prompts": {key: prompts[key] for key in ("hash", "count", "rendered_hash")},
+    }
+
+
+def flatten(obj, prefix: str = "") -> dict:
+    if isinstance(obj, dict):
+        out = {}
+        for key, value in obj.items():
+            out.update(flatten(value, f"{prefix}{key}."))
+        return out
+    return {prefix.rstrip("."): obj}
+
+
+def settings_diff(old: dict, new: dict) -> list[str]:
+    """'key: old -> new' lines for every setting that differs (dotted keys for nested ones)."""
+    a, b = flatten(old), flatten(new)
+    return [f"{key}: {a.get(key, '<absent>')!r} -> {b.get(key, '<absent>')!r}"
+            for key in sorted(set(a) | set(b)) if a.get(key, "<absent>") != b.get(key, "<absent>")]
+
+
+def tensor_dtypes(feature_dtype: str, config: ExtractConfig) -> dict[str, str]:
+    dtypes = {"features": feature_dtype, "topk_ids": "int32", "topk_logprobs": "float32", "argmax_mismatch": "uint8"}
+    if config.store_logits:
+        dtypes["logits"] = "float32"
+    if config.store_last_hidden:
+        dtypes["last_hidden"] = feature_dtype
+    return dtypes
+
+
+def existing_outputs(out: str) -> tuple[dict | None, bool]:
+    """(manifest or None, whether anything of ours is there). Raises ShardError on a bad manifest."""
+    fs, root = shards.open_fs(out)
+    has_manifest = shards.exists(fs, shards.join(root, shards.MANIFEST_NAME))
+    has_shards = shards.exists(fs, shards.join(root, shards.SHARD_DIR))
+    has_head = shards.exists(fs, shards.join(root, shards.TARGET_HEAD_NAME))
+    manifest = shards.read_manifest(out) if has_manifest else None
+    return manifest, has_manifest or has_shards or has_head
+
+
+def check_out_dir(out: str, settings: dict, overwrite: bool) -> dict | None:
+    """The resumable manifest in OUT, None when starting fresh; refuses anything else (read-only)."""
+    try:
+        manifest, ours = existing_outputs(out)
+    except shards.ShardError as error:
+        if overwrite:
+            return None
+        raise shards.ShardError(f"{error}\n(--overwrite deletes the old outputs in {out} and starts over)") from error
+    if overwrite or not ours:
+        return None
+    if manifest is None:
+        raise shards.ShardError(
+            f"{out} holds extract outputs (shards/ or {shards.TARGET_HEAD_NAME}) but no {shards.MANIFEST_NAME}; "
+            f"refusing to mix them with a new run. Pass --overwrite to delete them, or choose another --out."
+        )
+    diff = settings_diff(manifest.get("settings", {}), settings)
+    if diff:
+        raise shards.ShardError(
+            f"{out} already holds an extract with different settings:\n  " + "\n  ".join(diff)
+            + f"\nPass --overwrite to delete the old outputs and start over, or choose another --out."
+        )
+    return manifest
+
+
+def delete_outputs(out: str) -> None:
+    """Remove what extract writes in OUT (manifest, target head, shards/); nothing else."""
+    fs, root = shards.open_fs(out)
+    for name in (shards.MANIFEST_NAME, shards.TARGET_HEAD_NAME):
+        path = shards.join(root, name)
+        if shards.exists(fs, path):
+            fs.delete_file(path)
+    shard_dir = shards.join(root, shards.SHARD_DIR)
+    if shards.exists(fs, shard_dir):
+        fs.delete_dir(shard_dir)
+
+
+# ---------------------------------------------------------------------------------------------
+# manifest
+
+
+def totals(entries: list[dict], raw_feature_bytes_per_token: int) -> dict:
+    out = {"samples": 0, "tokens": 0, "response_tokens": 0, "bytes": 0, "finish_reasons": {},
+           "argmax_mismatches": 0, "greedy_samples": 0, "greedy_response_tokens": 0, "greedy_argmax_mismatches": 0}
+    for entry in entries:
+        out["samples"] += entry["rows"]
+        out["tokens"] += entry["tokens"]
+        out["bytes"] += entry["bytes"]
+        for key in ("response_tokens", "argmax_mismatches", "greedy_samples", "greedy_response_tokens",
+                    "greedy_argmax_mismatches"):
+            out[key] += entry.get(key, 0)
+        for reason, count in entry.get("finish_reasons", {}).items():
+            out["finish_reasons"][reason] = out["finish_reasons"].get(reason, 0) + count
+    out["prompt_tokens"] = out["tokens"] - out["response_tokens"]
+    out["raw_bf16_feature_bytes"] = out["tokens"] * raw_feature_bytes_per_token
+    return out
+
+
+def check_entries(entries: list[dict], wanted: set[str] | None = None) -> set[str]:
+    """Sample ids of finished shards; a duplicate or an id outside the prompt set is an error."""
+    ids: dict[str, str] = {}
+    for entry in entries:
+        for sample_id in entry["sample_ids"]:
+            if sample_id in ids:
+                raise shards.ShardError(
+                    f"sample {sample_id!r} is in both {ids[sample_id]} and {entry['file']}; the output is "
+                    f"inconsistent, re-run with --overwrite"
+                )
+            if wanted is not None and sample_id not in wanted:
+                raise shards.ShardError(f"{entry['file']} holds sample {sample_id!r}, which is not in the prompt set")
+            ids[sample_id] = entry["file"]
+    return set(ids)
+
+
+def next_shard_index(entries: list[dict], rank: int) -> int:
+    """First shard number for this rank after those already finished (never reuse a name)."""
+    prefix = f"{shards.SHARD_DIR}/r{rank:03d}-"
+    used = [int(e["file"][len(prefix):].split(".")[0]) for e in entries if e["file"].startswith(prefix)]
+    return max(used) + 1 if used else 0
+
+
+# ---------------------------------------------------------------------------------------------
+# the run
+
+
+def batches(items: list, size: int):
+    for start in range(0, len(items), size):
+        yield items[start:start + size]
+
+
+def run_items(model, info, items: list[Item], writer: shards.ShardWriter, capture_config, max_new_tokens: int,
+              batch_size: int, progress) -> None:
+    """Generate in batches, then one capture forward per sample, written in item order."""
+    from pipeline.capture import capture_sample
+    from pipeline.generate import generate_responses
+
+    start, tokens = time.perf_counter(), 0
+    for batch in batches(items, batch_size):
+        responses = generate_responses(model, [i.prompt_ids for i in batch], [i.given for i in batch],
+                                       max_new_tokens, info.stop_token_ids, info.pad_token_id)
+        for item, response in zip(batch, responses):
+            input_ids = item.prompt_ids + response.token_ids
+            tensors = capture_sample(model, input_ids, len(item.prompt_ids), capture_config)
+            writer.write(shards.Sample(
+                sample_id=item.sample_id, dataset=item.dataset, prompt_text=item.prompt_text,
+                input_ids=torch.tensor(input_ids, dtype=torch.int64), prompt_len=len(item.prompt_ids),
+                finish_reason=response.finish_reason, greedy=response.greedy, tensors=tensors,
+            ))
+            tokens += len(input_ids)
+            progress.update(1)
+            progress.set_postfix_str(f"{tokens / max(time.perf_counter() - start, 1e-9):.0f} tok/s", refresh=False)
+
+
+def run_extract(config: ExtractConfig) -> dict:
+    """Run (or resume) an extract; returns the final manifest. See the module docstring."""
+    from pipeline.prompts import load_prompts
+
+    dist = dist_from_env()
+    validate_numbers(config)
+    records = load_prompts(config.prompts, limit=config.limit)  # parse errors surface before any load
+    init_dist(dist)
+    try:
+        return _run(config, dist, records)
+    finally:
+        if dist.world > 1 and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def load_model_once(config: ExtractConfig, dist: Dist, device: str):
+    """Rank 0 loads first: the first load of a GGUF target converts it into a shared cache dir."""
+    from pipeline.target import load_target
+
+    if not dist.main:
+        barrier(dist)
+    loaded = load_target(config.model, dtype=config.dtype, device=device)
+    if dist.main:
+        barrier(dist)
+    return loaded
+
+
+def _run(config: ExtractConfig, dist: Dist, records) -> dict:
+    from pipeline.capture import CaptureConfig
+    from pipeline.prompts import prompt_set_hash
+
+    device = resolve_device(config.device, dist)
+    if config.quiet or not dist.main:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # the weight-loading bars too, not just ours
+    model, tokenizer, info = load_model_once(config, dist, device)
+
+    # Everything below up to check_out_dir only reads: a bad input leaves OUT untouched.
+    items = prepare_items(records, tokenizer, config.enable_thinking)
+    layer_ids = resolve_layer_ids(config, info.num_layers)
+    if config.top_k > info.vocab_size:
+        raise ValueError(f"--top-k {config.top_k} exceeds the target's vocabulary ({info.vocab_size})")
+    feature_dtype = parse_feature_dtype(config.feature_dtype, info.dtype)
+    prompts = {"name": str(config.prompts), "hash": prompt_set_hash(records), "count": len(items),
+               "rendered_hash": rendered_hash(items)}
+    settings = settings_identity(config, info, weights_fingerprint(model), layer_ids, feature_dtype,
+                                 config.top_k, prompts)
+    existing = check_out_dir(config.out, settings, config.overwrite)  # every rank, so all refuse together
+    if existing is not None and existing.get("complete"):
+        return existing  # already done with these settings: touch nothing
+
+    dtypes = tensor_dtypes(feature_dtype, config)
+    raw_per_token = len(layer_ids) * info.hidden_size * 2
+    manifest = {
+        "format_version": shards.FORMAT_VERSION,
+        "complete": False,
+        "settings": settings,
+        "target": {**info.to_json(), "weights_fingerprint": settings["target"]["weights_fingerprint"]},
+        "tensors": dtypes,
+        "prompts": prompts,
+        "run": run_facts(config, dist, device),
+    }
+    if dist.main:
+        if config.overwrite:
+            delete_outputs(config.out)
+        shards.remove_unfinished(config.out)
+        manifest["target_head"] = stored_target_head(config.out, model)
+        entries = shards.finished_shard_entries(config.out)
+        manifest.update(shards=entries, totals=totals(entries, raw_per_token))
+        shards.write_manifest(config.out, manifest)
+    barrier(dist)
+
+    entries = shards.finished_shard_entries(config.out)
+    done = check_entries(entries, {item.sample_id for item in items})
+    pending = [item for item in items if item.sample_id not in done]
+    mine = pending[dist.rank::dist.world]
+    capture_config = CaptureConfig(layer_ids=layer_ids, feature_dtype=shards.TENSOR_DTYPES[feature_dtype],
+                                   top_k=config.top_k, store_logits=config.store_logits,
+                                   store_last_hidden=config.store_last_hidden,
+                                   head_budget_bytes=config.head_budget_mb << 20)
+    writer = shards.ShardWriter(config.out, dist.rank, dtypes, shard_bytes=config.shard_bytes,
+                                zstd_level=config.zstd_level, first_index=next_shard_index(entries, dist.rank))
+    progress = make_progress(len(mine), config, dist)
+    try:
+        run_items(model, info, mine, writer, capture_config, config.max_new_tokens, config.batch_size, progress)
+        writer.close()
+    finally:
+        progress.close()
+    barrier(dist)
+
+    if dist.main:
+        finish_manifest(config.out, manifest, items, raw_per_token)
+    barrier(dist)
+    return manifest if dist.main else shards.read_manifest(config.out)
+
+
+def finish_manifest(out: str, manifest: dict, items: list[Item], raw_per_token: int) -> None:
+    """Merge every finished shard (all ranks, all runs) into the manifest and mark it complete."""
+    entries = shards.finished_shard_entries(out)  # sorted by file name
+    check_entries(entries)
+    missing = {item.sample_id for item in items} - {s for e in entries for s in e["sample_ids"]}
+    if missing:
+        raise shards.ShardError(
+            f"{out}: {len(missing)} samples were not written (e.g. {sorted(missing)[:3]}); "
+            f"run the same command again to resume"
+        )
+    manifest.update(complete=True, shards=entries, totals=totals(entries, raw_per_token))
+    shards.write_manifest(out, manifest)
+
+
+def stored_target_head(out: str, model) -> dict:
+    """Store the embedding and lm_head once; a resumed run keeps the file the first run wrote."""
+    from pipeline.target import input_embedding_weight, output_head_weight
+
+    fs, root = shards.open_fs(out)
+    fs.create_dir(root, recursive=True)
+    path = shards.join(root, shards.TARGET_HEAD_NAME)
+    if shards.exists(fs, path):
+        try:
+            previous = shards.read_manifest(out).get("target_head")
+        except shards.ShardError:
+            previous = None
+        if previous:
+            return previous
+    return shards.save_target_head(out, input_embedding_weight(model), output_head_weight(model))
+
+
+def run_facts(config: ExtractConfig, dist: Dist, device: str) -> dict:
+    import transformers
+
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        ours = version("specreplay")
+    except PackageNotFoundError:  # pragma: no cover - running from a plain checkout
+        ours = "unknown"
+    return {"specreplay": ours, "torch": torch.__version__, "transformers": transformers.__version__,
+            "world_size": dist.world, "device": device, "batch_size": config.batch_size,
+            "shard_bytes": config.shard_bytes, "zstd_level": config.zstd_level}
+
+
+def make_progress(total: int, config: ExtractConfig, dist: Dist):
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="sample", desc="extract", disable=config.quiet or not dist.main, file=sys.stderr)
+
+
+def next_steps(out: str, manifest: dict) -> str:
+    t = manifest.get("totals", {})
+    return (
+        f"{out}: {t.get('samples', 0)} samples, {t.get('tokens', 0)} tokens, {t.get('bytes', 0) / 2**20:.1f} MiB\n"
+        f"Next:\n"
+        f"  specreplay inspect {out}\n"
+        f"  make score CKPT=path/to/drafter SHARDS={out}\n"
+        f"  (or: specreplay score --ckpt path/to/drafter --shards {out} --out data/results)"
+    )

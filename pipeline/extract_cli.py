@@ -1,0 +1,149 @@
+"""Click commands `specreplay extract` and `specreplay inspect` (registered by pipeline/cli.py).
+
+Heavy imports (torch, transformers) happen inside the commands so `--help` stays fast. User
+errors (bad paths, malformed prompts, refused output directories) become one clean message
+without a traceback; set SPECREPLAY_DEBUG=1 to see the traceback anyway.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import click
+
+USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(text: str, option: str = "--shard-bytes") -> int:
+    """'1GiB' -> 1073741824, '512MiB', '200MB', '4096' (bytes)."""
+    match = _SIZE.match(str(text))
+    unit = match.group(2).lower() if match else None
+    if not match or unit not in _UNITS:
+        raise click.BadParameter(f"{text!r} is not a size; use e.g. 1GiB, 512MiB, 200MB or a byte count", param_hint=option)
+    size = int(float(match.group(1)) * _UNITS[unit])
+    if size < 1:
+        raise click.BadParameter(f"{text!r} must be at least one byte", param_hint=option)
+    return size
+
+
+def default_out(model: str, prompts: str) -> str:
+    """data/shards/<model>-<prompts>, as the Makefile's SHARDS default."""
+    def stem(text: str) -> str:
+        name = Path(text.rstrip("/")).name or text
+        for suffix in (".gz", ".jsonl", ".json", ".gguf"):
+            name = name.removesuffix(suffix)
+        return name
+
+    return f"data/shards/{stem(model)}-{stem(prompts)}"
+
+
+def _user_errors():
+    from pipeline.shards import ShardError
+
+    return USER_ERRORS + (ShardError,)
+
+
+def _fail(error: Exception):
+    if os.environ.get("SPECREPLAY_DEBUG"):
+        raise error
+    raise click.ClickException(str(error)) from None
+
+
+@click.command(context_settings={"max_content_width": 100})
+@click.option("--model", default="smollm2", show_default=True,
+              help="Target: `smollm2` (embedded SmolLM2-135M-Instruct), a transformers directory, or a .gguf file.")
+@click.option("--prompts", default="default", show_default=True,
+              help="Bundled set (default, gsm8k, humaneval, mt-bench) or a JSONL file.")
+@click.option("--out", default=None, help="Output directory or URI (s3://, gs://). [default: data/shards/<model>-<prompts>]")
+@click.option("--max-new-tokens", type=int, default=128, show_default=True, help="Greedy tokens generated per prompt.")
+@click.option("--layer-ids", default=None, help="Feature layers, e.g. 1,9,17 (id i = output of decoder layer i).")
+@click.option("--draft-config", default=None,
+              help="Drafter config.json (or its dir): take dflash_config.target_layer_ids from it.")
+@click.option("--num-draft-layers", type=int, default=5, show_default=True,
+              help="Drafter layers n for the default DFlash layer-id formula.")
+@click.option("--top-k", type=int, default=32, show_default=True, help="Next-token log-probs kept per position.")
+@click.option("--store-logits", is_flag=True, help="Also store full float32 logits [R+1, V] (small vocabularies only).")
+@click.option("--store-last-hidden", is_flag=True, help="Also store the final norm's output [N, H].")
+@click.option("--dtype", default="auto", show_default=True, help="Model dtype: auto (fp32 on CPU, bf16 on GPU), fp32, bf16, fp16.")
+@click.option("--feature-dtype", default=None, help="Storage dtype of features (float32, bfloat16, float16). [default: model dtype]")
+@click.option("--enable-thinking/--disable-thinking", default=None,
+              help="Pass enable_thinking to the chat template (e.g. Qwen3). [default: the template's own default]")
+@click.option("--limit", type=int, default=None, help="Use only the first N prompts.")
+@click.option("--batch-size", type=int, default=8, show_default=True, help="Prompts per batched generate call.")
+@click.option("--shard-bytes", default="1GiB", show_default=True, help="Roll over to a new shard after this size (1GiB, 512MiB, ...).")
+@click.option("--zstd-level", type=int, default=3, show_default=True, help="zstd level of the shard buffers.")
+@click.option("--head-memory", default="1GiB", show_default=True,
+              help="Memory for one lm_head window over the vocabulary (sets how many positions it covers).")
+@click.option("--overwrite", is_flag=True, help="Delete old outputs in --out (needed when settings changed).")
+@click.option("--quiet", is_flag=True, help="No progress bar.")
+@click.option("--device", default=None, help="cpu, cuda, cuda:1, or auto (device_map over all GPUs). [default: cuda if present]")
+def extract(model, prompts, out, max_new_tokens, layer_ids, draft_config, num_draft_layers, top_k, store_logits,
+            store_last_hidden, dtype, feature_dtype, enable_thinking, limit, batch_size, shard_bytes, zstd_level,
+            head_memory, overwrite, quiet, device):
+    """Run the target once over a prompt set; store features and next-token top-k in shards.
+
+    Greedy generation (batched), then one full-sequence forward per response capturing the
+    feature layers and the target's distribution. Re-running the same command resumes an
+    interrupted extract; under torchrun, prompts are split by rank.
+
+    \b
+    Examples:
+      specreplay extract                                   # SmolLM2-135M, bundled default prompts
+      specreplay extract --model path/to/Qwen3-8B --prompts gsm8k --limit 200 \\
+          --draft-config path/to/drafter --out data/shards/qwen3-8b-gsm8k
+      torchrun --nproc_per_node 8 -m pipeline.cli extract --model path/to/target --prompts my.jsonl --out s3://bucket/x
+    """
+    from pipeline.extract import ExtractConfig, next_steps, run_extract
+    from pipeline.layer_ids import parse_layer_ids
+
+    try:
+        config = ExtractConfig(
+            model=model, prompts=prompts, out=out or default_out(model, prompts), max_new_tokens=max_new_tokens,
+            layer_ids=parse_layer_ids(layer_ids) if layer_ids is not None else None, draft_config=draft_config,
+            num_draft_layers=num_draft_layers, top_k=top_k, store_logits=store_logits,
+            store_last_hidden=store_last_hidden, dtype=dtype, feature_dtype=feature_dtype,
+            enable_thinking=enable_thinking, limit=limit, batch_size=batch_size,
+            shard_bytes=parse_size(shard_bytes), zstd_level=zstd_level,
+            head_budget_mb=max(1, parse_size(head_memory, "--head-memory") >> 20),
+            overwrite=overwrite, quiet=quiet, device=device,
+        )
+        manifest = run_extract(config)
+    except _user_errors() as error:
+        _fail(error)
+    if int(os.environ.get("RANK", 0)) == 0:
+        click.echo(next_steps(config.out, manifest))
+
+
+@click.command(context_settings={"max_content_width": 100})
+@click.argument("directory", default="data/shards/smollm2-default")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (for scripts).")
+@click.option("--no-verify", is_flag=True, help="Skip the shard checksum pass (it reads every byte).")
+def inspect(directory, as_json, no_verify):
+    """Summarise an extract directory and verify its shard checksums.
+
+    Samples, tokens, bytes per token against raw bf16 features, layer ids, finish reasons,
+    greedy-consistency rate (share of response tokens equal to the full-forward argmax).
+    Exits with status 1 when a checksum fails.
+
+    \b
+    Examples:
+      specreplay inspect data/shards/smollm2-default
+      specreplay inspect data/shards/smollm2-default --json | jq .greedy_consistency
+    """
+    from pipeline.inspect import format_report, inspect_extract, report_problems
+
+    try:
+        report = inspect_extract(directory, verify=not no_verify)
+    except _user_errors() as error:
+        _fail(error)
+    click.echo(json.dumps(report, indent=1, sort_keys=True) if as_json else format_report(report))
+    problems = report_problems(report)
+    if problems:
+        raise click.ClickException(f"{len(problems)} integrity problem(s) in {directory}:\n  " + "\n  ".join(problems))

@@ -1,0 +1,159 @@
+"""The shard format round trip: byte planes, writer/reader, rollover, checksums, leftovers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pipeline import shards
+from pipeline.shards import Sample, ShardError, ShardSet, ShardWriter
+
+DTYPES = {"features": "bfloat16", "topk_ids": "int32", "topk_logprobs": "float32", "argmax_mismatch": "uint8"}
+
+
+def make_sample(index: int, n_tokens: int = 20, prompt_len: int = 8, hidden: int = 48, k: int = 4) -> Sample:
+    generator = torch.Generator().manual_seed(index)
+    r = n_tokens - prompt_len
+    return Sample(
+        sample_id=f"s{index:03d}",
+        dataset="unit",
+        prompt_text=f"prompt {index} ✓",  # non-ASCII on purpose
+        input_ids=torch.randint(0, 1000, (n_tokens,), generator=generator),
+        prompt_len=prompt_len,
+        finish_reason="eos" if index % 2 else "length",
+        greedy=index % 3 != 0,
+        tensors={
+            "features": torch.randn(n_tokens, hidden, generator=generator).to(torch.bfloat16),
+            "topk_ids": torch.randint(0, 1000, (r + 1, k), generator=generator, dtype=torch.int32),
+            "topk_logprobs": -torch.rand(r + 1, k, generator=generator),
+            "argmax_mismatch": (torch.rand(r, generator=generator) < 0.2).to(torch.uint8),
+        },
+    )
+
+
+def write_set(out, samples, shard_bytes=shards.DEFAULT_SHARD_BYTES) -> list[dict]:
+    writer = ShardWriter(str(out), 0, DTYPES, shard_bytes=shard_bytes)
+    for sample in samples:
+        writer.write(sample)
+    entries = writer.close()
+    shards.write_manifest(str(out), {"format_version": shards.FORMAT_VERSION, "complete": True, "settings": {},
+                                     "tensors": DTYPES, "shards": entries})
+    return entries
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality (NaN-safe), dtype and shape included."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", list(shards.TENSOR_DTYPES))
+@pytest.mark.parametrize("shape", [(0, 4), (7,), (3, 5, 2), (1,)])
+def test_byte_planes_round_trip_every_dtype(dtype, shape):
+    torch_dtype = shards.TENSOR_DTYPES[dtype]
+    raw = torch.randint(0, 256, (int(torch.tensor(shape).prod()) * torch.empty((), dtype=torch_dtype).element_size(),),
+                        dtype=torch.uint8)
+    tensor = raw.view(torch_dtype).view(*shape)  # every bit pattern, NaNs and infs included
+    decoded = shards.decode_tensor(shards.encode_tensor(tensor), torch_dtype, list(shape))
+    assert same_bits(decoded, tensor)
+
+
+def test_byte_planes_group_bytes_by_significance():
+    tensor = torch.tensor([1.0, -2.0, 3.5], dtype=torch.bfloat16)
+    planes = bytes(shards.encode_tensor(tensor))
+    raw = tensor.view(torch.uint8).tolist()  # little endian: low byte, high byte per element
+    assert list(planes) == raw[0::2] + raw[1::2]
+
+
+def test_decode_rejects_wrong_size():
+    with pytest.raises(ShardError, match="expected 16"):
+        shards.decode_tensor(shards.encode_tensor(torch.zeros(3, dtype=torch.float32)), torch.float32, [4])
+
+
+def test_writer_reader_round_trip(tmp_path):
+    samples = [make_sample(i, n_tokens=10 + i, prompt_len=4 + i % 3) for i in range(5)]
+    entries = write_set(tmp_path, samples)
+    assert len(entries) == 1 and entries[0]["rows"] == 5
+    assert entries[0]["tokens"] == sum(s.input_ids.numel() for s in samples)
+    assert entries[0]["response_tokens"] == sum(s.response_len for s in samples)
+    assert entries[0]["argmax_mismatches"] == sum(int(s.argmax_mismatch.sum()) for s in samples)
+    assert entries[0]["finish_reasons"] == {"length": 3, "eos": 2}
+    assert entries[0]["greedy_samples"] == sum(s.greedy for s in samples)
+    back = list(ShardSet(str(tmp_path)).samples())
+    assert [s.sample_id for s in back] == [s.sample_id for s in samples]
+    for got, want in zip(back, samples):
+        assert (got.dataset, got.prompt_text, got.prompt_len, got.finish_reason, got.greedy) == (
+            want.dataset, want.prompt_text, want.prompt_len, want.finish_reason, want.greedy)
+        assert torch.equal(got.input_ids, want.input_ids)
+        for name in DTYPES:
+            assert same_bits(got.tensors[name], want.tensors[name]), name
+    only = next(ShardSet(str(tmp_path)).samples(tensors=["features"], prefetch=0))
+    assert set(only.tensors) == {"features"}
+
+
+def test_writer_refuses_wrong_dtype(tmp_path):
+    sample = make_sample(0)
+    sample.tensors["features"] = sample.features.float()
+    with pytest.raises(ValueError, match="features"):
+        ShardWriter(str(tmp_path), 0, DTYPES).write(sample)
+
+
+def test_size_based_rollover(tmp_path):
+    samples = [make_sample(i, n_tokens=64) for i in range(9)]
+    one = len(bytes(shards.encode_tensor(samples[0].features)))
+    entries = write_set(tmp_path, samples, shard_bytes=2 * one)
+    assert len(entries) > 2 and sum(e["rows"] for e in entries) == 9
+    assert [e["file"] for e in entries] == sorted(e["file"] for e in entries)
+    assert all(e["bytes"] >= 2 * one for e in entries[:-1])  # rolled over only once the size was reached
+    assert [s.sample_id for s in ShardSet(str(tmp_path)).samples()] == [s.sample_id for s in samples]
+    assert shards.finished_shard_entries(str(tmp_path)) == entries
+
+
+def test_flipped_byte_names_the_shard(tmp_path):
+    entries = write_set(tmp_path, [make_sample(i) for i in range(3)])
+    path = tmp_path / entries[0]["file"]
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+    with pytest.raises(ShardError, match=r"r000-00000\.arrow: checksum mismatch"):
+        list(ShardSet(str(tmp_path)).samples())
+
+
+def test_remove_unfinished_keeps_finished_shards(tmp_path):
+    entries = write_set(tmp_path, [make_sample(0)], shard_bytes=1)
+    shard_dir = tmp_path / shards.SHARD_DIR
+    (shard_dir / "r000-00001.arrow.tmp").write_bytes(b"half a shard")
+    (shard_dir / "r001-00000.json").write_text("{}")  # sidecar whose rename never happened
+    removed = shards.remove_unfinished(str(tmp_path))
+    assert removed == ["r000-00001.arrow.tmp", "r001-00000.json"]
+    assert sorted(p.name for p in shard_dir.iterdir()) == ["r000-00000.arrow", "r000-00000.json"]
+    assert shards.finished_shard_entries(str(tmp_path)) == entries
+
+
+def test_incomplete_and_foreign_manifests_are_refused(tmp_path):
+    with pytest.raises(ShardError, match="no manifest"):
+        ShardSet(str(tmp_path))
+    shards.write_manifest(str(tmp_path), {"format_version": shards.FORMAT_VERSION, "complete": False})
+    with pytest.raises(ShardError, match="has not finished"):
+        ShardSet(str(tmp_path))
+    shards.write_manifest(str(tmp_path), {"format_version": 999, "complete": True})
+    with pytest.raises(ShardError, match="format_version 999"):
+        ShardSet(str(tmp_path))
+
+
+def test_target_head_round_trip(tmp_path):
+    embed = torch.randn(50, 8)
+    shards.write_manifest(str(tmp_path), {"format_version": shards.FORMAT_VERSION, "complete": True, "tensors": {}})
+    tied = shards.save_target_head(str(tmp_path), embed, embed)
+    assert tied["tied"]
+    manifest = shards.read_manifest(str(tmp_path))
+    manifest["target_head"] = tied
+    shards.write_manifest(str(tmp_path), manifest)
+    head = ShardSet(str(tmp_path)).target_head()
+    assert torch.equal(head["embed_tokens"], embed) and torch.equal(head["lm_head"], embed)
+    untied = shards.save_target_head(str(tmp_path), embed, embed * 2)
+    assert not untied["tied"]
+    manifest["target_head"] = untied
+    shards.write_manifest(str(tmp_path), manifest)
+    assert torch.equal(ShardSet(str(tmp_path)).target_head()["lm_head"], embed * 2)
