@@ -113,15 +113,26 @@ def parse_drafter_config(raw: dict, source: str = "config") -> DrafterConfig:
                 f"feature layers are unknown"
             )
         layer_ids = build_target_layer_ids(int(num_target_layers), num_layers)
-    layer_types = raw.get("layer_types") or ["full_attention"] * num_layers
+    # Layer types and the window as the reference sees them: through Qwen3Config, which drops
+    # `sliding_window` unless `use_sliding_window` is true and derives missing layer_types.
+    try:
+        hf = _hf_config_from_raw(raw)
+    except (TypeError, ValueError) as error:
+        raise DrafterConfigError(f"{source}: not a valid Qwen3-style config ({error})") from error
+    layer_types = list(hf.layer_types or ["full_attention"] * num_layers)
     if len(layer_types) != num_layers:
         raise DrafterConfigError(f"{source}: layer_types has {len(layer_types)} entries for {num_layers} layers")
     unknown = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
     if unknown:
         raise DrafterConfigError(f"{source}: layer_types {unknown} not supported (full_attention, sliding_attention)")
-    sliding_window = raw.get("sliding_window")
+    sliding_window = hf.sliding_window
     if "sliding_attention" in layer_types and not sliding_window:
-        raise DrafterConfigError(f"{source}: layer_types has sliding_attention but sliding_window is not set")
+        raise DrafterConfigError(
+            f"{source}: layer_types has sliding_attention but the effective sliding_window is unset "
+            f"(sliding_window={raw.get('sliding_window')!r}, use_sliding_window={raw.get('use_sliding_window')!r}; "
+            f"Qwen3Config drops the window unless use_sliding_window is true, and the reference cannot run "
+            f"such a drafter). Set use_sliding_window: true and sliding_window in config.json"
+        )
     softcap = _dflash_value(raw, "final_logit_softcapping")
     heads = int(raw["num_attention_heads"])
     return DrafterConfig(
@@ -148,10 +159,14 @@ def parse_drafter_config(raw: dict, source: str = "config") -> DrafterConfig:
     )
 
 
+def _hf_config_from_raw(raw: dict) -> Qwen3Config:
+    """The Qwen3Config the reference builds from config.json (drives RoPE, the MLP activation,
+    the effective sliding window and default layer types)."""
+    return Qwen3Config(**{k: v for k, v in raw.items() if k not in ("architectures", "auto_map", "dflash_config")})
+
+
 def _hf_config(config: DrafterConfig) -> Qwen3Config:
-    """The Qwen3Config the reference would build (drives RoPE scaling and the MLP activation)."""
-    raw = {k: v for k, v in config.raw.items() if k not in ("architectures", "auto_map", "dflash_config")}
-    hf = Qwen3Config(**raw)
+    hf = _hf_config_from_raw(config.raw)
     hf.head_dim = config.head_dim
     return hf
 

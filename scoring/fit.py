@@ -70,6 +70,7 @@ def new_drafter_config(target: dict, num_layers: int = 1, block_size: int = 8, l
     }
     if layer_types is not None:
         raw["layer_types"] = layer_types
+        raw["use_sliding_window"] = sliding_window is not None  # else Qwen3Config drops the window
         raw["sliding_window"] = sliding_window
     return raw
 

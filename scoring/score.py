@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 from pipeline.shards import ShardSet
 from scoring import metrics
-from scoring.checkpoint import check_compatibility, load_drafter
+from scoring.checkpoint import check_compatibility, load_drafter, read_drafter_config
 from scoring.replay import AnchorTensors, ReplayOptions, replay_sample, select_feature_columns
 from scoring.walk import next_stop_positions, stop_mask, walk
 
@@ -68,7 +68,8 @@ def expand_checkpoints(patterns: list[str]) -> list[str]:
     """Paths as given, globs expanded (sorted), duplicates dropped; missing paths are an error."""
     paths: list[str] = []
     for pattern in patterns:
-        matches = sorted(glob.glob(pattern)) if any(c in pattern for c in "*?[") else [pattern]
+        literal = os.path.exists(pattern) or not any(c in pattern for c in "*?[")
+        matches = [pattern] if literal else sorted(glob.glob(pattern))
         if not matches:
             raise FileNotFoundError(f"--ckpt {pattern!r} matches nothing")
         for path in matches:
@@ -258,9 +259,10 @@ def score_checkpoint(ckpt: str, shardset: ShardSet, head: dict, out_dir: str, co
     """Score one checkpoint; returns its run record (None when skipped as already scored)."""
     device, dtype = resolve_device_dtype(config.device, config.dtype)
     started = time.time()
-    drafter, info = load_drafter(ckpt, dtype=dtype, device=device)
     manifest = shardset.manifest
-    check_compatibility(info.config, manifest, ckpt)
+    # Fail on an incompatible checkpoint before reading gigabytes of weights.
+    check_compatibility(read_drafter_config(ckpt), manifest, ckpt)
+    drafter, info = load_drafter(ckpt, dtype=dtype, device=device)
     shards_id = shards_identity(manifest)
     run_path = os.path.join(out_dir, "run.json")
     if not config.force and os.path.exists(run_path):
@@ -303,7 +305,7 @@ def score_checkpoint(ckpt: str, shardset: ShardSet, head: dict, out_dir: str, co
         progress.set_postfix(anchors_per_s=f"{anchors_done / max(time.time() - started, 1e-9):.0f}")
     progress.close()
 
-    identity = {"checkpoint": info.name, "checkpoint_hash": info.content_hash[:16], "step": info.step}
+    identity = {"checkpoint": info.name, "checkpoint_hash": info.content_hash[:16], "checkpoint_step": info.step}
     methods = method_names(budgets)
     anchors = pa.concat_tables(scorer.anchor_tables) if scorer.anchor_tables else None
     summary = summarize(scorer, anchors, methods, identity)
@@ -318,7 +320,7 @@ def score_checkpoint(ckpt: str, shardset: ShardSet, head: dict, out_dir: str, co
     record = {
         "checkpoint": {"path": os.path.abspath(ckpt), "name": info.name, "content_hash": info.content_hash,
                        "step": info.step, "config": info.config_raw},
-        "shards": {"uri": shardset.uri, "identity": shards_id, "target": settings["target"].get("name"),
+        "shards": {"uri": shardset.uri, "identity": shards_id, "target": manifest.get("target", {}).get("name"),
                    "samples": total},
         "ddtree_budgets": list(config.ddtree_budgets),
         "device": device, "dtype": str(dtype).replace("torch.", ""),

@@ -52,6 +52,10 @@ def build_reference(save_dir=None, *, layers: int = 2, block_size: int = 4, laye
         config.dflash_config["target_layer_ids"] = list(layer_ids)
     for name, value in fields.items():
         setattr(config, name, value)
+    if "sliding_window" in fields:
+        # Qwen3Config drops sliding_window on load unless use_sliding_window is true; set it so
+        # the saved config.json describes the same drafter as this in-memory reference.
+        config.use_sliding_window = True
     torch.manual_seed(seed)
     model = DFlashDraftModel(config).eval()
     with torch.no_grad():

@@ -1,0 +1,95 @@
+"""Online speculative-decoding loops that recompute the target from scratch every step.
+
+The reference `dflash_generate` keeps a KV cache it crops after each step, which cannot roll
+back the recurrent state of linear-attention (hybrid) targets. These loops follow the same
+greedy semantics (block truncated to the remaining budget, `produced` capped and cut at the
+first stop token) but run the target over the whole sequence each step, so they are valid
+for any target. They use the public reference drafter (`dflash.model.DFlashDraftModel`) on
+its uncached path. Slow, tiny models only.
+"""
+
+from __future__ import annotations
+
+import torch
+from dflash.model import extract_context_feature
+
+
+@torch.inference_mode()
+def _target_forward(target, ids: torch.Tensor):
+    out = target(ids[None], output_hidden_states=True, use_cache=False)
+    return out.logits[0], out.hidden_states
+
+
+def _draft_logits(draft, target_embed, lm_head, features, block_ids, start):
+    emb = torch.nn.functional.embedding(block_ids[None], target_embed)
+    hidden = draft(target_hidden=features[None, :start], noise_embedding=emb,
+                   position_ids=torch.arange(start + block_ids.numel())[None])
+    return draft.compute_logits(hidden[:, 1:], lambda h: torch.nn.functional.linear(h, lm_head))[0]
+
+
+@torch.inference_mode()
+def online_generate(draft, target, target_embed, lm_head, prompt: torch.Tensor, max_new_tokens: int,
+                    stop_token_ids: list[int], tree_budget: int | None = None):
+    """Returns (output_ids, acceptance_lengths). Chain when tree_budget is None, else DDTree
+    with a brute-force tree of `tree_budget` most probable prefixes (small vocabularies only)."""
+    P = prompt.numel()
+    max_length = P + max_new_tokens
+    logits, _ = _target_forward(target, prompt)
+    seq = torch.cat([prompt, logits[-1].argmax()[None]])
+    produced_list = []
+    start = P
+    stopped = int(seq[start]) in stop_token_ids
+    while start + 1 < max_length and not stopped:
+        verify = min(draft.block_size, max_length - start)
+        _, hidden_states = _target_forward(target, seq[:start])
+        features = extract_context_feature(hidden_states, draft.target_layer_ids)[0]
+        block = torch.full((verify,), draft.mask_token_id, dtype=torch.long)
+        block[0] = seq[start]
+        dl = _draft_logits(draft, target_embed, lm_head, features, block, start)
+        # the target's greedy continuation after seq[:start + 1], long enough to verify the block
+        cont = seq[: start + 1].clone()
+        for _ in range(verify):
+            cont = torch.cat([cont, _target_forward(target, cont)[0][-1].argmax()[None]])
+        target_next = cont[start + 1:]  # target argmax after each block position
+        if tree_budget is None:
+            drafts = dl.argmax(-1)
+            accepted = int((drafts == target_next[: verify - 1]).long().cumprod(0).sum())
+        else:
+            tree = brute_force_tree(torch.log_softmax(dl.float(), -1), tree_budget)
+            accepted = 0
+            while accepted < verify - 1 and tuple(target_next[: accepted + 1].tolist()) in tree:
+                accepted += 1
+        produced = min(accepted + 1, max_length - start - 1)
+        new_tokens = target_next[:produced]
+        stops = [i for i, t in enumerate(new_tokens.tolist()) if t in stop_token_ids]
+        if stops:
+            produced = stops[0] + 1
+            stopped = True
+        seq = torch.cat([seq[: start + 1], target_next[:produced]])
+        start += produced
+        produced_list.append(produced)
+    return seq[: min(start + 1, max_length)], produced_list
+
+
+def brute_force_tree(log_q: torch.Tensor, budget: int) -> set[tuple[int, ...]]:
+    """The `budget` most probable prefixes under independent per-depth distributions, found by
+    enumerating prefixes over each depth's top-`budget` tokens (a prefix using a rank >= budget
+    token is beaten by `budget` siblings, so it can never be in the tree)."""
+    L, V = log_q.shape
+    k = min(budget, V)
+    top = torch.topk(log_q, k, dim=-1)
+    scored = []
+    frontier = [((), 0.0)]
+    for depth in range(L):
+        nxt = []
+        for prefix, score in frontier:
+            for r in range(k):
+                nxt.append((prefix + (int(top.indices[depth, r]),), score + float(top.values[depth, r])))
+        # keep only what could still be in the top `budget` (all deeper nodes score lower)
+        nxt.sort(key=lambda item: -item[1])
+        nxt = nxt[:budget]
+        scored.extend(nxt)
+        frontier = nxt
+    scored.sort(key=lambda item: -item[1])
+    return {prefix for prefix, _ in scored[:budget]}
+
