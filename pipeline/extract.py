@@ -42,6 +42,7 @@ from pathlib import Path
 import torch
 
 from pipeline import shards
+from pipeline.distributed import Dist, barrier, dist_from_env, init_dist, resolve_device
 from pipeline.layer_ids import build_target_layer_ids, check_layer_ids
 
 FEATURE_DTYPES = {
@@ -77,17 +78,6 @@ class ExtractConfig:
 
 
 @dataclass
-class Dist:
-    rank: int = 0
-    world: int = 1
-    local_rank: int = 0
-
-    @property
-    def main(self) -> bool:
-        return self.rank == 0
-
-
-@dataclass
 class Item:
     """One prompt ready to run: rendered prompt ids and, when given, the response to teacher-force."""
 
@@ -96,37 +86,6 @@ class Item:
     prompt_ids: list[int]
     prompt_text: str
     given: list[int] | None = None
-
-
-# ---------------------------------------------------------------------------------------------
-# distributed (torchrun)
-
-
-def dist_from_env() -> Dist:
-    return Dist(int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)),
-                int(os.environ.get("LOCAL_RANK", 0)))
-
-
-def init_dist(dist: Dist) -> None:
-    if dist.world > 1 and not torch.distributed.is_initialized():
-        if torch.cuda.is_available():
-            torch.cuda.set_device(dist.local_rank)  # NCCL collectives run on the current device
-            torch.distributed.init_process_group("nccl")
-        else:
-            torch.distributed.init_process_group("gloo")
-
-
-def barrier(dist: Dist) -> None:
-    if dist.world > 1:
-        torch.distributed.barrier()
-
-
-def resolve_device(device: str | None, dist: Dist) -> str:
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda" and dist.world > 1:
-        device = f"cuda:{dist.local_rank}"  # one GPU per rank
-    return device
 
 
 # ---------------------------------------------------------------------------------------------

@@ -403,8 +403,9 @@ def _decode_row(batch: pa.RecordBatch, tensor_dtypes: dict[str, str], names: lis
 
 
 def read_shard(uri: str, entry: dict, tensor_dtypes: dict[str, str], tensors: list[str] | None = None,
-               verify: bool = True) -> Iterator[Sample]:
-    """Yield the samples of one shard; the whole-file crc32 is checked before anything decodes."""
+               verify: bool = True, rows=None) -> Iterator[Sample]:
+    """Yield the samples of one shard (only the row indices in `rows`, if given); the
+    whole-file crc32 is checked before anything decodes."""
     fs, root = open_fs(uri)
     path = join(root, entry["file"])
     if not exists(fs, path):
@@ -420,7 +421,7 @@ def read_shard(uri: str, entry: dict, tensor_dtypes: dict[str, str], tensors: li
             )
     reader = ipc.open_file(pa.BufferReader(data))
     names = [n for n in (tensors if tensors is not None else tensor_dtypes) if n in tensor_dtypes]
-    for index in range(reader.num_record_batches):
+    for index in range(reader.num_record_batches) if rows is None else rows:
         yield _decode_row(reader.get_batch(index), tensor_dtypes, names)
 
 
@@ -450,14 +451,20 @@ class ShardSet:
         return sum(entry["rows"] for entry in self.entries)
 
     def samples(self, tensors: list[str] | None = None, entries: list[dict] | None = None,
-                prefetch: int = 2) -> Iterator[Sample]:
-        """Samples in manifest order. Decoding runs in a background thread `prefetch` samples
-        ahead, so the consumer's compute never waits on zstd (both release the GIL)."""
+                prefetch: int = 2, keep=None) -> Iterator[Sample]:
+        """Samples in manifest order. `keep(index)` (index over the whole set) selects which
+        to decode, e.g. one torchrun rank's share; shards holding none of them are not read.
+        Decoding runs in a background thread `prefetch` samples ahead, so the consumer's
+        compute never waits on zstd (both release the GIL)."""
         entries = self.entries if entries is None else entries
 
         def produce():
+            base = 0
             for entry in entries:
-                yield from read_shard(self.uri, entry, self.tensor_dtypes, tensors)
+                rows = None if keep is None else [i for i in range(entry["rows"]) if keep(base + i)]
+                base += entry["rows"]
+                if rows != []:
+                    yield from read_shard(self.uri, entry, self.tensor_dtypes, tensors, rows=rows)
 
         if prefetch <= 0:
             yield from produce()

@@ -114,7 +114,7 @@ def fit_drafter(samples: list[Sample], head: dict, stored_layer_ids: list[int], 
     usable = [s for s in samples if s.response_len >= 2]
     if not usable:
         raise ValueError("no sample has a response of 2+ tokens to train on")
-    optimizer = torch.optim.AdamW(drafter.parameters(), lr=options.lr, weight_decay=0.0)
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=options.lr, weight_decay=0.0, foreach=True)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: min(1.0, (step + 1) / 20) * 0.5 * (1 + math.cos(math.pi * step / options.steps)))
     written = []

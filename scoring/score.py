@@ -27,6 +27,7 @@ import pyarrow.parquet as pq
 import torch
 from tqdm import tqdm
 
+from pipeline.distributed import Dist, barrier, dist_from_env, init_dist, resolve_device
 from pipeline.shards import ShardSet
 from scoring import metrics
 from scoring.checkpoint import check_compatibility, load_drafter, read_drafter_config
@@ -34,6 +35,7 @@ from scoring.replay import AnchorTensors, ReplayOptions, replay_sample, select_f
 from scoring.walk import next_stop_positions, stop_mask, walk
 
 DEFAULT_BUDGETS = (4, 8, 16, 32, 64, 128, 256)
+WALK_COLUMNS = ("dataset", "sample_id", "method", "step", "anchor", "produced", "accepted_len")
 ALL_DATASETS = "(all)"
 
 
@@ -51,10 +53,9 @@ class ScoreConfig:
     quiet: bool = False
 
 
-def resolve_device_dtype(device: str, dtype: str) -> tuple[str, torch.dtype]:
+def resolve_device_dtype(device: str, dtype: str, dist: Dist | None = None) -> tuple[str, torch.dtype]:
     """GPU if present, else CPU; fp32 on CPU and bf16 on GPU unless told otherwise."""
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = resolve_device(None if device == "auto" else device, dist or Dist())
     names = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
              "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
     if dtype == "auto":
@@ -113,13 +114,29 @@ class SampleScorer:
         self.budgets = budgets
         self.stop_token_ids = stop_token_ids
         self.block_size = block_size
-        self.anchor_tables: list[pa.Table] = []
-        self.walk_rows: dict[str, list] = {k: [] for k in ("dataset", "sample_id", "method", "step", "anchor", "produced", "accepted_len")}
-        self.sample_rows: list[dict] = []
-        # all-anchor aggregates per dataset: sums we can combine without keeping every anchor
+        # per sample index: (anchor table or None, walk rows, sample rows); merged in index
+        # order, so results do not depend on how samples were split over torchrun ranks
+        self.parts: dict[int, tuple] = {}
+        # all-anchor aggregates per dataset: integer sums, combinable in any order
         self.position_stats: dict[str, dict[str, np.ndarray]] = {}
 
-    def add(self, sample, result: AnchorTensors) -> None:
+    def merge(self, other: "SampleScorer") -> None:
+        self.parts.update(other.parts)
+        for dataset, stats in other.position_stats.items():
+            mine = self.position_stats.setdefault(dataset, _empty_position_stats(self.block_size - 1))
+            for key in mine:
+                mine[key] += stats[key]
+
+    def tables(self) -> tuple[pa.Table | None, pa.Table, list[dict]]:
+        """(anchors, walk, sample rows) over all samples in index order."""
+        ordered = [self.parts[i] for i in sorted(self.parts)]
+        anchor_tables = [p[0] for p in ordered if p[0] is not None]
+        walk_rows = {k: [v for p in ordered for v in p[1][k]] for k in WALK_COLUMNS}
+        sample_rows = [row for p in ordered for row in p[2]]
+        anchors = pa.concat_tables(anchor_tables) if anchor_tables else None
+        return anchors, pa.table(walk_rows), sample_rows
+
+    def add(self, index: int, sample, result: AnchorTensors) -> None:
         ids = sample.input_ids
         seq_len, prompt_len = ids.numel(), sample.prompt_len
         is_stop = stop_mask(ids, self.stop_token_ids)
@@ -136,18 +153,21 @@ class SampleScorer:
 
         mismatches = int(sample.argmax_mismatch.sum()) if "argmax_mismatch" in sample.tensors else 0
         exact = bool(sample.greedy and mismatches == 0)
+        walk_rows = {k: [] for k in WALK_COLUMNS}
+        sample_rows = []
         for name, steps_produced in produced.items():
             steps = walk(steps_produced, prompt_len, is_stop)
+            accepted_here = accepted_by_method[name].tolist()
             for step, (anchor, count) in enumerate(steps):
-                self.walk_rows["dataset"].append(sample.dataset)
-                self.walk_rows["sample_id"].append(sample.sample_id)
-                self.walk_rows["method"].append(name)
-                self.walk_rows["step"].append(step)
-                self.walk_rows["anchor"].append(anchor)
-                self.walk_rows["produced"].append(count)
-                self.walk_rows["accepted_len"].append(int(accepted_by_method[name][anchor - prompt_len]))
+                walk_rows["dataset"].append(sample.dataset)
+                walk_rows["sample_id"].append(sample.sample_id)
+                walk_rows["method"].append(name)
+                walk_rows["step"].append(step)
+                walk_rows["anchor"].append(anchor)
+                walk_rows["produced"].append(count)
+                walk_rows["accepted_len"].append(accepted_here[anchor - prompt_len])
             counts = [c for _, c in steps]
-            self.sample_rows.append({
+            sample_rows.append({
                 "dataset": sample.dataset, "sample_id": sample.sample_id, "method": name,
                 "prompt_len": prompt_len, "response_len": seq_len - prompt_len,
                 "finish_reason": sample.finish_reason, "greedy": sample.greedy,
@@ -156,12 +176,13 @@ class SampleScorer:
                 "tau": (sum(counts) / len(counts)) if counts else None,
                 "prompt_text": sample.prompt_text,
             })
-        self._add_anchor_table(sample, result, accepted, produced, accepted_by_method)
+        anchor_table = self._anchor_table(sample, result, accepted, produced, accepted_by_method)
+        self.parts[index] = (anchor_table, walk_rows, sample_rows)
 
-    def _add_anchor_table(self, sample, result, accepted, produced, accepted_by_method):
+    def _anchor_table(self, sample, result, accepted, produced, accepted_by_method) -> pa.Table | None:
         A = result.anchors.numel()
         if A == 0:
-            return
+            return None
         match, known = metrics.position_match(result.draft_tokens, result.target_tokens)
         lengths = known.sum(dim=1).numpy()
         flat_known = known.numpy()
@@ -180,8 +201,6 @@ class SampleScorer:
         }
         for budget in self.budgets:
             columns[f"ddtree_{budget}_accepted_len"] = pa.array(accepted_by_method[f"ddtree-{budget}"].numpy().astype(np.int32))
-        self.anchor_tables.append(pa.table(columns))
-
         stats = self.position_stats.setdefault(sample.dataset, _empty_position_stats(self.block_size - 1))
         reached, accepted_here = metrics.reached_accept(accepted, self.block_size - 1)
         # positions beyond a (truncated) block or the known response cannot be reached
@@ -190,17 +209,19 @@ class SampleScorer:
         stats["accepted"] += (accepted_here & reachable).sum(0).numpy()
         stats["match"] += match.sum(0).numpy()
         stats["known"] += known.sum(0).numpy()
+        return pa.table(columns)
 
 
 def _empty_position_stats(L: int) -> dict[str, np.ndarray]:
     return {k: np.zeros(L, dtype=np.int64) for k in ("reached", "accepted", "match", "known")}
 
 
-def summarize(scorer: SampleScorer, anchors: pa.Table | None, methods: list[str], identity: dict) -> pa.Table:
+def summarize(scorer: SampleScorer, anchors: pa.Table | None, sample_rows: list[dict], methods: list[str],
+              identity: dict) -> pa.Table:
     """One row per (dataset, method), plus dataset '(all)'."""
     import polars as pl
 
-    samples = pl.DataFrame(scorer.sample_rows)
+    samples = pl.DataFrame(sample_rows)
     anchor_df = pl.from_arrow(anchors) if anchors is not None and anchors.num_rows else None
     rows = []
     datasets = sorted(samples["dataset"].unique().to_list()) + [ALL_DATASETS]
@@ -255,25 +276,24 @@ def _with_identity(table: pa.Table, identity: dict) -> pa.Table:
     return table
 
 
-def score_checkpoint(ckpt: str, shardset: ShardSet, head: dict, out_dir: str, config: ScoreConfig) -> dict | None:
-    """Score one checkpoint; returns its run record (None when skipped as already scored)."""
-    device, dtype = resolve_device_dtype(config.device, config.dtype)
+def score_checkpoint(ckpt: str, shardset: ShardSet, head: dict, out_dir: str, config: ScoreConfig,
+                     dist: Dist | None = None) -> dict | None:
+    """Score one checkpoint; returns its run record (None when skipped as already scored).
+    Under torchrun each rank replays every world-th sample and rank 0 writes the results."""
+    dist = dist or Dist()
+    device, dtype = resolve_device_dtype(config.device, config.dtype, dist)
     started = time.time()
     manifest = shardset.manifest
     # Fail on an incompatible checkpoint before reading gigabytes of weights.
     check_compatibility(read_drafter_config(ckpt), manifest, ckpt)
     drafter, info = load_drafter(ckpt, dtype=dtype, device=device)
     shards_id = shards_identity(manifest)
-    run_path = os.path.join(out_dir, "run.json")
-    if not config.force and os.path.exists(run_path):
-        with open(run_path) as f:
-            previous = json.load(f)
-        if (previous.get("checkpoint", {}).get("content_hash") == info.content_hash
-                and previous.get("shards", {}).get("identity") == shards_id
-                and previous.get("ddtree_budgets") == list(config.ddtree_budgets)):
-            if not config.quiet:
-                print(f"{info.name}: already scored on these shards in {out_dir} (use --force to redo)")
-            return None
+    quiet = config.quiet or not dist.main
+    total = shardset.num_samples if config.limit is None else min(config.limit, shardset.num_samples)
+    if not config.force and already_scored(out_dir, info.content_hash, shards_id, config.ddtree_budgets, total):
+        if not quiet:
+            print(f"{info.name}: already scored on these shards in {out_dir} (use --force to redo)")
+        return None
 
     settings = manifest["settings"]
     stored_layer_ids = settings["layer_ids"]
@@ -287,33 +307,42 @@ def score_checkpoint(ckpt: str, shardset: ShardSet, head: dict, out_dir: str, co
     max_new_tokens = int(settings["max_new_tokens"])
     scorer = SampleScorer(budgets, stop_ids, info.config.block_size)
 
-    total = shardset.num_samples if config.limit is None else min(config.limit, shardset.num_samples)
-    progress = tqdm(total=total, desc=f"score {info.name}", unit="sample", disable=config.quiet, dynamic_ncols=True)
+    mine = [i for i in range(total) if i % dist.world == dist.rank]
+    progress = tqdm(total=len(mine), desc=f"score {info.name}", unit="sample", disable=quiet, dynamic_ncols=True)
     anchors_done = 0
-    for index, sample in enumerate(shardset.samples(tensors=["features", "topk_ids", "topk_logprobs", "argmax_mismatch"])):
-        if index >= total:
-            break
+    wanted = set(mine)
+    samples = shardset.samples(tensors=["features", "topk_ids", "topk_logprobs", "argmax_mismatch"],
+                               keep=wanted.__contains__)
+    for index, sample in zip(mine, samples):
         # Given (teacher-forced) responses may be longer than the extract's budget.
         budget = max_new_tokens if sample.greedy else max(max_new_tokens, sample.response_len)
         result = replay_sample(
             drafter, embed, lm_head, sample,
             lambda f: select_feature_columns(f, stored_layer_ids, drafter_layer_ids), budget, options,
         )
-        scorer.add(sample, result)
+        scorer.add(index, sample, result)
         anchors_done += result.anchors.numel()
         progress.update(1)
         progress.set_postfix(anchors_per_s=f"{anchors_done / max(time.time() - started, 1e-9):.0f}")
     progress.close()
 
+    if dist.world > 1:
+        gathered = [None] * dist.world if dist.main else None
+        torch.distributed.gather_object((scorer, anchors_done), gathered, dst=0)
+        if not dist.main:
+            return None
+        for other, count in gathered[1:]:
+            scorer.merge(other)
+            anchors_done += count
+
     identity = {"checkpoint": info.name, "checkpoint_hash": info.content_hash[:16], "checkpoint_step": info.step}
-    methods = method_names(budgets)
-    anchors = pa.concat_tables(scorer.anchor_tables) if scorer.anchor_tables else None
-    summary = summarize(scorer, anchors, methods, identity)
+    anchors, walk_table, sample_rows = scorer.tables()
+    summary = summarize(scorer, anchors, sample_rows, method_names(budgets), identity)
     os.makedirs(out_dir, exist_ok=True)
     if anchors is not None:
         _write_table(_with_identity(anchors, identity), os.path.join(out_dir, "anchors.parquet"))
-    _write_table(_with_identity(pa.table(scorer.walk_rows), identity), os.path.join(out_dir, "walk.parquet"))
-    _write_table(_with_identity(pa.Table.from_pylist(scorer.sample_rows), identity), os.path.join(out_dir, "samples.parquet"))
+    _write_table(_with_identity(walk_table, identity), os.path.join(out_dir, "walk.parquet"))
+    _write_table(_with_identity(pa.Table.from_pylist(sample_rows), identity), os.path.join(out_dir, "samples.parquet"))
     _write_table(summary, os.path.join(out_dir, "summary.parquet"))
 
     wall = time.time() - started
@@ -323,17 +352,31 @@ def score_checkpoint(ckpt: str, shardset: ShardSet, head: dict, out_dir: str, co
         "shards": {"uri": shardset.uri, "identity": shards_id, "target": manifest.get("target", {}).get("name"),
                    "samples": total},
         "ddtree_budgets": list(config.ddtree_budgets),
-        "device": device, "dtype": str(dtype).replace("torch.", ""),
+        "device": device, "dtype": str(dtype).replace("torch.", ""), "world_size": dist.world,
         "anchors": anchors_done, "wall_time_s": round(wall, 3),
         "versions": {"specreplay": _version(), "torch": torch.__version__, "python": platform.python_version()},
         "command": sys.argv,
     }
-    with open(run_path + ".tmp", "w") as f:
+    with open(os.path.join(out_dir, "run.json.tmp"), "w") as f:
         json.dump(record, f, indent=1)
-    os.replace(run_path + ".tmp", run_path)
+    os.replace(os.path.join(out_dir, "run.json.tmp"), os.path.join(out_dir, "run.json"))
     if not config.quiet:
         print_summary(summary, info.name, out_dir, record)
     return record
+
+
+def already_scored(out_dir: str, content_hash: str, shards_id: str, budgets: list[int], samples: int) -> bool:
+    """True when out_dir holds results of this checkpoint content on the same shards, budgets
+    and number of samples."""
+    run_path = os.path.join(out_dir, "run.json")
+    if not os.path.exists(run_path):
+        return False
+    with open(run_path) as f:
+        previous = json.load(f)
+    return (previous.get("checkpoint", {}).get("content_hash") == content_hash
+            and previous.get("shards", {}).get("identity") == shards_id
+            and previous.get("ddtree_budgets") == list(budgets)
+            and previous.get("shards", {}).get("samples") == samples)
 
 
 def _version() -> str:
@@ -383,10 +426,13 @@ def run_score(config: ScoreConfig) -> list[dict]:
     paths = expand_checkpoints(config.ckpts)
     shardset = ShardSet(config.shards)
     head = shardset.target_head()
+    dist = dist_from_env()
+    init_dist(dist)
     records = []
     for path in paths:
         out_dir = config.out if len(paths) == 1 else os.path.join(config.out, result_dir_name(path))
-        record = score_checkpoint(path, shardset, head, out_dir, config)
+        record = score_checkpoint(path, shardset, head, out_dir, config, dist)
+        barrier(dist)  # every rank sees run.json before the next checkpoint's skip check
         if record is not None:
             records.append(record)
     return records

@@ -77,9 +77,10 @@ def score(ckpts, shards, out, ddtree_budgets, device, dtype, memory_budget, limi
 @click.option("--save-every", default=0, show_default=True, help="Also save every N steps (0: final only).")
 @click.option("--layers", default=1, show_default=True, help="Drafter decoder layers.")
 @click.option("--block-size", default=8, show_default=True, help="Block size B (drafts B - 1 tokens per step).")
-@click.option("--layer-ids", default=None, help="Target feature layers (default: DFlash formula for --layers).")
+@click.option("--layer-ids", default=None, help="Target feature layers to use (default: every stored layer).")
 @click.option("--lr", default=3e-3, show_default=True)
-@click.option("--anchors-per-step", default=32, show_default=True)
+@click.option("--anchors-per-step", default=8, show_default=True,
+              help="Anchors per optimizer step; the lm_head over the full vocabulary dominates the cost.")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--quiet", is_flag=True)
 def fit(shards, out, steps, save_every, layers, block_size, layer_ids, lr, anchors_per_step, seed, quiet):
@@ -98,7 +99,7 @@ def fit(shards, out, steps, save_every, layers, block_size, layer_ids, lr, ancho
     try:
         shardset = ShardSet(shards)
         settings = shardset.settings
-        ids = parse_layer_ids(layer_ids) if layer_ids else None
+        ids = parse_layer_ids(layer_ids) if layer_ids else list(settings["layer_ids"])
         raw = new_drafter_config(settings["target"], num_layers=layers, block_size=block_size, layer_ids=ids)
         missing = sorted(set(raw["dflash_config"]["target_layer_ids"]) - set(settings["layer_ids"]))
         if missing:

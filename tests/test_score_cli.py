@@ -1,0 +1,102 @@
+"""`specreplay score` as a user runs it: several checkpoints, skip/--force, output schema,
+console table, clear errors, and torchrun data parallelism giving identical results."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import polars as pl
+import pytest
+from click.testing import CliRunner
+
+from pipeline.cli import main
+from pipeline.extract import ExtractConfig, run_extract
+from pipeline.shards import ShardSet
+from scoring.fit import FitOptions, fit_drafter, new_drafter_config
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def scored_setup(tmp_path_factory, tiny_qwen3_dir):
+    tmp = tmp_path_factory.mktemp("score_cli")
+    prompts = tmp / "prompts.jsonl"
+    with open(prompts, "w") as f:
+        for i in range(5):
+            f.write(json.dumps({"id": f"q{i}", "prompt": f"Question {i}: what is {i} + {i}?"}) + "\n")
+    shards = str(tmp / "shards")
+    run_extract(ExtractConfig(model=tiny_qwen3_dir, prompts=str(prompts), out=shards, max_new_tokens=24,
+                              layer_ids=[1, 3], top_k=8, dtype="fp32", quiet=True))
+    shardset = ShardSet(shards)
+    raw = new_drafter_config(shardset.settings["target"], num_layers=1, block_size=4, layer_ids=[1, 3])
+    _, written = fit_drafter(list(shardset.samples()), shardset.target_head(), [1, 3], raw, str(tmp / "runs"),
+                             FitOptions(steps=60, save_every=30))
+    return tmp, shards, written
+
+
+def _score(args):
+    return CliRunner().invoke(main, ["score", *args], catch_exceptions=False)
+
+
+def test_several_checkpoints_by_glob_then_skip_and_force(scored_setup):
+    tmp, shards, written = scored_setup
+    out = str(tmp / "results")
+    result = _score(["--ckpt", str(tmp / "runs" / "step_*"), "--shards", shards, "--out", out,
+                     "--ddtree-budgets", "4,8"])
+    assert result.exit_code == 0, result.output
+    assert "tau" in result.output and "ddtree-8" in result.output
+    dirs = sorted(os.listdir(out))
+    assert dirs == ["runs_step_30", "runs_step_60"]
+    summary = pl.read_parquet(os.path.join(out, "*", "summary.parquet"))
+    assert {"checkpoint", "checkpoint_step", "dataset", "method", "tau"} <= set(summary.columns)
+    assert sorted(summary["checkpoint_step"].unique().to_list()) == [30, 60]
+    assert set(summary["method"]) == {"chain", "ddtree-4", "ddtree-8"}
+    walk = pl.read_parquet(os.path.join(out, "runs_step_60", "walk.parquet"))
+    assert {"sample_id", "method", "step", "anchor", "produced"} <= set(walk.columns)
+    # tau in the summary is the mean over samples of the per-sample mean `produced`
+    chain = walk.filter(pl.col("method") == "chain")
+    per_sample = chain.group_by("sample_id").agg(pl.col("produced").mean())["produced"].mean()
+    s = summary.filter((pl.col("checkpoint_step") == 60) & (pl.col("method") == "chain") & (pl.col("dataset") == "(all)"))
+    assert s["tau"][0] == pytest.approx(per_sample)
+
+    again = _score(["--ckpt", str(tmp / "runs" / "step_*"), "--shards", shards, "--out", out, "--ddtree-budgets", "4,8"])
+    assert again.output.count("already scored") == 2
+    forced = _score(["--ckpt", written[0], "--shards", shards, "--out", str(tmp / "results" / "runs_step_30"),
+                     "--ddtree-budgets", "4,8", "--force"])
+    assert "already scored" not in forced.output and "tau" in forced.output
+
+
+def test_incompatible_checkpoint_is_a_clear_error(scored_setup, tmp_path):
+    tmp, shards, written = scored_setup
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for name in os.listdir(written[0]):
+        data = open(os.path.join(written[0], name), "rb").read()
+        open(bad / name, "wb").write(data)
+    config = json.load(open(bad / "config.json"))
+    config["dflash_config"]["target_layer_ids"] = [1, 4]
+    json.dump(config, open(bad / "config.json", "w"))
+    result = CliRunner().invoke(main, ["score", "--ckpt", str(bad), "--shards", shards, "--out", str(tmp_path / "r")])
+    assert result.exit_code != 0
+    assert "4" in result.output and "[1, 3]" in result.output
+    assert not (tmp_path / "r").exists()
+
+
+def test_torchrun_two_ranks_equal_one_process(scored_setup, tmp_path):
+    tmp, shards, written = scored_setup
+    one = str(tmp_path / "one")
+    two = str(tmp_path / "two")
+    assert _score(["--ckpt", written[-1], "--shards", shards, "--out", one, "--quiet"]).exit_code == 0
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    subprocess.run([torchrun, "--nproc_per_node", "2", "--master_port", "29533", "-m", "pipeline.cli", "score",
+                    "--ckpt", written[-1], "--shards", shards, "--out", two, "--quiet"],
+                   check=True, cwd=REPO, env=env, capture_output=True, timeout=300)
+    for name in ("walk", "samples", "anchors", "summary"):
+        a = pl.read_parquet(os.path.join(one, f"{name}.parquet"))
+        b = pl.read_parquet(os.path.join(two, f"{name}.parquet"))
+        assert a.equals(b, null_equal=True), name
+    assert json.load(open(os.path.join(two, "run.json")))["world_size"] == 2
