@@ -19,6 +19,7 @@ the same ones the reference uses, so the arithmetic matches.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -200,17 +201,27 @@ class DrafterAttention(nn.Module):
         v = self.v_proj(x).view(shape).transpose(-2, -3)
         return apply_rope(k, cos, sin), v
 
-    def forward(self, x, cos, sin, ctx_k, ctx_v, ctx_visible, block_visible):
+    def forward(self, x, cos, sin, ctx_k, ctx_v, mask):
         """Block queries attend to [context ; block].
 
         x [A, b, H]; cos/sin [A, b, d]; ctx_k/ctx_v [kv_heads, T, d] shared by all anchors;
-        ctx_visible [A, b, T] and block_visible [b, b] are boolean masks.
+        mask is a `DenseMask` (explicit boolean masks, CPU) or a flex_attention BlockMask.
         """
         A, b, _ = x.shape
-        groups = self.heads // self.kv_heads
         q = self.q_norm(self.q_proj(x).view(A, b, self.heads, self.head_dim)).transpose(1, 2)
-        q = apply_rope(q, cos, sin).contiguous().view(A, self.kv_heads, groups * b, self.head_dim)
+        q = apply_rope(q, cos, sin)
         k, v = self.keys_values(x, cos, sin)  # [A, kv_heads, b, d]
+        if isinstance(mask, DenseMask):
+            out = self._dense(q, k, v, ctx_k, ctx_v, mask)
+        else:
+            out = flex_block_attention(q, k, v, ctx_k, ctx_v, mask, self.head_dim**-0.5)
+        return self.o_proj(out.transpose(1, 2).reshape(A, b, -1))
+
+    def _dense(self, q, k, v, ctx_k, ctx_v, mask: "DenseMask"):
+        A, _, b, _ = q.shape
+        groups = self.heads // self.kv_heads
+        q = q.contiguous().view(A, self.kv_heads, groups * b, self.head_dim)
+        ctx_visible, block_visible = mask
         scale = self.head_dim**-0.5
         # Grouped-query attention without materialising repeated keys: the query heads of
         # one kv group are stacked along the query axis.
@@ -221,8 +232,7 @@ class DrafterAttention(nn.Module):
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         T = ctx_k.shape[-2]
         out = probs[..., :T] @ ctx_v + probs[..., T:] @ v  # [A, kv_heads, groups*b, d]
-        out = out.view(A, self.heads, b, self.head_dim).transpose(1, 2).reshape(A, b, -1)
-        return self.o_proj(out)
+        return out.view(A, self.heads, b, self.head_dim)
 
 
 class DrafterLayer(nn.Module):
@@ -233,12 +243,17 @@ class DrafterLayer(nn.Module):
         self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, h, cos, sin, ctx_k, ctx_v, ctx_visible, block_visible):
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, ctx_k, ctx_v, ctx_visible, block_visible)
+    def forward(self, h, cos, sin, ctx_k, ctx_v, mask):
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, ctx_k, ctx_v, mask)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-def block_masks(anchors: torch.Tensor, block_len: int, ctx_len: int, is_causal: bool, window: int | None):
+class DenseMask(NamedTuple):
+    ctx_visible: torch.Tensor  # [A, b, T] bool
+    block_visible: torch.Tensor  # [b, b] bool
+
+
+def block_masks(anchors: torch.Tensor, block_len: int, ctx_len: int, is_causal: bool, window: int | None) -> DenseMask:
     """Visibility for blocks starting at `anchors` (absolute positions) over context 0..ctx_len-1.
 
     As the reference's `_attention_mask` over absolute positions: context key j is visible to
@@ -263,7 +278,57 @@ def block_masks(anchors: torch.Tensor, block_len: int, ctx_len: int, is_causal: 
         block_visible &= rel < window
         if not is_causal:
             block_visible &= -rel < window
-    return ctx_visible, block_visible
+    return DenseMask(ctx_visible, block_visible)
+
+
+def flex_block_mask(anchors: torch.Tensor, block_len: int, ctx_len: int, is_causal: bool, window: int | None):
+    """The same visibility as `block_masks` as one block-sparse flex_attention mask.
+
+    All blocks of a chunk are laid out as one query sequence (anchor a, block index i at
+    query a * b + i) over keys [context 0..T-1 ; every block's own keys]; a query sees the
+    context before its anchor and its own block only, so most tiles are skipped.
+    """
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    b, T = block_len, ctx_len
+    W = window if window is not None else 1 << 30
+
+    def visible(_batch, _head, q_idx, kv_idx):
+        a, i = q_idx // b, q_idx % b
+        t = anchors[a]
+        ctx_ok = (kv_idx < t) & (t + i - kv_idx < W)
+        j = kv_idx - T
+        k = j % b
+        blk_ok = (j // b == a) & (i - k < W)
+        blk_ok = blk_ok & (k <= i) if is_causal else blk_ok & (k - i < W)
+        return torch.where(kv_idx < T, ctx_ok, blk_ok)
+
+    n = anchors.numel() * b
+    return create_block_mask(visible, None, None, n, T + n, device=anchors.device,
+                             _compile=anchors.device.type == "cuda")
+
+
+_COMPILED_FLEX = None
+
+
+def flex_block_attention(q, k, v, ctx_k, ctx_v, block_mask, scale):
+    """Attention of every block of a chunk in one flex_attention call (GQA native).
+    q [A, h, b, d]; k/v [A, kv, b, d]; ctx_k/ctx_v [kv, T, d] -> [A, h, b, d]."""
+    global _COMPILED_FLEX
+    from torch.nn.attention.flex_attention import flex_attention
+
+    A, h, b, d = q.shape
+    kv = k.shape[1]
+    flat = lambda x: x.transpose(0, 1).reshape(x.shape[1], A * b, d)  # [A, n, b, d] -> [n, A*b, d]
+    keys = torch.cat([ctx_k, flat(k)], dim=1)[None]
+    values = torch.cat([ctx_v, flat(v)], dim=1)[None]
+    attend = flex_attention
+    if q.is_cuda:  # the fused kernel needs compiling; eager flex (CPU tests) is a reference path
+        if _COMPILED_FLEX is None:
+            _COMPILED_FLEX = torch.compile(flex_attention, dynamic=True)
+        attend = _COMPILED_FLEX
+    out = attend(flat(q)[None], keys, values, block_mask=block_mask, scale=scale, enable_gqa=kv != h)
+    return out[0].view(h, A, b, d).transpose(0, 1)
 
 
 class DFlashDrafter(nn.Module):
@@ -289,12 +354,15 @@ class DFlashDrafter(nn.Module):
         cos, sin = self.rope(ctx, torch.arange(ctx.shape[0], device=ctx.device))
         return [layer.self_attn.keys_values(ctx, cos, sin) for layer in self.layers]
 
-    def forward(self, block_embeds: torch.Tensor, anchors: torch.Tensor, context: list) -> torch.Tensor:
+    def forward(self, block_embeds: torch.Tensor, anchors: torch.Tensor, context: list,
+                attention: str = "dense") -> torch.Tensor:
         """Drafter hidden states [A, b, H] (after the final norm) for blocks at `anchors`.
 
         block_embeds [A, b, H] are the (scaled) target embeddings of [x_anchor, mask, ...];
         `context` is `context_kv(features)`; each anchor sees only context before it.
+        attention: "dense" (explicit boolean masks; CPU) or "flex" (block-sparse flex_attention).
         """
+        make_mask = {"dense": block_masks, "flex": flex_block_mask}[attention]
         A, b, _ = block_embeds.shape
         positions = anchors[:, None] + torch.arange(b, device=anchors.device)[None, :]
         cos, sin = self.rope(block_embeds, positions)
@@ -304,9 +372,9 @@ class DFlashDrafter(nn.Module):
         for index, layer in enumerate(self.layers):
             kind = (self.config.layer_is_causal(index), self.config.layer_window(index))
             if kind not in masks:
-                masks[kind] = block_masks(anchors, b, ctx_len, *kind)
+                masks[kind] = make_mask(anchors, b, ctx_len, *kind)
             ctx_k, ctx_v = context[index]
-            h = layer(h, cos, sin, ctx_k, ctx_v, *masks[kind])
+            h = layer(h, cos, sin, ctx_k, ctx_v, masks[kind])
         return self.norm(h)
 
     def logits(self, hidden: torch.Tensor, lm_head: torch.Tensor) -> torch.Tensor:

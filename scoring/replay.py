@@ -28,6 +28,13 @@ class ReplayOptions:
     memory_bytes: int = 2 << 30  # working-memory budget for one anchor chunk
     dtype: torch.dtype = torch.float32
     device: str = "cpu"
+    attention: str = "auto"  # auto: flex_attention on CUDA, dense explicit masks on CPU
+
+    @property
+    def attention_backend(self) -> str:
+        if self.attention == "auto":
+            return "flex" if str(self.device).startswith("cuda") else "dense"
+        return self.attention
 
 
 @dataclass
@@ -123,7 +130,7 @@ def _score_chunk(drafter, embed, lm_head, ids, anchors, block_len, context, topk
     block_embeds = torch.nn.functional.embedding(block_ids, embed) * cfg.input_embedding_scale
     visible_ctx = int(anchors.max())  # no anchor here sees context at or past this position
     chunk_context = [(k[:, :visible_ctx], v[:, :visible_ctx]) for k, v in context]
-    hidden = drafter(block_embeds, anchors, chunk_context)[:, 1:]
+    hidden = drafter(block_embeds, anchors, chunk_context, attention=options.attention_backend)[:, 1:]
     logits = drafter.logits(hidden, lm_head)  # [a, depth, V]
     draft = logits.argmax(dim=-1)
 

@@ -48,6 +48,7 @@ class ScoreConfig:
     device: str = "auto"
     dtype: str = "auto"
     memory_budget: int = 2 << 30
+    attention: str = "auto"
     limit: int | None = None
     force: bool = False
     quiet: bool = False
@@ -302,7 +303,7 @@ def score_checkpoint(ckpt: str, shardset: ShardSet, head: dict, out_dir: str, co
     lm_head = head["lm_head"].to(device=device, dtype=dtype)
     budgets = sorted(set(config.ddtree_budgets))
     options = ReplayOptions(max_budget=max(budgets) if budgets else 0, memory_bytes=config.memory_budget,
-                            dtype=dtype, device=device)
+                            dtype=dtype, device=device, attention=config.attention)
     stop_ids = list(settings["target"]["stop_token_ids"])
     max_new_tokens = int(settings["max_new_tokens"])
     scorer = SampleScorer(budgets, stop_ids, info.config.block_size)
@@ -352,7 +353,8 @@ def score_checkpoint(ckpt: str, shardset: ShardSet, head: dict, out_dir: str, co
         "shards": {"uri": shardset.uri, "identity": shards_id, "target": manifest.get("target", {}).get("name"),
                    "samples": total},
         "ddtree_budgets": list(config.ddtree_budgets),
-        "device": device, "dtype": str(dtype).replace("torch.", ""), "world_size": dist.world,
+        "device": device, "dtype": str(dtype).replace("torch.", ""), "attention": options.attention_backend,
+        "world_size": dist.world,
         "anchors": anchors_done, "wall_time_s": round(wall, 3),
         "versions": {"specreplay": _version(), "torch": torch.__version__, "python": platform.python_version()},
         "command": sys.argv,

@@ -41,10 +41,12 @@ def _parse_bytes(text: str) -> int:
 @click.option("--dtype", default="auto", show_default=True, help="auto = fp32 on CPU, bf16 on GPU; or fp32/bf16/fp16.")
 @click.option("--memory-budget", default="2GiB", show_default=True,
               help="Working memory for one batch of anchors; sets the chunk sizes.")
+@click.option("--attention", type=click.Choice(["auto", "dense", "flex"]), default="auto", show_default=True,
+              help="auto = block-sparse flex_attention on CUDA, dense explicit masks on CPU.")
 @click.option("--limit", type=int, default=None, help="Score only the first N samples.")
 @click.option("--force", is_flag=True, help="Re-score checkpoints already scored on these shards.")
 @click.option("--quiet", is_flag=True, help="No progress bars or summary table.")
-def score(ckpts, shards, out, ddtree_budgets, device, dtype, memory_budget, limit, force, quiet):
+def score(ckpts, shards, out, ddtree_budgets, device, dtype, memory_budget, attention, limit, force, quiet):
     """Replay stored shards through drafter checkpoints; write exact acceptance metrics.
 
     Writes anchors.parquet, walk.parquet, samples.parquet, summary.parquet and run.json, and
@@ -62,7 +64,8 @@ def score(ckpts, shards, out, ddtree_budgets, device, dtype, memory_budget, limi
 
     config = ScoreConfig(
         ckpts=list(ckpts), shards=shards, out=out, ddtree_budgets=_parse_budgets(ddtree_budgets),
-        device=device, dtype=dtype, memory_budget=_parse_bytes(memory_budget), limit=limit, force=force, quiet=quiet,
+        device=device, dtype=dtype, memory_budget=_parse_bytes(memory_budget), attention=attention, limit=limit,
+        force=force, quiet=quiet,
     )
     try:
         run_score(config)
