@@ -253,21 +253,26 @@ class DenseMask(NamedTuple):
     block_visible: torch.Tensor  # [b, b] bool
 
 
-def block_masks(anchors: torch.Tensor, block_len: int, ctx_len: int, is_causal: bool, window: int | None) -> DenseMask:
-    """Visibility for blocks starting at `anchors` (absolute positions) over context 0..ctx_len-1.
+def block_masks(anchors: torch.Tensor, block_len: int, ctx_len: int, is_causal: bool, window: int | None,
+                ctx_starts: torch.Tensor | None = None) -> DenseMask:
+    """Visibility for blocks starting at `anchors` (positions within their sample) over a
+    context of ctx_len keys, in which each anchor's sample starts at `ctx_starts` (0 when the
+    context holds one sample; several samples are packed end to end for walk replay).
 
-    As the reference's `_attention_mask` over absolute positions: context key j is visible to
-    the query at q = anchor + i iff j < anchor (the drafter only sees context before its
-    block) and, for sliding layers, q - j < window. Inside the block, full-attention layers are
-    bidirectional; causal layers see k <= i; windowed layers |i - k| < window (or i - k when causal).
+    As the reference's `_attention_mask` over absolute positions: context key at sample
+    position p is visible to the query at q = anchor + i iff p < anchor (the drafter only sees
+    context before its block) and, for sliding layers, q - p < window. Inside the block,
+    full-attention layers are bidirectional; causal layers see k <= i; windowed layers
+    |i - k| < window (or i - k when causal).
     """
     device = anchors.device
     i = torch.arange(block_len, device=device)
-    j = torch.arange(ctx_len, device=device)
-    ctx_visible = j[None, None, :] < anchors[:, None, None]
+    starts = torch.zeros_like(anchors) if ctx_starts is None else ctx_starts
+    pos = torch.arange(ctx_len, device=device)[None, None, :] - starts[:, None, None]  # key's sample position
+    ctx_visible = (pos >= 0) & (pos < anchors[:, None, None])
     if window is not None:
         query_pos = anchors[:, None] + i[None, :]
-        ctx_visible = ctx_visible & ((query_pos[:, :, None] - j[None, None, :]) < window)
+        ctx_visible = ctx_visible & ((query_pos[:, :, None] - pos) < window)
     else:
         ctx_visible = ctx_visible.expand(len(anchors), block_len, ctx_len)
     block_visible = torch.ones(block_len, block_len, dtype=torch.bool, device=device)
@@ -281,7 +286,8 @@ def block_masks(anchors: torch.Tensor, block_len: int, ctx_len: int, is_causal: 
     return DenseMask(ctx_visible, block_visible)
 
 
-def flex_block_mask(anchors: torch.Tensor, block_len: int, ctx_len: int, is_causal: bool, window: int | None):
+def flex_block_mask(anchors: torch.Tensor, block_len: int, ctx_len: int, is_causal: bool, window: int | None,
+                    ctx_starts: torch.Tensor | None = None):
     """The same visibility as `block_masks` as one block-sparse flex_attention mask.
 
     All blocks of a chunk are laid out as one query sequence (anchor a, block index i at
@@ -292,11 +298,13 @@ def flex_block_mask(anchors: torch.Tensor, block_len: int, ctx_len: int, is_caus
 
     b, T = block_len, ctx_len
     W = window if window is not None else 1 << 30
+    starts = torch.zeros_like(anchors) if ctx_starts is None else ctx_starts
 
     def visible(_batch, _head, q_idx, kv_idx):
         a, i = q_idx // b, q_idx % b
         t = anchors[a]
-        ctx_ok = (kv_idx < t) & (t + i - kv_idx < W)
+        p = kv_idx - starts[a]  # the key's position within the anchor's sample
+        ctx_ok = (p >= 0) & (p < t) & (t + i - p < W)
         j = kv_idx - T
         k = j % b
         blk_ok = (j // b == a) & (i - k < W)
@@ -355,12 +363,13 @@ class DFlashDrafter(nn.Module):
         return [layer.self_attn.keys_values(ctx, cos, sin) for layer in self.layers]
 
     def forward(self, block_embeds: torch.Tensor, anchors: torch.Tensor, context: list,
-                attention: str = "dense") -> torch.Tensor:
+                attention: str = "dense", ctx_starts: torch.Tensor | None = None) -> torch.Tensor:
         """Drafter hidden states [A, b, H] (after the final norm) for blocks at `anchors`.
 
         block_embeds [A, b, H] are the (scaled) target embeddings of [x_anchor, mask, ...];
         `context` is `context_kv(features)`; each anchor sees only context before it.
         attention: "dense" (explicit boolean masks; CPU) or "flex" (block-sparse flex_attention).
+        ctx_starts: where each anchor's sample starts in a packed multi-sample context.
         """
         make_mask = {"dense": block_masks, "flex": flex_block_mask}[attention]
         A, b, _ = block_embeds.shape
@@ -372,7 +381,7 @@ class DFlashDrafter(nn.Module):
         for index, layer in enumerate(self.layers):
             kind = (self.config.layer_is_causal(index), self.config.layer_window(index))
             if kind not in masks:
-                masks[kind] = make_mask(anchors, b, ctx_len, *kind)
+                masks[kind] = make_mask(anchors, b, ctx_len, *kind, ctx_starts)
             ctx_k, ctx_v = context[index]
             h = layer(h, cos, sin, ctx_k, ctx_v, masks[kind])
         return self.norm(h)

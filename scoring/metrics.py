@@ -19,6 +19,14 @@ def leading_matches(draft_tokens: torch.Tensor, target_tokens: torch.Tensor) -> 
     return match.long().cumprod(dim=1).sum(dim=1)
 
 
+def tree_accepted(pop_index: torch.Tensor, budget: int) -> torch.Tensor:
+    """DDTree acceptance alpha, bonus-exclusive: the depth of the deepest node on the target's
+    path inside the tree of `budget` nodes. pop_index [A, L] is when the target-path prefix of
+    each depth leaves the best-first heap; the tree of budget N is the first N pops and is
+    prefix-closed, so alpha = the number of leading depths with pop index < N. -> [A]."""
+    return (pop_index < budget).long().cumprod(dim=1).sum(dim=1)
+
+
 def produced_tokens(accepted: torch.Tensor, anchors: torch.Tensor, seq_len: int,
                     next_stop: torch.Tensor) -> torch.Tensor:
     """Tokens one decoding step at each anchor appends (bonus-inclusive), as `dflash_generate`:

@@ -20,6 +20,7 @@ from pipeline.shards import Sample
 from scoring.ddtree import NOT_IN_TREE, path_pop_indices, top_log_probs
 from scoring.drafter import DFlashDrafter
 from scoring.metrics import kl_on_topk
+from scoring.walk import walk_finished
 
 
 @dataclass
@@ -50,6 +51,7 @@ class AnchorTensors:
     target_logprob: torch.Tensor  # [A, L] log q_k(y_k)
     kl_topk: torch.Tensor  # [A, L] KL(target || draft) on the stored top-k support
     tree_pop_index: torch.Tensor  # [A, L] DDTree pop index of the target-path prefix of depth k
+    computed: torch.Tensor  # [A] bool: scored (all True in all-anchor mode; walk mode scores visited anchors)
 
 
 def select_feature_columns(features: torch.Tensor, stored_layer_ids: list[int], drafter_layer_ids: list[int]) -> torch.Tensor:
@@ -79,85 +81,170 @@ def _path_ranks(top_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return torch.where(hit.any(-1), hit.float().argmax(-1), torch.full_like(targets, -1))
 
 
-@torch.inference_mode()
-def replay_sample(drafter: DFlashDrafter, embed: torch.Tensor, lm_head: torch.Tensor, sample: Sample,
-                  feature_columns, budget_tokens: int, options: ReplayOptions) -> AnchorTensors:
-    """Score every anchor of one sample. `feature_columns(features)` selects the drafter's
-    layers; `budget_tokens` is the max_new_tokens the online loop would run with."""
-    cfg = drafter.config
+@dataclass
+class PackedSamples:
+    """Samples laid end to end, so one drafter call can serve anchors of several samples
+    (walk replay batches the current anchor of many samples). Sample s occupies positions
+    starts[s] .. starts[s] + lengths[s] - 1 of the token ids and of the drafter context."""
+
+    ids: torch.Tensor  # [sum N] token ids
+    starts: torch.Tensor  # [S]
+    lengths: torch.Tensor  # [S]
+    prompt_lens: torch.Tensor  # [S]
+    topk_ids: torch.Tensor  # [sum (R + 1), k]
+    topk_logprobs: torch.Tensor  # [sum (R + 1), k]
+    topk_starts: torch.Tensor  # [S]
+    context: list  # per drafter layer (k, v) [kv_heads, sum N, d]
+
+
+def pack_samples(drafter: DFlashDrafter, samples: list[Sample], feature_columns, options: ReplayOptions) -> PackedSamples:
+    """Context keys/values of every layer, computed once per sample (RoPE on positions within
+    the sample) and concatenated."""
     device, dtype = options.device, options.dtype
-    ids = sample.input_ids.to(device)
-    seq_len, prompt_len = ids.numel(), sample.prompt_len
-    L = cfg.block_size - 1
-    anchors = torch.arange(prompt_len, seq_len - 1, device=device)
-    A = anchors.numel()
-    out = AnchorTensors(
-        anchors=anchors.cpu(),
-        block_len=torch.clamp(prompt_len + budget_tokens - anchors, max=cfg.block_size).cpu(),
+    contexts = [drafter.context_kv(feature_columns(s.features).to(device=device, dtype=dtype)) for s in samples]
+    context = [tuple(torch.cat([c[layer][part] for c in contexts], dim=1) for part in (0, 1))
+               for layer in range(len(drafter.layers))]
+    lengths = torch.tensor([s.input_ids.numel() for s in samples], device=device)
+    rows = torch.tensor([s.topk_ids.shape[0] for s in samples], device=device)
+    return PackedSamples(
+        ids=torch.cat([s.input_ids for s in samples]).to(device),
+        starts=torch.cumsum(lengths, 0) - lengths,
+        lengths=lengths,
+        prompt_lens=torch.tensor([s.prompt_len for s in samples], device=device),
+        topk_ids=torch.cat([s.topk_ids for s in samples]).to(device),
+        topk_logprobs=torch.cat([s.topk_logprobs for s in samples]).to(device),
+        topk_starts=torch.cumsum(rows, 0) - rows,
+        context=context,
+    )
+
+
+def empty_anchor_tensors(sample: Sample, budget_tokens: int, block_size: int) -> AnchorTensors:
+    """Per-anchor tensors for every anchor of a sample, nothing computed yet."""
+    anchors = torch.arange(sample.prompt_len, sample.input_ids.numel() - 1)
+    A, L = anchors.numel(), block_size - 1
+    return AnchorTensors(
+        anchors=anchors,
+        block_len=torch.clamp(sample.prompt_len + budget_tokens - anchors, max=block_size),
         draft_tokens=torch.full((A, L), -1, dtype=torch.long),
         target_tokens=torch.full((A, L), -1, dtype=torch.long),
         target_logprob=torch.full((A, L), float("nan")),
         kl_topk=torch.full((A, L), float("nan")),
         tree_pop_index=torch.full((A, L), NOT_IN_TREE, dtype=torch.long),
+        computed=torch.zeros(A, dtype=torch.bool),
     )
-    if A == 0:
-        return out
-    ctx_len = seq_len - 2  # the last anchor (seq_len - 2) sees positions 0..seq_len - 3
-    features = feature_columns(sample.features[:ctx_len]).to(device=device, dtype=dtype)
-    context = drafter.context_kv(features)
-    topk_ids = sample.topk_ids.to(device)
-    topk_logprobs = sample.topk_logprobs.to(device)
+
+
+@torch.inference_mode()
+def replay_anchors(drafter: DFlashDrafter, embed: torch.Tensor, lm_head: torch.Tensor, packed: PackedSamples,
+                   results: list[AnchorTensors], wanted: list[tuple[int, int]], options: ReplayOptions) -> None:
+    """Score the anchors `wanted` = [(sample index, row in results[sample])] into `results`,
+    batched across samples: grouped by block length, chunked by the memory budget."""
+    if not wanted:
+        return
+    sample_idx = torch.tensor([s for s, _ in wanted])
+    rows = torch.tensor([r for _, r in wanted])
+    anchors = torch.stack([results[s].anchors[r] for s, r in wanted])
+    block_lens = torch.stack([results[s].block_len[r] for s, r in wanted])
     vocab = lm_head.shape[0]
-
-    for block_len in out.block_len.unique().tolist():
-        rows = torch.nonzero(out.block_len == block_len).flatten()
+    ctx_len = int(packed.lengths.sum())
+    for block_len in block_lens.unique().tolist():
+        group = torch.nonzero(block_lens == block_len).flatten()
         chunk = anchors_per_chunk(drafter, block_len, ctx_len, vocab, options.memory_bytes)
-        for begin in range(0, rows.numel(), chunk):
-            row = rows[begin:begin + chunk]
-            _score_chunk(drafter, embed, lm_head, ids, anchors[row.to(device)], block_len, context,
-                         topk_ids, topk_logprobs, prompt_len, options, out, row)
-    return out
+        for begin in range(0, group.numel(), chunk):
+            part = group[begin:begin + chunk]
+            scored = _score_chunk(drafter, embed, lm_head, packed, sample_idx[part].to(options.device),
+                                  anchors[part].to(options.device), block_len, options)
+            depth = block_len - 1
+            for i, (s, r) in enumerate(zip(sample_idx[part].tolist(), rows[part].tolist())):
+                out = results[s]
+                out.draft_tokens[r, :depth] = scored["draft"][i]
+                out.target_tokens[r, :depth] = scored["targets"][i]
+                out.target_logprob[r, :depth] = scored["target_logprob"][i]
+                out.kl_topk[r, :depth] = scored["kl"][i]
+                out.tree_pop_index[r, :depth] = scored["pops"][i]
+                out.computed[r] = True
 
 
-def _score_chunk(drafter, embed, lm_head, ids, anchors, block_len, context, topk_ids, topk_logprobs,
-                 prompt_len, options, out, rows):
+def replay_sample(drafter: DFlashDrafter, embed: torch.Tensor, lm_head: torch.Tensor, sample: Sample,
+                  feature_columns, budget_tokens: int, options: ReplayOptions) -> AnchorTensors:
+    """Score every anchor of one sample (all-anchor mode). `feature_columns(features)` selects
+    the drafter's layers; `budget_tokens` is the max_new_tokens the online loop would run with."""
+    result = empty_anchor_tensors(sample, budget_tokens, drafter.config.block_size)
+    if result.anchors.numel():
+        packed = pack_samples(drafter, [sample], feature_columns, options)
+        replay_anchors(drafter, embed, lm_head, packed, [result],
+                       [(0, r) for r in range(result.anchors.numel())], options)
+    return result
+
+
+def replay_walks(drafter: DFlashDrafter, embed: torch.Tensor, lm_head: torch.Tensor, samples: list[Sample],
+                 feature_columns, budget_tokens: list[int], num_methods: int, produced, is_stop: list[torch.Tensor],
+                 options: ReplayOptions) -> list[AnchorTensors]:
+    """Walk-only mode: score just the anchors the simulated walks visit, round by round, the
+    current anchor of every unfinished (sample, method) walk batched into one drafter call.
+
+    `produced(sample_index, method_index, result, row)` is the number of tokens that method's
+    step at anchor `row` of the sample produces; walks start at the prompt end and stop as
+    `walk.walk` does (response complete, or the step ended on a stop token).
+    """
+    block_size = drafter.config.block_size
+    results = [empty_anchor_tensors(s, b, block_size) for s, b in zip(samples, budget_tokens)]
+    packed = pack_samples(drafter, samples, feature_columns, options)
+    positions = {(s, m): samples[s].prompt_len for s in range(len(samples)) for m in range(num_methods)}
+    active = {key for key, pos in positions.items() if not walk_finished(pos, is_stop[key[0]])}
+    while active:
+        wanted = sorted({(s, positions[(s, m)] - samples[s].prompt_len) for s, m in active})
+        wanted = [(s, r) for s, r in wanted if not results[s].computed[r]]
+        replay_anchors(drafter, embed, lm_head, packed, results, wanted, options)
+        for s, m in sorted(active):
+            row = positions[(s, m)] - samples[s].prompt_len
+            positions[(s, m)] += produced(s, m, results[s], row)
+            if walk_finished(positions[(s, m)], is_stop[s]):
+                active.discard((s, m))
+    return results
+
+
+def _score_chunk(drafter, embed, lm_head, packed: PackedSamples, sample_idx, anchors, block_len, options) -> dict:
+    """Drafter pass over a chunk of anchors (each in its sample of `packed`); per-anchor
+    draft tokens, target tokens, log q(target), KL on the stored top-k, DDTree pop indices."""
     cfg = drafter.config
-    seq_len = ids.numel()
+    device = anchors.device
     depth = block_len - 1
+    starts, lengths = packed.starts[sample_idx], packed.lengths[sample_idx]
     # Block inputs: [x_t, mask, ..., mask] through the target's input embedding.
-    block_ids = torch.full((anchors.numel(), block_len), cfg.mask_token_id, dtype=torch.long, device=ids.device)
-    block_ids[:, 0] = ids[anchors]
+    block_ids = torch.full((anchors.numel(), block_len), cfg.mask_token_id, dtype=torch.long, device=device)
+    block_ids[:, 0] = packed.ids[starts + anchors]
     block_embeds = torch.nn.functional.embedding(block_ids, embed) * cfg.input_embedding_scale
-    visible_ctx = int(anchors.max())  # no anchor here sees context at or past this position
-    chunk_context = [(k[:, :visible_ctx], v[:, :visible_ctx]) for k, v in context]
-    hidden = drafter(block_embeds, anchors, chunk_context, attention=options.attention_backend)[:, 1:]
+    visible_ctx = int((starts + anchors).max())  # no anchor here sees context at or past this key
+    chunk_context = [(k[:, :visible_ctx], v[:, :visible_ctx]) for k, v in packed.context]
+    hidden = drafter(block_embeds, anchors, chunk_context, attention=options.attention_backend,
+                     ctx_starts=starts)[:, 1:]
     logits = drafter.logits(hidden, lm_head)  # [a, depth, V]
     draft = logits.argmax(dim=-1)
 
-    positions = anchors[:, None] + torch.arange(1, depth + 1, device=ids.device)[None, :]
-    known = positions < seq_len
-    targets = torch.where(known, ids[positions.clamp(max=seq_len - 1)], torch.full_like(positions, -1))
+    positions = anchors[:, None] + torch.arange(1, depth + 1, device=device)[None, :]  # within the sample
+    known = positions < lengths[:, None]
+    flat = (starts[:, None] + positions).clamp(max=packed.ids.numel() - 1)
+    targets = torch.where(known, packed.ids[flat], torch.full_like(positions, -1))
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     target_logprob = logprobs.gather(-1, targets.clamp(min=0)[..., None])[..., 0]
     target_logprob = torch.where(known, target_logprob, torch.full_like(target_logprob, float("nan")))
-    # Stored target distribution for the token at position p is row p - prompt_len.
-    topk_rows = (positions - prompt_len).clamp(max=topk_ids.shape[0] - 1)
-    support = topk_ids[topk_rows].long()  # [a, depth, k]
-    kl = kl_on_topk(topk_logprobs[topk_rows], logprobs.gather(-1, support))
+    # Stored target distribution for the token at sample position p is row p - prompt_len.
+    topk_rows = packed.topk_starts[sample_idx][:, None] + positions - packed.prompt_lens[sample_idx][:, None]
+    topk_rows = topk_rows.clamp(max=packed.topk_ids.shape[0] - 1)
+    support = packed.topk_ids[topk_rows].long()  # [a, depth, k]
+    kl = kl_on_topk(packed.topk_logprobs[topk_rows], logprobs.gather(-1, support))
     kl = torch.where(known, kl, torch.full_like(kl, float("nan")))
-
-    cpu_rows = rows.cpu()
-    out.draft_tokens[cpu_rows, :depth] = draft.cpu()
-    out.target_tokens[cpu_rows, :depth] = targets.cpu()
-    out.target_logprob[cpu_rows, :depth] = target_logprob.cpu()
-    out.kl_topk[cpu_rows, :depth] = kl.cpu()
     del logprobs
 
+    pops = torch.full((anchors.numel(), depth), NOT_IN_TREE, dtype=torch.long)
     if options.max_budget > 0:
         top_logp, top_ids = top_log_probs(logits, options.max_budget)
         ranks = _path_ranks(top_ids, targets).cpu().numpy()
         top_logp = top_logp.cpu().numpy()
         known_depth = known.sum(dim=1).cpu().numpy()
-        for i, r in enumerate(cpu_rows.tolist()):
-            pops = path_pop_indices(top_logp[i], ranks[i, : known_depth[i]], options.max_budget)
-            out.tree_pop_index[r, : pops.size] = torch.from_numpy(pops)
+        for i in range(anchors.numel()):
+            found = path_pop_indices(top_logp[i], ranks[i, : known_depth[i]], options.max_budget)
+            pops[i, : found.size] = torch.from_numpy(found)
+    return {"draft": draft.cpu(), "targets": targets.cpu(), "target_logprob": target_logprob.cpu(),
+            "kl": kl.cpu(), "pops": pops}

@@ -31,7 +31,7 @@ from pipeline.distributed import Dist, barrier, dist_from_env, init_dist, resolv
 from pipeline.shards import ShardSet
 from scoring import metrics
 from scoring.checkpoint import check_compatibility, load_drafter, read_drafter_config
-from scoring.replay import AnchorTensors, ReplayOptions, replay_sample, select_feature_columns
+from scoring.replay import AnchorTensors, ReplayOptions, replay_sample, replay_walks, select_feature_columns
 from scoring.walk import next_stop_positions, stop_mask, walk
 
 DEFAULT_BUDGETS = (4, 8, 16, 32, 64, 128, 256)
@@ -49,6 +49,8 @@ class ScoreConfig:
     dtype: str = "auto"
     memory_budget: int = 2 << 30
     attention: str = "auto"
+    anchors: str = "all"  # "all": every response position; "walk": only the anchors the walks visit
+    walk_group_tokens: int = 8192  # walk mode: samples packed per group (tokens)
     limit: int | None = None
     force: bool = False
     quiet: bool = False
@@ -113,6 +115,7 @@ class SampleScorer:
 
     def __init__(self, budgets: list[int], stop_token_ids: list[int], block_size: int):
         self.budgets = budgets
+        self.methods = method_names(budgets)
         self.stop_token_ids = stop_token_ids
         self.block_size = block_size
         # per sample index: (anchor table or None, walk rows, sample rows); merged in index
@@ -141,16 +144,11 @@ class SampleScorer:
         ids = sample.input_ids
         seq_len, prompt_len = ids.numel(), sample.prompt_len
         is_stop = stop_mask(ids, self.stop_token_ids)
-        next_stop = next_stop_positions(is_stop)[result.anchors]
-        anchors = result.anchors
-        accepted = metrics.leading_matches(result.draft_tokens, result.target_tokens)
-        produced = {"chain": metrics.produced_tokens(accepted, anchors, seq_len, next_stop)}
-        accepted_by_method = {"chain": accepted}
-        for budget in self.budgets:
-            alpha = (result.tree_pop_index < budget).long().cumprod(dim=1).sum(dim=1)
-            name = f"ddtree-{budget}"
-            accepted_by_method[name] = alpha
-            produced[name] = metrics.produced_tokens(alpha, anchors, seq_len, next_stop)
+        next_stop = next_stop_positions(is_stop)
+        accepted_by_method = {name: method_accepted(result, name) for name in self.methods}
+        produced = {name: metrics.produced_tokens(accepted, result.anchors, seq_len, next_stop[result.anchors])
+                    for name, accepted in accepted_by_method.items()}
+        accepted = accepted_by_method["chain"]
 
         mismatches = int(sample.argmax_mismatch.sum()) if "argmax_mismatch" in sample.tensors else 0
         exact = bool(sample.greedy and mismatches == 0)
@@ -181,9 +179,15 @@ class SampleScorer:
         self.parts[index] = (anchor_table, walk_rows, sample_rows)
 
     def _anchor_table(self, sample, result, accepted, produced, accepted_by_method) -> pa.Table | None:
-        A = result.anchors.numel()
-        if A == 0:
+        if not bool(result.computed.any()):
             return None
+        # walk mode scores only the anchors the walks visit: keep those rows
+        keep = result.computed
+        result = AnchorTensors(**{name: getattr(result, name)[keep] for name in AnchorTensors.__dataclass_fields__})
+        accepted = accepted[keep]
+        produced = {name: value[keep] for name, value in produced.items()}
+        accepted_by_method = {name: value[keep] for name, value in accepted_by_method.items()}
+        A = result.anchors.numel()
         match, known = metrics.position_match(result.draft_tokens, result.target_tokens)
         lengths = known.sum(dim=1).numpy()
         flat_known = known.numpy()
@@ -211,6 +215,13 @@ class SampleScorer:
         stats["match"] += match.sum(0).numpy()
         stats["known"] += known.sum(0).numpy()
         return pa.table(columns)
+
+
+def method_accepted(result: AnchorTensors, method: str, rows=slice(None)) -> torch.Tensor:
+    """Accepted draft tokens per anchor (bonus-exclusive) for "chain" or "ddtree-N"."""
+    if method == "chain":
+        return metrics.leading_matches(result.draft_tokens[rows], result.target_tokens[rows])
+    return metrics.tree_accepted(result.tree_pop_index[rows], int(method.split("-", 1)[1]))
 
 
 def _empty_position_stats(L: int) -> dict[str, np.ndarray]:
@@ -291,7 +302,8 @@ def score_checkpoint(ckpt: str, shardset: ShardSet, head: dict, out_dir: str, co
     shards_id = shards_identity(manifest)
     quiet = config.quiet or not dist.main
     total = shardset.num_samples if config.limit is None else min(config.limit, shardset.num_samples)
-    if not config.force and already_scored(out_dir, info.content_hash, shards_id, config.ddtree_budgets, total):
+    if not config.force and already_scored(out_dir, info.content_hash, shards_id, config.ddtree_budgets, total,
+                                           config.anchors):
         if not quiet:
             print(f"{info.name}: already scored on these shards in {out_dir} (use --force to redo)")
         return None
@@ -314,16 +326,22 @@ def score_checkpoint(ckpt: str, shardset: ShardSet, head: dict, out_dir: str, co
     wanted = set(mine)
     samples = shardset.samples(tensors=["features", "topk_ids", "topk_logprobs", "argmax_mismatch"],
                                keep=wanted.__contains__)
-    for index, sample in zip(mine, samples):
+    columns = lambda f: select_feature_columns(f, stored_layer_ids, drafter_layer_ids)  # noqa: E731
+
+    def budget_of(sample) -> int:
         # Given (teacher-forced) responses may be longer than the extract's budget.
-        budget = max_new_tokens if sample.greedy else max(max_new_tokens, sample.response_len)
-        result = replay_sample(
-            drafter, embed, lm_head, sample,
-            lambda f: select_feature_columns(f, stored_layer_ids, drafter_layer_ids), budget, options,
-        )
-        scorer.add(index, sample, result)
-        anchors_done += result.anchors.numel()
-        progress.update(1)
+        return max_new_tokens if sample.greedy else max(max_new_tokens, sample.response_len)
+
+    for group in _sample_groups(zip(mine, samples), config.anchors, config.walk_group_tokens):
+        if config.anchors == "all":
+            results = [replay_sample(drafter, embed, lm_head, s, columns, budget_of(s), options) for _, s in group]
+        else:
+            results = _replay_group_walks(drafter, embed, lm_head, [s for _, s in group], columns,
+                                          [budget_of(s) for _, s in group], scorer, options)
+        for (index, sample), result in zip(group, results):
+            scorer.add(index, sample, result)
+            anchors_done += int(result.computed.sum())
+        progress.update(len(group))
         progress.set_postfix(anchors_per_s=f"{anchors_done / max(time.time() - started, 1e-9):.0f}")
     progress.close()
 
@@ -339,6 +357,7 @@ def score_checkpoint(ckpt: str, shardset: ShardSet, head: dict, out_dir: str, co
     identity = {"checkpoint": info.name, "checkpoint_hash": info.content_hash[:16], "checkpoint_step": info.step}
     anchors, walk_table, sample_rows = scorer.tables()
     summary = summarize(scorer, anchors, sample_rows, method_names(budgets), identity)
+    summary = summary.append_column("anchor_set", pa.array([config.anchors] * summary.num_rows))
     os.makedirs(out_dir, exist_ok=True)
     if anchors is not None:
         _write_table(_with_identity(anchors, identity), os.path.join(out_dir, "anchors.parquet"))
@@ -352,7 +371,7 @@ def score_checkpoint(ckpt: str, shardset: ShardSet, head: dict, out_dir: str, co
                        "step": info.step, "config": info.config_raw},
         "shards": {"uri": shardset.uri, "identity": shards_id, "target": manifest.get("target", {}).get("name"),
                    "samples": total},
-        "ddtree_budgets": list(config.ddtree_budgets),
+        "ddtree_budgets": list(config.ddtree_budgets), "anchor_set": config.anchors,
         "device": device, "dtype": str(dtype).replace("torch.", ""), "attention": options.attention_backend,
         "world_size": dist.world,
         "anchors": anchors_done, "wall_time_s": round(wall, 3),
@@ -367,9 +386,40 @@ def score_checkpoint(ckpt: str, shardset: ShardSet, head: dict, out_dir: str, co
     return record
 
 
-def already_scored(out_dir: str, content_hash: str, shards_id: str, budgets: list[int], samples: int) -> bool:
-    """True when out_dir holds results of this checkpoint content on the same shards, budgets
-    and number of samples."""
+def _sample_groups(indexed_samples, anchors_mode: str, group_tokens: int):
+    """All-anchor mode replays one sample at a time; walk mode packs samples up to
+    `group_tokens` tokens so each round batches the current anchor of many samples."""
+    group, tokens = [], 0
+    for index, sample in indexed_samples:
+        n = sample.input_ids.numel()
+        if group and (anchors_mode == "all" or tokens + n > group_tokens):
+            yield group
+            group, tokens = [], 0
+        group.append((index, sample))
+        tokens += n
+    if group:
+        yield group
+
+
+def _replay_group_walks(drafter, embed, lm_head, samples, columns, budgets, scorer: SampleScorer, options):
+    """Walk-only replay of a group: every method's walk, anchors shared between methods once."""
+    is_stop = [stop_mask(s.input_ids, scorer.stop_token_ids) for s in samples]
+    next_stop = [next_stop_positions(m) for m in is_stop]
+
+    def produced(s: int, m: int, result: AnchorTensors, row: int) -> int:
+        accepted = method_accepted(result, scorer.methods[m], slice(row, row + 1))
+        anchor = result.anchors[row:row + 1]
+        seq_len = samples[s].input_ids.numel()
+        return int(metrics.produced_tokens(accepted, anchor, seq_len, next_stop[s][anchor])[0])
+
+    return replay_walks(drafter, embed, lm_head, samples, columns, budgets, len(scorer.methods), produced,
+                        is_stop, options)
+
+
+def already_scored(out_dir: str, content_hash: str, shards_id: str, budgets: list[int], samples: int,
+                   anchor_set: str) -> bool:
+    """True when out_dir holds results of this checkpoint content on the same shards, budgets,
+    number of samples and anchor set."""
     run_path = os.path.join(out_dir, "run.json")
     if not os.path.exists(run_path):
         return False
@@ -378,7 +428,8 @@ def already_scored(out_dir: str, content_hash: str, shards_id: str, budgets: lis
     return (previous.get("checkpoint", {}).get("content_hash") == content_hash
             and previous.get("shards", {}).get("identity") == shards_id
             and previous.get("ddtree_budgets") == list(budgets)
-            and previous.get("shards", {}).get("samples") == samples)
+            and previous.get("shards", {}).get("samples") == samples
+            and previous.get("anchor_set", "all") == anchor_set)
 
 
 def _version() -> str:

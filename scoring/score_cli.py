@@ -43,10 +43,14 @@ def _parse_bytes(text: str) -> int:
               help="Working memory for one batch of anchors; sets the chunk sizes.")
 @click.option("--attention", type=click.Choice(["auto", "dense", "flex"]), default="auto", show_default=True,
               help="auto = block-sparse flex_attention on CUDA, dense explicit masks on CPU.")
+@click.option("--anchors", "anchor_set", type=click.Choice(["all", "walk"]), default="all", show_default=True,
+              help="all: every response position (walk numbers plus dense all-anchor metrics); walk: only the "
+                   "anchors the simulated walks visit (same walk numbers, about tau times less drafter work).")
 @click.option("--limit", type=int, default=None, help="Score only the first N samples.")
 @click.option("--force", is_flag=True, help="Re-score checkpoints already scored on these shards.")
 @click.option("--quiet", is_flag=True, help="No progress bars or summary table.")
-def score(ckpts, shards, out, ddtree_budgets, device, dtype, memory_budget, attention, limit, force, quiet):
+def score(ckpts, shards, out, ddtree_budgets, device, dtype, memory_budget, attention, anchor_set, limit, force,
+          quiet):
     """Replay stored shards through drafter checkpoints; write exact acceptance metrics.
 
     Writes anchors.parquet, walk.parquet, samples.parquet, summary.parquet and run.json, and
@@ -64,7 +68,8 @@ def score(ckpts, shards, out, ddtree_budgets, device, dtype, memory_budget, atte
 
     config = ScoreConfig(
         ckpts=list(ckpts), shards=shards, out=out, ddtree_budgets=_parse_budgets(ddtree_budgets),
-        device=device, dtype=dtype, memory_budget=_parse_bytes(memory_budget), attention=attention, limit=limit,
+        device=device, dtype=dtype, memory_budget=_parse_bytes(memory_budget), attention=attention, anchors=anchor_set,
+        limit=limit,
         force=force, quiet=quiet,
     )
     try:

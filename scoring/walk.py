@@ -25,17 +25,20 @@ def next_stop_positions(is_stop: torch.Tensor) -> torch.Tensor:
     return torch.flip(torch.cummin(torch.flip(shifted, [0]), dim=0).values, [0])
 
 
+def walk_finished(position: int, is_stop: torch.Tensor) -> bool:
+    """The online loop stops once the response is complete or its last token is a stop token."""
+    return position >= is_stop.numel() - 1 or bool(is_stop[position])
+
+
 def walk(produced: torch.Tensor, prompt_len: int, is_stop: torch.Tensor) -> list[tuple[int, int]]:
     """Steps (anchor, produced) the online loop takes. `produced[i]` belongs to anchor
     prompt_len + i (anchors prompt_len .. N - 2); is_stop [N] marks stop tokens. No step when
     the first response token is already a stop token; the walk ends when the response is
     complete or a step ended on a stop token (`produced` is already cut there)."""
-    seq_len = is_stop.numel()
-    stops = is_stop.tolist()
     values = produced.tolist()
     steps = []
     start = prompt_len
-    while start < seq_len - 1 and not stops[start]:
+    while not walk_finished(start, is_stop):
         step = values[start - prompt_len]
         steps.append((start, step))
         start += step

@@ -189,3 +189,21 @@ def test_hybrid_and_vlm_targets_match_online_loop_from_scratch(tmp_path, builder
         assert walk.get(sample.sample_id, []) == produced, sample.sample_id
         steps += produced
     assert max(steps) > 1, steps
+
+
+def test_walk_only_mode_gives_the_same_walks_with_fewer_anchors(qwen3_setup):
+    tmp, model_dir, shards, target = qwen3_setup
+    ckpt = _fit(shards, str(tmp / "ckpt-walkmode"), 8, None, ["sliding_attention", "full_attention"], steps=300)
+    runs = {}
+    for mode in ("all", "walk"):
+        out = str(tmp / f"results-walkmode-{mode}")
+        # a small group size packs a few samples per round, so rounds mix samples
+        run_score(ScoreConfig(ckpts=[ckpt], shards=shards, out=out, ddtree_budgets=[4, 16], quiet=True,
+                              anchors=mode, walk_group_tokens=120))
+        runs[mode] = (pl.read_parquet(f"{out}/walk.parquet", glob=False), json.load(open(f"{out}/run.json")))
+    all_walk, all_run = runs["all"]
+    walk_walk, walk_run = runs["walk"]
+    assert all_walk.equals(walk_walk)
+    assert walk_run["anchors"] < all_run["anchors"]
+    chain_steps = all_walk.filter(pl.col("method") == "chain").height
+    assert walk_run["anchors"] >= chain_steps
