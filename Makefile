@@ -9,7 +9,7 @@ RESULTS ?= data/results
 CKPT    ?=
 ARGS    ?=
 
-.PHONY: setup setup-browser test extract score inspect bench clean help
+.PHONY: setup setup-browser test extract score inspect bench demo clean help
 
 help:
 	@echo "make setup     create .venv and install specreplay (CPU torch 2.13.0 first)"
@@ -18,6 +18,7 @@ help:
 	@echo "make extract   extract SmolLM2-135M over the bundled default prompts into $(SHARDS)"
 	@echo "make score CKPT=path/to/drafter   score a drafter checkpoint against $(SHARDS)"
 	@echo "make bench     print benchmark figures (writes bench/results/*.json)"
+	@echo "make demo      extract SmolLM2, fit a tiny drafter, score two checkpoints, compare, report"
 
 .venv/bin/python:
 	python3 -m venv .venv
@@ -43,9 +44,10 @@ test:
 extract:
 	$(CLI) extract --model $(MODEL) --prompts $(PROMPTS) --out $(SHARDS) $(ARGS)
 
+# One results directory per checkpoint: data/results/<parent>_<name>.
 score:
 	@test -n "$(CKPT)" || (echo "usage: make score CKPT=path/to/drafter [SHARDS=$(SHARDS)]"; exit 2)
-	$(CLI) score --ckpt $(CKPT) --shards $(SHARDS) --out $(RESULTS) $(ARGS)
+	$(CLI) score --ckpt $(CKPT) --shards $(SHARDS) --out $(RESULTS)/$$(basename $$(dirname $(abspath $(CKPT))))_$$(basename $(CKPT) | sed 's/\.[a-z]*$$//') $(ARGS)
 
 inspect:
 	$(CLI) inspect $(SHARDS)
@@ -53,5 +55,17 @@ inspect:
 bench:
 	$(PY) bench/run.py $(ARGS)
 
+DEMO    ?= data/demo
+DEMO_STEPS ?= 600
+
+# End to end on CPU in minutes: extract -> fit (two checkpoints) -> score -> compare -> report.
+demo:
+	$(CLI) extract --model smollm2 --prompts default --out $(DEMO)/shards
+	$(CLI) fit --shards $(DEMO)/shards --out $(DEMO)/runs/tiny --steps $(DEMO_STEPS) --save-every $$(( $(DEMO_STEPS) / 2 )) --block-size 16
+	$(CLI) score --ckpt '$(DEMO)/runs/tiny/step_*' --shards $(DEMO)/shards --out $(DEMO)/results
+	$(CLI) compare $(DEMO)/results/tiny_step_$$(( $(DEMO_STEPS) / 2 )) $(DEMO)/results/tiny_step_$(DEMO_STEPS)
+	$(CLI) report $(DEMO)/results --out $(DEMO)/report.html --title "specreplay demo: SmolLM2-135M-Instruct and a tiny fitted drafter"
+	@echo "Done. Open $(DEMO)/report.html in a browser."
+
 clean:
-	rm -rf data/shards data/results bench/results
+	rm -rf data/shards data/results data/demo bench/results
