@@ -32,6 +32,26 @@ def top_log_probs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Ten
     return top_logits - torch.logsumexp(logits, dim=-1, keepdim=True), top_ids
 
 
+def best_first(top_logp: np.ndarray, topk: int):
+    """Yield tree nodes as rank tuples in the reference heap's pop order (best-first by
+    prod q, ties by rank tuple). A popped node pushes its next sibling (same depth, next
+    rank, if rank + 1 < topk) and its first child (next depth, rank 0)."""
+    depth_limit = top_logp.shape[0]
+    if depth_limit == 0:
+        return
+    first_logw = float(top_logp[0, 0])
+    heap = [(-first_logw, (0,), 1, 0, first_logw)]
+    while heap:
+        _, ranks, depth, rank, logw = heapq.heappop(heap)
+        yield ranks
+        if rank + 1 < topk:
+            sibling_logw = logw - float(top_logp[depth - 1, rank]) + float(top_logp[depth - 1, rank + 1])
+            heapq.heappush(heap, (-sibling_logw, ranks[:-1] + (rank + 1,), depth, rank + 1, sibling_logw))
+        if depth < depth_limit:
+            child_logw = logw + float(top_logp[depth, 0])
+            heapq.heappush(heap, (-child_logw, ranks + (0,), depth + 1, 0, child_logw))
+
+
 def path_pop_indices(top_logp: np.ndarray, path_ranks: np.ndarray, max_budget: int) -> np.ndarray:
     """Pop index (0-based) of each prefix of the target path in the best-first tree build.
 
@@ -41,31 +61,20 @@ def path_pop_indices(top_logp: np.ndarray, path_ranks: np.ndarray, max_budget: i
     prefix is not among the first max_budget pops). The tree of budget N contains the prefix of
     depth d iff its pop index < N.
     """
-    depth_limit, topk = top_logp.shape
     result = np.full(len(path_ranks), NOT_IN_TREE, dtype=np.int64)
     if len(path_ranks) == 0 or path_ranks[0] < 0 or max_budget <= 0:
         return result
-    # Prefix of depth d as a rank tuple; popped nodes are compared against the next one needed.
-    wanted_depth = 1
+    found = 0  # prefixes of the path found so far; the next one wanted has depth found + 1
     wanted = (int(path_ranks[0]),)
-    first_logw = float(top_logp[0, 0])
-    heap = [(-first_logw, (0,), 1, 0, first_logw)]
-    pops = 0
-    while heap and pops < max_budget:
-        _, ranks, depth, rank, logw = heapq.heappop(heap)
+    for pops, ranks in enumerate(best_first(top_logp, top_logp.shape[1])):
+        if pops >= max_budget:
+            break
         if ranks == wanted:
-            result[wanted_depth - 1] = pops
-            if wanted_depth == len(path_ranks) or path_ranks[wanted_depth] < 0:
+            result[found] = pops
+            found += 1
+            if found == len(path_ranks) or path_ranks[found] < 0:
                 break
-            wanted = wanted + (int(path_ranks[wanted_depth]),)
-            wanted_depth += 1
-        pops += 1
-        if rank + 1 < topk:
-            sibling_logw = logw - float(top_logp[depth - 1, rank]) + float(top_logp[depth - 1, rank + 1])
-            heapq.heappush(heap, (-sibling_logw, ranks[:-1] + (rank + 1,), depth, rank + 1, sibling_logw))
-        if depth < depth_limit:
-            child_logw = logw + float(top_logp[depth, 0])
-            heapq.heappush(heap, (-child_logw, ranks + (0,), depth + 1, 0, child_logw))
+            wanted = wanted + (int(path_ranks[found]),)
     return result
 
 
@@ -78,20 +87,11 @@ def accepted_depth(pop_indices: np.ndarray, budget: int) -> int:
 
 def build_tree(top_logp: np.ndarray, top_ids: np.ndarray, budget: int) -> list[tuple[int, ...]]:
     """The tree of `budget` nodes as token-id prefixes, in pop order (for inspection and tests)."""
-    depth_limit, topk = top_logp.shape
-    topk = min(topk, budget)
     nodes: list[tuple[int, ...]] = []
-    if budget <= 0 or depth_limit == 0:
+    if budget <= 0:
         return nodes
-    first_logw = float(top_logp[0, 0])
-    heap = [(-first_logw, (0,), 1, 0, first_logw)]
-    while heap and len(nodes) < budget:
-        _, ranks, depth, rank, logw = heapq.heappop(heap)
+    for ranks in best_first(top_logp, min(top_logp.shape[1], budget)):
+        if len(nodes) == budget:
+            break
         nodes.append(tuple(int(top_ids[d, r]) for d, r in enumerate(ranks)))
-        if rank + 1 < topk:
-            sibling_logw = logw - float(top_logp[depth - 1, rank]) + float(top_logp[depth - 1, rank + 1])
-            heapq.heappush(heap, (-sibling_logw, ranks[:-1] + (rank + 1,), depth, rank + 1, sibling_logw))
-        if depth < depth_limit:
-            child_logw = logw + float(top_logp[depth, 0])
-            heapq.heappush(heap, (-child_logw, ranks + (0,), depth + 1, 0, child_logw))
     return nodes
