@@ -155,13 +155,15 @@ def replay_anchors(drafter: DFlashDrafter, embed: torch.Tensor, lm_head: torch.T
             scored = _score_chunk(drafter, embed, lm_head, packed, sample_idx[part].to(options.device),
                                   anchors[part].to(options.device), block_len, options)
             depth = block_len - 1
-            for i, (s, r) in enumerate(zip(sample_idx[part].tolist(), rows[part].tolist())):
-                out = results[s]
-                out.draft_tokens[r, :depth] = scored["draft"][i]
-                out.target_tokens[r, :depth] = scored["targets"][i]
-                out.target_logprob[r, :depth] = scored["target_logprob"][i]
-                out.kl_topk[r, :depth] = scored["kl"][i]
-                out.tree_pop_index[r, :depth] = scored["pops"][i]
+            # one indexed write per sample in the chunk, not per anchor
+            for s in sample_idx[part].unique().tolist():
+                mine = sample_idx[part] == s
+                r, out = rows[part][mine], results[s]
+                out.draft_tokens[r, :depth] = scored["draft"][mine]
+                out.target_tokens[r, :depth] = scored["targets"][mine]
+                out.target_logprob[r, :depth] = scored["target_logprob"][mine]
+                out.kl_topk[r, :depth] = scored["kl"][mine]
+                out.tree_pop_index[r, :depth] = scored["pops"][mine]
                 out.computed[r] = True
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from pipeline.shards import ShardError
+from pipeline.sizes import parse_size
 
 
 def _parse_budgets(text: str) -> list[int]:
@@ -15,17 +16,6 @@ def _parse_budgets(text: str) -> list[int]:
     if any(b < 1 for b in budgets):
         raise click.BadParameter("DDTree budgets must be >= 1")
     return budgets
-
-
-def _parse_bytes(text: str) -> int:
-    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-    t = text.strip().lower().removesuffix("ib").removesuffix("b")
-    try:
-        if t and t[-1] in units:
-            return int(float(t[:-1]) * units[t[-1]])
-        return int(t)
-    except ValueError as error:
-        raise click.BadParameter(f"expected a size like 2GiB or 512MiB; got {text!r}") from error
 
 
 @click.command()
@@ -68,7 +58,7 @@ def score(ckpts, shards, out, ddtree_budgets, device, dtype, memory_budget, atte
 
     config = ScoreConfig(
         ckpts=list(ckpts), shards=shards, out=out, ddtree_budgets=_parse_budgets(ddtree_budgets),
-        device=device, dtype=dtype, memory_budget=_parse_bytes(memory_budget), attention=attention, anchors=anchor_set,
+        device=device, dtype=dtype, memory_budget=parse_size(memory_budget, "--memory-budget"), attention=attention, anchors=anchor_set,
         limit=limit,
         force=force, quiet=quiet,
     )

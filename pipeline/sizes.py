@@ -1,0 +1,23 @@
+"""Human-readable byte sizes for command-line options (both stages' CLIs use it)."""
+
+from __future__ import annotations
+
+import re
+
+import click
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(text: str, option: str = "--shard-bytes") -> int:
+    """'1GiB' -> 1073741824, '512MiB', '200MB', '4096' (bytes)."""
+    match = _SIZE.match(str(text))
+    unit = match.group(2).lower() if match else None
+    if not match or unit not in _UNITS:
+        raise click.BadParameter(f"{text!r} is not a size; use e.g. 1GiB, 512MiB, 200MB or a byte count", param_hint=option)
+    size = int(float(match.group(1)) * _UNITS[unit])
+    if size < 1:
+        raise click.BadParameter(f"{text!r} must be at least one byte", param_hint=option)
+    return size
