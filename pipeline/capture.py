@@ -3,6 +3,7 @@
 What is stored for a sample of N tokens (prompt_len P, R = N - P response tokens):
 
     features         [N, n*H]  storage dtype  layer ids in list order, concatenated on the last dim
+    features_scale   [N, n]    float32        only with fp8 features: per token and layer (shards.quantize_fp8)
     topk_ids         [R+1, k]  int32          row i: top-k of the distribution of token P+i
     topk_logprobs    [R+1, k]  float32        log_softmax of the logits (computed in float32)
     argmax_mismatch  [R]       uint8          1 where argmax of row i != stored token P+i
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pipeline import shards
 from pipeline.generate import model_device
 from pipeline.target import decoder_layers, text_config
 
@@ -47,6 +49,11 @@ class CaptureConfig:
     store_logits: bool = False
     store_last_hidden: bool = False
     head_budget_bytes: int = 1 << 30  # memory for one lm_head window; sets the window rows
+
+
+def last_hidden_dtype(feature_dtype: torch.dtype, model_dtype: torch.dtype) -> torch.dtype:
+    """The optional last hidden state is stored like the features, losslessly when they are fp8."""
+    return model_dtype if feature_dtype == torch.float8_e4m3fn else feature_dtype
 
 
 def head_rows(vocab_size: int, budget_bytes: int) -> int:
@@ -169,7 +176,12 @@ def capture_sample(model, input_ids: list[int], prompt_len: int, config: Capture
     with layer_outputs(layers, hooked) as captured:
         final = decoder(input_ids=ids, use_cache=False).last_hidden_state[0]  # [N, H], final-norm output
     parts = [final if (i == last and from_norm) else captured[i][0] for i in config.layer_ids]
-    tensors = {"features": torch.cat([p.to(config.feature_dtype).cpu() for p in parts], dim=-1)}
+    if config.feature_dtype == torch.float8_e4m3fn:  # lossy opt-in: one scale per token and layer
+        quantized = [shards.quantize_fp8(p) for p in parts]
+        tensors = {"features": torch.cat([q.cpu() for q, _ in quantized], dim=-1),
+                   "features_scale": torch.cat([s.cpu() for _, s in quantized], dim=-1)}
+    else:
+        tensors = {"features": torch.cat([p.to(config.feature_dtype).cpu() for p in parts], dim=-1)}
 
     head = model.get_output_embeddings()
     vocab = head.weight.shape[0]
@@ -178,5 +190,5 @@ def capture_sample(model, input_ids: list[int], prompt_len: int, config: Capture
     tensors.update(next_token_distribution(final, head, text_config(model), prompt_len - 1, targets, k,
                                            head_rows(vocab, config.head_budget_bytes), config.store_logits))
     if config.store_last_hidden:
-        tensors["last_hidden"] = final.to(config.feature_dtype).cpu()
+        tensors["last_hidden"] = final.to(last_hidden_dtype(config.feature_dtype, final.dtype)).cpu()
     return tensors

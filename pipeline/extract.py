@@ -49,6 +49,7 @@ FEATURE_DTYPES = {
     "float32": torch.float32, "fp32": torch.float32,
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
     "float16": torch.float16, "fp16": torch.float16,
+    "float8_e4m3fn": torch.float8_e4m3fn, "fp8": torch.float8_e4m3fn,  # lossy, per-token scales
 }
 
 
@@ -74,7 +75,7 @@ class ExtractConfig:
     overwrite: bool = False
     quiet: bool = False
     device: str | None = None  # None = cuda when available, else cpu; "auto" = device_map over GPUs
-    head_budget_mb: int = 1024  # memory for one lm_head window (sets its rows)
+    memory_budget_mb: int = 2048  # working memory beyond model and sample: lm_head window + shard chunk
 
 
 @dataclass
@@ -242,13 +243,33 @@ def settings_diff(old: dict, new: dict) -> list[str]:
             for key in sorted(set(a) | set(b)) if a.get(key, "<absent>") != b.get(key, "<absent>")]
 
 
-def tensor_dtypes(feature_dtype: str, config: ExtractConfig) -> dict[str, str]:
+def tensor_dtypes(feature_dtype: str, model_dtype: str, config: ExtractConfig) -> dict[str, str]:
+    from pipeline.capture import last_hidden_dtype
+
     dtypes = {"features": feature_dtype, "topk_ids": "int32", "topk_logprobs": "float32", "argmax_mismatch": "uint8"}
+    if feature_dtype == "float8_e4m3fn":
+        dtypes["features_scale"] = "float32"
     if config.store_logits:
         dtypes["logits"] = "float32"
     if config.store_last_hidden:
-        dtypes["last_hidden"] = feature_dtype
+        names = shards.TENSOR_DTYPES
+        dtypes["last_hidden"] = shards.DTYPE_NAMES[last_hidden_dtype(names[feature_dtype], names[model_dtype])]
     return dtypes
+
+
+def stored_bytes_per_token(dtypes: dict[str, str], n_layers: int, hidden: int, top_k: int, vocab: int) -> int:
+    """Raw bytes the shards hold per token (features, scales, top-k, flags, optional tensors)."""
+    width = {"features": n_layers * hidden, "features_scale": n_layers, "topk_ids": top_k, "topk_logprobs": top_k,
+             "argmax_mismatch": 1, "logits": vocab, "last_hidden": hidden}
+    return sum(width[name] * torch.empty((), dtype=shards.TENSOR_DTYPES[dtype]).element_size()
+               for name, dtype in dtypes.items())
+
+
+def split_memory_budget(budget_bytes: int, bytes_per_token: int) -> tuple[int, int]:
+    """(lm_head window bytes, tokens per shard chunk): half the budget each. The model's weights
+    and one sample's own activations and stored tensors come on top (they scale with the model
+    and the sample, not with anything extract chooses)."""
+    return budget_bytes // 2, shards.chunk_tokens_for(budget_bytes // 2, bytes_per_token)
 
 
 def existing_outputs(out: str) -> tuple[dict | None, bool]:
@@ -425,7 +446,7 @@ def _run(config: ExtractConfig, dist: Dist, records) -> dict:
     if existing is not None and existing.get("complete"):
         return existing  # already done with these settings: touch nothing
 
-    dtypes = tensor_dtypes(feature_dtype, config)
+    dtypes = tensor_dtypes(feature_dtype, info.dtype, config)
     raw_per_token = len(layer_ids) * info.hidden_size * 2
     manifest = {
         "format_version": shards.FORMAT_VERSION,
@@ -450,12 +471,15 @@ def _run(config: ExtractConfig, dist: Dist, records) -> dict:
     done = check_entries(entries, {item.sample_id for item in items})
     pending = [item for item in items if item.sample_id not in done]
     mine = pending[dist.rank::dist.world]
+    head_bytes, chunk_tokens = split_memory_budget(
+        config.memory_budget_mb << 20,
+        stored_bytes_per_token(dtypes, len(layer_ids), info.hidden_size, config.top_k, info.vocab_size))
     capture_config = CaptureConfig(layer_ids=layer_ids, feature_dtype=shards.TENSOR_DTYPES[feature_dtype],
                                    top_k=config.top_k, store_logits=config.store_logits,
-                                   store_last_hidden=config.store_last_hidden,
-                                   head_budget_bytes=config.head_budget_mb << 20)
+                                   store_last_hidden=config.store_last_hidden, head_budget_bytes=head_bytes)
     writer = shards.ShardWriter(config.out, dist.rank, dtypes, shard_bytes=config.shard_bytes,
-                                zstd_level=config.zstd_level, first_index=next_shard_index(entries, dist.rank))
+                                zstd_level=config.zstd_level, first_index=next_shard_index(entries, dist.rank),
+                                chunk_tokens=chunk_tokens)
     progress = make_progress(len(mine), config, dist)
     try:
         run_items(model, info, mine, writer, capture_config, config.max_new_tokens, config.batch_size, progress)
@@ -512,7 +536,8 @@ def run_facts(config: ExtractConfig, dist: Dist, device: str) -> dict:
         ours = "unknown"
     return {"specreplay": ours, "torch": torch.__version__, "transformers": transformers.__version__,
             "world_size": dist.world, "device": device, "batch_size": config.batch_size,
-            "shard_bytes": config.shard_bytes, "zstd_level": config.zstd_level}
+            "shard_bytes": config.shard_bytes, "zstd_level": config.zstd_level,
+            "memory_budget_mb": config.memory_budget_mb}
 
 
 def make_progress(total: int, config: ExtractConfig, dist: Dist):

@@ -56,21 +56,25 @@ def _fail(error: Exception):
 @click.option("--store-logits", is_flag=True, help="Also store full float32 logits [R+1, V] (small vocabularies only).")
 @click.option("--store-last-hidden", is_flag=True, help="Also store the final norm's output [N, H].")
 @click.option("--dtype", default="auto", show_default=True, help="Model dtype: auto (fp32 on CPU, bf16 on GPU), fp32, bf16, fp16.")
-@click.option("--feature-dtype", default=None, help="Storage dtype of features (float32, bfloat16, float16). [default: model dtype]")
+@click.option("--feature-dtype", default=None,
+              help="Storage dtype of features: float32, bfloat16, float16 (lossless when it is the model dtype), or "
+                   "fp8 (lossy e4m3 with a per-token, per-layer scale; ~half of bf16's bytes). [default: model dtype]")
 @click.option("--enable-thinking/--disable-thinking", default=None,
               help="Pass enable_thinking to the chat template (e.g. Qwen3). [default: the template's own default]")
 @click.option("--limit", type=int, default=None, help="Use only the first N prompts.")
 @click.option("--batch-size", type=int, default=8, show_default=True, help="Prompts per batched generate call.")
 @click.option("--shard-bytes", default="1GiB", show_default=True, help="Roll over to a new shard after this size (1GiB, 512MiB, ...).")
-@click.option("--zstd-level", type=int, default=3, show_default=True, help="zstd level of the shard buffers.")
-@click.option("--head-memory", default="1GiB", show_default=True,
-              help="Memory for one lm_head window over the vocabulary (sets how many positions it covers).")
+@click.option("--zstd-level", type=int, default=1, show_default=True,
+              help="zstd level of the shard buffers (1 measured smaller and faster to decode than 3 on features).")
+@click.option("--memory-budget", default="2GiB", show_default=True,
+              help="Working memory beyond the model and one sample: half for the lm_head window over the "
+                   "vocabulary, half for the shard chunk being written (sets their sizes).")
 @click.option("--overwrite", is_flag=True, help="Delete old outputs in --out (needed when settings changed).")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @click.option("--device", default=None, help="cpu, cuda, cuda:1, or auto (device_map over all GPUs). [default: cuda if present]")
 def extract(model, prompts, out, max_new_tokens, layer_ids, draft_config, num_draft_layers, top_k, store_logits,
             store_last_hidden, dtype, feature_dtype, enable_thinking, limit, batch_size, shard_bytes, zstd_level,
-            head_memory, overwrite, quiet, device):
+            memory_budget, overwrite, quiet, device):
     """Run the target once over a prompt set; store features and next-token top-k in shards.
 
     Greedy generation (batched), then one full-sequence forward per response capturing the
@@ -95,7 +99,7 @@ def extract(model, prompts, out, max_new_tokens, layer_ids, draft_config, num_dr
             store_last_hidden=store_last_hidden, dtype=dtype, feature_dtype=feature_dtype,
             enable_thinking=enable_thinking, limit=limit, batch_size=batch_size,
             shard_bytes=parse_size(shard_bytes), zstd_level=zstd_level,
-            head_budget_mb=max(1, parse_size(head_memory, "--head-memory") >> 20),
+            memory_budget_mb=max(1, parse_size(memory_budget, "--memory-budget") >> 20),
             overwrite=overwrite, quiet=quiet, device=device,
         )
         manifest = run_extract(config)

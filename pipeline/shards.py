@@ -6,27 +6,46 @@ Layout of an extract directory (any URI pyarrow.fs opens: a local path, s3://, g
 
     manifest.json            settings identity + every finished shard (merged index)
     target_head.safetensors  the target's input embedding and lm_head, stored once
-    shards/rR-NNNNN.arrow    Arrow IPC file, zstd-compressed buffers, one record batch per sample
-    shards/rR-NNNNN.json     that shard's entry (rows, tokens, bytes, crc32, sample ids, and
-                             counts: response tokens, finish reasons, argmax mismatches);
-                             written before the .arrow is renamed into place, so a shard
-                             counts as finished exactly when both exist
+    shards/rR-NNNNN.arrow    Arrow IPC file, zstd-compressed buffers, one record batch per chunk
+    shards/rR-NNNNN.json     that shard's entry (rows, tokens, bytes, crc32 of the file, and the
+                             byte range + crc32 of its schema message and of every record batch;
+                             counts: response tokens, finish reasons, argmax mismatches); written
+                             before the .arrow is renamed into place, so a shard counts as
+                             finished exactly when both exist
 
-Tensors are stored losslessly as "byte planes": the little-endian bytes of every element are
-regrouped so all first bytes come first, then all second bytes, ... before Arrow's zstd sees
-them. The high (sign/exponent) bytes of activations are highly repetitive and the low mantissa
-bytes are near-random; separating them measured ~12% smaller than plain zstd on real bf16
-activations (SPEC §5) at the same speed.
+Format version 2. A record batch is a *chunk*: consecutive whole samples (one row each) holding
+about `chunk_tokens` tokens together (a longer sample is a chunk by itself). Each tensor of a
+chunk is stored once for the whole chunk: the rows' tensors concatenated along their first
+(token) axis, [N, *trailing], then stored losslessly as channel-major byte planes — the bytes
+viewed as [N, *trailing, itemsize] with every axis reversed, [itemsize, *reversed(trailing), N],
+so all high bytes of channel 0 over the chunk's N tokens come first, then channel 1, ... and the
+low bytes last. Only row 0 of a chunk carries the buffer (`<tensor>`, large_binary; null in the
+other rows); every row carries its own shape (`<tensor>_shape`), which locates it in the chunk.
+
+Why this layout (measured, bench/README.md "Feature codecs", SmolLM2 bf16 features): a channel's
+sign/exponent byte repeats over tokens, so zstd finds long matches in a channel's run; runs of
+~4096 tokens across samples reach 0.62 of raw bf16 at zstd level 1, against 0.71-0.73 for one
+sample's row-major planes (SPEC §5: planes already beat plain zstd by ~12%). Level 1 is both
+smaller and faster to decode than level 3 on these runs. Decoding re-interleaves the planes
+with a vectorised shift-or and returns each row as a *view* into its chunk (stride 1 along
+tokens, i.e. transposed in memory); matmuls take such views directly, `.contiguous()` gives
+row-major when a consumer needs it.
+
+Checksums: each record batch's bytes are checked (crc32 from the sidecar) before Arrow sees them,
+so the reader touches only the chunks it needs, never decodes a corrupt one, and holds one chunk
+in memory at a time; `inspect` also checks the whole file's crc32.
 
 Row schema (one row = one prompt + response):
     sample_id, dataset, prompt_text: string   prompt_len: int32   finish_reason: string
     greedy: bool (False when the response was given, i.e. teacher-forced)
     input_ids: list<int32>                    prompt + response tokens, N of them
-    <tensor>: large_binary (byte planes)      <tensor>_shape: list<int64>
+    <tensor>: large_binary (the chunk's planes, row 0)   <tensor>_shape: list<int64>
 Tensors: features [N, n_layers*H]; topk_ids [R+1, k] and topk_logprobs [R+1, k] where row i is
 the target's distribution for the token at position prompt_len + i (R = N - prompt_len);
 argmax_mismatch [R] (uint8, 1 where the stored token is not the full-forward argmax);
-optional logits [R+1, V] and last_hidden [N, H].
+optional logits [R+1, V] and last_hidden [N, H]. With fp8 features (lossy, opt-in) features
+are float8_e4m3fn and features_scale [N, n_layers] float32 holds each token's per-layer scale;
+the reader hands out the dequantized float32 features.
 """
 
 from __future__ import annotations
@@ -44,12 +63,14 @@ import pyarrow.fs as pafs
 import pyarrow.ipc as ipc
 import torch
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MANIFEST_NAME = "manifest.json"
 TARGET_HEAD_NAME = "target_head.safetensors"
 SHARD_DIR = "shards"
 DEFAULT_SHARD_BYTES = 1 << 30
-DEFAULT_ZSTD_LEVEL = 3
+DEFAULT_ZSTD_LEVEL = 1
+DEFAULT_CHUNK_TOKENS = 4096  # tokens per record batch: ~0.62 of raw bf16 here, 0.645 at 1024 (bench)
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 TENSOR_DTYPES = {
     "float32": torch.float32,
@@ -61,6 +82,8 @@ TENSOR_DTYPES = {
     "uint8": torch.uint8,
 }
 DTYPE_NAMES = {v: k for k, v in TENSOR_DTYPES.items()}
+_UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+_SIGNED = {2: np.int16, 4: np.int32, 8: np.int64}  # numpy types torch.from_numpy accepts
 
 # Scalar columns every row carries, in schema order.
 SCALAR_FIELDS = [
@@ -73,7 +96,7 @@ SCALAR_FIELDS = [
     pa.field("input_ids", pa.list_(pa.int32())),
 ]
 REQUIRED_TENSORS = ("features", "topk_ids", "topk_logprobs", "argmax_mismatch")
-OPTIONAL_TENSORS = ("logits", "last_hidden")
+OPTIONAL_TENSORS = ("logits", "last_hidden", "features_scale")
 
 
 class ShardError(RuntimeError):
@@ -105,30 +128,54 @@ class Sample:
 
 
 # ---------------------------------------------------------------------------------------------
-# byte planes
+# channel-major byte planes
 
 
 def encode_tensor(tensor: torch.Tensor) -> pa.Buffer:
-    """Lossless byte-plane encoding of a CPU tensor (shape is stored separately)."""
-    flat = tensor.detach().contiguous().view(-1)
+    """Lossless channel-major byte planes of a CPU tensor [N, *trailing] (shape stored apart):
+    its bytes as [N, *trailing, itemsize] with every axis reversed."""
+    flat = tensor.detach().contiguous()
     itemsize = flat.element_size()
-    raw = flat.view(torch.uint8).view(-1, itemsize)
-    planes = raw.t().contiguous() if itemsize > 1 else raw
+    raw = flat.view(-1).view(torch.uint8).view(*flat.shape, itemsize)
+    planes = raw.permute(*reversed(range(raw.dim()))).contiguous()
     return pa.py_buffer(planes.numpy())
 
 
-def decode_tensor(buffer: pa.Buffer, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
-    """Inverse of encode_tensor; one vectorised transpose, no per-element Python."""
+def decode_tensor(buffer, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
+    """Inverse of encode_tensor, as a view of shape `shape` with stride 1 along axis 0.
+    The planes are re-interleaved by a vectorised shift-or (4-5 GB/s a core); no Python per element."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     planes = np.frombuffer(buffer, dtype=np.uint8)
     count = int(np.prod(shape)) if shape else 1
     if planes.size != count * itemsize:
         raise ShardError(f"tensor payload has {planes.size} bytes, expected {count * itemsize} for shape {shape}")
-    if itemsize > 1:
-        raw = np.ascontiguousarray(planes.reshape(itemsize, count).T)
+    if itemsize == 1:
+        values = torch.from_numpy(planes.copy()).view(dtype)
     else:
-        raw = planes.copy()
-    return torch.from_numpy(raw).view(-1).view(dtype).view(*shape)
+        planes = planes.reshape(itemsize, count)
+        combined = planes[itemsize - 1].astype(_UNSIGNED[itemsize])
+        for plane in range(itemsize - 2, -1, -1):
+            combined <<= 8
+            combined |= planes[plane]
+        values = torch.from_numpy(combined.view(_SIGNED[itemsize])).view(dtype)
+    reversed_shape = list(reversed(shape))
+    return values.view(*reversed_shape).permute(*reversed(range(len(shape)))) if shape else values.view(())
+
+
+def quantize_fp8(hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q, scale): one layer's hidden states [T, H] as float8_e4m3fn with one float32 scale per
+    token, scale = max|h| / 448 over the token's H values (so each token uses fp8's full range);
+    hidden ~= q * scale. Lossy (3 mantissa bits); opt-in via `extract --feature-dtype fp8`."""
+    values = hidden.float()
+    scale = values.abs().amax(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny) / FP8_MAX
+    q = (values / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """float32 features [T, G*H] from fp8 values [T, G*H] and per-token, per-layer scales [T, G]."""
+    tokens, groups = scale.shape
+    return (q.float().reshape(tokens, groups, -1) * scale.reshape(tokens, groups, 1)).reshape(tokens, -1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -198,27 +245,37 @@ def shard_schema(tensor_names: list[str]) -> pa.Schema:
     return pa.schema(fields)
 
 
-def sample_record_batch(sample: Sample, tensor_names: list[str], schema: pa.Schema) -> pa.RecordBatch:
+def chunk_record_batch(samples: list[Sample], tensor_names: list[str], schema: pa.Schema) -> pa.RecordBatch:
+    """One record batch for consecutive samples: a row each, each tensor's planes once (row 0)."""
     columns = [
-        pa.array([sample.sample_id], pa.string()),
-        pa.array([sample.dataset], pa.string()),
-        pa.array([sample.prompt_text], pa.string()),
-        pa.array([sample.prompt_len], pa.int32()),
-        pa.array([sample.finish_reason], pa.string()),
-        pa.array([sample.greedy], pa.bool_()),
-        pa.array([sample.input_ids.to(torch.int32).numpy()], pa.list_(pa.int32())),
+        pa.array([s.sample_id for s in samples], pa.string()),
+        pa.array([s.dataset for s in samples], pa.string()),
+        pa.array([s.prompt_text for s in samples], pa.string()),
+        pa.array([s.prompt_len for s in samples], pa.int32()),
+        pa.array([s.finish_reason for s in samples], pa.string()),
+        pa.array([s.greedy for s in samples], pa.bool_()),
+        pa.array([s.input_ids.to(torch.int32).numpy() for s in samples], pa.list_(pa.int32())),
     ]
     for name in tensor_names:
-        tensor = sample.tensors[name]
-        columns.append(_one_binary(encode_tensor(tensor)))
-        columns.append(pa.array([list(tensor.shape)], pa.list_(pa.int64())))
+        parts = [s.tensors[name] for s in samples]
+        trailing = {tuple(p.shape[1:]) for p in parts}
+        if len(trailing) != 1 or any(p.dim() == 0 for p in parts):
+            raise ValueError(f"tensor {name!r}: every sample needs the same shape after the first axis, got "
+                             f"{[list(p.shape) for p in parts]}")
+        chunk = parts[0] if len(parts) == 1 else torch.cat(parts)
+        columns.append(_binary_in_first_row(encode_tensor(chunk), len(samples)))
+        columns.append(pa.array([list(p.shape) for p in parts], pa.list_(pa.int64())))
     return pa.RecordBatch.from_arrays(columns, schema=schema)
 
 
-def _one_binary(buffer: pa.Buffer) -> pa.Array:
-    """A one-element large_binary array over `buffer` without copying it through Python bytes."""
-    offsets = pa.py_buffer(np.array([0, buffer.size], dtype=np.int64))
-    return pa.LargeBinaryArray.from_buffers(pa.large_binary(), 1, [None, offsets, buffer])
+def _binary_in_first_row(buffer: pa.Buffer, rows: int) -> pa.Array:
+    """A large_binary array holding `buffer` in row 0 and nulls after, without copying it."""
+    offsets = pa.py_buffer(np.array([0] + [buffer.size] * rows, dtype=np.int64))
+    validity = None
+    if rows > 1:
+        validity = pa.py_buffer(np.packbits(np.arange(rows) == 0, bitorder="little"))
+    return pa.LargeBinaryArray.from_buffers(pa.large_binary(), rows, [validity, offsets, buffer],
+                                            null_count=rows - 1)
 
 
 def empty_stats() -> dict:
@@ -238,11 +295,18 @@ def add_sample_stats(stats: dict, sample: Sample) -> None:
         stats["greedy_argmax_mismatches"] += mismatches
 
 
+def chunk_tokens_for(memory_bytes: int, bytes_per_token: int, most: int = DEFAULT_CHUNK_TOKENS) -> int:
+    """Tokens per chunk so that one chunk, held raw, as planes and compressed (~3x its raw
+    size while it is written or read), stays within `memory_bytes`; at most `most`."""
+    return max(1, min(most, memory_bytes // (3 * max(1, bytes_per_token))))
+
+
 class ShardWriter:
     """Appends samples to size-bounded shards of one rank; every shard lands atomically.
 
-    A shard is written as `.arrow.tmp`, closed, checksummed, its `.json` entry written, and
-    only then renamed to `.arrow`. A crash at any point leaves either a finished shard or a
+    Samples are buffered until a chunk holds `chunk_tokens` tokens (or would fill the shard),
+    then written as one record batch; an interrupted run redoes the buffered samples. A shard is written as `.arrow.tmp`, closed, checksummed, its `.json` entry written,
+    and only then renamed to `.arrow`. A crash at any point leaves either a finished shard or a
     temporary file that the next run deletes; finished samples are never rewritten.
     """
 
@@ -254,6 +318,7 @@ class ShardWriter:
         shard_bytes: int = DEFAULT_SHARD_BYTES,
         zstd_level: int = DEFAULT_ZSTD_LEVEL,
         first_index: int = 0,
+        chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     ):
         self.fs, self.root = open_fs(out_uri)
         self.fs.create_dir(join(self.root, SHARD_DIR), recursive=True)
@@ -262,9 +327,12 @@ class ShardWriter:
         self.tensor_names = list(tensor_dtypes)
         self.schema = shard_schema(self.tensor_names)
         self.shard_bytes = shard_bytes
+        self.chunk_tokens = chunk_tokens
         self.options = ipc.IpcWriteOptions(compression=pa.Codec("zstd", compression_level=zstd_level))
         self.next_index = first_index
         self.entries: list[dict] = []
+        self._pending: list[Sample] = []
+        self._pending_tokens = self._pending_bytes = 0
         self._stream = None
         self._writer = None
 
@@ -275,6 +343,8 @@ class ShardWriter:
         self._writer = ipc.new_file(self._stream, self.schema, options=self.options)
         self._ids: list[str] = []
         self._tokens = 0
+        self._batch_ends: list[int] = []
+        self._batch_rows: list[int] = []
         self._stats = empty_stats()
         self.next_index += 1
 
@@ -283,29 +353,46 @@ class ShardWriter:
             got = sample.tensors[name].dtype
             if DTYPE_NAMES.get(got) != dtype:
                 raise ValueError(f"tensor {name!r} of sample {sample.sample_id} is {got}, shard schema says {dtype}")
+        self._pending.append(sample)
+        self._pending_tokens += int(sample.input_ids.numel())
+        self._pending_bytes += sum(t.numel() * t.element_size() for t in sample.tensors.values())
+        written = self._stream.tell() if self._stream is not None else 0
+        # A chunk ends at chunk_tokens, or earlier when it would fill the shard (raw bytes
+        # overestimate the compressed size, so small --shard-bytes still roll over on time).
+        if self._pending_tokens >= self.chunk_tokens or written + self._pending_bytes >= self.shard_bytes:
+            self._write_chunk()
+
+    def _write_chunk(self) -> None:
+        if not self._pending:
+            return
         if self._writer is None:
             self._open()
-        self._writer.write_batch(sample_record_batch(sample, self.tensor_names, self.schema))
-        self._ids.append(sample.sample_id)
-        self._tokens += int(sample.input_ids.numel())
-        add_sample_stats(self._stats, sample)
+        self._writer.write_batch(chunk_record_batch(self._pending, self.tensor_names, self.schema))
+        self._batch_ends.append(self._stream.tell())
+        self._batch_rows.append(len(self._pending))
+        for sample in self._pending:
+            self._ids.append(sample.sample_id)
+            self._tokens += int(sample.input_ids.numel())
+            add_sample_stats(self._stats, sample)
+        self._pending, self._pending_tokens, self._pending_bytes = [], 0, 0
         if self._stream.tell() >= self.shard_bytes:
             self.finish_shard()
 
     def finish_shard(self) -> dict | None:
+        """Write what is buffered and land the current shard (no-op when nothing is open)."""
+        if self._pending:
+            self._write_chunk()  # may land the shard itself when it reaches shard_bytes
         if self._writer is None:
             return None
         self._writer.close()
         self._stream.close()
         self._writer = self._stream = None
-        crc, size = file_crc32(self.fs, self._tmp)
         entry = {
             "file": f"{SHARD_DIR}/{self._name}.arrow",
             "rank": self.rank,
             "rows": len(self._ids),
             "tokens": self._tokens,
-            "bytes": size,
-            "crc32": crc,
+            **block_checksums(self.fs, self._tmp, self._batch_ends, self._batch_rows),
             "sample_ids": self._ids,
             **self._stats,
         }
@@ -317,6 +404,38 @@ class ShardWriter:
     def close(self) -> list[dict]:
         self.finish_shard()
         return self.entries
+
+
+def block_checksums(fs: pafs.FileSystem, path: str, batch_ends: list[int], batch_rows: list[int]) -> dict:
+    """Byte ranges and crc32s of a written IPC file: the whole file, its schema message and
+    every record batch (rows included), read back once. The schema message starts after the
+    8-byte file magic; batch i spans from the end of batch i-1 (or of the schema) to its end."""
+    with fs.open_input_file(path) as file:
+        size = file.size()
+        file.seek(8)
+        ipc.read_message(file)
+        starts = [file.tell()] + batch_ends[:-1]
+        file.seek(0)
+        data_crc, blocks, position = 0, [], 0
+        schema_block = [8, starts[0] - 8, 0]
+        for offset, end, rows in [(8, starts[0], None), *zip(starts, batch_ends, batch_rows)]:
+            if offset > position:  # the file magic before the schema
+                gap = file.read(offset - position)
+                data_crc = zlib.crc32(gap, data_crc)
+            data = file.read(end - offset)
+            data_crc = zlib.crc32(data, data_crc)
+            crc = zlib.crc32(data)
+            if rows is None:
+                schema_block[2] = crc
+            else:
+                blocks.append([offset, end - offset, rows, crc])
+            position = end
+        while True:  # footer
+            data = file.read(64 << 20)
+            if not data:
+                break
+            data_crc = zlib.crc32(data, data_crc)
+    return {"bytes": size, "crc32": data_crc, "schema_block": schema_block, "batches": blocks}
 
 
 def finished_shard_entries(out_uri: str) -> list[dict]:
@@ -368,7 +487,8 @@ def read_manifest(uri: str) -> dict:
     version = manifest.get("format_version")
     if version != FORMAT_VERSION:
         raise ShardError(
-            f"{path}: format_version {version}, this specreplay reads {FORMAT_VERSION}; re-extract or upgrade specreplay"
+            f"{path}: format_version {version}, this specreplay reads {FORMAT_VERSION}; re-extract with this "
+            f"specreplay (`specreplay extract ... --overwrite`) or use the version that wrote it"
         )
     return manifest
 
@@ -382,47 +502,78 @@ def write_manifest(uri: str, manifest: dict) -> None:
 # reader
 
 
-def _decode_row(batch: pa.RecordBatch, tensor_dtypes: dict[str, str], names: list[str]) -> Sample:
-    row = {name: batch.column(name) for name in ("sample_id", "dataset", "prompt_text", "prompt_len", "finish_reason", "greedy")}
-    ids = batch.column("input_ids").values.to_numpy(zero_copy_only=False)
-    tensors = {}
+def _checked_block(file, path: str, block: list[int], what: str) -> pa.Buffer:
+    offset, length, crc = block[0], block[1], block[-1]
+    file.seek(offset)
+    data = file.read_buffer(length)
+    got = zlib.crc32(data)
+    if data.size != length or got != crc:
+        raise ShardError(
+            f"{path}: checksum mismatch in {what} (bytes {offset}..{offset + length}: crc32 {got:#010x}, "
+            f"sidecar says {crc:#010x}). The shard is corrupt: delete it and its .json sidecar and re-run the "
+            f"same extract command to rewrite just that shard."
+        )
+    return data
+
+
+def _decode_chunk(batch: pa.RecordBatch, tensor_dtypes: dict[str, str], names: list[str],
+                  rows: list[int]) -> Iterator[Sample]:
+    """The samples at `rows` of one chunk; each tensor decoded once for the chunk, rows are views."""
+    column = {name: batch.column(name).to_pylist() for name in
+              ("sample_id", "dataset", "prompt_text", "prompt_len", "finish_reason", "greedy")}
+    ids = batch.column("input_ids")
+    offsets = ids.offsets.to_numpy()
+    all_ids = torch.from_numpy(ids.values.to_numpy(zero_copy_only=False).astype(np.int64))
+    tensors: dict[str, list[torch.Tensor]] = {}
     for name in names:
-        shape = batch.column(name + "_shape")[0].as_py()
-        buffer = batch.column(name)[0].as_buffer()
-        tensors[name] = decode_tensor(buffer, TENSOR_DTYPES[tensor_dtypes[name]], shape)
-    return Sample(
-        sample_id=row["sample_id"][0].as_py(),
-        dataset=row["dataset"][0].as_py(),
-        prompt_text=row["prompt_text"][0].as_py(),
-        input_ids=torch.from_numpy(ids.astype(np.int64)),
-        prompt_len=row["prompt_len"][0].as_py(),
-        finish_reason=row["finish_reason"][0].as_py(),
-        greedy=row["greedy"][0].as_py(),
-        tensors=tensors,
-    )
+        shapes = batch.column(name + "_shape").to_pylist()
+        lengths = [shape[0] for shape in shapes]
+        chunk = decode_tensor(batch.column(name)[0].as_buffer(), TENSOR_DTYPES[tensor_dtypes[name]],
+                              [sum(lengths), *shapes[0][1:]])
+        tensors[name] = list(torch.split(chunk, lengths))
+    if "features_scale" in tensors and "features" in tensors:  # fp8 features: hand out float32
+        tensors["features"] = [dequantize_fp8(q, s) for q, s in zip(tensors["features"], tensors.pop("features_scale"))]
+    for row in rows:
+        yield Sample(
+            sample_id=column["sample_id"][row],
+            dataset=column["dataset"][row],
+            prompt_text=column["prompt_text"][row],
+            input_ids=all_ids[offsets[row]:offsets[row + 1]],
+            prompt_len=column["prompt_len"][row],
+            finish_reason=column["finish_reason"][row],
+            greedy=column["greedy"][row],
+            tensors={name: parts[row] for name, parts in tensors.items()},
+        )
 
 
 def read_shard(uri: str, entry: dict, tensor_dtypes: dict[str, str], tensors: list[str] | None = None,
-               verify: bool = True, rows=None) -> Iterator[Sample]:
-    """Yield the samples of one shard (only the row indices in `rows`, if given); the
-    whole-file crc32 is checked before anything decodes."""
+               rows=None) -> Iterator[Sample]:
+    """Yield the samples of one shard (only the row indices in `rows`, if given). Chunks holding
+    none of them are not read; every chunk read is crc32-checked before Arrow decodes it."""
     fs, root = open_fs(uri)
     path = join(root, entry["file"])
     if not exists(fs, path):
         raise ShardError(f"{path}: shard listed in the manifest is missing")
-    data = read_bytes(fs, path)
-    if verify:
-        crc = zlib.crc32(data)
-        if len(data) != entry["bytes"] or crc != entry["crc32"]:
-            raise ShardError(
-                f"{path}: checksum mismatch (crc32 {crc:#010x}, {len(data)} bytes; manifest says "
-                f"{entry['crc32']:#010x}, {entry['bytes']} bytes). The shard is corrupt: delete it and its "
-                f".json sidecar and re-run the same extract command to rewrite just that shard."
-            )
-    reader = ipc.open_file(pa.BufferReader(data))
     names = [n for n in (tensors if tensors is not None else tensor_dtypes) if n in tensor_dtypes]
-    for index in range(reader.num_record_batches) if rows is None else rows:
-        yield _decode_row(reader.get_batch(index), tensor_dtypes, names)
+    if "features" in names and "features_scale" in tensor_dtypes and "features_scale" not in names:
+        names.append("features_scale")  # fp8 features are dequantized with their scales
+    wanted = None if rows is None else set(rows)
+    with fs.open_input_file(path) as file:
+        if file.size() != entry["bytes"]:
+            raise ShardError(f"{path}: {file.size()} bytes, the sidecar says {entry['bytes']}; the shard is "
+                             f"truncated or was replaced: delete it and its .json sidecar and re-run the extract")
+        schema_message = ipc.read_message(_checked_block(file, path, entry["schema_block"], "the schema"))
+        schema = ipc.read_schema(schema_message)
+        first = 0
+        for number, block in enumerate(entry["batches"]):
+            count = block[2]
+            chunk_rows = list(range(count)) if wanted is None else [r for r in range(count) if first + r in wanted]
+            first += count
+            if not chunk_rows:
+                continue
+            data = _checked_block(file, path, block, f"record batch {number}")
+            batch = ipc.read_record_batch(ipc.read_message(data), schema)
+            yield from _decode_chunk(batch, tensor_dtypes, names, chunk_rows)
 
 
 class ShardSet:

@@ -31,13 +31,14 @@ def make_sample(index: int, n_tokens: int = 20, prompt_len: int = 8, hidden: int
     )
 
 
-def write_set(out, samples, shard_bytes=shards.DEFAULT_SHARD_BYTES) -> list[dict]:
-    writer = ShardWriter(str(out), 0, DTYPES, shard_bytes=shard_bytes)
+def write_set(out, samples, shard_bytes=shards.DEFAULT_SHARD_BYTES, chunk_tokens=shards.DEFAULT_CHUNK_TOKENS,
+              dtypes=DTYPES) -> list[dict]:
+    writer = ShardWriter(str(out), 0, dtypes, shard_bytes=shard_bytes, chunk_tokens=chunk_tokens)
     for sample in samples:
         writer.write(sample)
     entries = writer.close()
     shards.write_manifest(str(out), {"format_version": shards.FORMAT_VERSION, "complete": True, "settings": {},
-                                     "tensors": DTYPES, "shards": entries})
+                                     "tensors": dtypes, "shards": entries})
     return entries
 
 
@@ -64,6 +65,17 @@ def test_byte_planes_group_bytes_by_significance():
     planes = bytes(shards.encode_tensor(tensor))
     raw = tensor.view(torch.uint8).tolist()  # little endian: low byte, high byte per element
     assert list(planes) == raw[0::2] + raw[1::2]
+
+
+def test_byte_planes_are_channel_major():
+    """[tokens, channels]: plane by plane, channel by channel, every token of that channel."""
+    tensor = torch.arange(6, dtype=torch.int16).view(3, 2) + 256 * torch.tensor([1, 2], dtype=torch.int16)
+    planes = list(bytes(shards.encode_tensor(tensor)))
+    low = [int(tensor[t, c]) & 0xFF for c in range(2) for t in range(3)]
+    high = [int(tensor[t, c]) >> 8 for c in range(2) for t in range(3)]
+    assert planes == low + high
+    decoded = shards.decode_tensor(shards.encode_tensor(tensor), torch.int16, [3, 2])
+    assert torch.equal(decoded, tensor) and decoded.stride() == (1, 3)  # a transposed view, no copy
 
 
 def test_decode_rejects_wrong_size():
@@ -102,7 +114,7 @@ def test_writer_refuses_wrong_dtype(tmp_path):
 def test_size_based_rollover(tmp_path):
     samples = [make_sample(i, n_tokens=64) for i in range(9)]
     one = len(bytes(shards.encode_tensor(samples[0].features)))
-    entries = write_set(tmp_path, samples, shard_bytes=2 * one)
+    entries = write_set(tmp_path, samples, shard_bytes=2 * one, chunk_tokens=64)
     assert len(entries) > 2 and sum(e["rows"] for e in entries) == 9
     assert [e["file"] for e in entries] == sorted(e["file"] for e in entries)
     assert all(e["bytes"] >= 2 * one for e in entries[:-1])  # rolled over only once the size was reached
@@ -116,8 +128,90 @@ def test_flipped_byte_names_the_shard(tmp_path):
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0x01
     path.write_bytes(bytes(data))
-    with pytest.raises(ShardError, match=r"r000-00000\.arrow: checksum mismatch"):
+    with pytest.raises(ShardError, match=r"r000-00000\.arrow: checksum mismatch in record batch 0"):
         list(ShardSet(str(tmp_path)).samples())
+
+
+def test_flipped_byte_fails_only_the_chunk_holding_it(tmp_path):
+    """Per-chunk crc32: the chunks before the corrupt one decode; the corrupt one raises before
+    any of its samples is handed out; a byte flipped in the footer is caught by the file crc."""
+    samples = [make_sample(i, n_tokens=20) for i in range(4)]
+    entries = write_set(tmp_path, samples, chunk_tokens=40)  # two samples per chunk
+    assert [b[2] for b in entries[0]["batches"]] == [2, 2]
+    path = tmp_path / entries[0]["file"]
+    offset, length = entries[0]["batches"][1][:2]
+    data = bytearray(path.read_bytes())
+    data[offset + length // 2] ^= 0x10
+    path.write_bytes(bytes(data))
+    got = []
+    with pytest.raises(ShardError, match="checksum mismatch in record batch 1"):
+        for sample in ShardSet(str(tmp_path)).samples(prefetch=0):
+            got.append(sample.sample_id)
+    assert got == ["s000", "s001"]
+    data[offset + length // 2] ^= 0x10
+    data[-10] ^= 0x01  # footer: not needed to read, so only the whole-file check sees it
+    path.write_bytes(bytes(data))
+    assert len(list(ShardSet(str(tmp_path)).samples())) == 4
+    assert shards.file_crc32(*shards.open_fs(str(path)))[0] != entries[0]["crc32"]
+
+
+def test_chunks_hold_several_samples_and_rows_are_views(tmp_path):
+    samples = [make_sample(i, n_tokens=10 + 3 * i, prompt_len=4) for i in range(7)]
+    entries = write_set(tmp_path, samples, chunk_tokens=30)
+    rows = [b[2] for b in entries[0]["batches"]]
+    assert sum(rows) == 7 and max(rows) > 1 and len(rows) > 1
+    back = list(ShardSet(str(tmp_path)).samples())
+    for got, want in zip(back, samples):
+        assert same_bits(got.features, want.features)
+        assert same_bits(got.argmax_mismatch, want.argmax_mismatch)
+    assert not back[1].features.is_contiguous()  # stride 1 along tokens: a view into the chunk
+
+
+def test_a_sample_longer_than_a_chunk_is_a_chunk_by_itself(tmp_path):
+    samples = [make_sample(0, n_tokens=12), make_sample(1, n_tokens=90), make_sample(2, n_tokens=12)]
+    entries = write_set(tmp_path, samples, chunk_tokens=16)
+    assert [b[2] for b in entries[0]["batches"]] == [2, 1]
+    assert [s.response_len for s in ShardSet(str(tmp_path)).samples()] == [s.response_len for s in samples]
+
+
+def test_keep_reads_only_chunks_holding_kept_rows(tmp_path):
+    samples = [make_sample(i, n_tokens=20) for i in range(6)]
+    entries = write_set(tmp_path, samples, chunk_tokens=40)
+    path = tmp_path / entries[0]["file"]
+    offset, length = entries[0]["batches"][0][:2]
+    data = bytearray(path.read_bytes())
+    data[offset + length // 2] ^= 0x10  # chunk 0 (rows 0, 1) is corrupt but never needed
+    path.write_bytes(bytes(data))
+    got = [s.sample_id for s in ShardSet(str(tmp_path)).samples(keep=lambda index: index in (3, 4))]
+    assert got == ["s003", "s004"]
+
+
+def test_fp8_features_round_trip_within_fp8_precision(tmp_path):
+    dtypes = {**DTYPES, "features": "float8_e4m3fn", "features_scale": "float32"}
+    samples, originals = [], []
+    for i in range(3):
+        sample = make_sample(i)
+        layers = sample.features.float().view(sample.features.shape[0], 2, -1)
+        layers[:, 1] *= 100.0  # a second layer 100x larger: per-layer scales keep layer 0 precise
+        originals.append(layers.reshape(sample.features.shape[0], -1))
+        quantized = [shards.quantize_fp8(layers[:, j]) for j in range(2)]
+        sample.tensors["features"] = torch.cat([q for q, _ in quantized], dim=-1)
+        sample.tensors["features_scale"] = torch.cat([s for _, s in quantized], dim=-1)
+        samples.append(sample)
+    write_set(tmp_path, samples, dtypes=dtypes)
+    back = list(ShardSet(str(tmp_path)).samples(tensors=["features"]))
+    for got, want in zip(back, originals):
+        assert got.features.dtype == torch.float32 and set(got.tensors) == {"features"}
+        per_layer = (got.features - want).abs().view(want.shape[0], 2, -1).amax(-1)
+        bound = want.abs().view(want.shape[0], 2, -1).amax(-1) / 16  # e4m3: 3 mantissa bits
+        assert bool((per_layer <= bound).all()) and bool((per_layer > 0).any())
+
+
+def test_chunk_tokens_follow_the_memory_budget():
+    assert shards.chunk_tokens_for(2 << 30, 5760) == shards.DEFAULT_CHUNK_TOKENS
+    wide = 5 * 5120 * 2  # a 27B target's five bf16 feature layers per token
+    assert shards.chunk_tokens_for(256 << 20, wide) == (256 << 20) // (3 * wide)
+    assert shards.chunk_tokens_for(1, wide) == 1
 
 
 def test_remove_unfinished_keeps_finished_shards(tmp_path):
