@@ -75,7 +75,7 @@ class ExtractConfig:
     overwrite: bool = False
     quiet: bool = False
     device: str | None = None  # None = cuda when available, else cpu; "auto" = device_map over GPUs
-    memory_budget_mb: int = 2048  # working memory beyond model and sample: lm_head window + shard chunk
+    memory_budget: int = 2 << 30  # bytes of working memory beyond model and sample: lm_head window + shard chunk
 
 
 @dataclass
@@ -148,7 +148,7 @@ def parse_feature_dtype(name: str | None, model_dtype: str) -> str:
 def validate_numbers(config: ExtractConfig) -> None:
     checks = [("--max-new-tokens", config.max_new_tokens), ("--top-k", config.top_k),
               ("--batch-size", config.batch_size), ("--shard-bytes", config.shard_bytes),
-              ("--num-draft-layers", config.num_draft_layers)]
+              ("--num-draft-layers", config.num_draft_layers), ("--memory-budget", config.memory_budget)]
     for name, value in checks:
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
@@ -472,7 +472,7 @@ def _run(config: ExtractConfig, dist: Dist, records) -> dict:
     pending = [item for item in items if item.sample_id not in done]
     mine = pending[dist.rank::dist.world]
     head_bytes, chunk_tokens = split_memory_budget(
-        config.memory_budget_mb << 20,
+        config.memory_budget,
         stored_bytes_per_token(dtypes, len(layer_ids), info.hidden_size, config.top_k, info.vocab_size))
     capture_config = CaptureConfig(layer_ids=layer_ids, feature_dtype=shards.TENSOR_DTYPES[feature_dtype],
                                    top_k=config.top_k, store_logits=config.store_logits,
@@ -537,7 +537,7 @@ def run_facts(config: ExtractConfig, dist: Dist, device: str) -> dict:
     return {"specreplay": ours, "torch": torch.__version__, "transformers": transformers.__version__,
             "world_size": dist.world, "device": device, "batch_size": config.batch_size,
             "shard_bytes": config.shard_bytes, "zstd_level": config.zstd_level,
-            "memory_budget_mb": config.memory_budget_mb}
+            "memory_budget": config.memory_budget}
 
 
 def make_progress(total: int, config: ExtractConfig, dist: Dist):

@@ -99,7 +99,7 @@ def extract(model, prompts, out, max_new_tokens, layer_ids, draft_config, num_dr
             store_last_hidden=store_last_hidden, dtype=dtype, feature_dtype=feature_dtype,
             enable_thinking=enable_thinking, limit=limit, batch_size=batch_size,
             shard_bytes=parse_size(shard_bytes), zstd_level=zstd_level,
-            memory_budget_mb=max(1, parse_size(memory_budget, "--memory-budget") >> 20),
+            memory_budget=parse_size(memory_budget, "--memory-budget"),
             overwrite=overwrite, quiet=quiet, device=device,
         )
         manifest = run_extract(config)

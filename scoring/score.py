@@ -370,7 +370,7 @@ def score_checkpoint(ckpt: str, shardset: ShardSet, head: dict, out_dir: str, co
         "checkpoint": {"path": os.path.abspath(ckpt), "name": info.name, "content_hash": info.content_hash,
                        "step": info.step, "config": info.config_raw},
         "shards": {"uri": shardset.uri, "identity": shards_id, "target": manifest.get("target", {}).get("name"),
-                   "samples": total},
+                   "samples": total, "feature_dtype": manifest.get("tensors", {}).get("features")},
         "ddtree_budgets": list(config.ddtree_budgets), "anchor_set": config.anchors,
         "device": device, "dtype": str(dtype).replace("torch.", ""), "attention": options.attention_backend,
         "world_size": dist.world,
@@ -465,6 +465,9 @@ def print_summary(summary: pa.Table, name: str, out_dir: str, record: dict) -> N
         print(f"note: {overall['inexact_samples']} of {overall['samples']} samples are not exact walks "
               f"(given responses or {overall['argmax_mismatches']} positions where the stored token is not the "
               f"full-forward argmax); their walk numbers approximate the online loop")
+    if record["shards"].get("feature_dtype") == "float8_e4m3fn":
+        print("note: the shards hold lossy fp8 features (extract --feature-dtype fp8); numbers approximate "
+              "a lossless extract (bench/README.md measures the tau change)")
 
 
 def _fmt(value, digits: int = 3) -> str:

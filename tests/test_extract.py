@@ -178,6 +178,45 @@ def test_feature_dtype_bfloat16(tiny_qwen3_dir, prompts_file, tmp_path):
     assert torch.equal(sample.features, expected)
 
 
+def test_feature_dtype_fp8(tiny_qwen3_dir, prompts_file, tmp_path):
+    """Lossy opt-in: e4m3 values with one scale per token and layer; the reader dequantizes."""
+    out = tmp_path / "out"
+    manifest = extract(tiny_qwen3_dir, prompts_file, out, layer_ids=[1, 4], feature_dtype="fp8", limit=2,
+                       store_last_hidden=True)
+    assert manifest["tensors"]["features"] == "float8_e4m3fn" and manifest["tensors"]["features_scale"] == "float32"
+    assert manifest["tensors"]["last_hidden"] == "float32"  # kept lossless
+    model, _, _ = load_target(tiny_qwen3_dir, dtype="float32")
+    for sample in ShardSet(str(out)).samples():
+        assert "features_scale" not in sample.tensors and sample.features.dtype == torch.float32
+        output = fresh(model, sample.input_ids.tolist())
+        for j, layer in enumerate([1, 4]):
+            exact = output.hidden_states[layer + 1][0]
+            got = sample.features[:, j * exact.shape[1]:(j + 1) * exact.shape[1]]
+            error = (got - exact).abs().amax(-1)
+            assert bool((error <= exact.abs().amax(-1) / 16).all())  # 3 mantissa bits, per-token scale
+            assert not torch.equal(got, exact)
+        raw = next(ShardSet(str(out)).samples(tensors=["features_scale"]))
+        assert raw.features_scale.shape[1] == 2
+        break
+    with pytest.raises(ValueError, match="--feature-dtype 'int4'"):
+        extract(tiny_qwen3_dir, prompts_file, tmp_path / "bad", layer_ids=[1], feature_dtype="int4", limit=1)
+
+
+def test_memory_budget_sets_chunk_and_window(tiny_qwen3_dir, prompts_file, tmp_path):
+    """A smaller --memory-budget gives chunks of fewer tokens (more record batches), same samples."""
+    from pipeline.extract import split_memory_budget
+
+    window, tokens = split_memory_budget(2 << 30, 5 * 5120 * 2)
+    assert window == 1 << 30 and tokens == min(4096, (1 << 30) // (3 * 5 * 5120 * 2))
+    big = extract(tiny_qwen3_dir, prompts_file, tmp_path / "big", layer_ids=[1])
+    small = extract(tiny_qwen3_dir, prompts_file, tmp_path / "small", layer_ids=[1], memory_budget=64 << 10)
+    assert len(big["shards"][0]["batches"]) == 1 < len(small["shards"][0]["batches"])
+    assert small["run"]["memory_budget"] == 64 << 10
+    one = [s.features for s in ShardSet(str(tmp_path / "big")).samples()]
+    other = [s.features for s in ShardSet(str(tmp_path / "small")).samples()]
+    assert all(torch.equal(a, b) for a, b in zip(one, other)) and len(one) == len(PROMPTS)
+
+
 def test_out_as_pyarrow_uri(tiny_qwen3_dir, prompts_file, tmp_path):
     """--out may be any URI pyarrow.fs opens; file:// stands in for s3:// and gs:// here."""
     uri = (tmp_path / "out").as_uri()

@@ -100,3 +100,23 @@ def test_torchrun_two_ranks_equal_one_process(scored_setup, tmp_path):
         b = pl.read_parquet(os.path.join(two, f"{name}.parquet"))
         assert a.equals(b, null_equal=True), name
     assert json.load(open(os.path.join(two, "run.json")))["world_size"] == 2
+
+
+def test_fp8_shards_score_close_to_lossless(scored_setup, tiny_qwen3_dir):
+    """The same prompts extracted with fp8 features score without complaint; run.json and the
+    console say the features are lossy; chain tau stays near the lossless one."""
+    tmp, shards, written = scored_setup
+    fp8 = str(tmp / "shards-fp8")
+    run_extract(ExtractConfig(model=tiny_qwen3_dir, prompts=str(tmp / "prompts.jsonl"), out=fp8, max_new_tokens=24,
+                              layer_ids=[1, 3], top_k=8, dtype="fp32", feature_dtype="fp8", quiet=True))
+    results = {}
+    for name, source in (("lossless", shards), ("fp8", fp8)):
+        out = str(tmp / f"results-{name}")
+        result = _score(["--ckpt", written[-1], "--shards", source, "--out", out, "--ddtree-budgets", "4"])
+        assert result.exit_code == 0, result.output
+        results[name] = (json.load(open(os.path.join(out, "run.json"))), pl.read_parquet(os.path.join(out, "summary.parquet")), result.output)
+    assert results["fp8"][0]["shards"]["feature_dtype"] == "float8_e4m3fn" and "lossy fp8" in results["fp8"][2]
+    assert results["lossless"][0]["shards"]["feature_dtype"] == "float32" and "lossy" not in results["lossless"][2]
+    tau = {name: r[1].filter((pl.col("method") == "chain") & (pl.col("dataset") == "(all)"))["tau"][0]
+           for name, r in results.items()}
+    assert abs(tau["fp8"] - tau["lossless"]) < 0.5 * tau["lossless"]
