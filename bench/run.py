@@ -354,41 +354,57 @@ def bench_extract(args, work: Path, dtype: str, prompts: int, reps: int, with_ba
 # storage: bytes per token
 
 
+def shard_chunks(shard_dir: str):
+    """(entry, record batch) of every chunk, read with Arrow directly (the bench measures the format)."""
+    import pyarrow as pa
+    import pyarrow.ipc as ipc
+
+    from pipeline import shards
+
+    shardset = shards.ShardSet(shard_dir)
+    fs, root = shards.open_fs(shard_dir)
+    for entry in shardset.entries:
+        reader = ipc.open_file(pa.BufferReader(shards.read_bytes(fs, shards.join(root, entry["file"]))))
+        for index in range(reader.num_record_batches):
+            yield entry, reader.get_batch(index)
+
+
 def stored_bytes(shard_dir: str) -> dict:
     """Bytes per token of what extract stored. Per-tensor compressed sizes are the zstd frames
-    Arrow IPC writes for each buffer (pa.Codec with the shard's level, recomputed per tensor);
-    their sum is checked against the shard files' real size."""
+    Arrow IPC writes for each chunk's tensor buffer (pa.Codec at the shard's level, recomputed);
+    their sum is checked against the shard files' real size. fp8 features count their scales."""
     import pyarrow as pa
 
-    from pipeline.shards import ShardSet, encode_tensor
+    from pipeline.shards import ShardSet
 
     shardset = ShardSet(shard_dir)
     manifest = shardset.manifest
-    level = manifest.get("run", {}).get("zstd_level", 3)
+    level = manifest.get("run", {}).get("zstd_level", 1)
     codec = pa.Codec("zstd", compression_level=level)
     sizes: dict[str, int] = {}
-    raw: dict[str, int] = {}
-    tokens = rows = 0
-    for sample in shardset.samples(prefetch=0):
-        tokens += sample.input_ids.numel()
-        rows += sample.topk_ids.shape[0]
-        for name, tensor in sample.tensors.items():
-            buffer = encode_tensor(tensor)
+    chunks = 0
+    for _, batch in shard_chunks(shard_dir):
+        chunks += 1
+        for name in shardset.tensor_dtypes:
+            buffer = batch.column(name)[0].as_buffer()
             sizes[name] = sizes.get(name, 0) + codec.compress(buffer).size + 8  # + Arrow's length prefix
-            raw[name] = raw.get(name, 0) + tensor.numel() * tensor.element_size()
+    totals = manifest["totals"]
+    tokens, rows = totals["tokens"], totals["response_tokens"] + totals["samples"]
     settings = manifest["settings"]
     n_layers, hidden = len(settings["layer_ids"]), settings["target"]["hidden_size"]
     vocab, k = settings["target"]["vocab_size"], settings["top_k"]
     feature_dtype_bytes = torch.empty((), dtype=getattr(torch, settings["feature_dtype"])).element_size()
     raw_bf16 = n_layers * hidden * 2
+    features = sizes["features"] + sizes.get("features_scale", 0)
     topk = sizes["topk_ids"] + sizes["topk_logprobs"]
-    total_file_bytes = manifest["totals"]["bytes"]
+    total_file_bytes = totals["bytes"]
     return {
         "feature_dtype": settings["feature_dtype"], "zstd_level": level, "tokens": tokens, "topk_rows": rows,
-        "features_bytes_per_token": sizes["features"] / tokens,
+        "chunks": chunks, "chunk_tokens_mean": tokens / max(1, chunks),
+        "features_bytes_per_token": features / tokens,
         "raw_bf16_features_bytes_per_token": raw_bf16,
-        "features_vs_raw_bf16": sizes["features"] / tokens / raw_bf16,
-        "features_vs_raw_same_dtype": sizes["features"] / raw["features"],
+        "features_vs_raw_bf16": features / tokens / raw_bf16,
+        "features_vs_raw_same_dtype": features / (tokens * n_layers * hidden * feature_dtype_bytes),
         "raw_feature_dtype_bytes_per_token": n_layers * hidden * feature_dtype_bytes,
         "topk_bytes_per_row": topk / rows, "topk_k": k,
         "raw_topk_bytes_per_row": k * (4 + 4),
@@ -413,30 +429,36 @@ def _best_of(fn, repeats: int) -> float:
     return best
 
 
-def codec_comparison(shard_dir: str, n_layers: int | None = None, repeats: int = 3) -> dict:
-    """On the real extracted feature tensors (one buffer per sample, as the shards compress them):
-    compressed size and single-thread decode speed of plain zstd over the interleaved bytes vs
-    byte planes (pipeline.shards.encode_tensor) + zstd, levels 1 and 3."""
+def _row_major_planes(tensor: torch.Tensor) -> bytes:
+    """Format v1's encoding (one sample, row-major byte planes), kept here for comparison."""
+    flat = tensor.contiguous().view(-1)
+    return flat.view(torch.uint8).view(-1, flat.element_size()).t().contiguous().numpy().tobytes()
+
+
+def codec_comparison(shard_dir: str, repeats: int = 3) -> dict:
+    """On the real extracted feature tensors: compressed size and single-thread decode speed of
+    plain zstd (interleaved bytes, one sample per frame), format v1 (row-major byte planes, one
+    sample per frame), and format v2 as shipped (channel-major byte planes of chunks of
+    consecutive samples, pipeline.shards.encode_tensor / decode_tensor) at several chunk sizes."""
     import zstandard
 
-    from pipeline.shards import ShardSet, decode_tensor, encode_tensor
+    from pipeline.shards import DEFAULT_CHUNK_TOKENS, ShardSet, decode_tensor, encode_tensor
 
-    features = [s.features for s in ShardSet(shard_dir).samples(tensors=["features"], prefetch=0)]
+    features = [s.features.contiguous() for s in ShardSet(shard_dir).samples(tensors=["features"], prefetch=0)]
     dtype = features[0].dtype
     raw_total = sum(f.numel() * f.element_size() for f in features)
-    interleaved = [f.contiguous().view(torch.uint8).numpy().tobytes() for f in features]
-    planes = [encode_tensor(f).to_pybytes() for f in features]
-    out = {"dtype": str(dtype).replace("torch.", ""), "tensors": len(features), "raw_bytes": raw_total}
+    everything = torch.cat(features)
+    out = {"dtype": str(dtype).replace("torch.", ""), "tensors": len(features), "raw_bytes": raw_total,
+           "tokens": everything.shape[0]}
     if features[0].element_size() == 2:  # order-0 entropy of the 16-bit values
-        values = np.concatenate([f.contiguous().view(torch.int16).numpy().ravel() for f in features])
-        counts = np.bincount(values.view(np.uint16)).astype(np.float64)
-        p = counts[counts > 0] / values.size
+        words = everything.view(torch.int16).numpy().view(np.uint16)
+        counts = np.bincount(words.ravel()).astype(np.float64)
+        p = counts[counts > 0] / words.size
         bits = float(-(p * np.log2(p)).sum())
         out["order0_entropy_bits"] = bits
         out["order0_entropy_ratio"] = 16 / bits
         # Per channel, sign / exponent / mantissa fields each with their own order-0 code: a
         # (slightly optimistic) bound for a channel-aware entropy coder.
-        words = torch.cat(features).view(torch.int16).numpy().view(np.uint16)
         fields = ((words >> 15), (words >> 7) & 0xFF, words & 0x7F)
         channel_bits = 0.0
         for field in fields:
@@ -446,21 +468,32 @@ def codec_comparison(shard_dir: str, n_layers: int | None = None, repeats: int =
                 channel_bits += float(-(p * np.log2(p)).sum())
         out["per_channel_field_entropy_bits"] = channel_bits / words.shape[1]
         out["per_channel_field_entropy_ratio"] = 16 / out["per_channel_field_entropy_bits"]
-    # Candidate layouts the shards do not use (yet): the same byte planes after putting values of
-    # one layer, or of one channel, next to each other. Measured here to size what they would gain.
-    n_layers = n_layers or 1
-    layer_major = [encode_tensor(f.view(f.shape[0], n_layers, -1).transpose(0, 1).contiguous()).to_pybytes()
-                   for f in features]
-    channel_major = [encode_tensor(f.t().contiguous()).to_pybytes() for f in features]
-    # ... and one buffer for all samples together (what a multi-sample record batch would see)
-    everything = torch.cat(features)
-    all_rows = [encode_tensor(everything).to_pybytes()]
-    all_channels = [encode_tensor(everything.t().contiguous()).to_pybytes()]
+
+    def token_chunks(size):  # what the writer does: whole samples until `size` tokens
+        chunk, count = [], 0
+        for f in features:
+            chunk.append(f)
+            count += f.shape[0]
+            if count >= size:
+                yield torch.cat(chunk)
+                chunk, count = [], 0
+        if chunk:
+            yield torch.cat(chunk)
+
+    layouts = {
+        "interleaved": [f.view(torch.uint8).numpy().tobytes() for f in features],
+        "v1_row_planes_per_sample": [_row_major_planes(f) for f in features],
+        "channel_planes_per_sample": [encode_tensor(f).to_pybytes() for f in features],
+        "v2_chunks_1024": [encode_tensor(c).to_pybytes() for c in token_chunks(1024)],
+        f"v2_chunks_{DEFAULT_CHUNK_TOKENS}": [encode_tensor(c).to_pybytes() for c in token_chunks(DEFAULT_CHUNK_TOKENS)],
+        "v2_one_chunk_all": [encode_tensor(everything).to_pybytes()],
+    }
+    shipped = f"v2_chunks_{DEFAULT_CHUNK_TOKENS}"
+    out["shipped_layout"] = shipped
+    chunk_shapes = [[c.shape[0], c.shape[1]] for c in token_chunks(DEFAULT_CHUNK_TOKENS)]
     del everything
     decompressor = zstandard.ZstdDecompressor()
-    for layout, buffers in (("interleaved", interleaved), ("planes", planes), ("layer_major_planes", layer_major),
-                            ("channel_major_planes", channel_major), ("all_samples_planes", all_rows),
-                            ("all_samples_channel_major_planes", all_channels)):
+    for layout, buffers in layouts.items():
         for level in (1, 3):
             compressor = zstandard.ZstdCompressor(level=level)
             start = time.perf_counter()
@@ -468,25 +501,19 @@ def codec_comparison(shard_dir: str, n_layers: int | None = None, repeats: int =
             compress_s = time.perf_counter() - start
             size = sum(len(f) for f in frames)
             decode_s = _best_of(lambda: [decompressor.decompress(f) for f in frames], repeats)
-            entry = {"bytes": size, "ratio": raw_total / size, "compress_gb_s": raw_total / compress_s / GB,
-                     "zstd_decode_gb_s": raw_total / decode_s / GB}
-            if layout == "planes":  # + the un-transpose back to a tensor (what the reader does)
+            entry = {"bytes": size, "ratio": raw_total / size, "fraction_of_raw": size / raw_total,
+                     "compress_gb_s": raw_total / compress_s / GB, "zstd_decode_gb_s": raw_total / decode_s / GB}
+            if layout == shipped:  # + the re-interleave back to tensors (what the reader does)
                 decoded = [decompressor.decompress(f) for f in frames]
-                shapes = [list(f.shape) for f in features]
-                untranspose_s = _best_of(lambda: [decode_tensor(d, dtype, s) for d, s in zip(decoded, shapes)], repeats)
-                entry["untranspose_gb_s"] = raw_total / untranspose_s / GB
-                entry["decode_gb_s"] = raw_total / (decode_s + untranspose_s) / GB
-                assert all(torch.equal(decode_tensor(d, dtype, s).view(torch.uint8), f.view(torch.uint8))
-                           for d, s, f in zip(decoded, shapes, features)), "byte planes are not lossless"
-            else:
-                entry["decode_gb_s"] = entry["zstd_decode_gb_s"]
+                planes_s = _best_of(lambda: [decode_tensor(d, dtype, s) for d, s in zip(decoded, chunk_shapes)], repeats)
+                entry["planes_to_tensor_gb_s"] = raw_total / planes_s / GB
+                entry["decode_gb_s"] = raw_total / (decode_s + planes_s) / GB
+                again = torch.cat([decode_tensor(d, dtype, s) for d, s in zip(decoded, chunk_shapes)])
+                assert torch.equal(again.contiguous().view(torch.uint8), torch.cat(features).view(torch.uint8)), \
+                    "byte planes are not lossless"
             out[f"{layout}_zstd{level}"] = entry
-    for layout in ("layer_major_planes", "channel_major_planes", "all_samples_planes",
-                   "all_samples_channel_major_planes"):  # only zstd speed differs from planes
-        for level in (1, 3):
-            out[f"{layout}_zstd{level}"].pop("decode_gb_s")
-    out["planes_gain_level1"] = out["planes_zstd1"]["ratio"] / out["interleaved_zstd1"]["ratio"]
-    out["planes_gain_level3"] = out["planes_zstd3"]["ratio"] / out["interleaved_zstd3"]["ratio"]
+    out["planes_gain_level1"] = out["v1_row_planes_per_sample_zstd1"]["ratio"] / out["interleaved_zstd1"]["ratio"]
+    out["v2_gain_over_v1"] = out[f"{shipped}_zstd1"]["ratio"] / out["v1_row_planes_per_sample_zstd3"]["ratio"]
     return out
 
 
@@ -494,46 +521,25 @@ def codec_comparison(shard_dir: str, n_layers: int | None = None, repeats: int =
 # shard reader throughput vs the same bytes uncompressed
 
 
-def uncompressed_copy(shard_dir: str, dest: Path) -> tuple[str, list[dict]]:
-    """The same samples and byte layout written as Arrow IPC without compression, with entries
-    the real reader (pipeline.shards.read_shard) accepts."""
-    import pyarrow.ipc as ipc
-
+def uncompressed_copy(shard_dir: str, dest: Path) -> str:
+    """The same samples, chunks and byte layout written without compression (ShardWriter with
+    zstd_level=None), as a shard set the real reader opens."""
     from pipeline import shards
 
     shardset = shards.ShardSet(shard_dir)
-    names = list(shardset.tensor_dtypes)
-    schema = shards.shard_schema(names)
-    (dest / shards.SHARD_DIR).mkdir(parents=True, exist_ok=True)
-    entries = []
-    for entry in shardset.entries:
-        path = dest / entry["file"]
-        with open(path, "wb") as sink:
-            writer = ipc.new_file(sink, schema)  # no compression
-            for sample in shards.read_shard(shard_dir, entry, shardset.tensor_dtypes):
-                writer.write_batch(shards.sample_record_batch(sample, names, schema))
-            writer.close()
-        data = path.read_bytes()
-        entries.append({"file": entry["file"], "bytes": len(data), "crc32": zlib.crc32(data)})
-    return str(dest), entries
-
-
-def untranspose_copy(buffer, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
-    """A candidate for pipeline.shards.decode_tensor: the same result, written plane by plane
-    into a strided [count, itemsize] view (torch copy kernels) instead of numpy's transposed copy."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    planes = torch.frombuffer(buffer, dtype=torch.uint8)
-    count = planes.numel() // itemsize
-    out = torch.empty((count, itemsize), dtype=torch.uint8)
-    for i in range(itemsize):
-        out[:, i] = planes[i * count:(i + 1) * count]
-    return out.view(-1).view(dtype).view(*shape)
+    writer = shards.ShardWriter(str(dest), 0, shardset.tensor_dtypes, zstd_level=None,
+                                chunk_tokens=shardset.manifest.get("run", {}).get("chunk_tokens", shards.DEFAULT_CHUNK_TOKENS))
+    for sample in shardset.samples(prefetch=0):
+        writer.write(sample)
+    manifest = dict(shardset.manifest, shards=writer.close())
+    shards.write_manifest(str(dest), manifest)
+    return str(dest)
 
 
 def reader_breakdown(shard_dir: str, repeats: int = 3) -> dict:
     """Where the reader's time goes, stage by stage, single thread, all in GB/s of decoded
-    features: crc32 of the file, Arrow IPC read (zstd), byte-plane un-transpose (the shipped
-    numpy one and a torch copy candidate)."""
+    features: crc32 of each chunk's bytes, Arrow IPC record batch read (zstd), byte planes back
+    to a tensor (numpy shift-or, pipeline.shards.decode_tensor)."""
     import pyarrow as pa
     import pyarrow.ipc as ipc
 
@@ -541,76 +547,68 @@ def reader_breakdown(shard_dir: str, repeats: int = 3) -> dict:
 
     shardset = shards.ShardSet(shard_dir)
     fs, root = shards.open_fs(shard_dir)
-    files = [shards.read_bytes(fs, shards.join(root, e["file"])) for e in shardset.entries]
     dtype = shards.TENSOR_DTYPES[shardset.tensor_dtypes["features"]]
+    blocks = []
+    for entry in shardset.entries:
+        data = shards.read_bytes(fs, shards.join(root, entry["file"]))
+        schema = ipc.read_schema(ipc.read_message(pa.py_buffer(data[8:8 + entry["schema_block"][1]])))
+        blocks += [(schema, pa.py_buffer(data[b[0]:b[0] + b[1]])) for b in entry["batches"]]
     default_threads = pa.cpu_count()
     pa.set_cpu_count(1)
     try:
         def arrow_read():
             found = []
-            for data in files:
-                reader = ipc.open_file(pa.BufferReader(data))
-                for i in range(reader.num_record_batches):
-                    batch = reader.get_batch(i)
-                    found.append((batch.column("features")[0].as_buffer(), batch.column("features_shape")[0].as_py()))
+            for schema, data in blocks:
+                batch = ipc.read_record_batch(ipc.read_message(data), schema)
+                shapes = batch.column("features_shape").to_pylist()
+                found.append((batch.column("features")[0].as_buffer(), [sum(x[0] for x in shapes), shapes[0][1]]))
             return found
 
         buffers = arrow_read()
         feature_bytes = sum(b.size for b, _ in buffers)
-        crc = _best_of(lambda: [zlib.crc32(d) for d in files], repeats)
+        crc = _best_of(lambda: [zlib.crc32(d) for _, d in blocks], repeats)
         arrow = _best_of(arrow_read, repeats)
-        numpy_untranspose = _best_of(lambda: [shards.decode_tensor(b, dtype, s) for b, s in buffers], repeats)
-        torch_untranspose = _best_of(lambda: [untranspose_copy(b, dtype, s) for b, s in buffers], repeats)
-        assert all(torch.equal(untranspose_copy(b, dtype, s).view(torch.uint8), shards.decode_tensor(b, dtype, s).view(torch.uint8))
-                   for b, s in buffers)
+        planes = _best_of(lambda: [shards.decode_tensor(b, dtype, s) for b, s in buffers], repeats)
     finally:
         pa.set_cpu_count(default_threads)
     gbs = lambda seconds: feature_bytes / seconds / GB  # noqa: E731
-    return {"crc32_gb_s": gbs(crc), "arrow_ipc_zstd_gb_s": gbs(arrow), "untranspose_numpy_gb_s": gbs(numpy_untranspose),
-            "untranspose_torch_copy_gb_s": gbs(torch_untranspose),
-            "sum_of_stages_gb_s": gbs(crc + arrow + numpy_untranspose),
-            "projected_with_torch_untranspose_gb_s": gbs(crc + arrow + torch_untranspose),
-            "projected_with_torch_untranspose_crc_in_background_gb_s": gbs(arrow + torch_untranspose)}
+    return {"crc32_gb_s": gbs(crc), "arrow_ipc_zstd_gb_s": gbs(arrow), "planes_to_tensor_gb_s": gbs(planes),
+            "sum_of_stages_gb_s": gbs(crc + arrow + planes)}
 
 
 def reader_throughput(shard_dir: str, work: Path, repeats: int = 3) -> dict:
-    """GB/s of decoded features through the real reader: ShardSet.samples (crc32 check, Arrow
-    zstd, byte-plane transpose) vs the same reader on an uncompressed copy. Measured with
+    """GB/s of decoded features through the real reader: ShardSet.samples (per-chunk crc32,
+    Arrow zstd, planes back to tensors) vs the same reader on an uncompressed copy. Measured with
     Arrow's thread pool at 1 thread (per core) and at its default, the consumer doing nothing."""
     import pyarrow as pa
 
     from pipeline import shards
 
     shardset = shards.ShardSet(shard_dir)
-    plain_uri, plain_entries = uncompressed_copy(shard_dir, work / "uncompressed")
+    plain = shards.ShardSet(uncompressed_copy(shard_dir, work / "uncompressed"))
     feature_bytes = sum(s.features.numel() * s.features.element_size() for s in shardset.samples(["features"], prefetch=0))
 
-    def read_compressed(prefetch):
-        for _ in shardset.samples(tensors=["features"], prefetch=prefetch):
+    def read(which, prefetch):
+        for _ in which.samples(tensors=["features"], prefetch=prefetch):
             pass
-
-    def read_plain():
-        for entry in plain_entries:
-            for _ in shards.read_shard(plain_uri, entry, shardset.tensor_dtypes, ["features"]):
-                pass
 
     out = {"feature_bytes": feature_bytes,
            "compressed_file_bytes": shardset.manifest["totals"]["bytes"],
-           "uncompressed_file_bytes": sum(e["bytes"] for e in plain_entries)}
+           "uncompressed_file_bytes": sum(e["bytes"] for e in plain.entries)}
     default_threads = pa.cpu_count()
     try:
         for label, threads in (("1thread", 1), (f"{default_threads}threads", default_threads)):
             pa.set_cpu_count(threads)
-            read_compressed(0)  # warm the page cache
-            compressed = _best_of(lambda: read_compressed(0), repeats)
-            background = _best_of(lambda: read_compressed(2), repeats)
-            read_plain()
-            plain = _best_of(read_plain, repeats)
+            read(shardset, 0)  # warm the page cache
+            compressed = _best_of(lambda: read(shardset, 0), repeats)
+            background = _best_of(lambda: read(shardset, 2), repeats)
+            read(plain, 0)
+            uncompressed = _best_of(lambda: read(plain, 0), repeats)
             out[label] = {
                 "zstd_shards_gb_s": feature_bytes / compressed / GB,
                 "zstd_shards_background_thread_gb_s": feature_bytes / background / GB,
-                "uncompressed_gb_s": feature_bytes / plain / GB,
-                "zstd_vs_uncompressed": plain / compressed,  # throughput ratio zstd / uncompressed
+                "uncompressed_gb_s": feature_bytes / uncompressed / GB,
+                "zstd_vs_uncompressed": uncompressed / compressed,  # throughput ratio zstd / uncompressed
             }
     finally:
         pa.set_cpu_count(default_threads)
@@ -751,8 +749,7 @@ def bench_score(args, work: Path, shard_dir: str) -> dict:
         if step % max(1, args.fit_steps // 4) == 0:
             log(f"score:   fit step {step}/{args.fit_steps} loss {loss:.3f}")
 
-    fit_context = contextlib.nullcontext() if args.fit_as_shipped else contiguous_lm_head_input()
-    with Phase() as fit_phase, fit_context:
+    with Phase() as fit_phase:
         drafter, _ = fit_drafter(samples, head, settings["layer_ids"], raw, None,
                                  FitOptions(steps=args.fit_steps, lr=args.fit_lr, anchors_per_step=args.fit_anchors),
                                  progress)
@@ -762,15 +759,14 @@ def bench_score(args, work: Path, shard_dir: str) -> dict:
     result = {"block_size": args.block_size, "drafter_layers": 1, "drafter_layer_ids": list(settings["layer_ids"]),
               "fit": {"steps": args.fit_steps, "anchors_per_step": args.fit_anchors, "lr": args.fit_lr,
                       "seconds": fit_phase.seconds, "final_loss": losses[-1] if losses else None,
-                      "others_cpu": fit_phase.others_cpu,
-                      "contiguous_lm_head_wrapper": not args.fit_as_shipped},
+                      "others_cpu": fit_phase.others_cpu},
               "checkpoint": ckpt, "threads": torch.get_num_threads()}
 
-    def offline(budgets, label):
+    def offline(budgets, label, anchor_set="all", shards=shard_dir):
         out = work / f"results-{label}"
-        log(f"score: offline specreplay score ({label}, budgets {list(budgets) or 'none'}) ...")
+        log(f"score: offline specreplay score ({label}, budgets {list(budgets) or 'none'}, anchors {anchor_set}) ...")
         with Phase() as phase:
-            records = run_score(ScoreConfig(ckpts=[ckpt], shards=shard_dir, out=str(out),
+            records = run_score(ScoreConfig(ckpts=[ckpt], shards=shards, out=str(out), anchors=anchor_set,
                                             ddtree_budgets=list(budgets), quiet=True, force=True))
         anchors = records[0]["anchors"]
         log(f"score:   {phase.seconds:.1f}s, {anchors} anchors, {anchors / phase.seconds:.0f} anchors/s "
@@ -778,7 +774,7 @@ def bench_score(args, work: Path, shard_dir: str) -> dict:
         return out, {"wall_s": phase.seconds, "anchors": anchors, "anchors_per_s": anchors / phase.seconds,
                      "others_cpu": phase.others_cpu,
                      "peak_rss_bytes": phase.peak_rss, "rss_before_bytes": phase.rss_before,
-                     "budgets": list(budgets)}
+                     "budgets": list(budgets), "anchor_set": anchor_set}
 
     # Each side is warmed on one sample first (imports, first-call allocations). Order: offline
     # chain, online, offline chain + DDTree, offline chain again (min of the two). The target is
@@ -827,16 +823,12 @@ def bench_score(args, work: Path, shard_dir: str) -> dict:
 
     gc.collect()
 
-    full_dir, result["offline_ddtree"] = offline(tuple(args.ddtree_budgets or DEFAULT_BUDGETS), "chain+ddtree")
+    budgets = tuple(args.ddtree_budgets or DEFAULT_BUDGETS)
+    full_dir, result["offline_ddtree"] = offline(budgets, "chain+ddtree")
     _, again = offline((), "chain-rep2")
-    import inspect
-
-    from scoring.drafter import DFlashDrafter
-
-    source = inspect.getsource(DFlashDrafter.logits)
-    result["shipped_logits_folds_input"] = any(t in source for t in ("reshape(-1", ".contiguous()", "flatten(0"))
-    with contiguous_lm_head_input():
-        fix_dir, result["offline_chain_candidate_fix"] = offline((), "chain-candidate-fix")
+    # Walk-only mode: only the anchors the simulated walks visit (issue 4 item 2).
+    walk_chain_dir, result["offline_walk_chain"] = offline((), "walk-chain", "walk")
+    walk_full_dir, result["offline_walk_ddtree"] = offline(budgets, "walk-chain+ddtree", "walk")
     log("score: `specreplay score` in a fresh process, for its peak RSS ...")
     result["cli_subprocess"] = score_cli_peak_rss(ckpt, shard_dir, str(work / "results-cli"))
     log(f"score:   peak RSS {fmt_bytes(result['cli_subprocess']['peak_rss_bytes'])}, "
@@ -848,31 +840,84 @@ def bench_score(args, work: Path, shard_dir: str) -> dict:
 
     # parity: the walk's produced lists equal the online acceptance_lengths, for every prompt
     walks = {label: walk_lists(str(d / "walk.parquet"))
-             for label, d in (("chain", chain_dir), ("ddtree", full_dir), ("fix", fix_dir))}
+             for label, d in (("chain", chain_dir), ("ddtree", full_dir), ("walk", walk_chain_dir),
+                              ("walk_ddtree", walk_full_dir))}
     equal = {label: sum(w.get(sid, []) == lengths for sid, lengths in online.items()) for label, w in walks.items()}
+    every_method = [pl.read_parquet(str(d / "walk.parquet"), glob=False).select("sample_id", "method", "step", "produced")
+                    .sort("sample_id", "method", "step") for d in (full_dir, walk_full_dir)]
     result["parity"] = {"prompts": len(online), "walk_equal_chain_only_run": equal["chain"],
                         "walk_equal_chain_ddtree_run": equal["ddtree"],
-                        "walk_equal_candidate_fix_run": equal["fix"],
+                        "walk_equal_walk_only_run": equal["walk"],
+                        "walk_equal_walk_only_ddtree_run": equal["walk_ddtree"],
+                        "walk_only_equals_all_anchor_every_method": every_method[0].equals(every_method[1]),
                         "output_tokens_differ": mismatched_tokens,
-                        "all_equal": equal["chain"] == equal["ddtree"] == len(online)}
+                        "all_equal": len(set(equal.values())) == 1 and equal["chain"] == len(online)}
     summary = pl.read_parquet(str(full_dir / "summary.parquet"), glob=False).filter(pl.col("dataset") == "(all)")
     result["tau"] = {row["method"]: row["tau"] for row in summary.iter_rows(named=True)}
 
     # floating-point work, per sample then summed
     anchors = pl.read_parquet(str(chain_dir / "anchors.parquet"), glob=False)
-    on = off = 0.0
+    walk_anchors = pl.read_parquet(str(walk_chain_dir / "anchors.parquet"), glob=False)  # the visited ones
+    on = off = off_walk = 0.0
     for sample in shardset.samples(tensors=[], prefetch=0):
         prompt_len, steps = steps_by_sample[sample.sample_id]
         on += online_flops(model, prompt_len, steps)
-        rows = anchors.filter(pl.col("sample_id") == sample.sample_id)
-        off += offline_flops(model, sample.input_ids.numel() - 2, rows["anchor"].to_numpy(), rows["block_len"].to_numpy())
-    result["flops"] = {"model": model, "online": on, "offline": off, "work_ratio": on / off}
-    for key in ("offline_chain", "offline_ddtree", "offline_chain_candidate_fix"):
+        for table_, add in ((anchors, "all"), (walk_anchors, "walk")):
+            rows = table_.filter(pl.col("sample_id") == sample.sample_id)
+            work_ = offline_flops(model, sample.input_ids.numel() - 2, rows["anchor"].to_numpy(), rows["block_len"].to_numpy())
+            if add == "all":
+                off += work_
+            else:
+                off_walk += work_
+    result["flops"] = {"model": model, "online": on, "offline": off, "work_ratio": on / off,
+                       "offline_walk_chain": off_walk, "work_ratio_walk_chain": on / off_walk}
+    result["walk_only_vs_all_anchor"] = {
+        "chain_wall_ratio": result["offline_chain"]["wall_s"] / result["offline_walk_chain"]["wall_s"],
+        "ddtree_wall_ratio": result["offline_ddtree"]["wall_s"] / result["offline_walk_ddtree"]["wall_s"],
+        "chain_anchor_ratio": result["offline_chain"]["anchors"] / result["offline_walk_chain"]["anchors"],
+        "ddtree_anchor_ratio": result["offline_ddtree"]["anchors"] / result["offline_walk_ddtree"]["anchors"]}
+    for key in ("offline_chain", "offline_ddtree", "offline_walk_chain", "offline_walk_ddtree"):
+        work_ = off_walk if key.startswith("offline_walk") else off  # DDTree runs: chain work as a lower bound
         speedup = online_phase.seconds / result[key]["wall_s"]
         result[key]["speedup_vs_online"] = speedup
-        result[key]["speedup_over_work_ratio"] = speedup / (on / off)
-        result[key]["gflop_s"] = off / result[key]["wall_s"] / 1e9
+        result[key]["work_ratio"] = on / work_
+        result[key]["speedup_over_work_ratio"] = speedup / (on / work_)
+        result[key]["gflop_s"] = work_ / result[key]["wall_s"] / 1e9
     result["online"]["gflop_s"] = on / online_phase.seconds / 1e9
+    result["chain_walks"] = walks["ddtree"]
+    return result
+
+
+def bench_fp8(args, work: Path, ckpt: str, lossless: dict) -> dict:
+    """Opt-in lossy features (issue 4 item 4): the score prompts extracted again from the fp32
+    target with `--feature-dtype fp8` (e4m3, one scale per token and layer), stored bytes against
+    raw bf16, and the same checkpoint scored on them: tau per method against the lossless run."""
+    import polars as pl
+
+    from pipeline.extract import ExtractConfig, run_extract
+    from scoring.score import DEFAULT_BUDGETS, ScoreConfig, run_score
+
+    out = work / "shards-fp8"
+    log("fp8: extract with --feature-dtype fp8 (fp32 target, score prompts) ...")
+    with Phase() as phase:
+        run_extract(ExtractConfig(model="smollm2", prompts=args.prompt_set, limit=args.score_prompts, out=str(out),
+                                  max_new_tokens=args.max_new_tokens, dtype="fp32", feature_dtype="fp8",
+                                  overwrite=True, quiet=True, batch_size=args.batch_size))
+    result = {"extract_s": phase.seconds, "storage": stored_bytes(str(out))}
+    log(f"fp8:   features {result['storage']['features_vs_raw_bf16']:.3f} of raw bf16; scoring ...")
+    budgets = list(args.ddtree_budgets or DEFAULT_BUDGETS)
+    results_dir = work / "results-fp8"
+    run_score(ScoreConfig(ckpts=[ckpt], shards=str(out), out=str(results_dir), ddtree_budgets=budgets,
+                          quiet=True, force=True))
+    summary = pl.read_parquet(str(results_dir / "summary.parquet"), glob=False).filter(pl.col("dataset") == "(all)")
+    tau = {row["method"]: row["tau"] for row in summary.iter_rows(named=True)}
+    result["tau"] = tau
+    result["tau_lossless"] = lossless["tau"]
+    result["tau_change"] = {m: tau[m] - lossless["tau"][m] for m in tau if lossless["tau"].get(m) is not None}
+    fp8_walk = walk_lists(str(results_dir / "walk.parquet"))
+    lossless_walk = lossless["chain_walks"]
+    result["chain_walks_identical"] = sum(fp8_walk.get(k) == v for k, v in lossless_walk.items())
+    result["samples"] = len(lossless_walk)
     return result
 
 
@@ -889,26 +934,6 @@ def profile_offline(work: Path, shard_dir: str, ckpt: str, samples: int = 2, top
     table_text = prof.key_averages(group_by_input_shape=True).table(
         sort_by="self_cpu_time_total", row_limit=top, max_name_column_width=24, max_shapes_column_width=60)
     return [line for line in table_text.splitlines() if line.strip()]
-
-
-@contextlib.contextmanager
-def contiguous_lm_head_input():
-    """Candidate fix, NOT shipped: run DFlashDrafter.logits on a contiguous copy of its input.
-
-    The replay (scoring/replay.py) and the fit call it on `hidden[:, 1:]`, a non-contiguous
-    [a, L, H] view; F.linear then cannot fold it into one [a*L, H] x [H, V] GEMM and runs a
-    batched matmul against the weight broadcast a times. Used by the bench to (1) fit the drafter
-    faster (setup only; the fit is not a measured figure) and (2) measure what the fix would give,
-    reported separately from the shipped figures."""
-    from scoring.drafter import DFlashDrafter
-
-    shipped = DFlashDrafter.logits
-
-    def logits(self, hidden, lm_head):
-        return shipped(self, hidden.contiguous(), lm_head)
-
-    with patched(DFlashDrafter, "logits", logits):
-        yield
 
 
 # ---------------------------------------------------------------------------------------------
@@ -962,38 +987,39 @@ def table(results: dict) -> str:
         add("  fp32 extract overhead (extract / bare)", f"{ex32['overhead_ratio']:.3f}x")
     co = results.get("codecs")
     if co:
-        add(f"feature codecs ({co['dtype']}, {co['raw_bytes'] / MiB:.0f} MiB real features, 1 thread)", "",
-            others=co.get("others_cpu"))
-        for key, label in (("interleaved_zstd1", "plain zstd-1"), ("interleaved_zstd3", "plain zstd-3"),
-                           ("planes_zstd1", "byte planes + zstd-1"), ("planes_zstd3", "byte planes + zstd-3 (shards)")):
-            e = co[key]
-            add(f"  {label}: ratio, decode", f"{e['ratio']:.3f}x (= {1 / e['ratio']:.3f} of raw), {e['decode_gb_s']:.2f} GB/s")
-        for key, label in (("layer_major_planes_zstd1", "layer-major planes + zstd-1 (candidate)"),
-                           ("layer_major_planes_zstd3", "layer-major planes + zstd-3 (candidate)"),
-                           ("channel_major_planes_zstd1", "channel-major planes + zstd-1 (candidate)"),
-                           ("channel_major_planes_zstd3", "channel-major planes + zstd-3 (candidate)"),
-                           ("all_samples_planes_zstd3", "one buffer for all samples, planes + zstd-3 (candidate)"),
-                           ("all_samples_channel_major_planes_zstd1", "one buffer, channel-major planes + zstd-1 (candidate)"),
-                           ("all_samples_channel_major_planes_zstd3", "one buffer, channel-major planes + zstd-3 (candidate)")):
-            e = co[key]
-            add(f"  {label}: ratio, zstd decode", f"{e['ratio']:.3f}x (= {1 / e['ratio']:.3f}), {e['zstd_decode_gb_s']:.2f} GB/s")
+        add(f"feature codecs ({co['dtype']}, {co['raw_bytes'] / MiB:.0f} MiB real features, {co['tokens']} tokens, "
+            f"1 thread): fraction of raw, zstd decode", "", others=co.get("others_cpu"))
+        shipped = co["shipped_layout"]
+        for layout, label in (("interleaved", "plain zstd, per sample"),
+                              ("v1_row_planes_per_sample", "format v1: row-major byte planes, per sample"),
+                              ("channel_planes_per_sample", "channel-major byte planes, per sample"),
+                              ("v2_chunks_1024", "channel-major planes, 1024-token chunks"),
+                              (shipped, f"format v2 (shipped): channel-major planes, {shipped.split('_')[-1]}-token chunks"),
+                              ("v2_one_chunk_all", "channel-major planes, all samples in one chunk")):
+            for level in (1, 3):
+                e = co[f"{layout}_zstd{level}"]
+                mark = " <- shards" if layout == shipped and level == 1 else ""
+                add(f"  {label}, zstd-{level}{mark}", f"{e['fraction_of_raw']:.3f} ({e['ratio']:.3f}x), "
+                    f"{e['zstd_decode_gb_s']:.2f} GB/s")
+        e = co[f"{shipped}_zstd1"]
+        add("  shipped decode: zstd + planes to tensor", f"{e['decode_gb_s']:.2f} GB/s "
+            f"(planes to tensor alone {e['planes_to_tensor_gb_s']:.1f} GB/s)")
         if "order0_entropy_ratio" in co:
-            add("  order-0 entropy of the 16-bit values", f"{co['order0_entropy_bits']:.2f} bits = {co['order0_entropy_ratio']:.3f}x")
+            add("  order-0 entropy of the 16-bit values", f"{co['order0_entropy_bits']:.2f} bits = "
+                f"{1 / co['order0_entropy_ratio']:.3f} of raw")
             add("  per-channel sign/exponent/mantissa entropy", f"{co['per_channel_field_entropy_bits']:.2f} bits = "
-                f"{co['per_channel_field_entropy_ratio']:.3f}x")
+                f"{1 / co['per_channel_field_entropy_ratio']:.3f} of raw")
     rd = results.get("reader")
     if rd:
         one = rd["1thread"]
         add("shard reader (ShardSet.samples, features)", "", others=rd.get("others_cpu"))
         add("  zstd shards, 1 thread", f"{one['zstd_shards_gb_s']:.2f} GB/s", ">= 1 GB/s/core",
             rd["per_core_gb_s"] >= TARGETS["shard_decode_gb_s_per_core"], sides=[rd.get("others_cpu")])
-        add("  same bytes uncompressed, 1 thread", f"{one['uncompressed_gb_s']:.2f} GB/s")
+        add("  same chunks uncompressed, 1 thread", f"{one['uncompressed_gb_s']:.2f} GB/s")
         add("  zstd / uncompressed throughput", f"{one['zstd_shards_gb_s'] / one['uncompressed_gb_s']:.2f}")
         b = rd["stages_1thread"]
-        add("  stages: crc32 / arrow zstd / untranspose", f"{b['crc32_gb_s']:.2f} / {b['arrow_ipc_zstd_gb_s']:.2f} / "
-            f"{b['untranspose_numpy_gb_s']:.2f} GB/s")
-        add("  projected with torch-copy untranspose", f"{b['projected_with_torch_untranspose_gb_s']:.2f} GB/s "
-            f"(untranspose {b['untranspose_torch_copy_gb_s']:.1f} GB/s)")
+        add("  stages: crc32 / arrow zstd / planes to tensor", f"{b['crc32_gb_s']:.2f} / {b['arrow_ipc_zstd_gb_s']:.2f} / "
+            f"{b['planes_to_tensor_gb_s']:.2f} GB/s")
         other = [k for k in rd if k.endswith("threads")]
         for k in other:
             add(f"  zstd shards, arrow {k}, background thread", f"{rd[k]['zstd_shards_background_thread_gb_s']:.2f} GB/s")
@@ -1005,7 +1031,9 @@ def table(results: dict) -> str:
         add("  online dflash_generate", f"{on['wall_s']:.1f} s, {on['steps']} steps, tau {on['tau']:.2f}",
             others=on.get("others_cpu"))
         for key, label in (("offline_chain", "offline score, chain only"),
-                           ("offline_ddtree", "offline score, chain + DDTree")):
+                           ("offline_ddtree", "offline score, chain + DDTree"),
+                           ("offline_walk_chain", "offline score --anchors walk, chain only"),
+                           ("offline_walk_ddtree", "offline score --anchors walk, chain + DDTree")):
             o = sc[key]
             add(f"  {label}", f"{o['wall_s']:.1f} s, {o['anchors']} anchors, {o['anchors_per_s']:.0f} anchors/s",
                 others=o.get("others_cpu"))
@@ -1018,26 +1046,35 @@ def table(results: dict) -> str:
         ratio = sc["flops"]["work_ratio"]
         add("  FLOP ratio online / offline", f"{ratio:.2f}x "
             f"({sc['flops']['online'] / 1e9:.0f} / {sc['flops']['offline'] / 1e9:.0f} GFLOP)")
-        for key, label in (("offline_chain", "chain only"), ("offline_ddtree", "chain + DDTree")):
+        for key, label in (("offline_chain", "chain only"), ("offline_ddtree", "chain + DDTree"),
+                           ("offline_walk_chain", "walk-only, chain"), ("offline_walk_ddtree", "walk-only, chain + DDTree")):
             o = sc[key]
-            add(f"  measured speed-up, {label}", f"{o['speedup_vs_online']:.2f}x", f">= {ratio:.2f}x",
+            add(f"  measured speed-up, {label}", f"{o['speedup_vs_online']:.2f}x", f">= {o['work_ratio']:.2f}x",
                 o["speedup_over_work_ratio"] >= TARGETS["score_speedup_vs_work_ratio"],
                 sides=[o.get("others_cpu"), on.get("others_cpu")])
-        o = sc["offline_chain_candidate_fix"]
-        label = ("the same with the lm_head input made contiguous (already done by the shipped code)"
-                 if sc.get("shipped_logits_folds_input") else
-                 "candidate fix (not shipped): offline chain, contiguous lm_head input")
-        add(f"  {label}",
-            f"{o['wall_s']:.1f} s, {o['anchors_per_s']:.0f} anchors/s, speed-up {o['speedup_vs_online']:.2f}x",
-            others=o.get("others_cpu"))
-        add("  useful GFLOP/s online / offline chain / candidate fix",
-            f"{on['gflop_s']:.0f} / {sc['offline_chain']['gflop_s']:.0f} / {o['gflop_s']:.0f}")
+        add("  useful GFLOP/s online / offline chain / walk-only chain",
+            f"{on['gflop_s']:.0f} / {sc['offline_chain']['gflop_s']:.0f} / {sc['offline_walk_chain']['gflop_s']:.0f}")
+        w = sc["walk_only_vs_all_anchor"]
+        add("  all-anchor / walk-only: anchors, wall (chain; +DDTree)",
+            f"{w['chain_anchor_ratio']:.2f}x, {w['chain_wall_ratio']:.2f}x; {w['ddtree_anchor_ratio']:.2f}x, "
+            f"{w['ddtree_wall_ratio']:.2f}x")
         p = sc["parity"]
         add("  walk produced == online acceptance_lengths",
-            f"{p['walk_equal_chain_only_run']}/{p['prompts']} (chain run), {p['walk_equal_chain_ddtree_run']}/{p['prompts']} (+DDTree run)",
-            "all", p["all_equal"])
+            f"{p['walk_equal_chain_only_run']}/{p['prompts']} (chain run), {p['walk_equal_chain_ddtree_run']}/{p['prompts']} "
+            f"(+DDTree), {p['walk_equal_walk_only_run']}/{p['prompts']} (walk-only), "
+            f"{p['walk_equal_walk_only_ddtree_run']}/{p['prompts']} (walk-only +DDTree)", "all", p["all_equal"])
+        add("  walk-only == all-anchor walks, every method", str(p["walk_only_equals_all_anchor_every_method"]), "yes",
+            p["walk_only_equals_all_anchor_every_method"])
         taus = sc["tau"]
         add("  tau (walk)", ", ".join(f"{k} {v:.2f}" for k, v in taus.items() if v is not None))
+    f8 = results.get("fp8")
+    if f8:
+        st8 = f8["storage"]
+        add(f"fp8 features (--feature-dtype fp8, lossy), {f8['samples']} score prompts", "")
+        add("  features bytes/token vs raw bf16", f"{st8['features_bytes_per_token']:.0f}/"
+            f"{st8['raw_bf16_features_bytes_per_token']} = {st8['features_vs_raw_bf16']:.3f}")
+        add("  tau fp8 - tau lossless", ", ".join(f"{k} {v:+.3f}" for k, v in f8["tau_change"].items()))
+        add("  chain walks identical to lossless", f"{f8['chain_walks_identical']}/{f8['samples']}")
     widths = [max(len(r[i]) for r in rows) for i in range(5)]
     header = ("figure", "value", "target", "met", "others' CPU")
     widths = [max(w, len(h)) for w, h in zip(widths, header)]
@@ -1081,10 +1118,9 @@ def parse_args(argv=None):
     parser.add_argument("--fit-lr", type=float, default=3e-3)
     parser.add_argument("--ddtree-budgets", type=lambda s: [int(x) for x in s.split(",") if x], default=None,
                         help="DDTree budgets of the chain+DDTree score run (default: score's default)")
-    parser.add_argument("--skip", default="", help="comma-separated sections to skip: extract,codecs,reader,score,fp32")
+    parser.add_argument("--skip", default="",
+                        help="comma-separated sections to skip: extract,codecs,reader,score,fp32,fp8,big,length")
     parser.add_argument("--profile", action="store_true", help="profile the offline score even when targets are met")
-    parser.add_argument("--fit-as-shipped", action="store_true",
-                        help="fit without the contiguous-lm_head-input wrapper (slower fit; see README)")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results"), help="results directory")
     parser.add_argument("--keep", action="store_true", help="keep the work directory (shards, drafter, results)")
     args = parser.parse_args(argv)
@@ -1123,11 +1159,10 @@ def main(argv=None) -> int:
             if "codecs" not in args.skip:
                 log("codecs: plain zstd vs byte planes + zstd on the real features ...")
                 with Phase() as phase:
-                    results["codecs"] = codec_comparison(results["extract_bf16"]["out"],
-                                                         len(results["extract_bf16"]["layer_ids"]))
+                    results["codecs"] = codec_comparison(results["extract_bf16"]["out"])
                 results["codecs"]["others_cpu"] = phase.others_cpu
             if "reader" not in args.skip:
-                log("reader: ShardSet.samples vs the same bytes uncompressed ...")
+                log("reader: ShardSet.samples vs the same chunks uncompressed ...")
                 with Phase() as phase:
                     results["reader"] = reader_throughput(results["extract_bf16"]["out"], work)
                 results["reader"]["others_cpu"] = phase.others_cpu
@@ -1143,6 +1178,16 @@ def main(argv=None) -> int:
                 log("score: torch.profiler over a chain-only offline score of 2 samples ...")
                 results["score"]["profile_offline_chain"] = profile_offline(
                     work, results["extract_fp32"]["out"], results["score"]["checkpoint"])
+            if "fp8" not in args.skip:
+                results["fp8"] = bench_fp8(args, work, results["score"]["checkpoint"], results["score"])
+        scale_sections = [name for name in ("big", "length") if name not in args.skip]
+        if scale_sections:
+            import scale  # bench/scale.py: 27B-shaped memory, cost against response length
+
+            if "big" in scale_sections:
+                results["big"] = scale.bench_big_shapes(work, args.quick)
+            if "length" in scale_sections:
+                results["length"] = scale.bench_length_scaling(work, args.quick)
     finally:
         results["loadavg_end"] = loadavg()
         results["others_cpu_whole_run"] = OTHERS.stop()
@@ -1153,6 +1198,11 @@ def main(argv=None) -> int:
             shutil.rmtree(work, ignore_errors=True)
     print()
     print(table(results))
+    if results.get("big") or results.get("length"):
+        import scale
+
+        print()
+        print(scale.scale_table(results))
     if "profile_offline_chain" in results.get("score", {}):
         print("\noffline score profile (chain only, 2 samples, torch.profiler, aten ops by own CPU time):")
         print("\n".join(results["score"]["profile_offline_chain"]))

@@ -447,6 +447,9 @@ def _run(config: ExtractConfig, dist: Dist, records) -> dict:
         return existing  # already done with these settings: touch nothing
 
     dtypes = tensor_dtypes(feature_dtype, info.dtype, config)
+    head_bytes, chunk_tokens = split_memory_budget(
+        config.memory_budget,
+        stored_bytes_per_token(dtypes, len(layer_ids), info.hidden_size, config.top_k, info.vocab_size))
     raw_per_token = len(layer_ids) * info.hidden_size * 2
     manifest = {
         "format_version": shards.FORMAT_VERSION,
@@ -455,7 +458,7 @@ def _run(config: ExtractConfig, dist: Dist, records) -> dict:
         "target": {**info.to_json(), "weights_fingerprint": settings["target"]["weights_fingerprint"]},
         "tensors": dtypes,
         "prompts": prompts,
-        "run": run_facts(config, dist, device),
+        "run": {**run_facts(config, dist, device), "chunk_tokens": chunk_tokens, "head_window_bytes": head_bytes},
     }
     if dist.main:
         if config.overwrite:
@@ -471,9 +474,6 @@ def _run(config: ExtractConfig, dist: Dist, records) -> dict:
     done = check_entries(entries, {item.sample_id for item in items})
     pending = [item for item in items if item.sample_id not in done]
     mine = pending[dist.rank::dist.world]
-    head_bytes, chunk_tokens = split_memory_budget(
-        config.memory_budget,
-        stored_bytes_per_token(dtypes, len(layer_ids), info.hidden_size, config.top_k, info.vocab_size))
     capture_config = CaptureConfig(layer_ids=layer_ids, feature_dtype=shards.TENSOR_DTYPES[feature_dtype],
                                    top_k=config.top_k, store_logits=config.store_logits,
                                    store_last_hidden=config.store_last_hidden, head_budget_bytes=head_bytes)

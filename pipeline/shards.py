@@ -153,10 +153,13 @@ def decode_tensor(buffer, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
         values = torch.from_numpy(planes.copy()).view(dtype)
     else:
         planes = planes.reshape(itemsize, count)
-        combined = planes[itemsize - 1].astype(_UNSIGNED[itemsize])
+        combined = np.empty(count, dtype=_UNSIGNED[itemsize])
+        np.left_shift(planes[itemsize - 1], 8 * (itemsize - 1), out=combined, dtype=combined.dtype)
         for plane in range(itemsize - 2, -1, -1):
-            combined <<= 8
-            combined |= planes[plane]
+            if plane:
+                combined |= planes[plane].astype(combined.dtype) << (8 * plane)
+            else:
+                combined |= planes[0]
         values = torch.from_numpy(combined.view(_SIGNED[itemsize])).view(dtype)
     reversed_shape = list(reversed(shape))
     return values.view(*reversed_shape).permute(*reversed(range(len(shape)))) if shape else values.view(())
@@ -316,7 +319,7 @@ class ShardWriter:
         rank: int,
         tensor_dtypes: dict[str, str],
         shard_bytes: int = DEFAULT_SHARD_BYTES,
-        zstd_level: int = DEFAULT_ZSTD_LEVEL,
+        zstd_level: int | None = DEFAULT_ZSTD_LEVEL,  # None: uncompressed (a benchmark baseline)
         first_index: int = 0,
         chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     ):
@@ -328,7 +331,8 @@ class ShardWriter:
         self.schema = shard_schema(self.tensor_names)
         self.shard_bytes = shard_bytes
         self.chunk_tokens = chunk_tokens
-        self.options = ipc.IpcWriteOptions(compression=pa.Codec("zstd", compression_level=zstd_level))
+        codec = None if zstd_level is None else pa.Codec("zstd", compression_level=zstd_level)
+        self.options = ipc.IpcWriteOptions(compression=codec)
         self.next_index = first_index
         self.entries: list[dict] = []
         self._pending: list[Sample] = []
@@ -516,6 +520,12 @@ def _checked_block(file, path: str, block: list[int], what: str) -> pa.Buffer:
     return data
 
 
+def _first_row_buffer(column: pa.Array) -> pa.Buffer:
+    """Row 0 of a large_binary column as a zero-copy slice (`column[0].as_buffer()` copies)."""
+    offsets = np.frombuffer(column.buffers()[1], dtype=np.int64, count=2, offset=8 * column.offset)
+    return column.buffers()[2].slice(int(offsets[0]), int(offsets[1] - offsets[0]))
+
+
 def _decode_chunk(batch: pa.RecordBatch, tensor_dtypes: dict[str, str], names: list[str],
                   rows: list[int]) -> Iterator[Sample]:
     """The samples at `rows` of one chunk; each tensor decoded once for the chunk, rows are views."""
@@ -528,7 +538,7 @@ def _decode_chunk(batch: pa.RecordBatch, tensor_dtypes: dict[str, str], names: l
     for name in names:
         shapes = batch.column(name + "_shape").to_pylist()
         lengths = [shape[0] for shape in shapes]
-        chunk = decode_tensor(batch.column(name)[0].as_buffer(), TENSOR_DTYPES[tensor_dtypes[name]],
+        chunk = decode_tensor(_first_row_buffer(batch.column(name)), TENSOR_DTYPES[tensor_dtypes[name]],
                               [sum(lengths), *shapes[0][1:]])
         tensors[name] = list(torch.split(chunk, lengths))
     if "features_scale" in tensors and "features" in tensors:  # fp8 features: hand out float32
