@@ -68,6 +68,8 @@ def inspect_extract(uri: str, verify: bool = True) -> dict:
         "max_new_tokens": settings.get("max_new_tokens"),
         "prompts": manifest.get("prompts", {}),
         "shards": len(entries),
+        "chunks": sum(len(e.get("batches", [])) for e in entries),  # record batches, a few samples each
+        "chunk_tokens": manifest.get("run", {}).get("chunk_tokens"),
         "samples": t["samples"],
         "tokens": tokens,
         "prompt_tokens": t["prompt_tokens"],
@@ -108,8 +110,8 @@ def format_report(report: dict) -> str:
         f"  layer ids       {report['layer_ids']}  features {report['feature_dtype']}, top-k {report['top_k']}, "
         f"tensors {', '.join(report['tensors'])}",
         f"  prompts         {prompts.get('name')} ({prompts.get('count')} prompts), max_new_tokens {report['max_new_tokens']}",
-        f"  samples         {report['samples']} in {report['shards']} shards "
-        f"({report['greedy_samples']} greedy, {report['given_samples']} given)",
+        f"  samples         {report['samples']} in {report['shards']} shards, {report['chunks']} chunks of "
+        f"~{report['chunk_tokens']} tokens ({report['greedy_samples']} greedy, {report['given_samples']} given)",
         f"  tokens          {report['tokens']} ({report['prompt_tokens']} prompt, {report['response_tokens']} response)",
         f"  bytes           {report['bytes']} ({report['bytes'] / 2**20:.2f} MiB)"
         + (f", {bpt:.0f} B/token = {ratio:.3f} x raw bf16 features ({report['raw_bf16_feature_bytes_per_token']} B/token)"
