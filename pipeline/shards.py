@@ -612,11 +612,13 @@ class ShardSet:
         return sum(entry["rows"] for entry in self.entries)
 
     def samples(self, tensors: list[str] | None = None, entries: list[dict] | None = None,
-                prefetch: int = 2, keep=None) -> Iterator[Sample]:
+                prefetch: int = 2, keep=None, pin_memory: bool = False) -> Iterator[Sample]:
         """Samples in manifest order. `keep(index)` (index over the whole set) selects which
-        to decode, e.g. one torchrun rank's share; shards holding none of them are not read.
+        to decode, e.g. one torchrun rank's share; chunks holding none of them are not read.
         Decoding runs in a background thread `prefetch` samples ahead, so the consumer's
-        compute never waits on zstd (both release the GIL)."""
+        compute never waits on zstd (both release the GIL). `pin_memory` (CUDA only) copies
+        each sample's tensors into page-locked memory in that thread, so the consumer's
+        `.to("cuda", non_blocking=True)` overlaps with compute."""
         entries = self.entries if entries is None else entries
 
         def produce():
@@ -625,7 +627,10 @@ class ShardSet:
                 rows = None if keep is None else [i for i in range(entry["rows"]) if keep(base + i)]
                 base += entry["rows"]
                 if rows != []:
-                    yield from read_shard(self.uri, entry, self.tensor_dtypes, tensors, rows=rows)
+                    for sample in read_shard(self.uri, entry, self.tensor_dtypes, tensors, rows=rows):
+                        if pin_memory:
+                            sample.tensors = {k: v.contiguous().pin_memory() for k, v in sample.tensors.items()}
+                        yield sample
 
         if prefetch <= 0:
             yield from produce()
