@@ -8,7 +8,7 @@ Layout of an extract directory (any URI pyarrow.fs opens: a local path, s3://, g
     target_head.safetensors  the target's input embedding and lm_head, stored once
     shards/rR-NNNNN.arrow    Arrow IPC file, zstd-compressed buffers, one record batch per chunk
     shards/rR-NNNNN.json     that shard's entry (rows, tokens, bytes, crc32 of the file, and the
-                             byte range + crc32 of its schema message and of every record batch;
+                             byte range + xxh3_64 of its schema message and of every record batch;
                              counts: response tokens, finish reasons, argmax mismatches); written
                              before the .arrow is renamed into place, so a shard counts as
                              finished exactly when both exist
@@ -31,9 +31,10 @@ with a vectorised shift-or and returns each row as a *view* into its chunk (stri
 tokens, i.e. transposed in memory); matmuls take such views directly, `.contiguous()` gives
 row-major when a consumer needs it.
 
-Checksums: each record batch's bytes are checked (crc32 from the sidecar) before Arrow sees them,
-so the reader touches only the chunks it needs, never decodes a corrupt one, and holds one chunk
-in memory at a time; `inspect` also checks the whole file's crc32.
+Checksums: each record batch's bytes are checked (xxh3_64 from the sidecar) before Arrow sees
+them, so the reader touches only the chunks it needs, never decodes a corrupt one, and holds one
+chunk in memory at a time; `inspect` also checks the whole file's crc32. xxh3 on the read path
+because it hashes ~11 GB/s a core where zlib's crc32 does ~2 (a fifth of the decode budget).
 
 Row schema (one row = one prompt + response):
     sample_id, dataset, prompt_text: string   prompt_len: int32   finish_reason: string
@@ -58,6 +59,7 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 import numpy as np
+import xxhash
 import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.ipc as ipc
@@ -411,8 +413,8 @@ class ShardWriter:
 
 
 def block_checksums(fs: pafs.FileSystem, path: str, batch_ends: list[int], batch_rows: list[int]) -> dict:
-    """Byte ranges and crc32s of a written IPC file: the whole file, its schema message and
-    every record batch (rows included), read back once. The schema message starts after the
+    """Checksums of a written IPC file, read back once: crc32 of the whole file; byte range and
+    xxh3_64 of its schema message and of every record batch (rows included). The schema message starts after the
     8-byte file magic; batch i spans from the end of batch i-1 (or of the schema) to its end."""
     with fs.open_input_file(path) as file:
         size = file.size()
@@ -428,7 +430,7 @@ def block_checksums(fs: pafs.FileSystem, path: str, batch_ends: list[int], batch
                 data_crc = zlib.crc32(gap, data_crc)
             data = file.read(end - offset)
             data_crc = zlib.crc32(data, data_crc)
-            crc = zlib.crc32(data)
+            crc = xxhash.xxh3_64_intdigest(data)
             if rows is None:
                 schema_block[2] = crc
             else:
@@ -439,7 +441,8 @@ def block_checksums(fs: pafs.FileSystem, path: str, batch_ends: list[int], batch
             if not data:
                 break
             data_crc = zlib.crc32(data, data_crc)
-    return {"bytes": size, "crc32": data_crc, "schema_block": schema_block, "batches": blocks}
+    return {"bytes": size, "crc32": data_crc, "block_hash": "xxh3_64", "schema_block": schema_block,
+            "batches": blocks}
 
 
 def finished_shard_entries(out_uri: str) -> list[dict]:
@@ -507,14 +510,14 @@ def write_manifest(uri: str, manifest: dict) -> None:
 
 
 def _checked_block(file, path: str, block: list[int], what: str) -> pa.Buffer:
-    offset, length, crc = block[0], block[1], block[-1]
+    offset, length, expected = block[0], block[1], block[-1]
     file.seek(offset)
     data = file.read_buffer(length)
-    got = zlib.crc32(data)
-    if data.size != length or got != crc:
+    got = xxhash.xxh3_64_intdigest(data)
+    if data.size != length or got != expected:
         raise ShardError(
-            f"{path}: checksum mismatch in {what} (bytes {offset}..{offset + length}: crc32 {got:#010x}, "
-            f"sidecar says {crc:#010x}). The shard is corrupt: delete it and its .json sidecar and re-run the "
+            f"{path}: checksum mismatch in {what} (bytes {offset}..{offset + length}: xxh3_64 {got:#018x}, "
+            f"sidecar says {expected:#018x}). The shard is corrupt: delete it and its .json sidecar and re-run the "
             f"same extract command to rewrite just that shard."
         )
     return data
@@ -559,7 +562,7 @@ def _decode_chunk(batch: pa.RecordBatch, tensor_dtypes: dict[str, str], names: l
 def read_shard(uri: str, entry: dict, tensor_dtypes: dict[str, str], tensors: list[str] | None = None,
                rows=None) -> Iterator[Sample]:
     """Yield the samples of one shard (only the row indices in `rows`, if given). Chunks holding
-    none of them are not read; every chunk read is crc32-checked before Arrow decodes it."""
+    none of them are not read; every chunk read is checksummed before Arrow decodes it."""
     fs, root = open_fs(uri)
     path = join(root, entry["file"])
     if not exists(fs, path):
