@@ -216,7 +216,9 @@ def _score_chunk(drafter, embed, lm_head, packed: PackedSamples, sample_idx, anc
     # Block inputs: [x_t, mask, ..., mask] through the target's input embedding.
     block_ids = torch.full((anchors.numel(), block_len), cfg.mask_token_id, dtype=torch.long, device=device)
     block_ids[:, 0] = packed.ids[starts + anchors]
-    block_embeds = torch.nn.functional.embedding(block_ids, embed) * cfg.input_embedding_scale
+    # The embedding may be kept in a narrower stored dtype (score.prepare_target_head): cast the
+    # gathered rows, which gives the values of a cast table.
+    block_embeds = torch.nn.functional.embedding(block_ids, embed).to(options.dtype) * cfg.input_embedding_scale
     visible_ctx = int((starts + anchors).max())  # no anchor here sees context at or past this key
     chunk_context = [(k[:, :visible_ctx], v[:, :visible_ctx]) for k, v in packed.context]
     hidden = drafter(block_embeds, anchors, chunk_context, attention=options.attention_backend,

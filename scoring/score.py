@@ -311,8 +311,8 @@ def score_checkpoint(ckpt: str, shardset: ShardSet, head: dict, out_dir: str, co
     settings = manifest["settings"]
     stored_layer_ids = settings["layer_ids"]
     drafter_layer_ids = info.config.target_layer_ids
-    embed = head["embed_tokens"].to(device=device, dtype=dtype)
-    lm_head = head["lm_head"].to(device=device, dtype=dtype)
+    head = prepare_target_head(head, device, dtype)  # no-op when run_score prepared it
+    embed, lm_head = head["embed_tokens"], head["lm_head"]
     budgets = sorted(set(config.ddtree_budgets))
     options = ReplayOptions(max_budget=max(budgets) if budgets else 0, memory_bytes=config.memory_budget,
                             dtype=dtype, device=device, attention=config.attention)
@@ -476,13 +476,27 @@ def _fmt(value, digits: int = 3) -> str:
     return f"{value:.{digits}f}"
 
 
+def prepare_target_head(head: dict[str, torch.Tensor], device: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The stored target head as replay uses it, on `device`: the lm_head cast once to the
+    compute dtype; the embedding kept in the narrower of its stored dtype and the compute dtype,
+    because replay only gathers a block's rows and casts those (a cast is elementwise, so the
+    values equal those of a cast table). At 27B shapes on CPU (bf16 shards, fp32 scoring) that
+    keeps the embedding at 2.4 GiB instead of 4.7 GiB; the caller drops the stored-dtype lm_head,
+    so only its compute-dtype copy stays (bench/scale.py measures the peak)."""
+    embed, lm_head = head["embed_tokens"], head["lm_head"]
+    if embed.element_size() >= torch.empty((), dtype=dtype).element_size():
+        embed = embed.to(dtype=dtype)
+    return {"embed_tokens": embed.to(device=device), "lm_head": lm_head.to(device=device, dtype=dtype)}
+
+
 def run_score(config: ScoreConfig) -> list[dict]:
     """Score every checkpoint; each gets its own results directory (the --out itself for one
     checkpoint, --out/<name> for several)."""
     paths = expand_checkpoints(config.ckpts)
     shardset = ShardSet(config.shards)
-    head = shardset.target_head()
     dist = dist_from_env()
+    device, dtype = resolve_device_dtype(config.device, config.dtype, dist)
+    head = prepare_target_head(shardset.target_head(), device, dtype)  # the stored-dtype copy is dropped here
     init_dist(dist)
     records = []
     for path in paths:
