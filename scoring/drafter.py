@@ -356,11 +356,36 @@ class DFlashDrafter(nn.Module):
         cos, sin = self.rotary(like, flat)
         return cos.view(*positions.shape, -1), sin.view(*positions.shape, -1)
 
-    def context_kv(self, features: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per layer (k, v) [kv_heads, T, d] of context positions 0..T-1 from target features [T, n*H]."""
-        ctx = self.hidden_norm(self.fc(features))
-        cos, sin = self.rope(ctx, torch.arange(ctx.shape[0], device=ctx.device))
-        return [layer.self_attn.keys_values(ctx, cos, sin) for layer in self.layers]
+    def context_kv(self, features: torch.Tensor, dtype: torch.dtype | None = None,
+                   chunk_rows: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer (k, v) [kv_heads, T, d] of context positions 0..T-1 from target features [T, n*H].
+
+        `features` may be in their stored dtype and on another device: they are moved and cast
+        to `dtype` (default: their own) `chunk_rows` positions at a time (all at once when None
+        or T <= chunk_rows), and each chunk goes through fc, hidden_norm and every layer's keys
+        and values before the next, so a long sample never holds a cast copy of its features or
+        its whole fc output, only the keys and values themselves. Every step acts on each
+        position alone (RoPE of position p is the same in any batch), so chunking changes no
+        value beyond the GEMMs' own rounding."""
+        device = self.fc.weight.device
+        dtype = dtype or features.dtype
+        total = features.shape[0]
+        if chunk_rows is None or total <= chunk_rows:
+            ctx = self.hidden_norm(self.fc(features.to(device=device, dtype=dtype)))
+            cos, sin = self.rope(ctx, torch.arange(total, device=device))
+            return [layer.self_attn.keys_values(ctx, cos, sin) for layer in self.layers]
+        shape = (self.config.num_key_value_heads, total, self.config.head_dim)
+        out = [(torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
+               for _ in self.layers]
+        for start in range(0, total, chunk_rows):
+            end = min(total, start + chunk_rows)
+            ctx = self.hidden_norm(self.fc(features[start:end].to(device=device, dtype=dtype)))
+            cos, sin = self.rope(ctx, torch.arange(start, end, device=device))
+            for (keys, values), layer in zip(out, self.layers):
+                k, v = layer.self_attn.keys_values(ctx, cos, sin)
+                keys[:, start:end] = k
+                values[:, start:end] = v
+        return out
 
     def forward(self, block_embeds: torch.Tensor, anchors: torch.Tensor, context: list,
                 attention: str = "dense", ctx_starts: torch.Tensor | None = None) -> torch.Tensor:

@@ -97,13 +97,39 @@ class PackedSamples:
     context: list  # per drafter layer (k, v) [kv_heads, sum N, d]
 
 
+MIN_CONTEXT_ROWS = 512
+
+
+def context_rows(drafter: DFlashDrafter, feature_width: int, dtype: torch.dtype, memory_bytes: int) -> int:
+    """Positions per step of the context pass (`DFlashDrafter.context_kv`), so that one step's
+    features cast to the compute dtype, fc / hidden_norm outputs and a layer's keys / values
+    before RoPE (~feature_width + 4 x hidden + 4 x kv width values a position) take at most a
+    quarter of the memory budget: a long sample never holds a compute-dtype copy of all its
+    features (at 27B shapes in fp32, 100 KiB a token, twice the bf16 features themselves). At
+    least MIN_CONTEXT_ROWS, so the GEMMs keep large shapes."""
+    cfg = drafter.config
+    values = feature_width + 4 * cfg.hidden_size + 4 * cfg.num_key_value_heads * cfg.head_dim
+    per_row = torch.empty((), dtype=dtype).element_size() * values
+    return max(MIN_CONTEXT_ROWS, int(memory_bytes // 4 // per_row))
+
+
 def pack_samples(drafter: DFlashDrafter, samples: list[Sample], feature_columns, options: ReplayOptions) -> PackedSamples:
     """Context keys/values of every layer, computed once per sample (RoPE on positions within
     the sample) and concatenated."""
     device, dtype = options.device, options.dtype
-    contexts = [drafter.context_kv(feature_columns(s.features).to(device=device, dtype=dtype)) for s in samples]
-    context = [tuple(torch.cat([c[layer][part] for c in contexts], dim=1) for part in (0, 1))
-               for layer in range(len(drafter.layers))]
+    contexts = []
+    for s in samples:
+        features = feature_columns(s.features)
+        rows = context_rows(drafter, features.shape[-1], dtype, options.memory_bytes)
+        contexts.append(drafter.context_kv(features, dtype=dtype, chunk_rows=rows))
+    context = []
+    for layer in range(len(drafter.layers)):  # contiguous [kv_heads, sum N, d]; each input freed once used
+        parts = [c[layer] for c in contexts]
+        for c in contexts:
+            c[layer] = None
+        context.append(tuple(torch.cat([p[i] for p in parts], dim=1) if len(parts) > 1 else parts[0][i].contiguous()
+                             for i in (0, 1)))
+        del parts
     lengths = torch.tensor([s.input_ids.numel() for s in samples], device=device)
     rows = torch.tensor([s.topk_ids.shape[0] for s in samples], device=device)
     return PackedSamples(
