@@ -389,6 +389,7 @@ def run_items(model, info, items: list[Item], writer: shards.ShardWriter, captur
                 input_ids=torch.tensor(input_ids, dtype=torch.int64), prompt_len=len(item.prompt_ids),
                 finish_reason=response.finish_reason, greedy=response.greedy, tensors=tensors,
             ))
+            del tensors  # the writer owns them now; the next forward must not keep them alive
             tokens += len(input_ids)
             progress.update(1)
             progress.set_postfix_str(f"{tokens / max(time.perf_counter() - start, 1e-9):.0f} tok/s", refresh=False)

@@ -343,6 +343,7 @@ def score_checkpoint(ckpt: str, shardset: ShardSet, head: dict, out_dir: str, co
             anchors_done += int(result.computed.sum())
         progress.update(len(group))
         progress.set_postfix(anchors_per_s=f"{anchors_done / max(time.time() - started, 1e-9):.0f}")
+        del group, results, sample, result  # the next sample's replay must not keep this one's tensors alive
     progress.close()
 
     if dist.world > 1:
