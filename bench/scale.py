@@ -109,6 +109,8 @@ EOS_ID = 1  # the stand-in tokenizer's <|im_end|>
 # and be reused by the shorter one, hiding its own working set; a fixed threshold returns every
 # block over 128 KiB to the kernel when freed, so each phase's peak is its own.
 CHILD_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(128 << 10)}
+# Disk the memory section writes (stand-in weights, target head, shards), by shapes.
+DISK_NEEDED = {"27b": 16 * GiB, "mid": 3 * GiB}
 
 
 def log(message: str) -> None:
@@ -345,6 +347,10 @@ def stored_bytes_per_token(hidden: int, layers: int, feature_item: int, top_k: i
 # child processes (fresh interpreter, own peak RSS)
 
 
+class ChildFailed(RuntimeError):
+    """A measured child process failed or was killed (its stderr tail is in the message)."""
+
+
 def run_child(kind: str, payload: dict, work: Path, timeout_s: float = 900) -> dict:
     """Run `bench/scale.py --child KIND PAYLOAD RESULT` and return its result dict with
     `parent_polled_peak_rss_bytes` and `wall_s_incl_startup` added. The parent polls the child's
@@ -375,7 +381,7 @@ def run_child(kind: str, payload: dict, work: Path, timeout_s: float = 900) -> d
     wall = time.perf_counter() - start
     if child.returncode != 0 or not result_path.exists():
         tail = err_path.read_text()[-3000:] if err_path.exists() else ""
-        raise RuntimeError(f"bench child {kind} ({payload.get('label')}) failed"
+        raise ChildFailed(f"bench child {kind} ({payload.get('label')}) failed"
                            f"{' (' + killed + ')' if killed else ''}, rc {child.returncode}:\n{tail}")
     result = json.loads(result_path.read_text())
     result["parent_polled_peak_rss_bytes"] = polled or None
@@ -568,6 +574,13 @@ def bench_big_shapes(work_dir: Path, quick: bool) -> dict:
                     "score_anchors": "per sample, its last anchors: one full anchor chunk + 1",
                     "peak_limit_bytes": PEAK_LIMIT,
                     "machine_memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")}
+    disk_needed = DISK_NEEDED[shape_name]
+    free = shutil.disk_usage(work).free
+    if free < disk_needed:
+        result["skipped"] = f"needs {disk_needed / GiB:.0f} GiB free disk under {work}, has {free / GiB:.1f} GiB"
+        log(f"big: skipped: {result['skipped']}")
+        shutil.rmtree(work, ignore_errors=True)
+        return result
     try:
         log(f"big: writing the stand-in target ({shape_name} shapes: hidden {target_shape['hidden_size']}, vocab "
             f"{target_shape['vocab_size']}, {target_shape['num_hidden_layers']} layers, random bf16) and drafter ...")
@@ -597,6 +610,9 @@ def bench_big_shapes(work_dir: Path, quick: bool) -> dict:
             f"{sc['run_s']:.0f} s ({sc['dtype']})")
         result["peak_rss_bytes"] = max(result["extract"]["peak_rss_bytes"], result["score"]["peak_rss_bytes"])
         result["under_peak_limit"] = result["peak_rss_bytes"] <= PEAK_LIMIT
+    except ChildFailed as error:  # e.g. killed before the machine ran out of memory: a result, not a crash
+        result["error"] = str(error)
+        log(f"big: {error}")
     finally:
         shutil.rmtree(work, ignore_errors=True)  # ~8 GiB of stand-in weights and 5 GiB of target head
     return result
@@ -897,7 +913,10 @@ def scale_rows(results: dict) -> list[tuple[str, str, str, str]]:
         rows.append((name, value, target, "" if met is None else ("yes" if met else "NO")))
 
     big = results.get("big_shapes")
-    if big and "extract" in big:
+    if big and ("skipped" in big or "error" in big):
+        add(f"memory at {big.get('shapes')} shapes", "skipped: " + big["skipped"] if "skipped" in big else
+            "FAILED: " + big["error"].splitlines()[0], met=False if "error" in big else None)
+    if big and "extract" in big and "score" in big:
         t, cfg = big["target"], big["target"]["config"]
         add(f"memory at {big['shapes']} shapes: target {t['params'] / 1e9:.2f}B params (hidden {cfg['hidden_size']}, "
             f"vocab {cfg['vocab_size']}, {cfg['num_hidden_layers']} layers, bf16), {big['drafter']['params'] / 1e6:.0f}M "
