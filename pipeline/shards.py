@@ -359,8 +359,11 @@ class ShardWriter:
             got = sample.tensors[name].dtype
             if DTYPE_NAMES.get(got) != dtype:
                 raise ValueError(f"tensor {name!r} of sample {sample.sample_id} is {got}, shard schema says {dtype}")
+        tokens = int(sample.input_ids.numel())
+        if self._pending and self._pending_tokens + tokens > self.chunk_tokens:
+            self._write_chunk()  # a long sample does not make the buffered chunk overshoot
         self._pending.append(sample)
-        self._pending_tokens += int(sample.input_ids.numel())
+        self._pending_tokens += tokens
         self._pending_bytes += sum(t.numel() * t.element_size() for t in sample.tensors.values())
         written = self._stream.tell() if self._stream is not None else 0
         # A chunk ends at chunk_tokens, or earlier when it would fill the shard (raw bytes
@@ -641,38 +644,98 @@ class ShardSet:
         yield from _background(produce(), prefetch)
 
     def target_head(self) -> dict[str, torch.Tensor]:
-        """{'embed_tokens': [V, H], 'lm_head': [V, H]} as stored by extract (lm_head may be the same tensor)."""
-        from safetensors.torch import load as load_safetensors
-
+        """{'embed_tokens': [V, H], 'lm_head': [V, H]} as stored by extract (lm_head may be the
+        same tensor). Streamed into the tensors, so the file never sits in memory beside them."""
         fs, root = open_fs(self.uri)
         path = join(root, TARGET_HEAD_NAME)
         if not exists(fs, path):
             raise ShardError(f"{path}: missing; the extract did not store the target's embedding and lm_head")
-        data = read_bytes(fs, path)
+        weights, crc = read_safetensors_stream(fs, path)
         expected = self.manifest.get("target_head", {}).get("crc32")
-        if expected is not None and zlib.crc32(data) != expected:
+        if expected is not None and crc != expected:
             raise ShardError(f"{path}: checksum mismatch; re-run the extract with --overwrite")
-        weights = load_safetensors(data)
         if "lm_head" not in weights:
             weights["lm_head"] = weights["embed_tokens"]
         return weights
 
 
+# ---------------------------------------------------------------------------------------------
+# target head: safetensors written and read as a stream (at 27B shapes the two matrices are
+# 4.7 GiB in bf16; safetensors' in-memory save/load would hold the file beside the tensors)
+
+_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+_STREAM_STEP = 64 << 20
+
+
 def save_target_head(uri: str, embed_tokens: torch.Tensor, lm_head: torch.Tensor) -> dict:
     """Store the target's input embedding and output head once; returns the manifest entry."""
-    from safetensors.torch import save as save_safetensors
-
     tied = lm_head.data_ptr() == embed_tokens.data_ptr() or (
         lm_head.shape == embed_tokens.shape and torch.equal(lm_head, embed_tokens)
     )
     weights = {"embed_tokens": embed_tokens.detach().cpu().contiguous()}
     if not tied:
         weights["lm_head"] = lm_head.detach().cpu().contiguous()
-    data = save_safetensors(weights)
     fs, root = open_fs(uri)
-    write_bytes_atomic(fs, join(root, TARGET_HEAD_NAME), data)
-    return {"file": TARGET_HEAD_NAME, "tied": bool(tied), "crc32": zlib.crc32(data), "bytes": len(data),
+    crc, size = write_safetensors_stream(fs, join(root, TARGET_HEAD_NAME), weights)
+    return {"file": TARGET_HEAD_NAME, "tied": bool(tied), "crc32": crc, "bytes": size,
             "dtype": DTYPE_NAMES[embed_tokens.dtype]}
+
+
+def write_safetensors_stream(fs: pafs.FileSystem, path: str, weights: dict[str, torch.Tensor]) -> tuple[int, int]:
+    """A standard safetensors file (8-byte header length, JSON header, raw little-endian data),
+    written piece by piece to a temporary name and renamed; returns (crc32, bytes)."""
+    header, offset = {}, 0
+    for name, tensor in weights.items():
+        if tensor.dtype not in _SAFETENSORS_DTYPES:
+            raise ValueError(f"target head tensor {name!r}: dtype {tensor.dtype} is not stored (use fp32/bf16/fp16)")
+        nbytes = tensor.numel() * tensor.element_size()
+        header[name] = {"dtype": _SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape),
+                        "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # safetensors aligns the data to 8 bytes
+    crc, size = 0, 0
+    with fs.open_output_stream(path + ".tmp") as stream:
+        for piece in _pieces([len(text).to_bytes(8, "little"), text], weights.values()):
+            stream.write(piece)
+            crc, size = zlib.crc32(piece, crc), size + len(piece)
+    fs.move(path + ".tmp", path)
+    return crc, size
+
+
+def _pieces(prefix: list[bytes], tensors):
+    yield from prefix
+    for tensor in tensors:
+        raw = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+        for start in range(0, len(raw), _STREAM_STEP):
+            yield raw[start:start + _STREAM_STEP]
+
+
+def read_safetensors_stream(fs: pafs.FileSystem, path: str) -> tuple[dict[str, torch.Tensor], int]:
+    """(tensors, crc32 of the file): each tensor allocated once and filled piece by piece."""
+    names = {v: k for k, v in _SAFETENSORS_DTYPES.items()}
+    with fs.open_input_stream(path) as stream:
+        length_bytes = stream.read(8)
+        text = stream.read(int.from_bytes(length_bytes, "little"))
+        crc = zlib.crc32(text, zlib.crc32(length_bytes))
+        header = json.loads(text)
+        header.pop("__metadata__", None)
+        weights, position = {}, 0
+        for name, info in sorted(header.items(), key=lambda item: item[1]["data_offsets"][0]):
+            begin, end = info["data_offsets"]
+            if begin != position or info["dtype"] not in names:
+                raise ShardError(f"{path}: unexpected safetensors layout at {name!r}; re-run the extract with --overwrite")
+            tensor = torch.empty(info["shape"], dtype=names[info["dtype"]])
+            raw = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+            for start in range(0, end - begin, _STREAM_STEP):
+                piece = stream.read(min(_STREAM_STEP, end - begin - start))
+                if not piece:
+                    raise ShardError(f"{path}: truncated in {name!r}; re-run the extract with --overwrite")
+                raw[start:start + len(piece)] = piece
+                crc = zlib.crc32(piece, crc)
+            weights[name], position = tensor, end
+        crc = zlib.crc32(stream.read(), crc)  # nothing should follow; counted if it does
+    return weights, crc
 
 
 _DONE = object()

@@ -168,9 +168,12 @@ def test_chunks_hold_several_samples_and_rows_are_views(tmp_path):
 
 
 def test_a_sample_longer_than_a_chunk_is_a_chunk_by_itself(tmp_path):
-    samples = [make_sample(0, n_tokens=12), make_sample(1, n_tokens=90), make_sample(2, n_tokens=12)]
+    samples = [make_sample(0, n_tokens=12), make_sample(1, n_tokens=90), make_sample(2, n_tokens=5, prompt_len=2),
+               make_sample(3, n_tokens=6, prompt_len=2)]
     entries = write_set(tmp_path, samples, chunk_tokens=16)
-    assert [b[2] for b in entries[0]["batches"]] == [2, 1]
+    # the buffered short sample is written before the long one arrives (no chunk overshoots
+    # chunk_tokens unless one sample alone does); the last two share a chunk
+    assert [b[2] for b in entries[0]["batches"]] == [1, 1, 2]
     assert [s.response_len for s in ShardSet(str(tmp_path)).samples()] == [s.response_len for s in samples]
 
 
@@ -234,6 +237,27 @@ def test_incomplete_and_foreign_manifests_are_refused(tmp_path):
     shards.write_manifest(str(tmp_path), {"format_version": 999, "complete": True})
     with pytest.raises(ShardError, match="format_version 999"):
         ShardSet(str(tmp_path))
+
+
+def test_target_head_is_a_standard_safetensors_file(tmp_path):
+    """Written as a stream, read back by safetensors itself and by the streaming reader."""
+    from safetensors.torch import load_file
+
+    embed, head = torch.randn(70, 8).to(torch.bfloat16), torch.randn(70, 8)
+    shards.write_manifest(str(tmp_path), {"format_version": shards.FORMAT_VERSION, "complete": True, "tensors": {}})
+    entry = shards.save_target_head(str(tmp_path), embed, head)
+    path = tmp_path / shards.TARGET_HEAD_NAME
+    loaded = load_file(str(path))
+    assert torch.equal(loaded["embed_tokens"], embed) and torch.equal(loaded["lm_head"], head)
+    assert entry["bytes"] == path.stat().st_size and entry["crc32"] == shards.file_crc32(*shards.open_fs(str(path)))[0]
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0x01
+    path.write_bytes(bytes(data))
+    manifest = shards.read_manifest(str(tmp_path))
+    manifest["target_head"] = entry
+    shards.write_manifest(str(tmp_path), manifest)
+    with pytest.raises(ShardError, match="checksum mismatch"):
+        ShardSet(str(tmp_path)).target_head()
 
 
 def test_target_head_round_trip(tmp_path):
