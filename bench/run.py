@@ -1186,10 +1186,10 @@ def main(argv=None) -> int:
         if scale_sections:
             import scale  # bench/scale.py: 27B-shaped memory, cost against response length
 
-            if "big" in scale_sections:
-                results["big"] = scale.bench_big_shapes(work, args.quick)
             if "length" in scale_sections:
-                results["length"] = scale.bench_length_scaling(work, args.quick)
+                results["length_scaling"] = scale.bench_length_scaling(work, args.quick)
+            if "big" in scale_sections:
+                results["big_shapes"] = scale.bench_big_shapes(work, args.quick)
     finally:
         results["loadavg_end"] = loadavg()
         results["others_cpu_whole_run"] = OTHERS.stop()
@@ -1200,7 +1200,7 @@ def main(argv=None) -> int:
             shutil.rmtree(work, ignore_errors=True)
     print()
     print(table(results))
-    if results.get("big") or results.get("length"):
+    if results.get("big_shapes") or results.get("length_scaling"):
         import scale
 
         print()

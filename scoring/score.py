@@ -325,7 +325,7 @@ def score_checkpoint(ckpt: str, shardset: ShardSet, head: dict, out_dir: str, co
     anchors_done = 0
     wanted = set(mine)
     samples = shardset.samples(tensors=["features", "topk_ids", "topk_logprobs", "argmax_mismatch"],
-                               keep=wanted.__contains__)
+                               keep=wanted.__contains__, pin_memory=device.startswith("cuda"))
     columns = lambda f: select_feature_columns(f, stored_layer_ids, drafter_layer_ids)  # noqa: E731
 
     def budget_of(sample) -> int:
