@@ -371,7 +371,7 @@ class DFlashDrafter(nn.Module):
         dtype = dtype or features.dtype
         total = features.shape[0]
         if chunk_rows is None or total <= chunk_rows:
-            ctx = self.hidden_norm(self.fc(features.to(device=device, dtype=dtype)))
+            ctx = self.hidden_norm(self.fc(features.to(device=device, dtype=dtype, non_blocking=True)))
             cos, sin = self.rope(ctx, torch.arange(total, device=device))
             return [layer.self_attn.keys_values(ctx, cos, sin) for layer in self.layers]
         shape = (self.config.num_key_value_heads, total, self.config.head_dim)
@@ -379,7 +379,7 @@ class DFlashDrafter(nn.Module):
                for _ in self.layers]
         for start in range(0, total, chunk_rows):
             end = min(total, start + chunk_rows)
-            ctx = self.hidden_norm(self.fc(features[start:end].to(device=device, dtype=dtype)))
+            ctx = self.hidden_norm(self.fc(features[start:end].to(device=device, dtype=dtype, non_blocking=True)))
             cos, sin = self.rope(ctx, torch.arange(start, end, device=device))
             for (keys, values), layer in zip(out, self.layers):
                 k, v = layer.self_attn.keys_values(ctx, cos, sin)

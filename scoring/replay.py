@@ -133,12 +133,12 @@ def pack_samples(drafter: DFlashDrafter, samples: list[Sample], feature_columns,
     lengths = torch.tensor([s.input_ids.numel() for s in samples], device=device)
     rows = torch.tensor([s.topk_ids.shape[0] for s in samples], device=device)
     return PackedSamples(
-        ids=torch.cat([s.input_ids for s in samples]).to(device),
+        ids=torch.cat([s.input_ids for s in samples]).to(device, non_blocking=True),
         starts=torch.cumsum(lengths, 0) - lengths,
         lengths=lengths,
         prompt_lens=torch.tensor([s.prompt_len for s in samples], device=device),
-        topk_ids=torch.cat([s.topk_ids for s in samples]).to(device),
-        topk_logprobs=torch.cat([s.topk_logprobs for s in samples]).to(device),
+        topk_ids=torch.cat([s.topk_ids for s in samples]).to(device, non_blocking=True),
+        topk_logprobs=torch.cat([s.topk_logprobs for s in samples]).to(device, non_blocking=True),
         topk_starts=torch.cumsum(rows, 0) - rows,
         context=context,
     )
