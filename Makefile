@@ -56,7 +56,7 @@ bench:
 	$(PY) bench/run.py $(ARGS)
 
 DEMO    ?= data/demo
-DEMO_STEPS ?= 1200
+DEMO_STEPS ?= 600
 
 # End to end on CPU in minutes: extract -> fit (two checkpoints) -> score -> compare -> report.
 demo:
