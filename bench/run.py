@@ -36,13 +36,15 @@ import zlib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT / "bench") not in sys.path:  # bench/common.py, also when imported as bench.scale
+    sys.path.insert(0, str(ROOT / "bench"))
 if str(ROOT) not in sys.path:  # `python bench/run.py` puts bench/ first, not the repo root
     sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-T0 = time.perf_counter()
+from common import T0, current_rss, loadavg, log, peak_rss, reset_peak, start_run  # noqa: E402  (bench/common.py)
 CONTENDED_CORES = 0.2  # others' CPU above this during a measured phase makes its verdict suspect
 GB = 1e9
 MiB = 1 << 20
@@ -57,46 +59,6 @@ TARGETS = {
 
 # ---------------------------------------------------------------------------------------------
 # small helpers
-
-
-def log(message: str) -> None:
-    print(f"[{time.perf_counter() - T0:7.1f}s] {message}", flush=True)
-
-
-def loadavg() -> list[float]:
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        return []
-
-
-def reset_peak_rss() -> bool:
-    """Reset the kernel's peak-RSS mark (VmHWM) to the current RSS, so each phase gets its own peak."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def peak_rss_bytes() -> int:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
-
-
-def rss_bytes() -> int:
-    import psutil
-
-    return psutil.Process().memory_info().rss
 
 
 class OthersCpu:
@@ -161,15 +123,15 @@ class Phase:
     """Wall time, peak RSS and others' CPU use of a block: `with Phase() as p: ...; p.seconds`."""
 
     def __enter__(self):
-        self.peak_reset = reset_peak_rss()
-        self.rss_before = rss_bytes()
+        self.peak_reset = reset_peak()
+        self.rss_before = current_rss() or 0
         self.start = time.perf_counter()
         return self
 
     def __exit__(self, *exc):
         end = time.perf_counter()
         self.seconds = end - self.start
-        self.peak_rss = peak_rss_bytes() if self.peak_reset else None
+        self.peak_rss = peak_rss() if self.peak_reset else None
         self.others_cpu = others_cpu(self.start, end)
         return False
 
@@ -1150,16 +1112,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     global OTHERS
     OTHERS = OthersCpu().start()
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-    hf_logging.set_verbosity_error()
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    stamp = _dt.datetime.now().strftime("%Y-%m-%d-%H%M%S")
-    work = out_dir / f"work-{stamp}"
-    work.mkdir(parents=True)
+    out_dir, stamp, work = start_run(args.out, "work")
     results: dict = {"args": {k: (sorted(v) if isinstance(v, set) else v) for k, v in vars(args).items()},
                      "env": environment(), "loadavg_start": loadavg(), "targets": TARGETS}
     log(f"bench: {'quick' if args.quick else 'full'} run, {args.prompts} prompts, {args.max_new_tokens} new tokens, "

@@ -51,7 +51,6 @@ Sections
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import json
 import math
 import os
@@ -64,13 +63,15 @@ import zlib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT / "bench") not in sys.path:  # bench/common.py, also when imported as bench.scale
+    sys.path.insert(0, str(ROOT / "bench"))
 if str(ROOT) not in sys.path:  # `python bench/scale.py` puts bench/ first, not the repo root
     sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-T0 = time.perf_counter()
+from common import T0, current_rss, fmt_mib, log, peak_rss, reset_peak, start_run  # noqa: E402,F401  (bench/common.py)
 MiB = 1 << 20
 GiB = 1 << 30
 
@@ -113,47 +114,8 @@ CHILD_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(128 << 10)}
 DISK_NEEDED = {"27b": 16 * GiB, "mid": 3 * GiB}
 
 
-def log(message: str) -> None:
-    print(f"[{time.perf_counter() - T0:7.1f}s] {message}", flush=True)
-
-
-def fmt_mib(n) -> str:
-    return "-" if n is None else f"{n / MiB:.0f} MiB"
-
-
 # ---------------------------------------------------------------------------------------------
 # /proc helpers
-
-
-def _status_kib(pid: int | str, field: str) -> int | None:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1])
-    except (OSError, ValueError):
-        return None
-    return None
-
-
-def peak_rss(pid="self") -> int | None:
-    kib = _status_kib(pid, "VmHWM")
-    return None if kib is None else kib * 1024
-
-
-def current_rss(pid="self") -> int | None:
-    kib = _status_kib(pid, "VmRSS")
-    return None if kib is None else kib * 1024
-
-
-def reset_peak() -> bool:
-    """Reset this process's VmHWM to its current RSS (Linux clear_refs 5)."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
 
 
 def mem_available() -> int | None:
@@ -1008,16 +970,7 @@ def main(argv=None) -> int:
     if argv is None and len(sys.argv) > 1 and sys.argv[1] == "--child":
         return child_main(*sys.argv[2:5])
     args = parse_args(argv)
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-    hf_logging.set_verbosity_error()
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    stamp = _dt.datetime.now().strftime("%Y-%m-%d-%H%M%S")
-    work = out_dir / f"scale-work-{stamp}"
-    work.mkdir(parents=True)
+    out_dir, stamp, work = start_run(args.out, "scale-work")
     results: dict = {"args": {"quick": args.quick, "skip": sorted(args.skip)}, "torch": torch.__version__,
                      "threads": torch.get_num_threads(), "cpus": os.cpu_count(),
                      "loadavg_start": list(os.getloadavg())}
