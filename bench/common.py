@@ -72,3 +72,17 @@ def start_run(out: str, work_prefix: str) -> tuple[Path, str, Path]:
     work = out_dir / f"{work_prefix}-{stamp}"
     work.mkdir(parents=True)
     return out_dir, stamp, work
+
+
+def finish_run(results: dict, out_dir: Path, name: str, work: Path, keep: bool) -> Path:
+    """Record the end of a run, write its JSON (`<name>.json` in out_dir), drop the work dir."""
+    import json
+    import shutil
+
+    results["loadavg_end"] = loadavg()
+    results["wall_s"] = time.perf_counter() - T0
+    path = out_dir / f"{name}.json"
+    path.write_text(json.dumps(results, indent=1, default=str))
+    if not keep:
+        shutil.rmtree(work, ignore_errors=True)
+    return path

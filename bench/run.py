@@ -29,7 +29,6 @@ import json
 import math
 import os
 import platform
-import shutil
 import sys
 import time
 import zlib
@@ -44,7 +43,7 @@ if str(ROOT) not in sys.path:  # `python bench/run.py` puts bench/ first, not th
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from common import T0, current_rss, loadavg, log, peak_rss, reset_peak, start_run  # noqa: E402  (bench/common.py)
+from common import current_rss, finish_run, loadavg, log, peak_rss, reset_peak, start_run  # noqa: E402  (bench/common.py)
 CONTENDED_CORES = 0.2  # others' CPU above this during a measured phase makes its verdict suspect
 GB = 1e9
 MiB = 1 << 20
@@ -1050,6 +1049,8 @@ def table(results: dict) -> str:
             f"{st8['raw_bf16_features_bytes_per_token']} = {st8['features_vs_raw_bf16']:.3f}")
         add("  tau fp8 - tau lossless", ", ".join(f"{k} {v:+.3f}" for k, v in f8["tau_change"].items()))
         add("  chain walks identical to lossless", f"{f8['chain_walks_identical']}/{f8['samples']}")
+    if not rows:
+        return "(no sections of this table ran)"
     widths = [max(len(r[i]) for r in rows) for i in range(5)]
     header = ("figure", "value", "target", "met", "others' CPU")
     widths = [max(w, len(h)) for w, h in zip(widths, header)]
@@ -1155,13 +1156,8 @@ def main(argv=None) -> int:
             if "big" in scale_sections:
                 results["big_shapes"] = scale.bench_big_shapes(work, args.quick)
     finally:
-        results["loadavg_end"] = loadavg()
         results["others_cpu_whole_run"] = OTHERS.stop()
-        results["wall_s"] = time.perf_counter() - T0
-        path = out_dir / f"bench-{stamp}.json"
-        path.write_text(json.dumps(results, indent=1, default=str))
-        if not args.keep:
-            shutil.rmtree(work, ignore_errors=True)
+        path = finish_run(results, out_dir, f"bench-{stamp}", work, args.keep)
     print()
     print(table(results))
     if results.get("big_shapes") or results.get("length_scaling"):

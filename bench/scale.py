@@ -71,7 +71,7 @@ if str(ROOT) not in sys.path:  # `python bench/scale.py` puts bench/ first, not 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from common import T0, current_rss, fmt_mib, log, peak_rss, reset_peak, start_run  # noqa: E402,F401  (bench/common.py)
+from common import current_rss, finish_run, fmt_mib, log, peak_rss, reset_peak, start_run  # noqa: E402,F401  (bench/common.py)
 MiB = 1 << 20
 GiB = 1 << 30
 
@@ -981,12 +981,7 @@ def main(argv=None) -> int:
         if "big" not in args.skip:
             results["big_shapes"] = bench_big_shapes(work, args.quick)
     finally:
-        results["loadavg_end"] = list(os.getloadavg())
-        results["wall_s"] = time.perf_counter() - T0
-        path = out_dir / f"scale-{stamp}.json"
-        path.write_text(json.dumps(results, indent=1, default=str))
-        if not args.keep:
-            shutil.rmtree(work, ignore_errors=True)
+        path = finish_run(results, out_dir, f"scale-{stamp}", work, args.keep)
     print()
     print(scale_table(results))
     print(f"\ntotal {results['wall_s']:.0f} s; written {path}")
