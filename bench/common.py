@@ -86,3 +86,23 @@ def finish_run(results: dict, out_dir: Path, name: str, work: Path, keep: bool) 
     if not keep:
         shutil.rmtree(work, ignore_errors=True)
     return path
+
+
+class Timers:
+    """Accumulated wall time and call counts of wrapped callables (which part of a run dominates;
+    microseconds of overhead a call)."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+
+    def wrap(self, name: str, fn):
+        def wrapped(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+                self.calls[name] = self.calls.get(name, 0) + 1
+
+        return wrapped

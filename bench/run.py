@@ -43,7 +43,7 @@ if str(ROOT) not in sys.path:  # `python bench/run.py` puts bench/ first, not th
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from common import current_rss, finish_run, loadavg, log, peak_rss, reset_peak, start_run  # noqa: E402  (bench/common.py)
+from common import Timers, current_rss, finish_run, loadavg, log, peak_rss, reset_peak, start_run  # noqa: E402  (bench/common.py)
 CONTENDED_CORES = 0.2  # others' CPU above this during a measured phase makes its verdict suspect
 GB = 1e9
 MiB = 1 << 20
@@ -133,25 +133,6 @@ class Phase:
         self.peak_rss = peak_rss() if self.peak_reset else None
         self.others_cpu = others_cpu(self.start, end)
         return False
-
-
-class Timers:
-    """Accumulating named timers, used to wrap pipeline functions during a run (negligible cost)."""
-
-    def __init__(self):
-        self.seconds: dict[str, float] = {}
-        self.calls: dict[str, int] = {}
-
-    def wrap(self, name, fn):
-        def wrapped(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
-                self.calls[name] = self.calls.get(name, 0) + 1
-
-        return wrapped
 
 
 @contextlib.contextmanager
@@ -334,7 +315,7 @@ def stored_bytes(shard_dir: str) -> dict:
     """Bytes per token of what extract stored: each tensor's zstd frames as they sit in the
     shards (row 0 of every chunk); their sum is compared with the shard files' real size.
     fp8 features count their scales."""
-    from pipeline.shards import ShardSet
+    from pipeline.shards import ShardSet, chunk_frame
 
     shardset = ShardSet(shard_dir)
     manifest = shardset.manifest
@@ -344,7 +325,7 @@ def stored_bytes(shard_dir: str) -> dict:
     for _, batch in shard_chunks(shard_dir):
         chunks += 1
         for name in shardset.tensor_dtypes:
-            sizes[name] = sizes.get(name, 0) + len(batch.column(name)[0].as_py())
+            sizes[name] = sizes.get(name, 0) + chunk_frame(batch.column(name)).size
     totals = manifest["totals"]
     tokens, rows = totals["tokens"], totals["response_tokens"] + totals["samples"]
     settings = manifest["settings"]
@@ -519,7 +500,7 @@ def reader_breakdown(shard_dir: str, repeats: int = 3) -> dict:
             for schema, data in blocks:
                 batch = ipc.read_record_batch(ipc.read_message(data), schema)
                 shapes = batch.column("features_shape").to_pylist()
-                found.append((batch.column("features")[0].as_buffer(), [sum(x[0] for x in shapes), shapes[0][1]]))
+                found.append((shards.chunk_frame(batch.column("features")), [sum(x[0] for x in shapes), shapes[0][1]]))
             return found
 
         codec = pa.Codec("zstd")

@@ -71,7 +71,7 @@ if str(ROOT) not in sys.path:  # `python bench/scale.py` puts bench/ first, not 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from common import current_rss, finish_run, fmt_mib, log, peak_rss, reset_peak, start_run  # noqa: E402,F401  (bench/common.py)
+from common import Timers, current_rss, finish_run, fmt_mib, log, peak_rss, reset_peak, start_run  # noqa: E402,F401  (bench/common.py)
 MiB = 1 << 20
 GiB = 1 << 30
 
@@ -707,23 +707,6 @@ def _replay_flops(cfg, vocab: int, length: int, prompt: int) -> dict:
             "total": lm_head + layer + attention + context, "anchors": int(anchors.size)}
 
 
-class _Timers:
-    """Accumulated wall time of wrapped callables (to say which part of the replay dominates)."""
-
-    def __init__(self):
-        self.seconds: dict[str, float] = {}
-
-    def wrap(self, name: str, fn):
-        def wrapped(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
-
-        return wrapped
-
-
 def anchor_windows(count: int, windows: int, width: int) -> list[int]:
     """Rows of `windows` runs of `width` contiguous anchors centred at (i + 1/2) / windows of
     the `count` anchors (all rows when they cover them): per-anchor replay cost is affine in the
@@ -782,7 +765,7 @@ def bench_length_scaling(work_dir: Path, quick: bool) -> dict:
         samples = {s.response_len: s for s in shardset.samples(prefetch=0)}
         log(f"length: all-anchor chain replay, {result['dtype']}, block {BLOCK_SIZE}, 1-layer drafter ...")
         replay_sample(drafter, embed, lm_head, samples[warmup], columns, warmup, options)  # warm-up
-        timers = _Timers()
+        timers = Timers()
         drafter.forward = timers.wrap("drafter layers", drafter.forward)
         drafter.logits = timers.wrap("lm_head", drafter.logits)
         for layer in drafter.layers:

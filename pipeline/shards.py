@@ -425,36 +425,25 @@ class ShardWriter:
 
 
 def block_checksums(fs: pafs.FileSystem, path: str, batch_ends: list[int], batch_rows: list[int]) -> dict:
-    """Checksums of a written IPC file, read back once: crc32 of the whole file; byte range and
-    xxh3_64 of its schema message and of every record batch (rows included). The schema message starts after the
-    8-byte file magic; batch i spans from the end of batch i-1 (or of the schema) to its end."""
+    """Checksums of a written IPC file: crc32 of the whole file (`file_crc32`); byte range and
+    xxh3_64 of its schema message and of every record batch (rows included). The schema message
+    starts after the 8-byte file magic; batch i spans from the end of batch i-1 (or of the
+    schema) to its end."""
+    crc, size = file_crc32(fs, path)
     with fs.open_input_file(path) as file:
-        size = file.size()
         file.seek(8)
         ipc.read_message(file)
         starts = [file.tell()] + batch_ends[:-1]
-        file.seek(0)
-        data_crc, blocks, position = 0, [], 0
-        schema_block = [8, starts[0] - 8, 0]
-        for offset, end, rows in [(8, starts[0], None), *zip(starts, batch_ends, batch_rows)]:
-            if offset > position:  # the file magic before the schema
-                gap = file.read(offset - position)
-                data_crc = zlib.crc32(gap, data_crc)
-            data = file.read(end - offset)
-            data_crc = zlib.crc32(data, data_crc)
-            crc = xxhash.xxh3_64_intdigest(data)
-            if rows is None:
-                schema_block[2] = crc
-            else:
-                blocks.append([offset, end - offset, rows, crc])
-            position = end
-        while True:  # footer
-            data = file.read(64 << 20)
-            if not data:
-                break
-            data_crc = zlib.crc32(data, data_crc)
-    return {"bytes": size, "crc32": data_crc, "block_hash": "xxh3_64", "schema_block": schema_block,
-            "batches": blocks}
+
+        def hashed(offset: int, end: int) -> int:
+            file.seek(offset)
+            return xxhash.xxh3_64_intdigest(file.read(end - offset))
+
+        schema_block = [8, starts[0] - 8, hashed(8, starts[0])]
+        batches = [[start, end - start, rows, hashed(start, end)]
+                   for start, end, rows in zip(starts, batch_ends, batch_rows)]
+    return {"bytes": size, "crc32": crc, "block_hash": "xxh3_64", "schema_block": schema_block,
+            "batches": batches}
 
 
 def finished_shard_entries(out_uri: str) -> list[dict]:
@@ -535,7 +524,7 @@ def _checked_block(file, path: str, block: list[int], what: str) -> pa.Buffer:
     return data
 
 
-def _first_row_buffer(column: pa.Array) -> pa.Buffer:
+def chunk_frame(column: pa.Array) -> pa.Buffer:
     """Row 0 of a large_binary column as a zero-copy slice (`column[0].as_buffer()` copies)."""
     offsets = np.frombuffer(column.buffers()[1], dtype=np.int64, count=2, offset=8 * column.offset)
     return column.buffers()[2].slice(int(offsets[0]), int(offsets[1] - offsets[0]))
@@ -555,7 +544,7 @@ def _decode_chunk(batch: pa.RecordBatch, tensor_dtypes: dict[str, str], names: l
         lengths = [shape[0] for shape in shapes]
         dtype = TENSOR_DTYPES[tensor_dtypes[name]]
         shape = [sum(lengths), *shapes[0][1:]]
-        frame = _first_row_buffer(batch.column(name))
+        frame = chunk_frame(batch.column(name))
         if codec is not None:
             size = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
             try:

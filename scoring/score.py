@@ -311,8 +311,7 @@ def score_checkpoint(ckpt: str, shardset: ShardSet, head: dict, out_dir: str, co
     settings = manifest["settings"]
     stored_layer_ids = settings["layer_ids"]
     drafter_layer_ids = info.config.target_layer_ids
-    head = prepare_target_head(head, device, dtype)  # no-op when run_score prepared it
-    embed, lm_head = head["embed_tokens"], head["lm_head"]
+    embed, lm_head = head["embed_tokens"], head["lm_head"]  # prepared once by run_score (prepare_target_head)
     budgets = sorted(set(config.ddtree_budgets))
     options = ReplayOptions(max_budget=max(budgets) if budgets else 0, memory_bytes=config.memory_budget,
                             dtype=dtype, device=device, attention=config.attention)
