@@ -42,6 +42,7 @@ from pathlib import Path
 import torch
 
 from pipeline import shards
+from pipeline.config import ExtractConfig
 from pipeline.distributed import Dist, barrier, dist_from_env, init_dist, resolve_device
 from pipeline.layer_ids import build_target_layer_ids, check_layer_ids
 
@@ -51,31 +52,6 @@ FEATURE_DTYPES = {
     "float16": torch.float16, "fp16": torch.float16,
     "float8_e4m3fn": torch.float8_e4m3fn, "fp8": torch.float8_e4m3fn,  # lossy, per-token scales
 }
-
-
-@dataclass
-class ExtractConfig:
-    model: str = "smollm2"  # "smollm2", a transformers directory, or a .gguf file
-    prompts: str = "default"  # a bundled set name or a JSONL path
-    out: str = "data/shards/smollm2-default"  # local path or any pyarrow.fs URI
-    max_new_tokens: int = 128
-    layer_ids: list[int] | None = None  # explicit; else from draft_config; else the DFlash formula
-    draft_config: str | None = None  # drafter config.json (or its directory)
-    num_draft_layers: int = 5  # n of the formula default
-    top_k: int = 32
-    store_logits: bool = False
-    store_last_hidden: bool = False
-    dtype: str = "auto"  # model dtype: auto = fp32 on CPU, bf16 on CUDA
-    feature_dtype: str | None = None  # storage dtype of features; None = the model dtype (lossless)
-    enable_thinking: bool | None = None  # None = the chat template's default
-    limit: int | None = None
-    batch_size: int = 8
-    shard_bytes: int = shards.DEFAULT_SHARD_BYTES
-    zstd_level: int = shards.DEFAULT_ZSTD_LEVEL
-    overwrite: bool = False
-    quiet: bool = False
-    device: str | None = None  # None = cuda when available, else cpu; "auto" = device_map over GPUs
-    memory_budget: int = 2 << 30  # bytes of working memory beyond model and sample: lm_head window + shard chunk
 
 
 @dataclass
@@ -148,7 +124,7 @@ def parse_feature_dtype(name: str | None, model_dtype: str) -> str:
 def validate_numbers(config: ExtractConfig) -> None:
     checks = [("--max-new-tokens", config.max_new_tokens), ("--top-k", config.top_k),
               ("--batch-size", config.batch_size), ("--shard-bytes", config.shard_bytes),
-              ("--num-draft-layers", config.num_draft_layers), ("--memory-budget", config.memory_budget)]
+              ("--num-draft-layers", config.num_draft_layers), ("--memory-budget", config.memory_bytes)]
     for name, value in checks:
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
@@ -449,7 +425,7 @@ def _run(config: ExtractConfig, dist: Dist, records) -> dict:
 
     dtypes = tensor_dtypes(feature_dtype, info.dtype, config)
     head_bytes, chunk_tokens = split_memory_budget(
-        config.memory_budget,
+        config.memory_bytes,
         stored_bytes_per_token(dtypes, len(layer_ids), info.hidden_size, config.top_k, info.vocab_size))
     raw_per_token = len(layer_ids) * info.hidden_size * 2
     manifest = {
@@ -538,7 +514,7 @@ def run_facts(config: ExtractConfig, dist: Dist, device: str) -> dict:
     return {"specreplay": ours, "torch": torch.__version__, "transformers": transformers.__version__,
             "world_size": dist.world, "device": device, "batch_size": config.batch_size,
             "shard_bytes": config.shard_bytes, "zstd_level": config.zstd_level,
-            "memory_budget": config.memory_budget}
+            "memory_budget": config.memory_bytes}
 
 
 def make_progress(total: int, config: ExtractConfig, dist: Dist):

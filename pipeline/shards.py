@@ -69,12 +69,13 @@ import pyarrow.fs as pafs
 import pyarrow.ipc as ipc
 import torch
 
+from pipeline.config import DEFAULT_SHARD_BYTES, DEFAULT_ZSTD_LEVEL
+from pipeline.errors import UserError
+
 FORMAT_VERSION = 2
 MANIFEST_NAME = "manifest.json"
 TARGET_HEAD_NAME = "target_head.safetensors"
 SHARD_DIR = "shards"
-DEFAULT_SHARD_BYTES = 1 << 30
-DEFAULT_ZSTD_LEVEL = 1
 DEFAULT_CHUNK_TOKENS = 4096  # tokens per record batch: ~0.62 of raw bf16 here, 0.645 at 1024 (bench)
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
@@ -105,7 +106,7 @@ REQUIRED_TENSORS = ("features", "topk_ids", "topk_logprobs", "argmax_mismatch")
 OPTIONAL_TENSORS = ("logits", "last_hidden", "features_scale")
 
 
-class ShardError(RuntimeError):
+class ShardError(UserError):
     """A shard or manifest that cannot be trusted (corrupt, missing, or of another format)."""
 
 

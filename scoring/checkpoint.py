@@ -29,6 +29,7 @@ import torch
 from safetensors.torch import load_file as load_safetensors_file
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
+from pipeline.errors import UserError
 from scoring.drafter import DFlashDrafter, DrafterConfig, parse_drafter_config
 
 CONFIG_NAME = "config.json"
@@ -46,11 +47,11 @@ STEP_PATTERN = re.compile(r"(?:^|[^a-z])(?:global_step|step|checkpoint|ckpt|iter
 MAX_LISTED = 20
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError):
     """A checkpoint that cannot be loaded exactly as its config describes."""
 
 
-class CompatibilityError(ValueError):
+class CompatibilityError(UserError):
     """A drafter that does not fit the target whose features the shards hold."""
 
 

@@ -26,6 +26,8 @@ import warnings
 import numpy as np
 import polars as pl
 
+from pipeline.errors import UserError
+
 ALL_DATASETS = "(all)"  # the same label as scoring.score.ALL_DATASETS (not imported: it loads torch)
 REQUIRED_COLUMNS = ("dataset", "sample_id", "method", "tau")
 OUTPUT_SCHEMA = {
@@ -37,7 +39,7 @@ OUTPUT_SCHEMA = {
 _CHUNK_ELEMENTS = 1 << 22
 
 
-class CompareError(ValueError):
+class CompareError(UserError):
     """The inputs cannot be compared; the message names the file or field and the fix."""
 
 

@@ -26,6 +26,7 @@ from torch import nn
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding
 
+from pipeline.errors import UserError
 from pipeline.layer_ids import build_target_layer_ids
 
 # Fields the DFlash family uses that this implementation does not; a config carrying any of
@@ -39,7 +40,7 @@ UNSUPPORTED_VARIANT_FIELDS = {
 SUPPORTED_ARCHITECTURES = {"DFlashDraftModel"}
 
 
-class DrafterConfigError(ValueError):
+class DrafterConfigError(UserError):
     """A drafter config this implementation cannot score exactly."""
 
 

@@ -13,13 +13,14 @@ import json
 import math
 import os
 import random
-from dataclasses import dataclass
 
 import torch
 from safetensors.torch import save_file
 
 from pipeline.layer_ids import build_target_layer_ids
-from pipeline.shards import Sample
+from pipeline.errors import UserError
+from pipeline.shards import Sample, ShardSet
+from scoring.config import FitOptions
 from scoring.drafter import DFlashDrafter, parse_drafter_config
 from scoring.replay import select_feature_columns
 
@@ -86,16 +87,6 @@ def save_drafter(drafter: DFlashDrafter, out_dir: str, extra_config: dict | None
     return out_dir
 
 
-@dataclass
-class FitOptions:
-    steps: int = 300
-    lr: float = 3e-3
-    anchors_per_step: int = 32
-    seed: int = 0
-    save_every: int = 0  # 0: only the final checkpoint
-    init_std: float = 0.02
-
-
 def fit_drafter(samples: list[Sample], head: dict, stored_layer_ids: list[int], config_raw: dict, out_dir: str | None,
                 options: FitOptions, progress=None) -> tuple[DFlashDrafter, list[str]]:
     """Train a drafter on stored samples; returns it and the checkpoint dirs written
@@ -113,7 +104,7 @@ def fit_drafter(samples: list[Sample], head: dict, stored_layer_ids: list[int], 
     weights = position_weights(config.block_size)
     usable = [s for s in samples if s.response_len >= 2]
     if not usable:
-        raise ValueError("no sample has a response of 2+ tokens to train on")
+        raise UserError("no sample has a response of 2+ tokens to train on")
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=options.lr, weight_decay=0.0, foreach=True)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: min(1.0, (step + 1) / 20) * 0.5 * (1 + math.cos(math.pi * step / options.steps)))
@@ -149,3 +140,22 @@ def fit_drafter(samples: list[Sample], head: dict, stored_layer_ids: list[int], 
             written.append(save_drafter(drafter, os.path.join(out_dir, f"step_{step}"), {"step": step}))
     drafter.eval()
     return drafter, written
+
+
+def fit_from_shards(shards: str, out_dir: str, options: FitOptions, layer_ids: list[int] | None = None,
+                    progress=None) -> list[str]:
+    """`specreplay fit`: a new drafter config for the shards' target, fitted to every stored
+    sample; returns the checkpoint directories written. layer_ids default: every stored layer."""
+    shardset = ShardSet(shards)
+    settings = shardset.settings
+    ids = list(layer_ids) if layer_ids else list(settings["layer_ids"])
+    raw = new_drafter_config(settings["target"], num_layers=options.layers, block_size=options.block_size,
+                             layer_ids=ids)
+    missing = sorted(set(raw["dflash_config"]["target_layer_ids"]) - set(settings["layer_ids"]))
+    if missing:
+        raise UserError(f"feature layers {missing} are not stored in {shards} (stored: {settings['layer_ids']}); "
+                        f"pass --layer-ids from the stored ones")
+    samples = list(shardset.samples(tensors=["features"]))
+    head = {k: v.float() for k, v in shardset.target_head().items()}
+    _, written = fit_drafter(samples, head, settings["layer_ids"], raw, out_dir, options, progress)
+    return written

@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 
 import polars as pl
 
+from pipeline.errors import UserError
+
 ALL = "(all)"
 CHAIN = "chain"
 # Plots with more lines than this stop being readable; we show an even spread, first and last kept.
@@ -32,7 +34,7 @@ PROMPT_PREVIEW_CHARS = 160
 TAU_UNIT = "tokens per step, bonus-inclusive"
 
 
-class ReportError(ValueError):
+class ReportError(UserError):
     """Results that cannot make a report (none found, unreadable file); the message names the path."""
 
 

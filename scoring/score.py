@@ -30,30 +30,13 @@ from tqdm import tqdm
 from pipeline.distributed import Dist, barrier, dist_from_env, init_dist, resolve_device
 from pipeline.shards import ShardSet
 from scoring import metrics
+from scoring.config import ScoreConfig
 from scoring.checkpoint import check_compatibility, load_drafter, read_drafter_config
 from scoring.replay import AnchorTensors, ReplayOptions, replay_sample, replay_walks, select_feature_columns
 from scoring.walk import next_stop_positions, stop_mask, walk
 
-DEFAULT_BUDGETS = (4, 8, 16, 32, 64, 128, 256)
 WALK_COLUMNS = ("dataset", "sample_id", "method", "step", "anchor", "produced", "accepted_len")
 ALL_DATASETS = "(all)"
-
-
-@dataclass
-class ScoreConfig:
-    ckpts: list[str]
-    shards: str
-    out: str
-    ddtree_budgets: list[int] = field(default_factory=lambda: list(DEFAULT_BUDGETS))
-    device: str = "auto"
-    dtype: str = "auto"
-    memory_budget: int = 2 << 30
-    attention: str = "auto"
-    anchors: str = "all"  # "all": every response position; "walk": only the anchors the walks visit
-    walk_group_tokens: int = 8192  # walk mode: samples packed per group (tokens)
-    limit: int | None = None
-    force: bool = False
-    quiet: bool = False
 
 
 def resolve_device_dtype(device: str, dtype: str, dist: Dist | None = None) -> tuple[str, torch.dtype]:
@@ -302,7 +285,7 @@ def score_checkpoint(ckpt: str, shardset: ShardSet, head: dict, out_dir: str, co
     shards_id = shards_identity(manifest)
     quiet = config.quiet or not dist.main
     total = shardset.num_samples if config.limit is None else min(config.limit, shardset.num_samples)
-    if not config.force and already_scored(out_dir, info.content_hash, shards_id, config.ddtree_budgets, total,
+    if not config.force and already_scored(out_dir, info.content_hash, shards_id, config.tree_nodes, total,
                                            config.anchors):
         if not quiet:
             print(f"{info.name}: already scored on these shards in {out_dir} (use --force to redo)")
@@ -312,8 +295,8 @@ def score_checkpoint(ckpt: str, shardset: ShardSet, head: dict, out_dir: str, co
     stored_layer_ids = settings["layer_ids"]
     drafter_layer_ids = info.config.target_layer_ids
     embed, lm_head = head["embed_tokens"], head["lm_head"]  # prepared once by run_score (prepare_target_head)
-    budgets = sorted(set(config.ddtree_budgets))
-    options = ReplayOptions(max_budget=max(budgets) if budgets else 0, memory_bytes=config.memory_budget,
+    budgets = sorted(set(config.tree_nodes))
+    options = ReplayOptions(max_budget=max(budgets) if budgets else 0, memory_bytes=config.memory_bytes,
                             dtype=dtype, device=device, attention=config.attention)
     stop_ids = list(settings["target"]["stop_token_ids"])
     max_new_tokens = int(settings["max_new_tokens"])
@@ -371,7 +354,7 @@ def score_checkpoint(ckpt: str, shardset: ShardSet, head: dict, out_dir: str, co
                        "step": info.step, "config": info.config_raw},
         "shards": {"uri": shardset.uri, "identity": shards_id, "target": manifest.get("target", {}).get("name"),
                    "samples": total, "feature_dtype": manifest.get("tensors", {}).get("features")},
-        "ddtree_budgets": list(config.ddtree_budgets), "anchor_set": config.anchors,
+        "ddtree_budgets": list(config.tree_nodes), "anchor_set": config.anchors,
         "device": device, "dtype": str(dtype).replace("torch.", ""), "attention": options.attention_backend,
         "world_size": dist.world,
         "anchors": anchors_done, "wall_time_s": round(wall, 3),

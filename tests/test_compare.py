@@ -18,7 +18,7 @@ from scoring.compare import (
     paired_bootstrap,
     verdict,
 )
-from scoring.compare_cli import compare
+from specreplay.commands.compare import compare
 
 
 def write_results(path, tau, *, datasets=None, methods=("chain",), name="ckpt", shards_id="shards-1", step=None,

@@ -209,7 +209,7 @@ def test_memory_budget_sets_chunk_and_window(tiny_qwen3_dir, prompts_file, tmp_p
     window, tokens = split_memory_budget(2 << 30, 5 * 5120 * 2)
     assert window == 1 << 30 and tokens == min(4096, (1 << 30) // (3 * 5 * 5120 * 2))
     big = extract(tiny_qwen3_dir, prompts_file, tmp_path / "big", layer_ids=[1])
-    small = extract(tiny_qwen3_dir, prompts_file, tmp_path / "small", layer_ids=[1], memory_budget=64 << 10)
+    small = extract(tiny_qwen3_dir, prompts_file, tmp_path / "small", layer_ids=[1], memory_bytes=64 << 10)
     assert len(big["shards"][0]["batches"]) == 1 < len(small["shards"][0]["batches"])
     assert small["run"]["memory_budget"] == 64 << 10
     one = [s.features for s in ShardSet(str(tmp_path / "big")).samples()]
@@ -231,7 +231,7 @@ def test_smollm2_end_to_end(tmp_path):
     """The embedded default target, 3 bundled prompts, 16 new tokens; exact against a fresh forward."""
     from click.testing import CliRunner
 
-    from pipeline.cli import main
+    from specreplay.cli import main
 
     out = tmp_path / "smol"
     result = CliRunner().invoke(main, ["extract", "--model", "smollm2", "--prompts", "default", "--limit", "3",

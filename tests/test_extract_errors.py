@@ -7,7 +7,7 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from pipeline.cli import main
+from specreplay.cli import main
 from pipeline.extract import ExtractConfig, run_extract
 from pipeline.shards import ShardError, read_manifest
 
@@ -26,8 +26,8 @@ def cli(*args):
 
 
 def assert_clean_error(result, *needles):
-    assert result.exit_code == 1, result.output
-    assert "Traceback" not in result.output and "Error: " in result.output
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output and result.output.startswith("error: "), result.output
     for needle in needles:
         assert needle in result.output, result.output
 

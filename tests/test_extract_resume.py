@@ -74,7 +74,7 @@ def crcs(out) -> dict:
 def test_resume_after_kill(tiny_qwen3_dir, prompts_file, reference, tmp_path):
     out = tmp_path / "out"
     # One sample per shard (--shard-bytes 1), so the kill lands between finished shards.
-    command = [sys.executable, "-m", "pipeline.cli", *cli_args(tiny_qwen3_dir, prompts_file, out,
+    command = [sys.executable, "-m", "specreplay", *cli_args(tiny_qwen3_dir, prompts_file, out,
                                                                 "--shard-bytes", "1", "--batch-size", "1")]
     process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 300  # model load under a busy CI can be slow
@@ -114,7 +114,7 @@ def test_resume_after_kill(tiny_qwen3_dir, prompts_file, reference, tmp_path):
 def test_torchrun_two_ranks_match_one(tiny_qwen3_dir, prompts_file, reference, tmp_path):
     out = tmp_path / "out"
     torchrun = Path(sys.executable).parent / "torchrun"
-    command = [str(torchrun), "--standalone", "--nproc_per_node", "2", "-m", "pipeline.cli",
+    command = [str(torchrun), "--standalone", "--nproc_per_node", "2", "-m", "specreplay",
                *cli_args(tiny_qwen3_dir, prompts_file, out, "--batch-size", "2", "--device", "cpu")]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)

@@ -187,7 +187,7 @@ def test_score_does_not_keep_the_previous_sample_alive(tmp_path, monkeypatch):
 
     monkeypatch.setattr(score, "replay_sample", spy)
     records = run_score(ScoreConfig(ckpts=[ckpt], shards=str(shard_dir), out=str(tmp_path / "out"),
-                                    ddtree_budgets=[4], quiet=True))
+                                    tree_nodes=[4], quiet=True))
     assert records and records[0]["anchors"] == (24 - 1) + (20 - 1) + (16 - 1)
     assert alive_at_next == [[], [False], [False, False]]
     summary = json.loads((tmp_path / "out" / "run.json").read_text())

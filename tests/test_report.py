@@ -19,7 +19,7 @@ import polars as pl
 import pytest
 from click.testing import CliRunner
 
-from scoring.report_cli import report
+from specreplay.commands.report import report
 
 CHROMIUM = "/usr/bin/chromium"
 BLOCK = 8  # block size B: produced in 1..8, block positions 1..7

@@ -12,7 +12,7 @@ import polars as pl
 import pytest
 from click.testing import CliRunner
 
-from pipeline.cli import main
+from specreplay.cli import main
 from pipeline.extract import ExtractConfig, run_extract
 from pipeline.shards import ShardSet
 from scoring.fit import FitOptions, fit_drafter, new_drafter_config
@@ -33,7 +33,7 @@ def scored_setup(tmp_path_factory, tiny_qwen3_dir):
     shardset = ShardSet(shards)
     raw = new_drafter_config(shardset.settings["target"], num_layers=1, block_size=4, layer_ids=[1, 3])
     _, written = fit_drafter(list(shardset.samples()), shardset.target_head(), [1, 3], raw, str(tmp / "runs"),
-                             FitOptions(steps=60, save_every=30))
+                             FitOptions(steps=60, save_every=30, anchors_per_step=32))
     return tmp, shards, written
 
 
@@ -92,7 +92,7 @@ def test_torchrun_two_ranks_equal_one_process(scored_setup, tmp_path):
     assert _score(["--ckpt", written[-1], "--shards", shards, "--out", one, "--quiet"]).exit_code == 0
     env = dict(os.environ, OMP_NUM_THREADS="1")
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    subprocess.run([torchrun, "--nproc_per_node", "2", "--master_port", "29533", "-m", "pipeline.cli", "score",
+    subprocess.run([torchrun, "--nproc_per_node", "2", "--master_port", "29533", "-m", "specreplay", "score",
                     "--ckpt", written[-1], "--shards", shards, "--out", two, "--quiet"],
                    check=True, cwd=REPO, env=env, capture_output=True, timeout=300)
     for name in ("walk", "samples", "anchors", "summary"):

@@ -87,7 +87,7 @@ def _fit(shards: str, out_dir: str, block_size: int, layer_ids=None, layer_types
 
 
 def _score(ckpt: str, shards: str, out: str, budgets=(4, 16)) -> pl.DataFrame:
-    run_score(ScoreConfig(ckpts=[ckpt], shards=shards, out=out, ddtree_budgets=list(budgets), quiet=True))
+    run_score(ScoreConfig(ckpts=[ckpt], shards=shards, out=out, tree_nodes=list(budgets), quiet=True))
     return pl.read_parquet(f"{out}/walk.parquet", glob=False)
 
 
@@ -198,7 +198,7 @@ def test_walk_only_mode_gives_the_same_walks_with_fewer_anchors(qwen3_setup):
     for mode in ("all", "walk"):
         out = str(tmp / f"results-walkmode-{mode}")
         # a small group size packs a few samples per round, so rounds mix samples
-        run_score(ScoreConfig(ckpts=[ckpt], shards=shards, out=out, ddtree_budgets=[4, 16], quiet=True,
+        run_score(ScoreConfig(ckpts=[ckpt], shards=shards, out=out, tree_nodes=[4, 16], quiet=True,
                               anchors=mode, walk_group_tokens=120))
         runs[mode] = (pl.read_parquet(f"{out}/walk.parquet", glob=False), json.load(open(f"{out}/run.json")))
     all_walk, all_run = runs["all"]

@@ -1,4 +1,4 @@
-"""Click command `specreplay compare A B` (the statistics live in scoring/compare.py)."""
+"""`specreplay compare A B`: the console table and files around scoring/compare.py's statistics."""
 
 from __future__ import annotations
 
@@ -72,15 +72,12 @@ def compare(a, b, methods, datasets, resamples, seed, confidence, out, as_json):
       specreplay compare data/results/runs_step_150 data/results/runs_step_300
       specreplay compare A B --method chain --dataset gsm8k --out compare.csv
     """
-    from scoring.compare import CompareError, compare_results
+    from scoring.compare import compare_results
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        try:
-            df = compare_results(a, b, methods=list(methods) or None, datasets=list(datasets) or None,
-                                 resamples=resamples, seed=seed, confidence=confidence)
-        except CompareError as error:
-            raise click.ClickException(str(error)) from error
+        df = compare_results(a, b, methods=list(methods) or None, datasets=list(datasets) or None,
+                             resamples=resamples, seed=seed, confidence=confidence)
     notes = [str(w.message) for w in caught]
     for note in notes:
         click.echo(f"warning: {note}", err=True)

@@ -1,0 +1,40 @@
+"""Stage 2's settings: what `score` and `fit` take, with the defaults the CLI shows.
+
+Torch-free on purpose: `specreplay score --help` reads these defaults without loading torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+DEFAULT_TREE_NODES = (4, 8, 16, 32, 64, 128, 256)  # DDTree budgets: nodes per tree, root not counted
+DEFAULT_MEMORY_BYTES = 2 << 30
+
+
+@dataclass
+class ScoreConfig:
+    ckpts: list[str]
+    shards: str
+    out: str
+    tree_nodes: list[int] = field(default_factory=lambda: list(DEFAULT_TREE_NODES))  # --ddtree-budgets
+    device: str = "auto"
+    dtype: str = "auto"
+    memory_bytes: int = DEFAULT_MEMORY_BYTES  # working memory for one anchor chunk
+    attention: str = "auto"
+    anchors: str = "all"  # "all": every response position; "walk": only the anchors the walks visit
+    walk_group_tokens: int = 8192  # walk mode: samples packed per group (tokens)
+    limit: int | None = None
+    force: bool = False
+    quiet: bool = False
+
+
+@dataclass
+class FitOptions:
+    steps: int = 300
+    lr: float = 3e-3
+    anchors_per_step: int = 8  # the lm_head over the full vocabulary dominates the cost
+    seed: int = 0
+    save_every: int = 0  # 0: only the final checkpoint
+    init_std: float = 0.02
+    layers: int = 1  # drafter decoder layers
+    block_size: int = 8

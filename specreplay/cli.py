@@ -1,0 +1,72 @@
+"""The `specreplay` console script: one click group, one module per subcommand, loaded lazily.
+
+`specreplay --help` imports click and the command modules only (no torch, no pyarrow): each
+command imports its stage inside its body. Every command shares one error policy: a
+`UserError` (or a missing/forbidden path) prints `error: ...` and exits 2 with no traceback;
+SPECREPLAY_DEBUG=1 shows the traceback.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+import click
+
+# verb -> module under specreplay.commands defining a click command of the same name
+COMMANDS = {
+    "extract": "extract",
+    "inspect": "inspect",
+    "score": "score",
+    "fit": "fit",
+    "compare": "compare",
+    "report": "report",
+}
+PATH_ERRORS = (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)
+
+
+def debug() -> bool:
+    return bool(os.environ.get("SPECREPLAY_DEBUG"))
+
+
+def fail(error: BaseException) -> None:
+    """Print a user error as one line and exit 2; re-raise under SPECREPLAY_DEBUG=1."""
+    if debug():
+        raise error
+    click.echo(f"error: {error}", err=True)
+    sys.exit(2)
+
+
+class LazyGroup(click.Group):
+    """Subcommands imported on first use, so one verb never loads another's stage."""
+
+    def list_commands(self, ctx):
+        return list(COMMANDS)
+
+    def get_command(self, ctx, name):
+        if name not in COMMANDS:
+            return None
+        module = importlib.import_module(f"specreplay.commands.{COMMANDS[name]}")
+        return getattr(module, name)
+
+    def invoke(self, ctx):
+        from pipeline.errors import UserError
+
+        try:
+            return super().invoke(ctx)
+        except (UserError, *PATH_ERRORS) as error:
+            fail(error)
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(package_name="specreplay")
+def main():
+    """Extract a target model's features once; score any DFlash drafter against them offline.
+
+    \b
+    Typical use:
+      specreplay extract --model smollm2 --prompts default --out data/shards/smollm2
+      specreplay score --ckpt path/to/drafter --shards data/shards/smollm2 --out data/results/run1
+      specreplay inspect data/shards/smollm2
+    """

@@ -1,0 +1,1 @@
+"""One module per `specreplay` verb; each imports its stage inside the command body."""

@@ -1,0 +1,32 @@
+"""`specreplay inspect`: summarise an extract directory and verify its checksums."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+
+@click.command(context_settings={"max_content_width": 100})
+@click.argument("directory", default="data/shards/smollm2-default")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (for scripts).")
+@click.option("--no-verify", is_flag=True, help="Skip the shard checksum pass (it reads every byte).")
+def inspect(directory, as_json, no_verify):
+    """Summarise an extract directory and verify its shard checksums.
+
+    Samples, tokens, bytes per token against raw bf16 features, layer ids, finish reasons,
+    greedy-consistency rate (share of response tokens equal to the full-forward argmax).
+    Exits with status 1 when a checksum fails.
+
+    \b
+    Examples:
+      specreplay inspect data/shards/smollm2-default
+      specreplay inspect data/shards/smollm2-default --json | jq .greedy_consistency
+    """
+    from pipeline.inspect import format_report, inspect_extract, report_problems
+
+    report = inspect_extract(directory, verify=not no_verify)
+    click.echo(json.dumps(report, indent=1, sort_keys=True) if as_json else format_report(report))
+    problems = report_problems(report)
+    if problems:
+        raise click.ClickException(f"{len(problems)} integrity problem(s) in {directory}:\n  " + "\n  ".join(problems))
