@@ -20,16 +20,16 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import warnings
 
 import numpy as np
 import polars as pl
 
 from pipeline.errors import UserError
+from scoring import results
+from scoring.results import ALL_DATASETS
 
-ALL_DATASETS = "(all)"  # the same label as scoring.score.ALL_DATASETS (not imported: it loads torch)
-REQUIRED_COLUMNS = ("dataset", "sample_id", "method", "tau")
+REQUIRED_COLUMNS = ("dataset", "sample_id", "method", "tau")  # of results.SAMPLES, what pairing needs
 OUTPUT_SCHEMA = {
     "dataset": pl.String, "method": pl.String, "n": pl.Int64, "tau_a": pl.Float64, "tau_b": pl.Float64,
     "delta": pl.Float64, "ci_low": pl.Float64, "ci_high": pl.Float64, "verdict": pl.String,
@@ -113,7 +113,7 @@ def _results_children(path: str) -> list[str]:
         entries = sorted(os.listdir(path))
     except OSError:
         return []
-    return [os.path.join(path, e) for e in entries if os.path.isfile(os.path.join(path, e, "samples.parquet"))]
+    return [os.path.join(path, e) for e in entries if os.path.isfile(os.path.join(path, e, results.FILES["samples"]))]
 
 
 def load_results(path: str, label: str) -> tuple[pl.DataFrame, dict | None]:
@@ -121,7 +121,7 @@ def load_results(path: str, label: str) -> tuple[pl.DataFrame, dict | None]:
     if not os.path.isdir(path):
         raise CompareError(f"{label}: {path} is not a directory; pass a results directory written by "
                            f"`specreplay score` (one holding samples.parquet and summary.parquet)")
-    samples_path = os.path.join(path, "samples.parquet")
+    samples_path = os.path.join(path, results.FILES["samples"])
     if not os.path.isfile(samples_path):
         children = _results_children(path)
         hint = (f"; it holds results directories, pass one of them: {', '.join(children)}" if children
@@ -143,7 +143,7 @@ def load_results(path: str, label: str) -> tuple[pl.DataFrame, dict | None]:
         raise CompareError(f"{label}: {samples_path} has several rows for dataset {row['dataset']!r}, sample "
                            f"{row['sample_id']!r}, method {row['method']!r}; it must hold one checkpoint's "
                            f"results (one row per sample and method)")
-    run_path = os.path.join(path, "run.json")
+    run_path = os.path.join(path, results.FILES["run"])
     record = None
     if os.path.isfile(run_path):
         try:
@@ -168,7 +168,7 @@ def checkpoint_name(samples: pl.DataFrame, record: dict | None, path: str) -> st
 
 
 def _check_shards(record_a: dict | None, record_b: dict | None, dir_a: str, dir_b: str) -> None:
-    missing = [os.path.join(d, "run.json") for d, r in ((dir_a, record_a), (dir_b, record_b)) if r is None]
+    missing = [os.path.join(d, results.FILES["run"]) for d, r in ((dir_a, record_a), (dir_b, record_b)) if r is None]
     if missing:
         warnings.warn(f"cannot check that A and B were scored on the same shards: {', '.join(missing)} not found",
                       ShardsDifferWarning, stacklevel=3)
@@ -181,14 +181,6 @@ def _check_shards(record_a: dict | None, record_b: dict | None, dir_a: str, dir_
             f"matched by (dataset, sample_id), so a matched pair may hold different prompts or responses. "
             f"For a clean comparison score both checkpoints on the same --shards.",
             ShardsDifferWarning, stacklevel=3)
-
-
-def _method_key(method: str) -> tuple:
-    """chain first, then ddtree-N by N, then anything else by name."""
-    match = re.fullmatch(r"ddtree-(\d+)", method)
-    if method == "chain":
-        return (0, 0, method)
-    return (1, int(match.group(1)), method) if match else (2, 0, method)
 
 
 def _select(requested: list[str] | None, available: list[str], what: str, option: str) -> list[str]:
@@ -223,11 +215,11 @@ def compare_results(dir_a: str, dir_b: str, methods: list[str] | None = None, da
                            f"score both checkpoints on the same --shards")
 
     methods_a, methods_b = set(samples_a["method"].to_list()), set(samples_b["method"].to_list())
-    common = sorted(methods_a & methods_b, key=_method_key)
+    common = sorted(methods_a & methods_b, key=results.method_order)
     if not common:
-        raise CompareError(f"A and B share no method (A: {sorted(methods_a, key=_method_key)}, "
-                           f"B: {sorted(methods_b, key=_method_key)})")
-    only = sorted(methods_a ^ methods_b, key=_method_key)
+        raise CompareError(f"A and B share no method (A: {sorted(methods_a, key=results.method_order)}, "
+                           f"B: {sorted(methods_b, key=results.method_order)})")
+    only = sorted(methods_a ^ methods_b, key=results.method_order)
     if only and not methods:
         warnings.warn(f"method(s) {only} are in only one run and are not compared", UserWarning, stacklevel=2)
     chosen_methods = _select(methods, common, "method", "--method")

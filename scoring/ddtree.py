@@ -11,7 +11,8 @@ the same way.
 Key fact used here: the heap's pop sequence does not depend on N (a node whose last rank is
 >= N is preceded by its N lower-ranked siblings), so the tree of budget N is the first N pops
 of one run with K = max budget. We therefore run the heap once per anchor and record when each
-prefix of the target's path is popped; the accepted depth for every budget follows.
+prefix of the target's path is popped; the accepted depth for every budget follows
+(metrics.tree_accepted).
 """
 
 from __future__ import annotations
@@ -76,13 +77,6 @@ def path_pop_indices(top_logp: np.ndarray, path_ranks: np.ndarray, max_budget: i
                 break
             wanted = wanted + (int(path_ranks[found]),)
     return result
-
-
-def accepted_depth(pop_indices: np.ndarray, budget: int) -> int:
-    """alpha for a tree of `budget` nodes: the deepest target-path prefix inside the tree.
-    Prefixes enter the tree parent-first, so this is the count of leading pop indices < budget."""
-    inside = pop_indices < budget
-    return int(inside.size if inside.all() else np.argmin(inside))
 
 
 def build_tree(top_logp: np.ndarray, top_ids: np.ndarray, budget: int) -> list[tuple[int, ...]]:

@@ -27,6 +27,15 @@ def tree_accepted(pop_index: torch.Tensor, budget: int) -> torch.Tensor:
     return (pop_index < budget).long().cumprod(dim=1).sum(dim=1)
 
 
+def accepted_len(draft_tokens: torch.Tensor, target_tokens: torch.Tensor, pop_index: torch.Tensor,
+                 tree_nodes: int | None) -> torch.Tensor:
+    """Accepted draft tokens per anchor (bonus-exclusive) of one method: the chain when
+    tree_nodes is None, else the DDTree of `tree_nodes` nodes. -> [A]."""
+    if tree_nodes is None:
+        return leading_matches(draft_tokens, target_tokens)
+    return tree_accepted(pop_index, tree_nodes)
+
+
 def produced_tokens(accepted: torch.Tensor, anchors: torch.Tensor, seq_len: int,
                     next_stop: torch.Tensor) -> torch.Tensor:
     """Tokens one decoding step at each anchor appends (bonus-inclusive), as `dflash_generate`:
@@ -72,9 +81,41 @@ def kl_on_topk(target_topk_logprobs: torch.Tensor, draft_logprobs_at_topk: torch
     return (log_p.exp() * (log_p - log_q)).sum(dim=-1)
 
 
-def tau(produced_per_step: list[list[int]]) -> float:
-    """Mean acceptance length (bonus-inclusive), as the DFlash benchmark reports it: the mean
-    over responses of each response's mean `produced`. Responses with no step (their first
-    token was already a stop token) are left out, as the benchmark does."""
-    means = [sum(steps) / len(steps) for steps in produced_per_step if steps]
+def position_counts(accepted: torch.Tensor, match: torch.Tensor, known: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Per block position, summed over anchors: reached (position verified and its target
+    known), accepted (and accepted), match and known (see position_match). [A], [A, L] -> [L] each.
+    Counts add over samples; acceptance_by_position turns them into rates."""
+    reached, accepted_here = reached_accept(accepted, known.shape[1])
+    return {"reached": (reached & known).sum(0), "accepted": (accepted_here & known).sum(0),
+            "match": match.sum(0), "known": known.sum(0)}
+
+
+def acceptance_by_position(accepted: torch.Tensor, reached: torch.Tensor) -> torch.Tensor:
+    """P(block position k accepted | reached), the "where does acceptance die" curve: summed
+    accepted / summed reached per position (NaN where never reached). [L] x [L] -> [L]."""
+    return accepted.double() / reached.double()
+
+
+def match_rate_by_position(match: torch.Tensor, known: torch.Tensor) -> torch.Tensor:
+    """Per-position draft/target agreement, independent of earlier positions: summed match /
+    summed known per position (NaN where no target is known). [L] x [L] -> [L]."""
+    return match.double() / known.double()
+
+
+def streak(accepted: torch.Tensor) -> float:
+    """All-anchor streak, bonus-exclusive: the mean accepted length over every anchor scored,
+    whether or not the walk visits it (denser and steadier than the walk's tau)."""
+    return float(accepted.double().mean())
+
+
+def sample_tau(produced: list[int]) -> float | None:
+    """One response's acceptance length (bonus-inclusive): the mean `produced` over its walk's
+    steps; None for a response with no step (its first token was already a stop token)."""
+    return sum(produced) / len(produced) if produced else None
+
+
+def tau(per_sample: list[float | None]) -> float:
+    """Mean acceptance length, as the DFlash benchmark reports it: the mean over responses of
+    each response's sample_tau. Responses with no step (None) are left out, as it does."""
+    means = [t for t in per_sample if t is not None]
     return sum(means) / len(means) if means else float("nan")

@@ -19,13 +19,13 @@ import torch
 from pipeline.shards import Sample
 from scoring.ddtree import NOT_IN_TREE, path_pop_indices, top_log_probs
 from scoring.drafter import DFlashDrafter
-from scoring.metrics import kl_on_topk
-from scoring.walk import walk_finished
+from scoring import metrics
+from scoring.walk import next_stop_positions, walk_finished, walk_in_rounds
 
 
 @dataclass
 class ReplayOptions:
-    max_budget: int = 256  # largest DDTree budget; 0 disables DDTree
+    max_tree_nodes: int = 256  # largest DDTree budget (nodes); 0 disables DDTree
     memory_bytes: int = 2 << 30  # working-memory budget for one anchor chunk
     dtype: torch.dtype = torch.float32
     device: str = "cpu"
@@ -52,6 +52,19 @@ class AnchorTensors:
     kl_topk: torch.Tensor  # [A, L] KL(target || draft) on the stored top-k support
     tree_pop_index: torch.Tensor  # [A, L] DDTree pop index of the target-path prefix of depth k
     computed: torch.Tensor  # [A] bool: scored (all True in all-anchor mode; walk mode scores visited anchors)
+
+
+def prepare_target_head(head: dict[str, torch.Tensor], device: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The stored target head as replay uses it, on `device`: the lm_head cast once to the
+    compute dtype; the embedding kept in the narrower of its stored dtype and the compute dtype,
+    because replay only gathers a block's rows and casts those (a cast is elementwise, so the
+    values equal those of a cast table). With bf16 shards scored in fp32 that
+    halves the embedding's memory; the caller drops the stored-dtype lm_head, so only its
+    compute-dtype copy stays."""
+    embed, lm_head = head["embed_tokens"], head["lm_head"]
+    if embed.element_size() >= torch.empty((), dtype=dtype).element_size():
+        embed = embed.to(dtype=dtype)
+    return {"embed_tokens": embed.to(device=device), "lm_head": lm_head.to(device=device, dtype=dtype)}
 
 
 def select_feature_columns(features: torch.Tensor, stored_layer_ids: list[int], drafter_layer_ids: list[int]) -> torch.Tensor:
@@ -144,13 +157,13 @@ def pack_samples(drafter: DFlashDrafter, samples: list[Sample], feature_columns,
     )
 
 
-def empty_anchor_tensors(sample: Sample, budget_tokens: int, block_size: int) -> AnchorTensors:
+def empty_anchor_tensors(sample: Sample, max_new_tokens: int, block_size: int) -> AnchorTensors:
     """Per-anchor tensors for every anchor of a sample, nothing computed yet."""
     anchors = torch.arange(sample.prompt_len, sample.input_ids.numel() - 1)
     A, L = anchors.numel(), block_size - 1
     return AnchorTensors(
         anchors=anchors,
-        block_len=torch.clamp(sample.prompt_len + budget_tokens - anchors, max=block_size),
+        block_len=torch.clamp(sample.prompt_len + max_new_tokens - anchors, max=block_size),
         draft_tokens=torch.full((A, L), -1, dtype=torch.long),
         target_tokens=torch.full((A, L), -1, dtype=torch.long),
         target_logprob=torch.full((A, L), float("nan")),
@@ -194,10 +207,10 @@ def replay_anchors(drafter: DFlashDrafter, embed: torch.Tensor, lm_head: torch.T
 
 
 def replay_sample(drafter: DFlashDrafter, embed: torch.Tensor, lm_head: torch.Tensor, sample: Sample,
-                  feature_columns, budget_tokens: int, options: ReplayOptions) -> AnchorTensors:
+                  feature_columns, max_new_tokens: int, options: ReplayOptions) -> AnchorTensors:
     """Score every anchor of one sample (all-anchor mode). `feature_columns(features)` selects
-    the drafter's layers; `budget_tokens` is the max_new_tokens the online loop would run with."""
-    result = empty_anchor_tensors(sample, budget_tokens, drafter.config.block_size)
+    the drafter's layers; `max_new_tokens` is the max_new_tokens the online loop would run with."""
+    result = empty_anchor_tensors(sample, max_new_tokens, drafter.config.block_size)
     if result.anchors.numel():
         packed = pack_samples(drafter, [sample], feature_columns, options)
         replay_anchors(drafter, embed, lm_head, packed, [result],
@@ -206,29 +219,33 @@ def replay_sample(drafter: DFlashDrafter, embed: torch.Tensor, lm_head: torch.Te
 
 
 def replay_walks(drafter: DFlashDrafter, embed: torch.Tensor, lm_head: torch.Tensor, samples: list[Sample],
-                 feature_columns, budget_tokens: list[int], num_methods: int, produced, is_stop: list[torch.Tensor],
-                 options: ReplayOptions) -> list[AnchorTensors]:
-    """Walk-only mode: score just the anchors the simulated walks visit, round by round, the
-    current anchor of every unfinished (sample, method) walk batched into one drafter call.
-
-    `produced(sample_index, method_index, result, row)` is the number of tokens that method's
-    step at anchor `row` of the sample produces; walks start at the prompt end and stop as
-    `walk.walk` does (response complete, or the step ended on a stop token).
-    """
+                 feature_columns, max_new_tokens: list[int], tree_nodes: list[int | None],
+                 is_stop: list[torch.Tensor], options: ReplayOptions) -> list[AnchorTensors]:
+    """Walk-only mode: score just the anchors the simulated walks visit. One walk per (sample,
+    method), a method being the chain (None) or a DDTree of n nodes; each round batches the
+    current anchor of every unfinished walk (anchors shared between methods scored once)."""
     block_size = drafter.config.block_size
-    results = [empty_anchor_tensors(s, b, block_size) for s, b in zip(samples, budget_tokens)]
+    results = [empty_anchor_tensors(s, b, block_size) for s, b in zip(samples, max_new_tokens)]
     packed = pack_samples(drafter, samples, feature_columns, options)
-    positions = {(s, m): samples[s].prompt_len for s in range(len(samples)) for m in range(num_methods)}
-    active = {key for key, pos in positions.items() if not walk_finished(pos, is_stop[key[0]])}
-    while active:
-        wanted = sorted({(s, positions[(s, m)] - samples[s].prompt_len) for s, m in active})
-        wanted = [(s, r) for s, r in wanted if not results[s].computed[r]]
-        replay_anchors(drafter, embed, lm_head, packed, results, wanted, options)
-        for s, m in sorted(active):
-            row = positions[(s, m)] - samples[s].prompt_len
-            positions[(s, m)] += produced(s, m, results[s], row)
-            if walk_finished(positions[(s, m)], is_stop[s]):
-                active.discard((s, m))
+    next_stop = [next_stop_positions(m) for m in is_stop]
+
+    def row(s: int, position: int) -> int:
+        return position - samples[s].prompt_len
+
+    def score(current: list[tuple[tuple[int, int], int]]) -> None:
+        wanted = sorted({(s, row(s, position)) for (s, _), position in current})
+        replay_anchors(drafter, embed, lm_head, packed, results,
+                       [(s, r) for s, r in wanted if not results[s].computed[r]], options)
+
+    def produced(key: tuple[int, int], position: int) -> int:
+        s, m = key
+        r, out = slice(row(s, position), row(s, position) + 1), results[s]
+        accepted = metrics.accepted_len(out.draft_tokens[r], out.target_tokens[r], out.tree_pop_index[r], tree_nodes[m])
+        anchor = out.anchors[r]
+        return int(metrics.produced_tokens(accepted, anchor, samples[s].input_ids.numel(), next_stop[s][anchor])[0])
+
+    starts = {(s, m): sample.prompt_len for s, sample in enumerate(samples) for m in range(len(tree_nodes))}
+    walk_in_rounds(starts, lambda key, position: walk_finished(position, is_stop[key[0]]), score, produced)
     return results
 
 
@@ -242,7 +259,7 @@ def _score_chunk(drafter, embed, lm_head, packed: PackedSamples, sample_idx, anc
     # Block inputs: [x_t, mask, ..., mask] through the target's input embedding.
     block_ids = torch.full((anchors.numel(), block_len), cfg.mask_token_id, dtype=torch.long, device=device)
     block_ids[:, 0] = packed.ids[starts + anchors]
-    # The embedding may be kept in a narrower stored dtype (score.prepare_target_head): cast the
+    # The embedding may be kept in a narrower stored dtype (prepare_target_head): cast the
     # gathered rows, which gives the values of a cast table.
     block_embeds = torch.nn.functional.embedding(block_ids, embed).to(options.dtype) * cfg.input_embedding_scale
     visible_ctx = int((starts + anchors).max())  # no anchor here sees context at or past this key
@@ -263,18 +280,18 @@ def _score_chunk(drafter, embed, lm_head, packed: PackedSamples, sample_idx, anc
     topk_rows = packed.topk_starts[sample_idx][:, None] + positions - packed.prompt_lens[sample_idx][:, None]
     topk_rows = topk_rows.clamp(max=packed.topk_ids.shape[0] - 1)
     support = packed.topk_ids[topk_rows].long()  # [a, depth, k]
-    kl = kl_on_topk(packed.topk_logprobs[topk_rows], logprobs.gather(-1, support))
+    kl = metrics.kl_on_topk(packed.topk_logprobs[topk_rows], logprobs.gather(-1, support))
     kl = torch.where(known, kl, torch.full_like(kl, float("nan")))
     del logprobs
 
     pops = torch.full((anchors.numel(), depth), NOT_IN_TREE, dtype=torch.long)
-    if options.max_budget > 0:
-        top_logp, top_ids = top_log_probs(logits, options.max_budget)
+    if options.max_tree_nodes > 0:
+        top_logp, top_ids = top_log_probs(logits, options.max_tree_nodes)
         ranks = _path_ranks(top_ids, targets).cpu().numpy()
         top_logp = top_logp.cpu().numpy()
         known_depth = known.sum(dim=1).cpu().numpy()
         for i in range(anchors.numel()):
-            found = path_pop_indices(top_logp[i], ranks[i, : known_depth[i]], options.max_budget)
+            found = path_pop_indices(top_logp[i], ranks[i, : known_depth[i]], options.max_tree_nodes)
             pops[i, : found.size] = torch.from_numpy(found)
     return {"draft": draft.cpu(), "targets": targets.cpu(), "target_logprob": target_logprob.cpu(),
             "kl": kl.cpu(), "pops": pops}

@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 import polars as pl
 
 from pipeline.errors import UserError
-
-ALL = "(all)"
-CHAIN = "chain"
+from pipeline.versions import specreplay_version
+from scoring.results import ALL_DATASETS as ALL
+from scoring.results import CHAIN, FILES, tree_method, tree_nodes_of
 # Plots with more lines than this stop being readable; we show an even spread, first and last kept.
 MAX_SERIES = 10
 PROMPT_PREVIEW_CHARS = 160
@@ -49,7 +49,7 @@ def find_results_dirs(paths: list[str]) -> list[str]:
             raise ReportError(f"{path}: not a directory (pass results directories written by `specreplay score`)")
         for root, dirs, files in os.walk(path):
             dirs.sort()
-            if "summary.parquet" in files:
+            if FILES["summary"] in files:
                 found.append(os.path.abspath(root))
     unique = sorted(set(found))
     if not unique:
@@ -97,18 +97,18 @@ def _labels(summaries: list[tuple[str, pl.DataFrame]]) -> dict[str, str]:
 
 def load_results(dirs: list[str]) -> Results:
     """Read summary (all columns), samples and walk (chain rows, needed columns) of each directory."""
-    summaries = [(d, _read(os.path.join(d, "summary.parquet"))) for d in dirs]
+    summaries = [(d, _read(os.path.join(d, FILES["summary"]))) for d in dirs]
     labels = _labels(summaries)
     sample_cols = ["dataset", "sample_id", "tau", "steps", "response_len", "finish_reason", "prompt_text"]
     summary_parts, sample_parts, walk_parts, runs = [], [], [], {}
     for d, summary in summaries:
         label = pl.lit(labels[d])
         summary_parts.append(summary.with_columns(label=label, results_dir=pl.lit(d)))
-        if os.path.exists(os.path.join(d, "samples.parquet")):
-            s = _read(os.path.join(d, "samples.parquet"), CHAIN, sample_cols)
+        if os.path.exists(os.path.join(d, FILES["samples"])):
+            s = _read(os.path.join(d, FILES["samples"]), CHAIN, sample_cols)
             sample_parts.append(s.with_columns(label=label))
-        if os.path.exists(os.path.join(d, "walk.parquet")):
-            w = _read(os.path.join(d, "walk.parquet"), CHAIN, ["produced"])
+        if os.path.exists(os.path.join(d, FILES["walk"])):
+            w = _read(os.path.join(d, FILES["walk"]), CHAIN, ["produced"])
             walk_parts.append(w.with_columns(label=label))
         runs[d] = _read_run(d)
     # diagonal_relaxed: directories may differ in budgets (columns) or have an all-null step
@@ -130,7 +130,7 @@ def load_results(dirs: list[str]) -> Results:
 
 def _read_run(directory: str) -> dict:
     try:
-        with open(os.path.join(directory, "run.json")) as f:
+        with open(os.path.join(directory, FILES["run"])) as f:
             return json.load(f)
     except (OSError, ValueError):
         return {}  # run.json is context for the inputs table, never required
@@ -140,11 +140,14 @@ def _read_run(directory: str) -> dict:
 
 
 def ddtree_budgets(summary: pl.DataFrame) -> list[int]:
-    budgets = set()
+    """The DDTree budgets (tree nodes) present in a summary, ascending."""
+    nodes = set()
     for method in summary["method"].unique().to_list():
-        if method.startswith("ddtree-") and method[7:].isdigit():
-            budgets.add(int(method[7:]))
-    return sorted(budgets)
+        try:
+            nodes.add(tree_nodes_of(method))
+        except ValueError:
+            continue  # a method this version does not know: not a budget
+    return sorted(nodes - {None})
 
 
 def datasets(summary: pl.DataFrame) -> list[str]:
@@ -266,8 +269,8 @@ def plot_tau_vs_budget(results: Results) -> tuple[bytes | None, str | None]:
     for label in labels:
         mine = rows.filter(pl.col("label") == label)
         tau = dict(zip(mine["method"], mine["tau"]))
-        xs = [n for n in budgets if tau.get(f"ddtree-{n}") is not None]
-        ax.plot(xs, [tau[f"ddtree-{n}"] for n in xs], marker="o", ms=4, color=colors[label], label=label)
+        xs = [n for n in budgets if tau.get(tree_method(n)) is not None]
+        ax.plot(xs, [tau[tree_method(n)] for n in xs], marker="o", ms=4, color=colors[label], label=label)
         if tau.get(CHAIN) is not None:
             ax.axhline(tau[CHAIN], color=colors[label], linestyle="--", linewidth=1, alpha=0.8)
     ax.set_xscale("log", base=2)
@@ -356,7 +359,7 @@ def summary_table(results: Results) -> str:
             cells = [html.escape(dataset), html.escape(label), _fmt(results.steps.get(label)), _fmt(chain.get("samples"))]
             tau = _fmt(chain["tau"])
             cells.append(f"<b>{tau}</b>" if best is not None and chain["tau"] == best else tau)
-            cells += [_fmt((by.get((label, f"ddtree-{n}")) or {}).get("tau")) for n in budgets]
+            cells += [_fmt((by.get((label, tree_method(n))) or {}).get("tau")) for n in budgets]
             if has_streak:
                 cells.append(_fmt(chain.get("anchor_accepted_len_mean")))
             cells.append(_fmt(chain.get("inexact_samples")))
@@ -489,7 +492,7 @@ def render_report(results: Results, title: str | None = None, worst: int = 10, i
     body = [
         f"<h1>{html.escape(title)}</h1>",
         f'<p class="meta">{n_ckpt} checkpoint(s), {n_data} dataset(s) · generated '
-        f'{generated.strftime("%Y-%m-%d %H:%M UTC")} by specreplay {html.escape(_version())} · inputs: '
+        f'{generated.strftime("%Y-%m-%d %H:%M UTC")} by specreplay {html.escape(specreplay_version())} · inputs: '
         f'{html.escape(", ".join(inputs or results.dirs))}</p>',
         HOW_TO_READ,
         "<h2>Summary</h2>",
@@ -518,15 +521,6 @@ def render_report(results: Results, title: str | None = None, worst: int = 10, i
             "<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">"
             f"<title>{html.escape(title)}</title><style>{CSS}</style></head>"
             f"<body><main>{''.join(body)}</main></body></html>\n")
-
-
-def _version() -> str:
-    try:
-        from importlib.metadata import version
-
-        return version("specreplay")
-    except Exception:
-        return "unknown"
 
 
 def write_report(paths: list[str], out: str, title: str | None = None, worst: int = 10) -> str:

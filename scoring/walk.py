@@ -8,6 +8,8 @@ t0 = prompt_len, t1 = t0 + produced(t0), ... until the response is complete.
 
 from __future__ import annotations
 
+from typing import Callable, Hashable
+
 import torch
 
 
@@ -43,3 +45,21 @@ def walk(produced: torch.Tensor, prompt_len: int, is_stop: torch.Tensor) -> list
         steps.append((start, step))
         start += step
     return steps
+
+
+def walk_in_rounds(starts: dict[Hashable, int], finished: Callable[[Hashable, int], bool],
+                   score: Callable[[list[tuple[Hashable, int]]], None],
+                   produced: Callable[[Hashable, int], int]) -> dict[Hashable, int]:
+    """Advance many walks together, as walk-only replay does: each round `score`s the current
+    anchor of every unfinished walk in one call, then moves each walk on by what its step
+    produced there. Walks start at `starts[key]` and end when `finished(key, position)`
+    (see walk_finished); returns the final positions. Equal to calling `walk` per key."""
+    positions = dict(starts)
+    active = {key for key, position in positions.items() if not finished(key, position)}
+    while active:
+        score(sorted((key, positions[key]) for key in active))
+        for key in sorted(active):
+            positions[key] += produced(key, positions[key])
+            if finished(key, positions[key]):
+                active.discard(key)
+    return positions

@@ -18,32 +18,29 @@ from scoring.compare import (
     paired_bootstrap,
     verdict,
 )
-from specreplay.commands.compare import compare
+from scoring.results import ALL_DATASETS
+from specreplay.cli import main
+from fake_results import write_fake_results
 
 
 def write_results(path, tau, *, datasets=None, methods=("chain",), name="ckpt", shards_id="shards-1", step=None,
                   sample_ids=None, run_json=True):
     """A synthetic `specreplay score` results directory: samples.parquet (one row per sample and
     method; tau[i] for every method, None/NaN = no step), summary.parquet and run.json."""
-    os.makedirs(path, exist_ok=True)
     n = len(tau)
     datasets = datasets if datasets is not None else ["gsm8k"] * n
     sample_ids = sample_ids if sample_ids is not None else [f"s{i}" for i in range(n)]
     tau = [None if t is None or t != t else float(t) for t in tau]
-    rows = [{"dataset": d, "sample_id": s, "method": m, "steps": 0 if t is None else 4, "tau": t,
-             "checkpoint": name, "checkpoint_hash": "0" * 16, "checkpoint_step": step}
+    rows = [{"dataset": d, "sample_id": s, "method": m, "steps": 0 if t is None else 4, "tau": t}
             for m in methods for d, s, t in zip(datasets, sample_ids, tau)]
-    samples = pl.DataFrame(rows, schema_overrides={"tau": pl.Float64, "checkpoint_step": pl.Int64})
-    samples.write_parquet(os.path.join(path, "samples.parquet"))
-    summary = (samples.group_by("dataset", "method").agg(pl.col("tau").mean(), samples=pl.len())
-               .vstack(samples.group_by("method").agg(pl.col("tau").mean(), samples=pl.len())
-                       .select(pl.lit("(all)").alias("dataset"), "method", "tau", "samples")))
-    summary.write_parquet(os.path.join(path, "summary.parquet"))
-    if run_json:
-        with open(os.path.join(path, "run.json"), "w") as f:
-            json.dump({"checkpoint": {"name": name, "step": step},
-                       "shards": {"uri": f"data/shards/{shards_id}", "identity": shards_id, "samples": n}}, f)
-    return str(path)
+    frame = pl.DataFrame(rows, schema_overrides={"tau": pl.Float64})
+    summary = (frame.group_by("dataset", "method").agg(pl.col("tau").mean(), samples=pl.len())
+               .vstack(frame.group_by("method").agg(pl.col("tau").mean(), samples=pl.len())
+                       .select(pl.lit(ALL_DATASETS).alias("dataset"), "method", "tau", "samples")))
+    run = {"checkpoint": {"name": name, "step": step},
+           "shards": {"uri": f"data/shards/{shards_id}", "identity": shards_id, "samples": n}}
+    identity = {"checkpoint": name, "checkpoint_hash": "0" * 16, "checkpoint_step": step}
+    return write_fake_results(path, identity, rows, summary.to_dicts(), run=run if run_json else None)
 
 
 def _pair(tmp_path, tau_a, tau_b, **kwargs):
@@ -230,7 +227,7 @@ def test_cli_table_out_and_json(tmp_path):
     a, b = _pair(tmp_path, tau_a, tau_a + 0.3 + rng.normal(0, 0.05, 100), methods=("chain", "ddtree-8"))
     runner = CliRunner()
     out_csv = tmp_path / "cmp" / "compare.csv"
-    result = runner.invoke(compare, [a, b, "--method", "chain", "--out", str(out_csv)], catch_exceptions=False)
+    result = runner.invoke(main, ["compare", a, b, "--method", "chain", "--out", str(out_csv)], catch_exceptions=False)
     assert result.exit_code == 0, result.output
     lines = result.output.splitlines()
     assert lines[0] == f"A: run/step_100 ({a})"
@@ -242,7 +239,7 @@ def test_cli_table_out_and_json(tmp_path):
     assert written.height == 2 and set(written["method"]) == {"chain"}
 
     out_parquet = tmp_path / "compare.parquet"
-    result = runner.invoke(compare, [a, b, "--json", "--resamples", "500", "--seed", "3", "--confidence", "0.9",
+    result = runner.invoke(main, ["compare", a, b, "--json", "--resamples", "500", "--seed", "3", "--confidence", "0.9",
                                      "--out", str(out_parquet)], catch_exceptions=False)
     assert result.exit_code == 0, result.output
     payload = json.loads(result.stdout)
@@ -250,17 +247,17 @@ def test_cli_table_out_and_json(tmp_path):
     assert len(payload["rows"]) == 4 and "90% CI" in payload["rows"][0]["verdict"]
     assert pl.read_parquet(out_parquet).height == 4
 
-    bad = runner.invoke(compare, [a, str(tmp_path / "nowhere")])
+    bad = runner.invoke(main, ["compare", a, str(tmp_path / "nowhere")])
     assert bad.exit_code != 0 and "not a directory" in bad.output
-    bad = runner.invoke(compare, [a, b, "--out", str(tmp_path / "x.txt")])
+    bad = runner.invoke(main, ["compare", a, b, "--out", str(tmp_path / "x.txt")])
     assert bad.exit_code != 0 and ".parquet or .csv" in bad.output
-    help_text = runner.invoke(compare, ["--help"]).output
+    help_text = runner.invoke(main, ["compare", "--help"]).output
     assert "Example:" in help_text and "specreplay compare" in help_text
 
 
 def test_cli_prints_shard_warning(tmp_path):
     a, b = _pair(tmp_path, [2.0, 3.0, 2.5], [2.1, 3.1, 2.6], shards_id="x", shards_id_b="y")
-    result = CliRunner().invoke(compare, [a, b], catch_exceptions=False)
+    result = CliRunner().invoke(main, ["compare", a, b], catch_exceptions=False)
     assert result.exit_code == 0
     assert "warning: A and B were scored on different shards" in result.stderr
     assert "warning:" not in result.stdout

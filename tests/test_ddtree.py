@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from scoring.ddtree import accepted_depth, build_tree, path_pop_indices, top_log_probs
+from scoring.ddtree import build_tree, path_pop_indices, top_log_probs
+from scoring.metrics import tree_accepted
 
 
 def brute_force_tree(log_q: torch.Tensor, budget: int) -> set[tuple[int, ...]]:
@@ -56,7 +57,7 @@ def test_pop_indices_give_deepest_path_node_for_every_budget(seed):
         alpha = 0
         while alpha < L and tuple(path[: alpha + 1]) in tree:
             alpha += 1
-        assert accepted_depth(pops, budget) == alpha, (budget, pops)
+        assert int(tree_accepted(torch.from_numpy(pops)[None], budget)[0]) == alpha, (budget, pops)
 
 
 def test_absent_token_and_budget_limits():
@@ -64,7 +65,7 @@ def test_absent_token_and_budget_limits():
     top_logp, top_ids = top_log_probs(logits, 2)
     # rank -1: the first target token is not among the top-2, so nothing is accepted
     pops = path_pop_indices(top_logp.numpy(), np.array([-1, 0]), 2)
-    assert accepted_depth(pops, 2) == 0
+    assert int(tree_accepted(torch.from_numpy(pops)[None], 2)[0]) == 0
     # the top-1 chain of depth 2 is found at pop indices 0 and 1 (q_1 top, then q_2 top beats sibling)
     pops = path_pop_indices(top_logp.numpy(), np.array([0, 0]), 2)
     p1 = math.exp(float(top_logp[0, 1]))

@@ -19,7 +19,9 @@ import polars as pl
 import pytest
 from click.testing import CliRunner
 
-from specreplay.commands.report import report
+from fake_results import write_fake_results
+from scoring.results import ALL_DATASETS, CHAIN, FILES, method_names, tree_nodes_of
+from specreplay.cli import main
 
 CHROMIUM = "/usr/bin/chromium"
 BLOCK = 8  # block size B: produced in 1..8, block positions 1..7
@@ -62,8 +64,8 @@ def write_results(directory, name: str, step: int | None, p: float, seed: int, b
                           for k, n in enumerate(produced)]
             # sample 0 has the lowest acceptance, so it is among the worst prompts
             text = {0: EVIL + " " + LONG, 1: LONG}.get(i, f"{dataset} question number {i}: what is {i} + {i}?")
-            for method in ["chain"] + [f"ddtree-{n}" for n in budgets]:
-                bonus = 0.0 if method == "chain" else 0.25 * np.log2(int(method.split("-")[1]) / 4) - 0.05
+            for method in method_names(budgets):
+                bonus = 0.0 if method == CHAIN else 0.25 * np.log2(tree_nodes_of(method) / 4) - 0.05
                 sample_rows.append({
                     "dataset": dataset, "sample_id": sample_id, "method": method, "prompt_len": 30,
                     "response_len": response_len, "finish_reason": "eos", "greedy": True, "argmax_mismatches": 0,
@@ -72,36 +74,25 @@ def write_results(directory, name: str, step: int | None, p: float, seed: int, b
                 })
     samples_df = pl.DataFrame(sample_rows)
     summary_rows = []
-    for dataset in list(DATASETS) + ["(all)"]:
-        subset = samples_df if dataset == "(all)" else samples_df.filter(pl.col("dataset") == dataset)
-        for method in ["chain"] + [f"ddtree-{n}" for n in budgets]:
+    for dataset in list(DATASETS) + [ALL_DATASETS]:
+        subset = samples_df if dataset == ALL_DATASETS else samples_df.filter(pl.col("dataset") == dataset)
+        for method in method_names(budgets):
             m = subset.filter(pl.col("method") == method)
             row = {"dataset": dataset, "method": method, "tau": float(m["tau"].mean()), "samples": m.height,
                    "samples_without_steps": 0, "steps": int(m["steps"].sum()),
                    "tokens_produced": int(m["tokens_produced"].sum()), "inexact_samples": 0,
                    "argmax_mismatches": 0, "exact": True, "anchors": 500,
                    "anchor_accepted_len_mean": float(m["tau"].mean()) - 1.1}
-            if method == "chain":
+            if method == CHAIN:
                 # the last position is never reached in this run: NaN, as the scorer writes it
                 row["accept_rate_by_position"] = [p ** (0.3 * k) for k in range(1, BLOCK - 1)] + [float("nan")]
             summary_rows.append(row)
-
-    def with_identity(df: pl.DataFrame) -> pl.DataFrame:
-        # an unknown step is an all-null column, as the scorer writes it (Null type in parquet)
-        step_type = pl.Int64 if step is not None else pl.Null
-        return df.select(pl.lit(identity["checkpoint"]).alias("checkpoint"),
-                         pl.lit(identity["checkpoint_hash"]).alias("checkpoint_hash"),
-                         pl.lit(step, dtype=step_type).alias("checkpoint_step"), pl.all())
-
-    with_identity(pl.DataFrame(summary_rows, infer_schema_length=None)).write_parquet(os.path.join(directory, "summary.parquet"))
-    if samples:
-        with_identity(samples_df).write_parquet(os.path.join(directory, "samples.parquet"))
-    if walk:
-        with_identity(pl.DataFrame(walk_rows)).write_parquet(os.path.join(directory, "walk.parquet"))
-    if run_json:
-        with open(os.path.join(directory, "run.json"), "w") as f:
-            json.dump({"checkpoint": {"name": name, "step": step}, "device": "cpu", "dtype": "float32",
-                       "shards": {"uri": "/data/shards/synthetic", "samples": 12}, "wall_time_s": 1.25}, f)
+    run = {"checkpoint": {"name": name, "step": step}, "device": "cpu", "dtype": "float32",
+           "shards": {"uri": "/data/shards/synthetic", "samples": 12}, "wall_time_s": 1.25}
+    write_fake_results(directory, identity, sample_rows if samples else [], summary_rows,
+                       walk=walk_rows if walk else None, run=run if run_json else None)
+    if not samples:
+        os.remove(os.path.join(directory, FILES["samples"]))
 
 
 CHECKPOINTS = [("run/step_100", 100, 0.45), ("run/step_200", 200, 0.6), ("run/step_300", 300, 0.72)]
@@ -118,7 +109,7 @@ def results_root(tmp_path_factory):
 @pytest.fixture(scope="module")
 def built(results_root):
     out = results_root.parent / "out" / "report.html"
-    result = CliRunner().invoke(report, [str(results_root), "--out", str(out), "--title", "Synthetic run", "--worst", "5"],
+    result = CliRunner().invoke(main, ["report", str(results_root), "--out", str(out), "--title", "Synthetic run", "--worst", "5"],
                                 catch_exceptions=False)
     assert result.exit_code == 0, result.output
     return out, out.read_text(encoding="utf-8"), result.output
@@ -229,7 +220,7 @@ def test_missing_pieces_become_notes(tmp_path):
     write_results(tmp_path / "a", "drafter-a", None, 0.5, 1, budgets=(), walk=False, samples=False, run_json=False)
     write_results(tmp_path / "b", "drafter-b", None, 0.6, 2, budgets=(), walk=False, samples=False, run_json=False)
     out = tmp_path / "r.html"
-    result = CliRunner().invoke(report, [str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(out)])
+    result = CliRunner().invoke(main, ["report", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(out)])
     assert result.exit_code == 0, result.output
     text = out.read_text()
     check_html(text)
@@ -240,10 +231,10 @@ def test_missing_pieces_become_notes(tmp_path):
 
 
 def test_no_results_is_a_clear_error(tmp_path):
-    result = CliRunner().invoke(report, [str(tmp_path), "--out", str(tmp_path / "r.html")])
+    result = CliRunner().invoke(main, ["report", str(tmp_path), "--out", str(tmp_path / "r.html")])
     assert result.exit_code != 0
     assert "no summary.parquet" in result.output and "specreplay score" in result.output
-    assert "Example:" in CliRunner().invoke(report, ["--help"]).output
+    assert "Example:" in CliRunner().invoke(main, ["report", "--help"]).output
 
 
 def _nonblank(png_path) -> tuple[int, int, int]:

@@ -1,8 +1,12 @@
-"""`specreplay extract`: run the target once over a prompt set (stage 1, pipeline/extract.py)."""
+"""`specreplay extract`: run the target once over a prompt set (stage 1, pipeline/extract.py).
+
+The console side of extract lives here: options, the progress bar, and what to run next.
+"""
 
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import click
@@ -26,6 +30,24 @@ def default_out(model: str, prompts: str) -> str:
 
 def d(name: str):
     return default(ExtractConfig, name)
+
+
+def progress_bar(total: int):
+    """The bar `run_extract` updates: samples written by this rank, tokens per second."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="sample", desc="extract", file=sys.stderr)
+
+
+def next_steps(out: str, manifest: dict) -> str:
+    t = manifest.get("totals", {})
+    return (
+        f"{out}: {t.get('samples', 0)} samples, {t.get('tokens', 0)} tokens, {t.get('bytes', 0) / 2**20:.1f} MiB\n"
+        f"Next:\n"
+        f"  specreplay inspect {out}\n"
+        f"  make score CKPT=path/to/drafter SHARDS={out}\n"
+        f"  (or: specreplay score --ckpt path/to/drafter --shards {out} --out data/results)"
+    )
 
 
 @click.command(context_settings={"max_content_width": 100})
@@ -79,7 +101,7 @@ def extract(model, prompts, out, max_new_tokens, layer_ids, draft_config, num_dr
           --draft-config path/to/drafter --out data/shards/qwen3-8b-gsm8k
       torchrun --nproc_per_node 8 -m specreplay extract --model path/to/target --prompts my.jsonl --out s3://bucket/x
     """
-    from pipeline.extract import next_steps, run_extract
+    from pipeline.extract import run_extract
     from pipeline.layer_ids import parse_layer_ids
 
     config = ExtractConfig(
@@ -91,6 +113,12 @@ def extract(model, prompts, out, max_new_tokens, layer_ids, draft_config, num_dr
         memory_bytes=parse_size(memory_budget, "--memory-budget"),
         overwrite=overwrite, quiet=quiet, device=device,
     )
-    manifest = run_extract(config)
-    if int(os.environ.get("RANK", 0)) == 0:
+    main_rank = int(os.environ.get("RANK", 0)) == 0
+    show = main_rank and not config.quiet
+    if not show:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # the weight-loading bars too, not just ours
+    manifest = run_extract(config, progress=progress_bar if show else None)
+    if main_rank:
         click.echo(next_steps(config.out, manifest))

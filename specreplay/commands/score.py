@@ -60,10 +60,11 @@ def score(ckpts, shards, out, ddtree_budgets, device, dtype, memory_budget, atte
       specreplay score --ckpt 'runs/drafter/step_*' --shards data/shards/smollm2-default --out data/results
     """
     from scoring.score import run_score
+    from specreplay.progress import bars
 
     config = ScoreConfig(
         ckpts=list(ckpts), shards=shards, out=out, tree_nodes=parse_tree_nodes(ddtree_budgets),
         device=device, dtype=dtype, memory_bytes=parse_size(memory_budget, "--memory-budget"), attention=attention,
         anchors=anchor_set, limit=limit, force=force, quiet=quiet,
     )
-    run_score(config)
+    run_score(config, progress=bars(quiet))

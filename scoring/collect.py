@@ -1,0 +1,192 @@
+"""Per-sample replay results gathered into the four results tables that scoring/results.py declares.
+
+`Collector.add` turns one sample's AnchorTensors into its walk steps, per-method sample rows,
+anchor rows and per-position counts; `Collector.tables` orders them by sample index (so the
+output does not depend on how samples were split over torchrun ranks) and builds the summary.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from scoring import metrics, results
+from scoring.replay import AnchorTensors
+from scoring.walk import next_stop_positions, stop_mask, walk
+
+
+def _list_column(values: np.ndarray, lengths: np.ndarray, value_type) -> pa.Array:
+    """A list<...> Arrow column from a flat array and per-row lengths, without Python loops."""
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values, type=value_type))
+
+
+def _zero_counts(positions: int) -> dict[str, np.ndarray]:
+    return {k: np.zeros(positions, dtype=np.int64) for k in ("reached", "accepted", "match", "known")}
+
+
+def sample_row(sample, method: str, produced: list[int], mismatches: int) -> dict:
+    """samples.parquet's row (without the identity) for one sample and method."""
+    return {
+        "dataset": sample.dataset, "sample_id": sample.sample_id, "method": method,
+        "prompt_len": sample.prompt_len, "response_len": sample.response_len,
+        "finish_reason": sample.finish_reason, "greedy": sample.greedy,
+        "argmax_mismatches": mismatches, "exact": bool(sample.greedy and mismatches == 0), "steps": len(produced),
+        "tokens_produced": sum(produced), "tau": metrics.sample_tau(produced), "prompt_text": sample.prompt_text,
+    }
+
+
+def computed_only(result: AnchorTensors) -> AnchorTensors:
+    """The anchors actually scored (walk mode scores only those the walks visit)."""
+    keep = result.computed
+    return AnchorTensors(**{name: getattr(result, name)[keep] for name in AnchorTensors.__dataclass_fields__})
+
+
+class Collector:
+    """Everything `score` writes for one checkpoint, sample by sample."""
+
+    def __init__(self, tree_nodes: list[int], stop_token_ids: list[int], block_size: int):
+        self.tree_nodes = tree_nodes
+        self.methods = results.method_names(tree_nodes)
+        self.stop_token_ids = stop_token_ids
+        self.positions = block_size - 1
+        self.parts: dict[int, tuple] = {}  # sample index -> (anchor columns or None, walk columns, sample rows)
+        self.counts: dict[str, dict[str, np.ndarray]] = {}  # dataset -> per-position counts (integer sums)
+
+    def merge(self, other: Collector) -> None:
+        self.parts.update(other.parts)
+        for dataset, counts in other.counts.items():
+            mine = self.counts.setdefault(dataset, _zero_counts(self.positions))
+            for key in mine:
+                mine[key] += counts[key]
+
+    def accepted(self, result: AnchorTensors) -> dict[str, torch.Tensor]:
+        """Accepted length per anchor (bonus-exclusive) of every method."""
+        return {m: metrics.accepted_len(result.draft_tokens, result.target_tokens, result.tree_pop_index,
+                                        results.tree_nodes_of(m)) for m in self.methods}
+
+    def add(self, index: int, sample, result: AnchorTensors) -> None:
+        is_stop = stop_mask(sample.input_ids, self.stop_token_ids)
+        next_stop = next_stop_positions(is_stop)
+        accepted = self.accepted(result)
+        seq_len = sample.input_ids.numel()
+        produced = {m: metrics.produced_tokens(a, result.anchors, seq_len, next_stop[result.anchors])
+                    for m, a in accepted.items()}
+        mismatches = int(sample.argmax_mismatch.sum()) if "argmax_mismatch" in sample.tensors else 0
+        walk_columns = {name: [] for name in results.columns(results.WALK)}
+        sample_rows = []
+        for method in self.methods:
+            steps = walk(produced[method], sample.prompt_len, is_stop)
+            accepted_here = accepted[method].tolist()
+            for step, (anchor, count) in enumerate(steps):
+                for name, value in zip(walk_columns, (sample.dataset, sample.sample_id, method, step, anchor, count,
+                                                      accepted_here[anchor - sample.prompt_len])):
+                    walk_columns[name].append(value)
+            sample_rows.append(sample_row(sample, method, [c for _, c in steps], mismatches))
+        self.parts[index] = (self.anchor_columns(sample, result), walk_columns, sample_rows)
+
+    def anchor_columns(self, sample, result: AnchorTensors) -> dict | None:
+        """anchors.parquet's columns (without the identity) for the anchors scored; adds the
+        sample's per-position counts to its dataset's."""
+        if not bool(result.computed.any()):
+            return None
+        result = computed_only(result)
+        accepted = self.accepted(result)
+        seq_len = sample.input_ids.numel()
+        next_stop = next_stop_positions(stop_mask(sample.input_ids, self.stop_token_ids))
+        produced = metrics.produced_tokens(accepted[results.CHAIN], result.anchors, seq_len, next_stop[result.anchors])
+        match, known = metrics.position_match(result.draft_tokens, result.target_tokens)
+        counts = metrics.position_counts(accepted[results.CHAIN], match, known)
+        mine = self.counts.setdefault(sample.dataset, _zero_counts(self.positions))
+        for key in mine:
+            mine[key] += counts[key].numpy()
+        lengths, flat_known, A = known.sum(dim=1).numpy(), known.numpy(), result.anchors.numel()
+        columns = {
+            "dataset": [sample.dataset] * A, "sample_id": [sample.sample_id] * A,
+            "anchor": result.anchors.numpy().astype(np.int32),
+            "anchor_offset": (result.anchors - sample.prompt_len).numpy().astype(np.int32),
+            "block_len": result.block_len.numpy().astype(np.int32),
+            "accepted_len": accepted[results.CHAIN].numpy().astype(np.int32),
+            "produced_chain": produced.numpy().astype(np.int32),
+            "expected_accepted_len": metrics.expected_accepted(result.target_logprob).numpy(),
+            "draft_match": _list_column(match.numpy()[flat_known], lengths, pa.bool_()),
+            "target_prob": _list_column(result.target_logprob.exp().numpy()[flat_known], lengths, pa.float32()),
+            "kl_topk": _list_column(result.kl_topk.numpy()[flat_known], lengths, pa.float32()),
+        }
+        for nodes in self.tree_nodes:
+            columns[results.tree_column(nodes)] = accepted[results.tree_method(nodes)].numpy().astype(np.int32)
+        return columns
+
+    def tables(self, identity: dict, anchor_set: str) -> dict[str, pa.Table | None]:
+        """{'anchors' (None when no anchor was scored), 'walk', 'samples', 'summary'} in sample index order."""
+        ordered = [self.parts[i] for i in sorted(self.parts)]
+        anchor_parts = [results.table(results.with_identity(p[0], identity, len(p[0]["anchor"])),
+                                      results.anchors_schema(self.tree_nodes)) for p in ordered if p[0] is not None]
+        walk_columns = {k: [v for p in ordered for v in p[1][k]] for k in results.columns(results.WALK)}
+        sample_rows = [{**identity, **row} for p in ordered for row in p[2]]
+        anchors = pa.concat_tables(anchor_parts) if anchor_parts else None
+        return {
+            "anchors": anchors,
+            "walk": results.table(results.with_identity(walk_columns, identity, len(walk_columns["step"])),
+                                  results.walk_schema()),
+            "samples": results.rows_table(sample_rows, results.samples_schema()),
+            "summary": summarize(self, anchors, sample_rows, identity, anchor_set),
+        }
+
+
+def summarize(collector: Collector, anchors: pa.Table | None, sample_rows: list[dict], identity: dict,
+              anchor_set: str) -> pa.Table:
+    """summary.parquet: one row per (dataset, method), plus dataset ALL_DATASETS."""
+    import polars as pl
+
+    samples = pl.DataFrame(sample_rows)
+    anchor_df = pl.from_arrow(anchors) if anchors is not None and anchors.num_rows else None
+    rows = []
+    for dataset in sorted(samples["dataset"].unique().to_list()) + [results.ALL_DATASETS]:
+        pooled = dataset == results.ALL_DATASETS
+        subset = samples if pooled else samples.filter(pl.col("dataset") == dataset)
+        a_sub = None if anchor_df is None else anchor_df if pooled else anchor_df.filter(pl.col("dataset") == dataset)
+        counts = _zero_counts(collector.positions)
+        for name, c in collector.counts.items():
+            if pooled or name == dataset:
+                for key in counts:
+                    counts[key] += c[key]
+        for method in collector.methods:
+            row = {**identity, "dataset": dataset, "method": method, **walk_summary(subset, method)}
+            if a_sub is not None and a_sub.height:
+                row.update(anchor_summary(a_sub, method, counts))
+            rows.append({**row, "anchor_set": anchor_set})
+    return results.rows_table(rows, results.summary_schema())
+
+
+def walk_summary(samples, method: str) -> dict:
+    """The walk columns of one summary row, from the samples rows of one (dataset, method)."""
+    import polars as pl
+
+    m = samples.filter(pl.col("method") == method)
+    scored = m.filter(pl.col("steps") > 0)
+    return {
+        "tau": metrics.tau(scored["tau"].to_list()),
+        "samples": m.height, "samples_without_steps": m.height - scored.height,
+        "steps": int(m["steps"].sum()), "tokens_produced": int(m["tokens_produced"].sum()),
+        "inexact_samples": int((~m["exact"]).sum()), "argmax_mismatches": int(m["argmax_mismatches"].sum()),
+        "exact": bool(m["exact"].all()),
+    }
+
+
+def anchor_summary(anchors, method: str, counts: dict[str, np.ndarray]) -> dict:
+    """The all-anchor columns of one summary row (the chain's extra columns only for the chain)."""
+    row = {"anchors": anchors.height,
+           "anchor_accepted_len_mean": metrics.streak(torch.from_numpy(anchors[results.accepted_column(method)]
+                                                                       .to_numpy()))}
+    if method == results.CHAIN:
+        row["anchor_produced_mean"] = float(anchors["produced_chain"].mean())  # bonus-inclusive
+        row["anchor_expected_accepted_len_mean"] = float(anchors["expected_accepted_len"].mean())
+        row["target_prob_mean"] = float(anchors["target_prob"].explode().mean())
+        row["kl_topk_mean"] = float(anchors["kl_topk"].explode().mean())
+        rate = metrics.acceptance_by_position(torch.from_numpy(counts["accepted"]), torch.from_numpy(counts["reached"]))
+        row["accept_rate_by_position"] = rate.tolist()
+        row["match_rate_by_position"] = metrics.match_rate_by_position(
+            torch.from_numpy(counts["match"]), torch.from_numpy(counts["known"])).tolist()
+    return row

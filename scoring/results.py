@@ -1,0 +1,149 @@
+"""What `specreplay score` writes, declared once: files, columns and types, method names.
+
+Per checkpoint, one results directory:
+    anchors.parquet  one row per (sample, anchor): all-anchor metrics
+    walk.parquet     one row per simulated decoding step (chain and each DDTree budget)
+    samples.parquet  one row per (sample, method)
+    summary.parquet  one row per (dataset, method), plus dataset ALL_DATASETS
+    run.json         checkpoint path/hash/config, shards identity, versions, wall time
+Every row carries the checkpoint identity and `dataset`, so the results of many checkpoints
+concatenate in one polars scan. `score` writes through these schemas and `compare`, `report`
+and the tests read and fake them from here, so a renamed column fails every consumer.
+The summary keeps the large_string / large_list types polars gave it when it was first written.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+ALL_DATASETS = "(all)"  # the dataset label of rows pooling every dataset
+CHAIN = "chain"
+_TREE = re.compile(r"ddtree-(\d+)")
+
+FILES = {"anchors": "anchors.parquet", "walk": "walk.parquet", "samples": "samples.parquet",
+         "summary": "summary.parquet", "run": "run.json"}
+
+
+# --------------------------------------------------------------------------- method names
+
+
+def tree_method(nodes: int) -> str:
+    """The method name of a DDTree of `nodes` nodes (root not counted): 'ddtree-16'."""
+    return f"ddtree-{int(nodes)}"
+
+
+def tree_nodes_of(method: str) -> int | None:
+    """16 for 'ddtree-16', None for 'chain'; ValueError for a name that is neither."""
+    if method == CHAIN:
+        return None
+    match = _TREE.fullmatch(method)
+    if not match:
+        raise ValueError(f"unknown method {method!r}: expected 'chain' or 'ddtree-N'")
+    return int(match.group(1))
+
+
+def method_names(tree_nodes) -> list[str]:
+    """['chain', 'ddtree-N' for each budget in the order given]."""
+    return [CHAIN] + [tree_method(n) for n in tree_nodes]
+
+
+def method_order(method: str) -> tuple:
+    """Sort key: chain first, then ddtree-N by N, then anything else by name."""
+    if method == CHAIN:
+        return (0, 0, method)
+    match = _TREE.fullmatch(method)
+    return (1, int(match.group(1)), method) if match else (2, 0, method)
+
+
+def tree_column(nodes: int) -> str:
+    """anchors.parquet column holding alpha (bonus-exclusive) for the DDTree of `nodes` nodes."""
+    return f"ddtree_{int(nodes)}_accepted_len"
+
+
+def accepted_column(method: str) -> str:
+    """anchors.parquet column of a method's accepted length per anchor (bonus-exclusive)."""
+    nodes = tree_nodes_of(method)
+    return "accepted_len" if nodes is None else tree_column(nodes)
+
+
+# --------------------------------------------------------------------------- schemas
+
+IDENTITY = [pa.field("checkpoint", pa.string()), pa.field("checkpoint_hash", pa.string()),
+            pa.field("checkpoint_step", pa.int64())]
+WALK = [pa.field("dataset", pa.string()), pa.field("sample_id", pa.string()), pa.field("method", pa.string()),
+        pa.field("step", pa.int64()), pa.field("anchor", pa.int64()), pa.field("produced", pa.int64()),
+        pa.field("accepted_len", pa.int64())]
+ANCHORS = [pa.field("dataset", pa.string()), pa.field("sample_id", pa.string()), pa.field("anchor", pa.int32()),
+           pa.field("anchor_offset", pa.int32()), pa.field("block_len", pa.int32()),
+           pa.field("accepted_len", pa.int32()), pa.field("produced_chain", pa.int32()),
+           pa.field("expected_accepted_len", pa.float32()), pa.field("draft_match", pa.list_(pa.bool_())),
+           pa.field("target_prob", pa.list_(pa.float32())), pa.field("kl_topk", pa.list_(pa.float32()))]
+SAMPLES = [pa.field("dataset", pa.string()), pa.field("sample_id", pa.string()), pa.field("method", pa.string()),
+           pa.field("prompt_len", pa.int64()), pa.field("response_len", pa.int64()),
+           pa.field("finish_reason", pa.string()), pa.field("greedy", pa.bool_()),
+           pa.field("argmax_mismatches", pa.int64()), pa.field("exact", pa.bool_()), pa.field("steps", pa.int64()),
+           pa.field("tokens_produced", pa.int64()), pa.field("tau", pa.float64()),
+           pa.field("prompt_text", pa.string())]
+_LARGE = {pa.string(): pa.large_string()}
+SUMMARY = [pa.field(f.name, _LARGE.get(f.type, f.type)) for f in IDENTITY] + [
+    pa.field("dataset", pa.large_string()), pa.field("method", pa.large_string()), pa.field("tau", pa.float64()),
+    pa.field("samples", pa.int64()), pa.field("samples_without_steps", pa.int64()), pa.field("steps", pa.int64()),
+    pa.field("tokens_produced", pa.int64()), pa.field("inexact_samples", pa.int64()),
+    pa.field("argmax_mismatches", pa.int64()), pa.field("exact", pa.bool_()), pa.field("anchors", pa.int64()),
+    pa.field("anchor_accepted_len_mean", pa.float64()), pa.field("anchor_produced_mean", pa.float64()),
+    pa.field("anchor_expected_accepted_len_mean", pa.float64()), pa.field("target_prob_mean", pa.float64()),
+    pa.field("kl_topk_mean", pa.float64()), pa.field("accept_rate_by_position", pa.large_list(pa.float64())),
+    pa.field("match_rate_by_position", pa.large_list(pa.float64())), pa.field("anchor_set", pa.string())]
+
+
+def walk_schema() -> pa.Schema:
+    return pa.schema(IDENTITY + WALK)
+
+
+def anchors_schema(tree_nodes) -> pa.Schema:
+    return pa.schema(IDENTITY + ANCHORS + [pa.field(tree_column(n), pa.int32()) for n in tree_nodes])
+
+
+def samples_schema() -> pa.Schema:
+    return pa.schema(IDENTITY + SAMPLES)
+
+
+def summary_schema() -> pa.Schema:
+    return pa.schema(SUMMARY)
+
+
+def columns(fields: list[pa.Field]) -> list[str]:
+    return [f.name for f in fields]
+
+
+# --------------------------------------------------------------------------- tables and files
+
+
+def with_identity(columns_by_name: dict, identity: dict, rows: int) -> dict:
+    """The identity columns first, each repeated for every row, then the given columns."""
+    return {**{key: [identity[key]] * rows for key in columns(IDENTITY)}, **columns_by_name}
+
+
+def table(columns_by_name: dict, schema: pa.Schema) -> pa.Table:
+    """A table in exactly `schema`'s columns and types (KeyError names a missing column)."""
+    return pa.table({name: columns_by_name[name] for name in schema.names}, schema=schema)
+
+
+def rows_table(rows: list[dict], schema: pa.Schema) -> pa.Table:
+    """A table from row dicts; a key the schema lacks is an error, a missing key is null."""
+    extra = {key for row in rows for key in row} - set(schema.names)
+    if extra:
+        raise KeyError(f"columns {sorted(extra)} are not in the results schema")
+    return pa.Table.from_pylist(rows, schema=schema)
+
+
+def write_table(data: pa.Table, directory: str, kind: str) -> str:
+    """Write one results file atomically (temporary name, then rename); returns its path."""
+    path = os.path.join(directory, FILES[kind])
+    pq.write_table(data, path + ".tmp", compression="zstd")
+    os.replace(path + ".tmp", path)
+    return path
