@@ -26,6 +26,7 @@ from torch import nn
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding
 
+from pipeline import timing
 from pipeline.errors import UserError
 from pipeline.layer_ids import build_target_layer_ids
 
@@ -84,10 +85,10 @@ def _dflash_value(raw: dict, name: str, default=None):
     return (raw.get("dflash_config") or {}).get(name, raw.get(name, default))
 
 
-def parse_drafter_config(raw: dict, source: str = "config") -> DrafterConfig:
-    """Validate and parse a z-lab DFlash config dict; errors name the field and the file."""
-    architectures = raw.get("architectures") or ["DFlashDraftModel"]
-    for arch in architectures:
+def check_supported(raw: dict, source: str) -> None:
+    """Refuse architectures and variants this implementation would score wrong, and configs
+    missing the fields every DFlash drafter has."""
+    for arch in raw.get("architectures") or ["DFlashDraftModel"]:
         if arch not in SUPPORTED_ARCHITECTURES:
             raise DrafterConfigError(
                 f"{source}: architecture {arch!r} is not supported (specreplay implements "
@@ -102,21 +103,27 @@ def parse_drafter_config(raw: dict, source: str = "config") -> DrafterConfig:
     for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size"):
         if name not in raw:
             raise DrafterConfigError(f"{source}: missing field {name!r}; is this a DFlash drafter config.json?")
-    mask_token_id = _dflash_value(raw, "mask_token_id")
-    if mask_token_id is None:
+    if _dflash_value(raw, "mask_token_id") is None:
         raise DrafterConfigError(f"{source}: missing dflash_config.mask_token_id")
-    num_layers = int(raw["num_hidden_layers"])
-    num_target_layers = raw.get("num_target_layers")
+
+
+def feature_layer_ids(raw: dict, source: str) -> list[int]:
+    """dflash_config.target_layer_ids, else the DFlash formula over num_target_layers."""
     layer_ids = _dflash_value(raw, "target_layer_ids")
-    if layer_ids is None:
-        if num_target_layers is None:
-            raise DrafterConfigError(
-                f"{source}: neither dflash_config.target_layer_ids nor num_target_layers is set, so the "
-                f"feature layers are unknown"
-            )
-        layer_ids = build_target_layer_ids(int(num_target_layers), num_layers)
-    # Layer types and the window as the reference sees them: through Qwen3Config, which drops
-    # `sliding_window` unless `use_sliding_window` is true and derives missing layer_types.
+    if layer_ids is not None:
+        return [int(i) for i in layer_ids]
+    if raw.get("num_target_layers") is None:
+        raise DrafterConfigError(
+            f"{source}: neither dflash_config.target_layer_ids nor num_target_layers is set, so the "
+            f"feature layers are unknown"
+        )
+    return build_target_layer_ids(int(raw["num_target_layers"]), int(raw["num_hidden_layers"]))
+
+
+def attention_layout(raw: dict, source: str) -> tuple[list[str], int | None]:
+    """(layer_types, sliding_window) as the reference sees them: through Qwen3Config, which
+    drops `sliding_window` unless `use_sliding_window` is true and derives missing layer_types."""
+    num_layers = int(raw["num_hidden_layers"])
     try:
         hf = _hf_config_from_raw(raw)
     except (TypeError, ValueError) as error:
@@ -127,19 +134,26 @@ def parse_drafter_config(raw: dict, source: str = "config") -> DrafterConfig:
     unknown = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
     if unknown:
         raise DrafterConfigError(f"{source}: layer_types {unknown} not supported (full_attention, sliding_attention)")
-    sliding_window = hf.sliding_window
-    if "sliding_attention" in layer_types and not sliding_window:
+    if "sliding_attention" in layer_types and not hf.sliding_window:
         raise DrafterConfigError(
             f"{source}: layer_types has sliding_attention but the effective sliding_window is unset "
             f"(sliding_window={raw.get('sliding_window')!r}, use_sliding_window={raw.get('use_sliding_window')!r}; "
             f"Qwen3Config drops the window unless use_sliding_window is true, and the reference cannot run "
             f"such a drafter). Set use_sliding_window: true and sliding_window in config.json"
         )
+    return layer_types, None if hf.sliding_window is None else int(hf.sliding_window)
+
+
+def parse_drafter_config(raw: dict, source: str = "config") -> DrafterConfig:
+    """Validate and parse a z-lab DFlash config dict; errors name the field and the file."""
+    check_supported(raw, source)
+    layer_types, sliding_window = attention_layout(raw, source)
     softcap = _dflash_value(raw, "final_logit_softcapping")
     heads = int(raw["num_attention_heads"])
+    num_target_layers = raw.get("num_target_layers")
     return DrafterConfig(
         hidden_size=int(raw["hidden_size"]),
-        num_hidden_layers=num_layers,
+        num_hidden_layers=int(raw["num_hidden_layers"]),
         num_attention_heads=heads,
         num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
         head_dim=int(raw.get("head_dim") or raw["hidden_size"] // heads),
@@ -147,11 +161,11 @@ def parse_drafter_config(raw: dict, source: str = "config") -> DrafterConfig:
         vocab_size=int(raw["vocab_size"]),
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         block_size=int(_dflash_value(raw, "block_size", 16)),
-        mask_token_id=int(mask_token_id),
-        target_layer_ids=[int(i) for i in layer_ids],
+        mask_token_id=int(_dflash_value(raw, "mask_token_id")),
+        target_layer_ids=feature_layer_ids(raw, source),
         num_target_layers=None if num_target_layers is None else int(num_target_layers),
-        layer_types=list(layer_types),
-        sliding_window=None if sliding_window is None else int(sliding_window),
+        layer_types=layer_types,
+        sliding_window=sliding_window,
         is_causal=raw.get("is_causal"),
         input_embedding_scale=float(_dflash_value(raw, "input_embedding_scale", 1.0)),
         output_multiplier=float(_dflash_value(raw, "output_multiplier", 1.0)),
@@ -212,10 +226,11 @@ class DrafterAttention(nn.Module):
         q = self.q_norm(self.q_proj(x).view(A, b, self.heads, self.head_dim)).transpose(1, 2)
         q = apply_rope(q, cos, sin)
         k, v = self.keys_values(x, cos, sin)  # [A, kv_heads, b, d]
-        if isinstance(mask, DenseMask):
-            out = self._dense(q, k, v, ctx_k, ctx_v, mask)
-        else:
-            out = flex_block_attention(q, k, v, ctx_k, ctx_v, mask, self.head_dim**-0.5)
+        with timing.stage("attention"):
+            if isinstance(mask, DenseMask):
+                out = self._dense(q, k, v, ctx_k, ctx_v, mask)
+            else:
+                out = flex_block_attention(q, k, v, ctx_k, ctx_v, mask, self.head_dim**-0.5)
         return self.o_proj(out.transpose(1, 2).reshape(A, b, -1))
 
     def _dense(self, q, k, v, ctx_k, ctx_v, mask: "DenseMask"):
@@ -397,6 +412,10 @@ class DFlashDrafter(nn.Module):
         attention: "dense" (explicit boolean masks; CPU) or "flex" (block-sparse flex_attention).
         ctx_starts: where each anchor's sample starts in a packed multi-sample context.
         """
+        with timing.stage("drafter layers", anchors=block_embeds.shape[0]):
+            return self._layers(block_embeds, anchors, context, attention, ctx_starts)
+
+    def _layers(self, block_embeds, anchors, context, attention, ctx_starts) -> torch.Tensor:
         make_mask = {"dense": block_masks, "flex": flex_block_mask}[attention]
         A, b, _ = block_embeds.shape
         positions = anchors[:, None] + torch.arange(b, device=anchors.device)[None, :]
@@ -407,7 +426,8 @@ class DFlashDrafter(nn.Module):
         for index, layer in enumerate(self.layers):
             kind = (self.config.layer_is_causal(index), self.config.layer_window(index))
             if kind not in masks:
-                masks[kind] = make_mask(anchors, b, ctx_len, *kind, ctx_starts)
+                with timing.stage("masks"):
+                    masks[kind] = make_mask(anchors, b, ctx_len, *kind, ctx_starts)
             ctx_k, ctx_v = context[index]
             h = layer(h, cos, sin, ctx_k, ctx_v, masks[kind])
         return self.norm(h)
@@ -415,8 +435,9 @@ class DFlashDrafter(nn.Module):
     def logits(self, hidden: torch.Tensor, lm_head: torch.Tensor) -> torch.Tensor:
         """Target lm_head on drafter states, then output_multiplier and optional soft-capping."""
         # One [rows, H] x [H, V] GEMM: F.linear on a non-contiguous [a, L, H] view (the block
-        # minus its first position) falls back to a batched matmul ~3x slower on CPU (bench/README.md).
-        logits = torch.nn.functional.linear(hidden.reshape(-1, hidden.shape[-1]), lm_head)
+        # minus its first position) falls back to a slower batched matmul on CPU (bench/README.md).
+        with timing.stage("lm_head", rows=hidden.shape[0] * hidden.shape[1]):
+            logits = torch.nn.functional.linear(hidden.reshape(-1, hidden.shape[-1]), lm_head)
         logits = logits.view(*hidden.shape[:-1], -1)
         if self.config.output_multiplier != 1.0:
             logits = logits * self.config.output_multiplier

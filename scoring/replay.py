@@ -19,6 +19,7 @@ import torch
 from pipeline.shards import Sample
 from scoring.ddtree import NOT_IN_TREE, path_pop_indices, top_log_probs
 from scoring.drafter import DFlashDrafter
+from pipeline import timing
 from scoring import metrics
 from scoring.walk import next_stop_positions, walk_finished, walk_in_rounds
 
@@ -134,7 +135,8 @@ def pack_samples(drafter: DFlashDrafter, samples: list[Sample], feature_columns,
     for s in samples:
         features = feature_columns(s.features)
         rows = context_rows(drafter, features.shape[-1], dtype, options.memory_bytes)
-        contexts.append(drafter.context_kv(features, dtype=dtype, chunk_rows=rows))
+        with timing.stage("context keys/values", tokens=features.shape[0]):
+            contexts.append(drafter.context_kv(features, dtype=dtype, chunk_rows=rows))
     context = []
     for layer in range(len(drafter.layers)):  # contiguous [kv_heads, sum N, d]; each input freed once used
         parts = [c[layer] for c in contexts]
@@ -180,6 +182,11 @@ def replay_anchors(drafter: DFlashDrafter, embed: torch.Tensor, lm_head: torch.T
     batched across samples: grouped by block length, chunked by the memory budget."""
     if not wanted:
         return
+    with timing.stage("replay anchors", anchors=len(wanted), tokens=int(packed.lengths.sum())):
+        _replay_anchors(drafter, embed, lm_head, packed, results, wanted, options)
+
+
+def _replay_anchors(drafter, embed, lm_head, packed, results, wanted, options) -> None:
     sample_idx = torch.tensor([s for s, _ in wanted])
     rows = torch.tensor([r for _, r in wanted])
     anchors = torch.stack([results[s].anchors[r] for s, r in wanted])
@@ -286,12 +293,21 @@ def _score_chunk(drafter, embed, lm_head, packed: PackedSamples, sample_idx, anc
 
     pops = torch.full((anchors.numel(), depth), NOT_IN_TREE, dtype=torch.long)
     if options.max_tree_nodes > 0:
-        top_logp, top_ids = top_log_probs(logits, options.max_tree_nodes)
-        ranks = _path_ranks(top_ids, targets).cpu().numpy()
-        top_logp = top_logp.cpu().numpy()
-        known_depth = known.sum(dim=1).cpu().numpy()
-        for i in range(anchors.numel()):
-            found = path_pop_indices(top_logp[i], ranks[i, : known_depth[i]], options.max_tree_nodes)
-            pops[i, : found.size] = torch.from_numpy(found)
+        with timing.stage("ddtree", anchors=anchors.numel()):
+            pops = _tree_pops(logits, targets, known, options.max_tree_nodes)
     return {"draft": draft.cpu(), "targets": targets.cpu(), "target_logprob": target_logprob.cpu(),
             "kl": kl.cpu(), "pops": pops}
+
+
+def _tree_pops(logits: torch.Tensor, targets: torch.Tensor, known: torch.Tensor, max_tree_nodes: int) -> torch.Tensor:
+    """DDTree pop index of every target-path prefix, per anchor (see ddtree.path_pop_indices).
+    logits [a, L, V], targets/known [a, L] -> [a, L] int64 on CPU."""
+    pops = torch.full(targets.shape, NOT_IN_TREE, dtype=torch.long)
+    top_logp, top_ids = top_log_probs(logits, max_tree_nodes)
+    ranks = _path_ranks(top_ids, targets).cpu().numpy()
+    top_logp = top_logp.cpu().numpy()
+    known_depth = known.sum(dim=1).cpu().numpy()
+    for i in range(targets.shape[0]):
+        found = path_pop_indices(top_logp[i], ranks[i, : known_depth[i]], max_tree_nodes)
+        pops[i, : found.size] = torch.from_numpy(found)
+    return pops

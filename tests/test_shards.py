@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import zlib
+
 import pytest
 import torch
 
-from pipeline import shards
+from pipeline import shards, timing
 from pipeline.shards import Sample, ShardError, ShardSet, ShardWriter
 
 DTYPES = {"features": "bfloat16", "topk_ids": "int32", "topk_logprobs": "float32", "argmax_mismatch": "uint8"}
@@ -133,7 +135,7 @@ def test_flipped_byte_names_the_shard(tmp_path):
 
 
 def test_flipped_byte_fails_only_the_chunk_holding_it(tmp_path):
-    """Per-chunk crc32: the chunks before the corrupt one decode; the corrupt one raises before
+    """Per-chunk checksums: the chunks before the corrupt one decode; the corrupt one raises before
     any of its samples is handed out; a byte flipped in the footer is caught by the file crc."""
     samples = [make_sample(i, n_tokens=20) for i in range(4)]
     entries = write_set(tmp_path, samples, chunk_tokens=40)  # two samples per chunk
@@ -208,6 +210,27 @@ def test_fp8_features_round_trip_within_fp8_precision(tmp_path):
         per_layer = (got.features - want).abs().view(want.shape[0], 2, -1).amax(-1)
         bound = want.abs().view(want.shape[0], 2, -1).amax(-1) / 16  # e4m3: 3 mantissa bits
         assert bool((per_layer <= bound).all()) and bool((per_layer > 0).any())
+
+
+def test_file_crc32_streams_in_chunks(tmp_path):
+    """`inspect` checks shard files and the target head with file_crc32: chunked reads, same crc."""
+    path = tmp_path / "blob"
+    data = bytes(range(256)) * 41
+    path.write_bytes(data)
+    fs, name = shards.open_fs(str(path))
+    assert shards.file_crc32(fs, name, chunk_bytes=1000) == shards.file_crc32(fs, name) == (zlib.crc32(data), len(data))
+
+
+def test_writer_and_target_head_mark_their_stages(tmp_path):
+    samples = [make_sample(i) for i in range(3)]
+    with timing.recording() as times:
+        write_set(tmp_path, samples, shard_bytes=1)  # every sample lands its own shard
+    assert times.calls["shard write"] == 3 and times.calls["shard close"] == 1
+    assert times.calls["shard finish"] == 3
+    shards.save_target_head(str(tmp_path), torch.randn(10, 4), torch.randn(10, 4))
+    with timing.recording() as times:
+        ShardSet(str(tmp_path)).target_head()
+    assert times.calls == {"read target head": 1}
 
 
 def test_chunk_tokens_follow_the_memory_budget():

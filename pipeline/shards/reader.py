@@ -1,0 +1,197 @@
+"""The reader: a shard's chunks checksummed, then decoded one at a time into Samples whose
+tensors are views into their chunk; ShardSet walks a finished extract directory, decoding in a
+background thread ahead of the consumer."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Iterator
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.fs as pafs
+import torch
+from pyarrow import ipc
+
+from pipeline import timing
+from pipeline.shards.encodings import (
+    TENSOR_DTYPES,
+    chunk_frame,
+    decode_tensor,
+    decompress_frame,
+    dequantize_fp8,
+    frame_codec,
+)
+from pipeline.shards.files import block_hash, exists, join, open_fs
+from pipeline.shards.manifest import read_manifest
+from pipeline.shards.schema import CODEC_KEY, Sample, ShardError
+from pipeline.shards.target_head import load_target_head
+
+
+def _checked_block(file, path: str, block: list[int], what: str) -> pa.Buffer:
+    offset, length, expected = block[0], block[1], block[-1]
+    file.seek(offset)
+    data = file.read_buffer(length)
+    got = block_hash(data)
+    if data.size != length or got != expected:
+        raise ShardError(
+            f"{path}: checksum mismatch in {what} (bytes {offset}..{offset + length}: xxh3_64 {got:#018x}, "
+            f"sidecar says {expected:#018x}). The shard is corrupt: delete it and its .json sidecar and re-run the "
+            f"same extract command to rewrite just that shard."
+        )
+    return data
+
+
+def _chunk_tensors(batch: pa.RecordBatch, tensor_dtypes: dict[str, str], names: list[str],
+                   codec: pa.Codec | None) -> dict[str, list[torch.Tensor]]:
+    """Each tensor of a chunk decoded once, split into its rows (views); fp8 features dequantized."""
+    tensors: dict[str, list[torch.Tensor]] = {}
+    for name in names:
+        shapes = batch.column(name + "_shape").to_pylist()
+        lengths = [shape[0] for shape in shapes]
+        dtype = TENSOR_DTYPES[tensor_dtypes[name]]
+        shape = [sum(lengths), *shapes[0][1:]]
+        size = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+        planes = decompress_frame(chunk_frame(batch.column(name)), codec, size, name)
+        tensors[name] = list(torch.split(decode_tensor(planes, dtype, shape), lengths))
+    if "features_scale" in tensors and "features" in tensors:  # fp8 features: hand out float32
+        tensors["features"] = [dequantize_fp8(q, s) for q, s in zip(tensors["features"], tensors.pop("features_scale"))]
+    return tensors
+
+
+def _decode_chunk(batch: pa.RecordBatch, tensor_dtypes: dict[str, str], names: list[str],
+                  rows: list[int], codec: pa.Codec | None) -> Iterator[Sample]:
+    """The samples at `rows` of one chunk; each tensor decoded once for the chunk, rows are views."""
+    column = {name: batch.column(name).to_pylist() for name in
+              ("sample_id", "dataset", "prompt_text", "prompt_len", "finish_reason", "greedy")}
+    ids = batch.column("input_ids")
+    offsets = ids.offsets.to_numpy()
+    all_ids = torch.from_numpy(ids.values.to_numpy(zero_copy_only=False).astype(np.int64))
+    tensors = _chunk_tensors(batch, tensor_dtypes, names, codec)
+    for row in rows:
+        yield Sample(
+            sample_id=column["sample_id"][row],
+            dataset=column["dataset"][row],
+            prompt_text=column["prompt_text"][row],
+            input_ids=all_ids[offsets[row]:offsets[row + 1]],
+            prompt_len=column["prompt_len"][row],
+            finish_reason=column["finish_reason"][row],
+            greedy=column["greedy"][row],
+            tensors={name: parts[row] for name, parts in tensors.items()},
+        )
+
+
+def read_shard(uri: str, entry: dict, tensor_dtypes: dict[str, str], tensors: list[str] | None = None,
+               rows=None) -> Iterator[Sample]:
+    """Yield the samples of one shard (only the row indices in `rows`, if given). Chunks holding
+    none of them are not read; every chunk read is checksummed before Arrow decodes it."""
+    fs, root = open_fs(uri)
+    path = join(root, entry["file"])
+    if not exists(fs, path):
+        raise ShardError(f"{path}: shard listed in the manifest is missing")
+    names = [n for n in (tensors if tensors is not None else tensor_dtypes) if n in tensor_dtypes]
+    if "features" in names and "features_scale" in tensor_dtypes and "features_scale" not in names:
+        names.append("features_scale")  # fp8 features are dequantized with their scales
+    wanted = None if rows is None else set(rows)
+    # Local shards are memory-mapped: a chunk's bytes are hashed and decompressed in place, no copy.
+    local = isinstance(fs, pafs.LocalFileSystem)
+    with (pa.memory_map(path) if local else fs.open_input_file(path)) as file:
+        if file.size() != entry["bytes"]:
+            raise ShardError(f"{path}: {file.size()} bytes, the sidecar says {entry['bytes']}; the shard is "
+                             f"truncated or was replaced: delete it and its .json sidecar and re-run the extract")
+        schema = ipc.read_schema(ipc.read_message(_checked_block(file, path, entry["schema_block"], "the schema")))
+        codec = frame_codec((schema.metadata or {}).get(CODEC_KEY, b"zstd").decode())
+        first = 0
+        for number, block in enumerate(entry["batches"]):
+            count = block[2]
+            chunk_rows = list(range(count)) if wanted is None else [r for r in range(count) if first + r in wanted]
+            first += count
+            if not chunk_rows:
+                continue
+            data = _checked_block(file, path, block, f"record batch {number}")
+            batch = ipc.read_record_batch(ipc.read_message(data), schema)
+            yield from _decode_chunk(batch, tensor_dtypes, names, chunk_rows, codec)
+
+
+class ShardSet:
+    """A finished extract directory: manifest, shards and the stored target head."""
+
+    def __init__(self, uri: str):
+        self.uri = uri
+        self.manifest = read_manifest(uri)
+        if not self.manifest.get("complete", False):
+            raise ShardError(
+                f"{uri}: the extract that writes here has not finished; run the same `specreplay extract` "
+                f"command again to resume it"
+            )
+        self.tensor_dtypes: dict[str, str] = self.manifest["tensors"]
+
+    @property
+    def settings(self) -> dict:
+        return self.manifest["settings"]
+
+    @property
+    def entries(self) -> list[dict]:
+        return self.manifest["shards"]
+
+    @property
+    def num_samples(self) -> int:
+        return sum(entry["rows"] for entry in self.entries)
+
+    def samples(self, tensors: list[str] | None = None, prefetch: int = 2, keep=None,
+                pin_memory: bool = False) -> Iterator[Sample]:
+        """Samples in manifest order. `keep(index)` (index over the whole set) selects which
+        to decode, e.g. one torchrun rank's share; chunks holding none of them are not read.
+        Decoding runs in a background thread `prefetch` samples ahead, so the consumer's
+        compute never waits on zstd (both release the GIL). `pin_memory` (CUDA only) copies
+        each sample's tensors into page-locked memory in that thread, so the consumer's
+        `.to("cuda", non_blocking=True)` overlaps with compute."""
+
+        def produce():
+            base = 0
+            for entry in self.entries:
+                rows = None if keep is None else [i for i in range(entry["rows"]) if keep(base + i)]
+                base += entry["rows"]
+                if rows != []:
+                    for sample in read_shard(self.uri, entry, self.tensor_dtypes, tensors, rows=rows):
+                        if pin_memory:
+                            sample.tensors = {k: v.contiguous().pin_memory() for k, v in sample.tensors.items()}
+                        yield sample
+
+        if prefetch <= 0:
+            yield from produce()
+            return
+        yield from _background(produce(), prefetch)
+
+    def target_head(self) -> dict[str, torch.Tensor]:
+        """{'embed_tokens': [V, H], 'lm_head': [V, H]} as stored by extract (lm_head may be the
+        same tensor). Streamed into the tensors, so the file never sits in memory beside them."""
+        with timing.stage("read target head"):
+            return load_target_head(self.uri, self.manifest.get("target_head", {}).get("crc32"))
+
+
+_DONE = object()
+
+
+def _background(iterator: Iterator, depth: int) -> Iterator:
+    """Run `iterator` in a daemon thread, `depth` items ahead; exceptions re-raise here."""
+    items: queue.Queue = queue.Queue(maxsize=depth)
+
+    def run():
+        try:
+            for item in iterator:
+                items.put(item)
+        except BaseException as error:  # noqa: BLE001 - handed to the consumer
+            items.put(error)
+        items.put(_DONE)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    while True:
+        item = items.get()
+        if item is _DONE:
+            return
+        if isinstance(item, BaseException):
+            raise item
+        yield item

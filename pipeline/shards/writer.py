@@ -1,0 +1,216 @@
+"""The writer: samples buffered into chunks, each chunk one record batch of byte-plane frames;
+a shard lands atomically (checksummed, its sidecar entry written, then renamed into place)."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pyarrow.fs as pafs
+import torch
+from pyarrow import ipc
+
+from pipeline import timing
+from pipeline.config import DEFAULT_SHARD_BYTES, DEFAULT_ZSTD_LEVEL
+from pipeline.shards.encodings import (
+    DTYPE_NAMES,
+    compress_frame,
+    encode_tensor,
+    frame_codec,
+    frame_column,
+)
+from pipeline.shards.files import (
+    BLOCK_HASH,
+    block_hash,
+    file_crc32,
+    join,
+    open_fs,
+    write_json_atomic,
+)
+from pipeline.shards.schema import DEFAULT_CHUNK_TOKENS, SHARD_DIR, Sample, shard_schema
+
+
+def chunk_record_batch(samples: list[Sample], tensor_names: list[str], schema: pa.Schema,
+                       codec: pa.Codec | None = None) -> pa.RecordBatch:
+    """One record batch for consecutive samples: a row each, each tensor's planes once (row 0),
+    compressed as one frame by `codec` when given."""
+    columns = [
+        pa.array([s.sample_id for s in samples], pa.string()),
+        pa.array([s.dataset for s in samples], pa.string()),
+        pa.array([s.prompt_text for s in samples], pa.string()),
+        pa.array([s.prompt_len for s in samples], pa.int32()),
+        pa.array([s.finish_reason for s in samples], pa.string()),
+        pa.array([s.greedy for s in samples], pa.bool_()),
+        pa.array([s.input_ids.to(torch.int32).numpy() for s in samples], pa.list_(pa.int32())),
+    ]
+    for name in tensor_names:
+        parts = [s.tensors[name] for s in samples]
+        trailing = {tuple(p.shape[1:]) for p in parts}
+        if len(trailing) != 1 or any(p.dim() == 0 for p in parts):
+            raise ValueError(f"tensor {name!r}: every sample needs the same shape after the first axis, got "
+                             f"{[list(p.shape) for p in parts]}")
+        chunk = parts[0] if len(parts) == 1 else torch.cat(parts)
+        columns.append(frame_column(compress_frame(encode_tensor(chunk), codec), len(samples)))
+        columns.append(pa.array([list(p.shape) for p in parts], pa.list_(pa.int64())))
+    return pa.RecordBatch.from_arrays(columns, schema=schema)
+
+
+def empty_stats() -> dict:
+    """Per-shard counts kept in the shard's entry, so totals never require re-reading shards."""
+    return {"response_tokens": 0, "finish_reasons": {}, "argmax_mismatches": 0,
+            "greedy_samples": 0, "greedy_response_tokens": 0, "greedy_argmax_mismatches": 0}
+
+
+def add_sample_stats(stats: dict, sample: Sample) -> None:
+    mismatches = int(sample.tensors["argmax_mismatch"].sum()) if "argmax_mismatch" in sample.tensors else 0
+    stats["response_tokens"] += sample.response_len
+    stats["finish_reasons"][sample.finish_reason] = stats["finish_reasons"].get(sample.finish_reason, 0) + 1
+    stats["argmax_mismatches"] += mismatches
+    if sample.greedy:
+        stats["greedy_samples"] += 1
+        stats["greedy_response_tokens"] += sample.response_len
+        stats["greedy_argmax_mismatches"] += mismatches
+
+
+def chunk_tokens_for(memory_bytes: int, bytes_per_token: int) -> int:
+    """Tokens per chunk so that one chunk, held raw, as planes and compressed (~3x its raw
+    size while it is written or read), stays within `memory_bytes`; at most DEFAULT_CHUNK_TOKENS."""
+    return max(1, min(DEFAULT_CHUNK_TOKENS, memory_bytes // (3 * max(1, bytes_per_token))))
+
+
+def block_checksums(fs: pafs.FileSystem, path: str, batch_ends: list[int], batch_rows: list[int]) -> dict:
+    """Checksums of a written IPC file: crc32 of the whole file (`file_crc32`); byte range and
+    xxh3_64 of its schema message and of every record batch (rows included). The schema message
+    starts after the 8-byte file magic; batch i spans from the end of batch i-1 (or of the
+    schema) to its end."""
+    crc, size = file_crc32(fs, path)
+    with fs.open_input_file(path) as file:
+        file.seek(8)
+        ipc.read_message(file)
+        starts = [file.tell()] + batch_ends[:-1]
+
+        def hashed(offset: int, end: int) -> int:
+            file.seek(offset)
+            return block_hash(file.read(end - offset))
+
+        schema_block = [8, starts[0] - 8, hashed(8, starts[0])]
+        batches = [[start, end - start, rows, hashed(start, end)]
+                   for start, end, rows in zip(starts, batch_ends, batch_rows)]
+    return {"bytes": size, "crc32": crc, "block_hash": BLOCK_HASH, "schema_block": schema_block,
+            "batches": batches}
+
+
+class ShardWriter:
+    """Appends samples to size-bounded shards of one rank; every shard lands atomically.
+
+    Samples are buffered until a chunk holds `chunk_tokens` tokens (or would fill the shard),
+    then written as one record batch; an interrupted run redoes the buffered samples. A shard is
+    written as `.arrow.tmp`, closed, checksummed, its `.json` entry written, and only then
+    renamed to `.arrow`. A crash at any point leaves either a finished shard or a temporary file
+    that the next run deletes; finished samples are never rewritten.
+    """
+
+    def __init__(
+        self,
+        out_uri: str,
+        rank: int,
+        tensor_dtypes: dict[str, str],
+        shard_bytes: int = DEFAULT_SHARD_BYTES,
+        zstd_level: int | None = DEFAULT_ZSTD_LEVEL,  # None: uncompressed (a benchmark baseline)
+        first_index: int = 0,
+        chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    ):
+        self.fs, self.root = open_fs(out_uri)
+        self.fs.create_dir(join(self.root, SHARD_DIR), recursive=True)
+        self.rank = rank
+        self.tensor_dtypes = dict(tensor_dtypes)
+        self.tensor_names = list(tensor_dtypes)
+        codec_name = "none" if zstd_level is None else "zstd"
+        self.codec = frame_codec(codec_name, zstd_level)
+        self.schema = shard_schema(self.tensor_names, codec_name)
+        self.shard_bytes = shard_bytes
+        self.chunk_tokens = chunk_tokens
+        self.next_index = first_index
+        self.entries: list[dict] = []
+        self._pending: list[Sample] = []
+        self._pending_tokens = self._pending_bytes = 0
+        self._stream = None
+        self._writer = None
+
+    def _open(self) -> None:
+        self._name = f"r{self.rank:03d}-{self.next_index:05d}"
+        self._tmp = join(self.root, SHARD_DIR, self._name + ".arrow.tmp")
+        self._stream = self.fs.open_output_stream(self._tmp)
+        self._writer = ipc.new_file(self._stream, self.schema)  # our frames, no Arrow buffer compression
+        self._ids: list[str] = []
+        self._tokens = 0
+        self._batch_ends: list[int] = []
+        self._batch_rows: list[int] = []
+        self._stats = empty_stats()
+        self.next_index += 1
+
+    def write(self, sample: Sample) -> None:
+        with timing.stage("shard write", tokens=sample.response_len):
+            for name, dtype in self.tensor_dtypes.items():
+                got = sample.tensors[name].dtype
+                if DTYPE_NAMES.get(got) != dtype:
+                    raise ValueError(f"tensor {name!r} of sample {sample.sample_id} is {got}, shard schema says {dtype}")
+            tokens = int(sample.input_ids.numel())
+            if self._pending and self._pending_tokens + tokens > self.chunk_tokens:
+                self._write_chunk()  # a long sample does not make the buffered chunk overshoot
+            self._pending.append(sample)
+            self._pending_tokens += tokens
+            self._pending_bytes += sum(t.numel() * t.element_size() for t in sample.tensors.values())
+            written = self._stream.tell() if self._stream is not None else 0
+            # A chunk ends at chunk_tokens, or earlier when it would fill the shard (raw bytes
+            # overestimate the compressed size, so small --shard-bytes still roll over on time).
+            if self._pending_tokens >= self.chunk_tokens or written + self._pending_bytes >= self.shard_bytes:
+                self._write_chunk()
+
+    def _write_chunk(self) -> None:
+        if not self._pending:
+            return
+        if self._writer is None:
+            self._open()
+        self._writer.write_batch(chunk_record_batch(self._pending, self.tensor_names, self.schema, self.codec))
+        self._batch_ends.append(self._stream.tell())
+        self._batch_rows.append(len(self._pending))
+        for sample in self._pending:
+            self._ids.append(sample.sample_id)
+            self._tokens += int(sample.input_ids.numel())
+            add_sample_stats(self._stats, sample)
+        self._pending, self._pending_tokens, self._pending_bytes = [], 0, 0
+        if self._stream.tell() >= self.shard_bytes:
+            self.finish_shard()
+
+    def finish_shard(self) -> dict | None:
+        """Write what is buffered and land the current shard (no-op when nothing is open)."""
+        if self._pending:
+            self._write_chunk()  # may land the shard itself when it reaches shard_bytes
+        if self._writer is None:
+            return None
+        with timing.stage("shard finish"):
+            return self._land()
+
+    def _land(self) -> dict:
+        """Close the open shard, checksum it, write its sidecar entry, then rename it into place."""
+        self._writer.close()
+        self._stream.close()
+        self._writer = self._stream = None
+        entry = {
+            "file": f"{SHARD_DIR}/{self._name}.arrow",
+            "rank": self.rank,
+            "rows": len(self._ids),
+            "tokens": self._tokens,
+            **block_checksums(self.fs, self._tmp, self._batch_ends, self._batch_rows),
+            "sample_ids": self._ids,
+            **self._stats,
+        }
+        write_json_atomic(self.fs, join(self.root, SHARD_DIR, self._name + ".json"), entry)
+        self.fs.move(self._tmp, join(self.root, SHARD_DIR, self._name + ".arrow"))
+        self.entries.append(entry)
+        return entry
+
+    def close(self) -> list[dict]:
+        """Land what is buffered or open; the entries of every shard this writer landed."""
+        with timing.stage("shard close"):
+            self.finish_shard()
+        return self.entries
