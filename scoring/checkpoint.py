@@ -407,28 +407,23 @@ def _manifest_target(manifest: dict) -> tuple[list[int], dict, str]:
     return [int(i) for i in layer_ids], target, str(label)
 
 
-def feature_columns(drafter_layer_ids: list[int], stored_layer_ids: list[int], hidden_size: int) -> list[int]:
-    """Columns of the stored features [T, len(stored) * H] that give the drafter's input, in its order."""
-    columns: list[int] = []
-    for layer_id in drafter_layer_ids:
-        start = stored_layer_ids.index(layer_id) * hidden_size
-        columns.extend(range(start, start + hidden_size))
-    return columns
-
-
-def check_compatibility(config: DrafterConfig, manifest: dict, ckpt_path: str,
-                        allow_vocab_mismatch: bool = False) -> list[int]:
-    """Every drafter/target mismatch as an error naming both sides; returns the feature columns.
+def check_compatibility(config: DrafterConfig, manifest: dict, ckpt_path: str) -> None:
+    """Every drafter/target mismatch as an error naming both sides, before any weight is read.
 
     The drafter has no embedding or head of its own: block inputs are the target's embeddings
     and `fc` maps the concatenated target features (n * target hidden) to its hidden size, so
     its hidden size must equal the target's and the mask token must be a row of the target's
     embedding. The drafter's `vocab_size` field is otherwise unused by the reference, but a
-    different value means it was trained for another tokenizer: an error unless
-    `allow_vocab_mismatch`.
+    different value means it was trained for another tokenizer.
     """
     stored, target, label = _manifest_target(manifest)
     where = f"drafter {ckpt_path} vs shards of {label}"
+    _check_block_and_target(config, target, where)
+    _check_layers(config, stored, where)
+    _check_widths(config, target, where)
+
+
+def _check_block_and_target(config: DrafterConfig, target: dict, where: str) -> None:
     if config.block_size < 2:
         raise CompatibilityError(
             f"{where}: block_size {config.block_size} drafts nothing (a block is [last token, B-1 masks]); "
@@ -439,6 +434,9 @@ def check_compatibility(config: DrafterConfig, manifest: dict, ckpt_path: str,
             f"{where}: drafter num_target_layers {config.num_target_layers} != target num_layers "
             f"{target['num_layers']}; the drafter was trained for a different target model"
         )
+
+
+def _check_layers(config: DrafterConfig, stored: list[int], where: str) -> None:
     missing = [i for i in config.target_layer_ids if i not in stored]
     if missing:
         union = sorted(set(stored) | set(config.target_layer_ids))
@@ -446,29 +444,24 @@ def check_compatibility(config: DrafterConfig, manifest: dict, ckpt_path: str,
             f"{where}: drafter target_layer_ids {config.target_layer_ids} but the shards store layer ids {stored} "
             f"(missing {missing}); re-run extract with --layer-ids {','.join(map(str, union))}"
         )
-    hidden = int(target["hidden_size"])
+
+
+def _check_widths(config: DrafterConfig, target: dict, where: str) -> None:
+    hidden, vocab = int(target["hidden_size"]), int(target["vocab_size"])
     if config.hidden_size != hidden:
         raise CompatibilityError(
             f"{where}: drafter hidden_size {config.hidden_size} (fc expects {len(config.target_layer_ids)} x "
             f"{config.hidden_size} feature columns) != target hidden_size {hidden}; the drafter was trained for a "
             f"different target model"
         )
-    feature_dim = target.get("feature_dim") or (manifest.get("settings") or {}).get("feature_dim")
-    if feature_dim is not None and int(feature_dim) != len(stored) * hidden:
-        raise CompatibilityError(
-            f"shards of {label}: feature width {feature_dim} != {len(stored)} layers x hidden {hidden}; "
-            f"the manifest is inconsistent, re-run extract"
-        )
-    vocab = int(target["vocab_size"])
     if not 0 <= config.mask_token_id < vocab:
         raise CompatibilityError(
             f"{where}: drafter mask_token_id {config.mask_token_id} is not a row of the target embedding "
             f"(vocab_size {vocab}, valid ids 0..{vocab - 1}); the drafter was trained for a different tokenizer"
         )
-    if config.vocab_size != vocab and not allow_vocab_mismatch:
+    if config.vocab_size != vocab:
         raise CompatibilityError(
             f"{where}: drafter vocab_size {config.vocab_size} != target vocab_size {vocab}; the drafter was "
-            f"configured for a different tokenizer. If only the config field is off (the drafter uses the "
-            f"target's embedding and lm_head), pass allow_vocab_mismatch=True"
+            f"configured for a different tokenizer (set vocab_size {vocab} in its config.json if only the "
+            f"field is off: the drafter uses the target's embedding and lm_head)"
         )
-    return feature_columns(config.target_layer_ids, stored, hidden)

@@ -205,15 +205,37 @@ def compare_results(dir_a: str, dir_b: str, methods: list[str] | None = None, da
     samples_a, record_a = load_results(dir_a, "A")
     samples_b, record_b = load_results(dir_b, "B")
     _check_shards(record_a, record_b, dir_a, dir_b)
-    keys = ["dataset", "sample_id"]
-    ids_a = samples_a.select(keys).unique()
-    ids_b = samples_b.select(keys).unique()
-    if ids_a.join(ids_b, on=keys, how="inner").height == 0:
+    _check_overlap(samples_a, samples_b, dir_a, dir_b)
+    chosen_methods = _common_methods(samples_a, samples_b, methods)
+    joined = _join(samples_a, samples_b, chosen_methods)
+    shared = joined.filter(pl.col("in_a") & pl.col("in_b"))
+    chosen_datasets = _select(datasets, sorted(shared["dataset"].unique().to_list()) + [ALL_DATASETS], "dataset",
+                              "--dataset")
+    names = {"checkpoint_a": checkpoint_name(samples_a, record_a, dir_a),
+             "checkpoint_b": checkpoint_name(samples_b, record_b, dir_b)}
+    rows = []
+    for dataset in chosen_datasets:
+        subset = joined if dataset == ALL_DATASETS else joined.filter(pl.col("dataset") == dataset)
+        for method in chosen_methods:
+            row = compare_pairs(subset.filter(pl.col("method") == method), resamples, seed, confidence)
+            rows.append({"dataset": dataset, "method": method, **row, **names})
+    return pl.DataFrame(rows, schema=OUTPUT_SCHEMA)
+
+
+KEYS = ["dataset", "sample_id"]
+
+
+def _check_overlap(samples_a: pl.DataFrame, samples_b: pl.DataFrame, dir_a: str, dir_b: str) -> None:
+    ids_a, ids_b = samples_a.select(KEYS).unique(), samples_b.select(KEYS).unique()
+    if ids_a.join(ids_b, on=KEYS, how="inner").height == 0:
         same_ids = set(ids_a["sample_id"].to_list()) & set(ids_b["sample_id"].to_list())
-        hint = (f" ({len(same_ids)} sample ids match but under different dataset names)" if same_ids else "")
+        hint = f" ({len(same_ids)} sample ids match but under different dataset names)" if same_ids else ""
         raise CompareError(f"no sample of A ({dir_a}) matches a sample of B ({dir_b}) by (dataset, sample_id){hint}; "
                            f"score both checkpoints on the same --shards")
 
+
+def _common_methods(samples_a: pl.DataFrame, samples_b: pl.DataFrame, methods: list[str] | None) -> list[str]:
+    """The methods in both runs (chain first, then DDTree by budget), narrowed to `methods`."""
     methods_a, methods_b = set(samples_a["method"].to_list()), set(samples_b["method"].to_list())
     common = sorted(methods_a & methods_b, key=results.method_order)
     if not common:
@@ -221,33 +243,25 @@ def compare_results(dir_a: str, dir_b: str, methods: list[str] | None = None, da
                            f"B: {sorted(methods_b, key=results.method_order)})")
     only = sorted(methods_a ^ methods_b, key=results.method_order)
     if only and not methods:
-        warnings.warn(f"method(s) {only} are in only one run and are not compared", UserWarning, stacklevel=2)
-    chosen_methods = _select(methods, common, "method", "--method")
+        warnings.warn(f"method(s) {only} are in only one run and are not compared", UserWarning, stacklevel=3)
+    return _select(methods, common, "method", "--method")
 
-    a = samples_a.select(*keys, "method", tau_a=pl.col("tau").cast(pl.Float64).fill_nan(None), in_a=pl.lit(True))
-    b = samples_b.select(*keys, "method", tau_b=pl.col("tau").cast(pl.Float64).fill_nan(None), in_b=pl.lit(True))
-    joined = (a.join(b, on=[*keys, "method"], how="full", coalesce=True)
-              .filter(pl.col("method").is_in(chosen_methods))
+
+def _join(samples_a: pl.DataFrame, samples_b: pl.DataFrame, methods: list[str]) -> pl.DataFrame:
+    """Full join of A's and B's taus by (dataset, sample_id, method), with in_a / in_b flags;
+    warns about samples in only one run."""
+    a = samples_a.select(*KEYS, "method", tau_a=pl.col("tau").cast(pl.Float64).fill_nan(None), in_a=pl.lit(True))
+    b = samples_b.select(*KEYS, "method", tau_b=pl.col("tau").cast(pl.Float64).fill_nan(None), in_b=pl.lit(True))
+    joined = (a.join(b, on=[*KEYS, "method"], how="full", coalesce=True)
+              .filter(pl.col("method").is_in(methods))
               .with_columns(pl.col("in_a", "in_b").fill_null(False)))
-    shared = joined.filter(pl.col("in_a") & pl.col("in_b"))
-    all_datasets = sorted(shared["dataset"].unique().to_list()) + [ALL_DATASETS]
-    chosen_datasets = _select(datasets, all_datasets, "dataset", "--dataset")
     unmatched = joined.filter(~(pl.col("in_a") & pl.col("in_b")))
     if unmatched.height:
-        ids = unmatched.select(keys).unique().sort(keys)
+        ids = unmatched.select(KEYS).unique().sort(KEYS)
         warnings.warn(f"{ids.height} sample(s) are in only one run (e.g. dataset {ids['dataset'][0]!r}, sample "
                       f"{ids['sample_id'][0]!r}); they are left out and counted in `unmatched`",
-                      UserWarning, stacklevel=2)
-
-    name_a = checkpoint_name(samples_a, record_a, dir_a)
-    name_b = checkpoint_name(samples_b, record_b, dir_b)
-    rows = []
-    for dataset in chosen_datasets:
-        subset = joined if dataset == ALL_DATASETS else joined.filter(pl.col("dataset") == dataset)
-        for method in chosen_methods:
-            row = compare_pairs(subset.filter(pl.col("method") == method), resamples, seed, confidence)
-            rows.append({"dataset": dataset, "method": method, **row, "checkpoint_a": name_a, "checkpoint_b": name_b})
-    return pl.DataFrame(rows, schema=OUTPUT_SCHEMA)
+                      UserWarning, stacklevel=3)
+    return joined
 
 
 def compare_pairs(rows: pl.DataFrame, resamples: int, seed: int, confidence: float) -> dict:

@@ -87,21 +87,46 @@ def save_drafter(drafter: DFlashDrafter, out_dir: str, extra_config: dict | None
     return out_dir
 
 
+def block_loss(drafter: DFlashDrafter, sample: Sample, features: torch.Tensor, head: dict, weights: torch.Tensor,
+               count: int, rng: random.Random) -> torch.Tensor:
+    """Position-weighted cross-entropy of `count` random anchors' blocks against the stored tokens."""
+    config = drafter.config
+    ids, B = sample.input_ids, config.block_size
+    seq_len, prompt_len = ids.numel(), sample.prompt_len
+    count = min(count, seq_len - 1 - prompt_len)
+    anchors = torch.tensor(sorted(rng.sample(range(prompt_len, seq_len - 1), count)))
+    context = drafter.context_kv(features[: int(anchors.max())])
+    block_ids = torch.full((count, B), config.mask_token_id)
+    block_ids[:, 0] = ids[anchors]
+    embeds = torch.nn.functional.embedding(block_ids, head["embed_tokens"]) * config.input_embedding_scale
+    logits = drafter.logits(drafter(embeds, anchors, context)[:, 1:], head["lm_head"])  # [count, B - 1, V]
+    positions = anchors[:, None] + torch.arange(1, B)[None, :]
+    known = positions < seq_len
+    targets = torch.where(known, ids[positions.clamp(max=seq_len - 1)], torch.full_like(positions, -100))
+    loss_each = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none",
+                                                  ignore_index=-100).view(count, B - 1)
+    w = weights[None, :] * known
+    return (loss_each * w).sum() / w.sum()
+
+
+def new_drafter(config_raw: dict, init_std: float) -> DFlashDrafter:
+    """A drafter with normal(0, init_std) matrices (norms at one), in training mode."""
+    drafter = DFlashDrafter(parse_drafter_config(config_raw, "new drafter config"))
+    for _, param in drafter.named_parameters():
+        if param.dim() > 1:
+            torch.nn.init.normal_(param, std=init_std)
+    return drafter.train()
+
+
 def fit_drafter(samples: list[Sample], head: dict, stored_layer_ids: list[int], config_raw: dict, out_dir: str | None,
                 options: FitOptions, progress=None) -> tuple[DFlashDrafter, list[str]]:
     """Train a drafter on stored samples; returns it and the checkpoint dirs written
     (`out_dir/step_<N>`), if any."""
     torch.manual_seed(options.seed)
     rng = random.Random(options.seed)
-    config = parse_drafter_config(config_raw, "new drafter config")
-    drafter = DFlashDrafter(config)
-    for name, param in drafter.named_parameters():
-        if param.dim() > 1:
-            torch.nn.init.normal_(param, std=options.init_std)
-    drafter.train()
-    embed = head["embed_tokens"].float()
-    lm_head = head["lm_head"].float()
-    weights = position_weights(config.block_size)
+    drafter = new_drafter(config_raw, options.init_std)
+    head = {"embed_tokens": head["embed_tokens"].float(), "lm_head": head["lm_head"].float()}
+    weights = position_weights(drafter.config.block_size)
     usable = [s for s in samples if s.response_len >= 2]
     if not usable:
         raise UserError("no sample has a response of 2+ tokens to train on")
@@ -109,26 +134,10 @@ def fit_drafter(samples: list[Sample], head: dict, stored_layer_ids: list[int], 
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: min(1.0, (step + 1) / 20) * 0.5 * (1 + math.cos(math.pi * step / options.steps)))
     written = []
-    B = config.block_size
     for step in range(1, options.steps + 1):
         sample = rng.choice(usable)
-        ids = sample.input_ids
-        seq_len, prompt_len = ids.numel(), sample.prompt_len
-        features = select_feature_columns(sample.features.float(), stored_layer_ids, config.target_layer_ids)
-        count = min(options.anchors_per_step, seq_len - 1 - prompt_len)
-        anchors = torch.tensor(sorted(rng.sample(range(prompt_len, seq_len - 1), count)))
-        context = drafter.context_kv(features[: int(anchors.max())])
-        block_ids = torch.full((count, B), config.mask_token_id)
-        block_ids[:, 0] = ids[anchors]
-        hidden = drafter(torch.nn.functional.embedding(block_ids, embed) * config.input_embedding_scale, anchors, context)
-        logits = drafter.logits(hidden[:, 1:], lm_head)
-        positions = anchors[:, None] + torch.arange(1, B)[None, :]
-        known = positions < seq_len
-        targets = torch.where(known, ids[positions.clamp(max=seq_len - 1)], torch.full_like(positions, -100))
-        loss_each = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none",
-                                                      ignore_index=-100).view(count, B - 1)
-        w = weights[None, :] * known
-        loss = (loss_each * w).sum() / w.sum()
+        features = select_feature_columns(sample.features.float(), stored_layer_ids, drafter.config.target_layer_ids)
+        loss = block_loss(drafter, sample, features, head, weights, options.anchors_per_step, rng)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
