@@ -1,6 +1,6 @@
 """Load any DFlash drafter checkpoint, strictly, and check it against the extracted shards.
 
-Accepted layouts (SPEC §3):
+Accepted layouts:
   - a z-lab directory: config.json + model.safetensors, or sharded safetensors listed by
     model.safetensors.index.json (`weight_map`);
   - a training checkpoint: one .safetensors / .pt / .pth / .bin file holding a state dict
@@ -14,7 +14,7 @@ touched and a foreign tensor keeps the name it was saved under in the error. Eve
 unexpected or mis-shaped tensor is an error: a drafter scored with a silently dropped weight
 would still produce numbers, just wrong ones.
 
-Everything here runs before any compute; nothing of the target model is loaded (SPEC §6).
+Everything here runs before any compute; nothing of the target model is loaded.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""DDTree (Ringel & Romano, arXiv 2604.12989): the draft tree of budget N and how deep the
+"""DDTree (Ringel & Romano): the draft tree of budget N and how deep the
 target's greedy path reaches into it.
 
 From one drafter pass we have per-depth distributions q_1..q_L (L = block length - 1). A node is

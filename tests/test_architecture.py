@@ -1,0 +1,57 @@
+"""The import rules the design rests on, read from the code itself: stage 1 (pipeline/) never
+imports stage 2 (scoring/) or the CLI; scoring/ never imports target loading, generation,
+capture or extract (it needs nothing of the target beyond the shards); the CLI's help loads
+neither torch nor pyarrow."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+TARGET_SIDE = {"pipeline.target", "pipeline.generate", "pipeline.capture", "pipeline.extract", "pipeline.prompts"}
+
+
+def imported_modules(package: str) -> dict[str, set[str]]:
+    """file -> every module it imports (top-level or inside functions)."""
+    found = {}
+    for path in sorted((ROOT / package).rglob("*.py")):
+        names = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names.add(node.module)
+                names.update(f"{node.module}.{alias.name}" for alias in node.names)
+        found[str(path.relative_to(ROOT))] = names
+    return found
+
+
+def test_pipeline_never_imports_scoring_or_the_cli():
+    for path, names in imported_modules("pipeline").items():
+        bad = sorted(n for n in names if n.split(".")[0] in ("scoring", "specreplay"))
+        assert not bad, f"{path} imports {bad}"
+
+
+def test_scoring_never_imports_target_side_code():
+    for path, names in imported_modules("scoring").items():
+        bad = sorted(n for n in names if any(n == m or n.startswith(m + ".") for m in TARGET_SIDE))
+        assert not bad and not any(n.split(".")[0] == "specreplay" for n in names), f"{path} imports {bad}"
+
+
+def test_the_rule_checker_sees_function_level_imports():
+    # the checker must see imports inside function bodies, where the lazy CLI keeps them
+    names = imported_modules("specreplay")["specreplay/commands/score.py"]
+    assert "scoring.score" in names
+
+
+def test_help_imports_neither_torch_nor_pyarrow():
+    for args in (["--help"], ["score", "--help"], ["extract", "--help"], ["compare", "--help"]):
+        proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "specreplay", *args], cwd=ROOT,
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        loaded = {line.split("|")[-1].strip().split(".")[0] for line in proc.stderr.splitlines() if "|" in line}
+        assert "click" in loaded, "importtime output not understood"
+        assert not loaded & {"torch", "pyarrow", "polars", "transformers"}, (args, loaded & {"torch", "pyarrow"})
