@@ -1,4 +1,5 @@
-"""One full-sequence forward per sample: feature layers through hooks, next-token distribution in chunks.
+"""What extract stores per sample, from one full-sequence forward: the feature layers (through
+forward hooks) and the next-token distribution (lm_head over fixed-size windows of positions).
 
 What is stored for a sample of N tokens (prompt_len P, R = N - P response tokens):
 
@@ -7,8 +8,6 @@ What is stored for a sample of N tokens (prompt_len P, R = N - P response tokens
     topk_ids         [R+1, k]  int32          row i: top-k of the distribution of token P+i
     topk_logprobs    [R+1, k]  float32        log_softmax of the logits (computed in float32)
     argmax_mismatch  [R]       uint8          1 where argmax of row i != stored token P+i
-    logits           [R+1, V]  float32        optional, raw logits (after any softcap/scale)
-    last_hidden      [N, H]    storage dtype  optional, the final norm's OUTPUT (what lm_head reads)
 
 Layer id i is transformers' `hidden_states[i + 1]`, which is what the reference DFlash loop
 feeds its drafter. For i < L-1 that is the output of decoder layer i, captured by a forward hook
@@ -17,8 +16,8 @@ transformers 5 replaces `hidden_states[L]` with the final-norm output (`tie_last
 so that id is taken from the decoder's `last_hidden_state`, not from the layer's raw output.
 
 The batch is always one unpadded sequence, so stored values equal a plain single-sequence forward
-bit for bit (a padded batch differs by ~1e-6, SPEC §5). The lm_head runs over fixed-size windows
-of positions, never over [N, V]; see `head_windows` for why the windows all have the same size.
+bit for bit (a padded batch would differ in the last bits). The lm_head runs over fixed-size
+windows of positions, never over [N, V]; see `head_windows` for why the windows all have the same size.
 """
 
 from __future__ import annotations
@@ -28,7 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pipeline import shards
+from pipeline import shards, timing
+from pipeline.errors import UserError
 from pipeline.generate import model_device
 from pipeline.target import decoder_layers, text_config
 
@@ -46,14 +46,7 @@ class CaptureConfig:
     layer_ids: list[int]
     feature_dtype: torch.dtype
     top_k: int = 32
-    store_logits: bool = False
-    store_last_hidden: bool = False
     head_budget_bytes: int = 1 << 30  # memory for one lm_head window; sets the window rows
-
-
-def last_hidden_dtype(feature_dtype: torch.dtype, model_dtype: torch.dtype) -> torch.dtype:
-    """The optional last hidden state is stored like the features, losslessly when they are fp8."""
-    return model_dtype if feature_dtype == torch.float8_e4m3fn else feature_dtype
 
 
 def head_rows(vocab_size: int, budget_bytes: int) -> int:
@@ -102,7 +95,8 @@ def text_decoder(model) -> torch.nn.Module:
     for module in model.modules():
         if getattr(module, "layers", None) is layers:
             return module
-    raise ValueError(f"{type(model).__name__}: cannot find the module that owns its decoder layers")
+    raise UserError(f"{type(model).__name__}: cannot find the module that owns its decoder layers; supported "
+                    f"are causal LMs and vision-language wrappers whose decoder holds `layers` and a final norm")
 
 
 def ties_last_hidden_state(decoder) -> bool:
@@ -132,33 +126,44 @@ def layer_outputs(layers: torch.nn.ModuleList, layer_ids: list[int]):
             handle.remove()
 
 
+def window_logits(hidden: torch.Tensor, head: torch.nn.Module, config, lo: int, rows: int):
+    """float32 logits of rows lo..T-1 of `hidden` [T, H], one window of positions at a time
+    (after the model's own softcap/scale), as the model's forward computes them."""
+    total = hidden.shape[0]
+    for begin, end, keep in head_windows(lo, total, total, rows):
+        yield postprocess_logits(head(hidden[begin:end].to(head.weight.device)), config)[keep - begin:].float()
+
+
 def next_token_distribution(hidden: torch.Tensor, head: torch.nn.Module, config, lo: int, targets: torch.Tensor,
-                            top_k: int, rows: int, store_logits: bool) -> dict[str, torch.Tensor]:
-    """Top-k / argmax-mismatch (and optionally full logits) for rows lo..T-1 of `hidden` [T, H].
+                            top_k: int, rows: int) -> dict[str, torch.Tensor]:
+    """Top-k and argmax mismatches for rows lo..T-1 of `hidden` [T, H].
 
     `targets` [T - lo - 1] are the stored tokens at positions lo+1..T-1 (row lo+i predicts
     position lo+i+1). log_softmax runs in float32 whatever the model dtype; argmax is taken on
     the logits themselves, as greedy decoding does.
     """
-    total = hidden.shape[0]
-    ids, logprobs, argmax, full = [], [], [], []
-    for begin, end, keep in head_windows(lo, total, total, rows):
-        logits = postprocess_logits(head(hidden[begin:end].to(head.weight.device)), config)[keep - begin:].float()
-        argmax.append(logits.argmax(dim=-1).cpu())
-        values, indices = torch.topk(torch.log_softmax(logits, dim=-1), top_k, dim=-1)
-        ids.append(indices.to(torch.int32).cpu())
-        logprobs.append(values.cpu())
-        if store_logits:
-            full.append(logits.cpu())
+    ids, logprobs, argmax = [], [], []
+    with timing.stage("next-token distribution", rows=hidden.shape[0] - lo):
+        for logits in window_logits(hidden, head, config, lo, rows):
+            argmax.append(logits.argmax(dim=-1).cpu())
+            values, indices = torch.topk(torch.log_softmax(logits, dim=-1), top_k, dim=-1)
+            ids.append(indices.to(torch.int32).cpu())
+            logprobs.append(values.cpu())
     best = torch.cat(argmax)
-    out = {
+    return {
         "topk_ids": torch.cat(ids),
         "topk_logprobs": torch.cat(logprobs),
         "argmax_mismatch": (best[:-1] != targets.cpu()).to(torch.uint8),
     }
-    if store_logits:
-        out["logits"] = torch.cat(full)
-    return out
+
+
+def stored_features(parts: list[torch.Tensor], feature_dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The feature layers [N, H] each, concatenated in storage form on the CPU."""
+    if feature_dtype == torch.float8_e4m3fn:  # lossy opt-in: one scale per token and layer
+        quantized = [shards.quantize_fp8(p) for p in parts]
+        return {"features": torch.cat([q.cpu() for q, _ in quantized], dim=-1),
+                "features_scale": torch.cat([s.cpu() for _, s in quantized], dim=-1)}
+    return {"features": torch.cat([p.to(feature_dtype).cpu() for p in parts], dim=-1)}
 
 
 @torch.inference_mode()
@@ -172,23 +177,14 @@ def capture_sample(model, input_ids: list[int], prompt_len: int, config: Capture
     from_norm = ties_last_hidden_state(decoder)
     hooked = [i for i in config.layer_ids if not (i == last and from_norm)]
 
-    ids = torch.tensor([input_ids], dtype=torch.long, device=model_device(model))
-    with layer_outputs(layers, hooked) as captured:
-        final = decoder(input_ids=ids, use_cache=False).last_hidden_state[0]  # [N, H], final-norm output
-    parts = [final if (i == last and from_norm) else captured[i][0] for i in config.layer_ids]
-    if config.feature_dtype == torch.float8_e4m3fn:  # lossy opt-in: one scale per token and layer
-        quantized = [shards.quantize_fp8(p) for p in parts]
-        tensors = {"features": torch.cat([q.cpu() for q, _ in quantized], dim=-1),
-                   "features_scale": torch.cat([s.cpu() for _, s in quantized], dim=-1)}
-    else:
-        tensors = {"features": torch.cat([p.to(config.feature_dtype).cpu() for p in parts], dim=-1)}
-
-    head = model.get_output_embeddings()
-    vocab = head.weight.shape[0]
-    k = min(config.top_k, vocab)
-    targets = ids[0, prompt_len:]
-    tensors.update(next_token_distribution(final, head, text_config(model), prompt_len - 1, targets, k,
-                                           head_rows(vocab, config.head_budget_bytes), config.store_logits))
-    if config.store_last_hidden:
-        tensors["last_hidden"] = final.to(last_hidden_dtype(config.feature_dtype, final.dtype)).cpu()
+    with timing.stage("capture", tokens=len(input_ids), response_tokens=len(input_ids) - prompt_len):
+        ids = torch.tensor([input_ids], dtype=torch.long, device=model_device(model))
+        with layer_outputs(layers, hooked) as captured:
+            final = decoder(input_ids=ids, use_cache=False).last_hidden_state[0]  # [N, H], final-norm output
+        tensors = stored_features([final if (i == last and from_norm) else captured[i][0] for i in config.layer_ids],
+                                  config.feature_dtype)
+        head = model.get_output_embeddings()
+        vocab = head.weight.shape[0]
+        tensors.update(next_token_distribution(final, head, text_config(model), prompt_len - 1, ids[0, prompt_len:],
+                                               min(config.top_k, vocab), head_rows(vocab, config.head_budget_bytes)))
     return tensors

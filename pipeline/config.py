@@ -22,8 +22,6 @@ class ExtractConfig:
     draft_config: str | None = None  # drafter config.json (or its directory)
     num_draft_layers: int = 5  # n of the formula default
     top_k: int = 32
-    store_logits: bool = False
-    store_last_hidden: bool = False
     dtype: str = "auto"  # model dtype: auto = fp32 on CPU, bf16 on CUDA
     feature_dtype: str | None = None  # storage dtype of features; None = the model dtype (lossless)
     enable_thinking: bool | None = None  # None = the chat template's default
@@ -32,6 +30,6 @@ class ExtractConfig:
     shard_bytes: int = DEFAULT_SHARD_BYTES
     zstd_level: int = DEFAULT_ZSTD_LEVEL
     overwrite: bool = False
-    quiet: bool = False
+    quiet: bool = False  # read by the CLI: no progress bars (the library never prints)
     device: str | None = None  # None = cuda when available, else cpu; "auto" = device_map over GPUs
     memory_bytes: int = DEFAULT_MEMORY_BYTES  # working memory beyond model and sample: lm_head window + shard chunk

@@ -1,15 +1,18 @@
-"""`specreplay extract`: run the target once over a prompt set and write shards + manifest (SPEC §2).
+"""`specreplay extract`: run the target once over a prompt set and write shards + manifest.
 
-Flow (every check happens before the first byte is written):
-  1. parse prompts, load the target, render prompts, resolve and check layer ids, top-k, dtypes;
-  2. build the settings identity; an OUT holding a manifest with other settings is refused
-     (the message lists each differing setting) unless `overwrite`, which deletes the old outputs;
-  3. rank 0: remove temporary files of an interrupted run, store the target head once, write
-     manifest.json with complete=false;
-  4. every rank: skip samples already in finished shards (by id), take pending[rank::world],
-     generate (batched greedy) + capture (one forward per sample), write its own shards;
-  5. rank 0: merge every finished shard entry (sorted by file name) into manifest.json,
-     complete=true, with totals.
+A run is four steps (`run_extract`); every check happens before the first byte is written:
+  1. plan (`plan_extract`, pure): render and check the prompts, resolve and check layer ids,
+     top-k and dtypes, size the lm_head window and the shard chunk, build the settings identity.
+     Then every rank checks OUT (`check_out_dir`, read-only): a manifest with other settings is
+     refused (the message lists each differing setting) unless `overwrite`;
+  2. rank 0 prepares OUT (`prepare_out_dir`): delete the old outputs on `overwrite`, remove
+     temporary files of an interrupted run, store the target head once, write manifest.json
+     with complete=false;
+  3. every rank writes its share (`write_rank_share`): skip samples already in finished shards
+     (by id), take pending[rank::world], generate (batched greedy) + capture (one forward per
+     sample), write its own shards;
+  4. rank 0 finishes the manifest (`finish_manifest`): every finished shard entry (sorted by file
+     name), complete=true, totals.
 
 Resume is exact because a sample is either in a finished shard (never touched again) or redone
 from scratch: shards land atomically (see pipeline/shards.py) and settings cannot change
@@ -20,8 +23,7 @@ Manifest layout (manifest.json):
     settings   the identity compared on resume: format_version, target (architecture,
                num_layers, hidden_size, vocab_size, config_hash, dtype, stop/pad/bos ids,
                chat_template_hash, weights_fingerprint), layer_ids, feature_dtype, top_k,
-               store_logits, store_last_hidden, max_new_tokens, enable_thinking, decoding,
-               prompts (hash, count, rendered_hash)
+               max_new_tokens, enable_thinking, decoding, prompts (hash, count, rendered_hash)
     target     the full TargetInfo (name and path included; not part of the identity, so a
                moved model directory still resumes)
     tensors    {tensor name: dtype name} as stored in the shards
@@ -33,25 +35,22 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from pipeline import shards
+from pipeline import shards, timing
 from pipeline.config import ExtractConfig
+from pipeline.versions import specreplay_version
 from pipeline.distributed import Dist, barrier, dist_from_env, init_dist, resolve_device
+from pipeline.dtypes import COMPUTE_DTYPES
+from pipeline.errors import UserError
 from pipeline.layer_ids import build_target_layer_ids, check_layer_ids
 
-FEATURE_DTYPES = {
-    "float32": torch.float32, "fp32": torch.float32,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "fp16": torch.float16,
-    "float8_e4m3fn": torch.float8_e4m3fn, "fp8": torch.float8_e4m3fn,  # lossy, per-token scales
-}
+# Feature storage dtypes beyond the compute dtypes: e4m3 with one scale per token and layer (lossy).
+FP8_NAMES = ("float8_e4m3fn", "fp8")
 
 
 @dataclass
@@ -66,7 +65,7 @@ class Item:
 
 
 # ---------------------------------------------------------------------------------------------
-# validation helpers (pure, read-only)
+# inputs: checked and rendered (pure, read-only)
 
 
 def draft_layer_ids(path: str, num_target_layers: int) -> list[int]:
@@ -81,12 +80,12 @@ def draft_layer_ids(path: str, num_target_layers: int) -> list[int]:
     try:
         config = json.loads(config_path.read_text())
     except json.JSONDecodeError as error:
-        raise ValueError(f"--draft-config {config_path}: not valid JSON ({error})") from error
+        raise UserError(f"--draft-config {config_path}: not valid JSON ({error}); pass a drafter config.json") from error
     ids = (config.get("dflash_config") or {}).get("target_layer_ids", config.get("target_layer_ids"))
     if ids is not None:
         return [int(i) for i in ids]
     if "num_hidden_layers" not in config:
-        raise ValueError(
+        raise UserError(
             f"--draft-config {config_path}: has neither dflash_config.target_layer_ids nor num_hidden_layers; "
             f"pass --layer-ids explicitly"
         )
@@ -103,22 +102,26 @@ def resolve_layer_ids(config: ExtractConfig, num_target_layers: int) -> list[int
         ids = build_target_layer_ids(num_target_layers, config.num_draft_layers)
         where = f"the default layer ids for {config.num_draft_layers} drafter layers"
     if not ids:
-        raise ValueError(f"{where}: no layer ids")
+        raise UserError(f"{where}: no layer ids; pass --layer-ids explicitly")
     if len(set(ids)) != len(ids):
         fix = ("pass --layer-ids explicitly or fewer --num-draft-layers"
                if config.layer_ids is None and config.draft_config is None else "list each layer once")
-        raise ValueError(f"{where}: duplicate layer ids {ids} (target has {num_target_layers} layers); {fix}")
+        raise UserError(f"{where}: duplicate layer ids {ids} (target has {num_target_layers} layers); {fix}")
     check_layer_ids(ids, num_target_layers, where)
     return ids
 
 
 def parse_feature_dtype(name: str | None, model_dtype: str) -> str:
+    """Storage dtype name of the features: the model dtype (lossless) unless `--feature-dtype`."""
     if name is None:
         return model_dtype
     key = str(name).lower().removeprefix("torch.")
-    if key not in FEATURE_DTYPES:
-        raise ValueError(f"--feature-dtype {name!r} is not supported; use one of {', '.join(FEATURE_DTYPES)}")
-    return shards.DTYPE_NAMES[FEATURE_DTYPES[key]]
+    if key in FP8_NAMES:
+        return "float8_e4m3fn"
+    if key not in COMPUTE_DTYPES:
+        raise UserError(f"--feature-dtype {name!r} is not supported; use one of "
+                        f"{', '.join([*COMPUTE_DTYPES, *FP8_NAMES])}")
+    return shards.DTYPE_NAMES[COMPUTE_DTYPES[key]]
 
 
 def validate_numbers(config: ExtractConfig) -> None:
@@ -127,9 +130,9 @@ def validate_numbers(config: ExtractConfig) -> None:
               ("--num-draft-layers", config.num_draft_layers), ("--memory-budget", config.memory_bytes)]
     for name, value in checks:
         if value < 1:
-            raise ValueError(f"{name} must be >= 1, got {value}")
+            raise UserError(f"{name} must be >= 1, got {value}")
     if config.limit is not None and config.limit < 1:
-        raise ValueError(f"--limit must be >= 1, got {config.limit}")
+        raise UserError(f"--limit must be >= 1, got {config.limit}; leave it out to use every prompt")
 
 
 def prepare_items(records, tokenizer, enable_thinking) -> list[Item]:
@@ -138,18 +141,19 @@ def prepare_items(records, tokenizer, enable_thinking) -> list[Item]:
     items, seen = [], set()
     for record in records:
         if record.id in seen:
-            raise ValueError(f"prompt set: duplicate id {record.id!r}; every prompt needs a unique id")
+            raise UserError(f"prompt set: duplicate id {record.id!r}; every prompt needs a unique id")
         seen.add(record.id)
         prompt_ids, prompt_text = render_prompt(record, tokenizer, enable_thinking)
         if not prompt_ids:
-            raise ValueError(f"prompt {record.id!r} renders to zero tokens; give it some text or input_ids")
+            raise UserError(f"prompt {record.id!r} renders to zero tokens; give it some text or input_ids")
         given = render_response(record, tokenizer)
         if given is not None and len(given) == 0:
-            raise ValueError(f"prompt {record.id!r}: its given response is empty")
+            raise UserError(f"prompt {record.id!r}: its given response is empty; give it some text or token ids, "
+                            f"or leave \"response\" out to generate one")
         items.append(Item(record.id, record.dataset, [int(t) for t in prompt_ids], prompt_text,
                           None if given is None else [int(t) for t in given]))
     if not items:
-        raise ValueError("the prompt set is empty")
+        raise UserError("the prompt set is empty; give at least one prompt (or a larger --limit)")
     return items
 
 
@@ -177,7 +181,7 @@ def weights_fingerprint(model, per_tensor: int = 4096) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# settings identity
+# settings identity and sizes (pure)
 
 
 TARGET_IDENTITY = ("architecture", "num_layers", "hidden_size", "vocab_size", "config_hash", "dtype",
@@ -185,7 +189,8 @@ TARGET_IDENTITY = ("architecture", "num_layers", "hidden_size", "vocab_size", "c
 
 
 def settings_identity(config: ExtractConfig, info, fingerprint: str, layer_ids: list[int], feature_dtype: str,
-                      top_k: int, prompts: dict) -> dict:
+                      prompts: dict) -> dict:
+    """What must not change between a run and its resume (compared key by key on resume)."""
     target = {key: getattr(info, key) for key in TARGET_IDENTITY}
     target["weights_fingerprint"] = fingerprint
     return {
@@ -193,9 +198,7 @@ def settings_identity(config: ExtractConfig, info, fingerprint: str, layer_ids: 
         "target": target,
         "layer_ids": list(layer_ids),
         "feature_dtype": feature_dtype,
-        "top_k": top_k,
-        "store_logits": bool(config.store_logits),
-        "store_last_hidden": bool(config.store_last_hidden),
+        "top_k": config.top_k,
         "max_new_tokens": int(config.max_new_tokens),
         "enable_thinking": config.enable_thinking,
         "decoding": "greedy",
@@ -219,26 +222,19 @@ def settings_diff(old: dict, new: dict) -> list[str]:
             for key in sorted(set(a) | set(b)) if a.get(key, "<absent>") != b.get(key, "<absent>")]
 
 
-def tensor_dtypes(feature_dtype: str, model_dtype: str, config: ExtractConfig) -> dict[str, str]:
-    from pipeline.capture import last_hidden_dtype
-
+def tensor_dtypes(feature_dtype: str) -> dict[str, str]:
+    """{tensor name: dtype name} of what the shards store (see pipeline/capture.py)."""
     dtypes = {"features": feature_dtype, "topk_ids": "int32", "topk_logprobs": "float32", "argmax_mismatch": "uint8"}
     if feature_dtype == "float8_e4m3fn":
         dtypes["features_scale"] = "float32"
-    if config.store_logits:
-        dtypes["logits"] = "float32"
-    if config.store_last_hidden:
-        names = shards.TENSOR_DTYPES
-        dtypes["last_hidden"] = shards.DTYPE_NAMES[last_hidden_dtype(names[feature_dtype], names[model_dtype])]
     return dtypes
 
 
-def stored_bytes_per_token(dtypes: dict[str, str], n_layers: int, hidden: int, top_k: int, vocab: int) -> int:
-    """Raw bytes the shards hold per token (features, scales, top-k, flags, optional tensors)."""
+def stored_bytes_per_token(dtypes: dict[str, str], n_layers: int, hidden: int, top_k: int) -> int:
+    """Raw bytes the shards hold per token (features, scales, top-k, flags)."""
     width = {"features": n_layers * hidden, "features_scale": n_layers, "topk_ids": top_k, "topk_logprobs": top_k,
-             "argmax_mismatch": 1, "logits": vocab, "last_hidden": hidden}
-    return sum(width[name] * torch.empty((), dtype=shards.TENSOR_DTYPES[dtype]).element_size()
-               for name, dtype in dtypes.items())
+             "argmax_mismatch": 1}
+    return sum(width[name] * shards.TENSOR_DTYPES[dtype].itemsize for name, dtype in dtypes.items())
 
 
 def split_memory_budget(budget_bytes: int, bytes_per_token: int) -> tuple[int, int]:
@@ -246,6 +242,10 @@ def split_memory_budget(budget_bytes: int, bytes_per_token: int) -> tuple[int, i
     and one sample's own activations and stored tensors come on top (they scale with the model
     and the sample, not with anything extract chooses)."""
     return budget_bytes // 2, shards.chunk_tokens_for(budget_bytes // 2, bytes_per_token)
+
+
+# ---------------------------------------------------------------------------------------------
+# OUT as it is: resumable, refused, or deleted with --overwrite
 
 
 def existing_outputs(out: str) -> tuple[dict | None, bool]:
@@ -277,7 +277,7 @@ def check_out_dir(out: str, settings: dict, overwrite: bool) -> dict | None:
     if diff:
         raise shards.ShardError(
             f"{out} already holds an extract with different settings:\n  " + "\n  ".join(diff)
-            + f"\nPass --overwrite to delete the old outputs and start over, or choose another --out."
+            + "\nPass --overwrite to delete the old outputs and start over, or choose another --out."
         )
     return manifest
 
@@ -295,10 +295,11 @@ def delete_outputs(out: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# manifest
+# finished shard entries
 
 
 def totals(entries: list[dict], raw_feature_bytes_per_token: int) -> dict:
+    """The manifest's totals over finished shard entries (samples, tokens, bytes, finish reasons...)."""
     out = {"samples": 0, "tokens": 0, "response_tokens": 0, "bytes": 0, "finish_reasons": {},
            "argmax_mismatches": 0, "greedy_samples": 0, "greedy_response_tokens": 0, "greedy_argmax_mismatches": 0}
     for entry in entries:
@@ -339,7 +340,139 @@ def next_shard_index(entries: list[dict], rank: int) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
-# the run
+# step 1: the plan (pure)
+
+
+@dataclass
+class Plan:
+    """Everything a run decides before it touches OUT; a function of the config, the target and
+    the prompts only."""
+
+    items: list[Item]  # the prompts, rendered, in extraction order
+    layer_ids: list[int]
+    feature_dtype: str  # storage dtype name of the features
+    tensors: dict[str, str]  # {tensor name: dtype name} as stored in the shards
+    head_window_bytes: int  # memory for one lm_head window over the vocabulary
+    chunk_tokens: int  # tokens per shard chunk (record batch)
+    raw_bytes_per_token: int  # the features as raw bf16, what `totals` compares the shards against
+    prompts: dict  # {name, hash, count, rendered_hash}
+    settings: dict  # the identity compared on resume (see settings_identity)
+
+
+def plan_extract(config: ExtractConfig, records, tokenizer, info, fingerprint: str) -> Plan:
+    """Check the inputs against the target and decide every size and dtype; raises UserError."""
+    from pipeline.prompts import prompt_set_hash
+
+    items = prepare_items(records, tokenizer, config.enable_thinking)
+    layer_ids = resolve_layer_ids(config, info.num_layers)
+    if config.top_k > info.vocab_size:
+        raise UserError(f"--top-k {config.top_k} exceeds the target's vocabulary ({info.vocab_size}); "
+                        f"pass a smaller --top-k")
+    feature_dtype = parse_feature_dtype(config.feature_dtype, info.dtype)
+    prompts = {"name": str(config.prompts), "hash": prompt_set_hash(records), "count": len(items),
+               "rendered_hash": rendered_hash(items)}
+    tensors = tensor_dtypes(feature_dtype)
+    head_bytes, chunk_tokens = split_memory_budget(
+        config.memory_bytes, stored_bytes_per_token(tensors, len(layer_ids), info.hidden_size, config.top_k))
+    return Plan(items=items, layer_ids=layer_ids, feature_dtype=feature_dtype, tensors=tensors,
+                head_window_bytes=head_bytes, chunk_tokens=chunk_tokens,
+                raw_bytes_per_token=len(layer_ids) * info.hidden_size * 2, prompts=prompts,
+                settings=settings_identity(config, info, fingerprint, layer_ids, feature_dtype, prompts))
+
+
+def new_manifest(plan: Plan, info, run: dict) -> dict:
+    """The manifest of a run before any shard is merged into it (complete=false)."""
+    return {
+        "format_version": shards.FORMAT_VERSION,
+        "complete": False,
+        "settings": plan.settings,
+        "target": {**info.to_json(), "weights_fingerprint": plan.settings["target"]["weights_fingerprint"]},
+        "tensors": plan.tensors,
+        "prompts": plan.prompts,
+        "run": {**run, "chunk_tokens": plan.chunk_tokens, "head_window_bytes": plan.head_window_bytes},
+    }
+
+
+def run_facts(config: ExtractConfig, dist: Dist, device: str) -> dict:
+    """Informational facts of this run (versions, world size, device, sizes); not compared on resume."""
+    import transformers
+
+    return {"specreplay": specreplay_version(), "torch": torch.__version__, "transformers": transformers.__version__,
+            "world_size": dist.world, "device": device, "batch_size": config.batch_size,
+            "shard_bytes": config.shard_bytes, "zstd_level": config.zstd_level,
+            "memory_bytes": config.memory_bytes}
+
+
+# ---------------------------------------------------------------------------------------------
+# step 2: rank 0 prepares OUT
+
+
+def prepare_out_dir(config: ExtractConfig, model, plan: Plan, manifest: dict) -> None:
+    """After check_out_dir accepted OUT: delete old outputs (--overwrite), remove what an interrupted
+    run left unfinished, store the target head once, write the manifest with complete=false."""
+    if config.overwrite:
+        delete_outputs(config.out)
+    shards.remove_unfinished(config.out)
+    with timing.stage("store target head"):
+        manifest["target_head"] = stored_target_head(config.out, model)
+    entries = shards.finished_shard_entries(config.out)
+    manifest.update(shards=entries, totals=totals(entries, plan.raw_bytes_per_token))
+    shards.write_manifest(config.out, manifest)
+
+
+def stored_target_head(out: str, model) -> dict:
+    """Store the embedding and lm_head once; a resumed run keeps the file the first run wrote."""
+    from pipeline.target import input_embedding_weight, output_head_weight
+
+    fs, root = shards.open_fs(out)
+    fs.create_dir(root, recursive=True)
+    path = shards.join(root, shards.TARGET_HEAD_NAME)
+    if shards.exists(fs, path):
+        try:
+            previous = shards.read_manifest(out).get("target_head")
+        except shards.ShardError:
+            previous = None
+        if previous:
+            return previous
+    return shards.save_target_head(out, input_embedding_weight(model), output_head_weight(model))
+
+
+# ---------------------------------------------------------------------------------------------
+# step 3: every rank writes its share
+
+
+class SilentProgress:
+    """The progress bar of a run nobody watches (the library never prints)."""
+
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def set_postfix_str(self, text: str, refresh: bool = True) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def write_rank_share(model, info, plan: Plan, config: ExtractConfig, dist: Dist, progress=None) -> None:
+    """This rank's samples (pending ones, every world-th from its rank) into its own shards."""
+    from pipeline.capture import CaptureConfig
+
+    entries = shards.finished_shard_entries(config.out)
+    done = check_entries(entries, {item.sample_id for item in plan.items})
+    pending = [item for item in plan.items if item.sample_id not in done]
+    mine = pending[dist.rank::dist.world]
+    capture_config = CaptureConfig(layer_ids=plan.layer_ids, feature_dtype=shards.TENSOR_DTYPES[plan.feature_dtype],
+                                   top_k=config.top_k, head_budget_bytes=plan.head_window_bytes)
+    writer = shards.ShardWriter(config.out, dist.rank, plan.tensors, shard_bytes=config.shard_bytes,
+                                zstd_level=config.zstd_level, first_index=next_shard_index(entries, dist.rank),
+                                chunk_tokens=plan.chunk_tokens)
+    bar = progress(len(mine)) if progress is not None else SilentProgress()
+    try:
+        run_items(model, info, mine, writer, capture_config, config.max_new_tokens, config.batch_size, bar)
+        writer.close()
+    finally:
+        bar.close()
 
 
 def batches(items: list, size: int):
@@ -349,7 +482,8 @@ def batches(items: list, size: int):
 
 def run_items(model, info, items: list[Item], writer: shards.ShardWriter, capture_config, max_new_tokens: int,
               batch_size: int, progress) -> None:
-    """Generate in batches, then one capture forward per sample, written in item order."""
+    """Generate in batches, then one capture forward per sample, written in item order; `progress`
+    (a tqdm-like bar) counts samples and shows tokens per second."""
     from pipeline.capture import capture_sample
     from pipeline.generate import generate_responses
 
@@ -371,104 +505,8 @@ def run_items(model, info, items: list[Item], writer: shards.ShardWriter, captur
             progress.set_postfix_str(f"{tokens / max(time.perf_counter() - start, 1e-9):.0f} tok/s", refresh=False)
 
 
-def run_extract(config: ExtractConfig) -> dict:
-    """Run (or resume) an extract; returns the final manifest. See the module docstring."""
-    from pipeline.prompts import load_prompts
-
-    dist = dist_from_env()
-    validate_numbers(config)
-    records = load_prompts(config.prompts, limit=config.limit)  # parse errors surface before any load
-    init_dist(dist)
-    try:
-        return _run(config, dist, records)
-    finally:
-        if dist.world > 1 and torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
-
-
-def load_model_once(config: ExtractConfig, dist: Dist, device: str):
-    """Rank 0 loads first: the first load of a GGUF target converts it into a shared cache dir."""
-    from pipeline.target import load_target
-
-    if not dist.main:
-        barrier(dist)
-    loaded = load_target(config.model, dtype=config.dtype, device=device)
-    if dist.main:
-        barrier(dist)
-    return loaded
-
-
-def _run(config: ExtractConfig, dist: Dist, records) -> dict:
-    from pipeline.capture import CaptureConfig
-    from pipeline.prompts import prompt_set_hash
-
-    device = resolve_device(config.device, dist)
-    if config.quiet or not dist.main:
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()  # the weight-loading bars too, not just ours
-    model, tokenizer, info = load_model_once(config, dist, device)
-
-    # Everything below up to check_out_dir only reads: a bad input leaves OUT untouched.
-    items = prepare_items(records, tokenizer, config.enable_thinking)
-    layer_ids = resolve_layer_ids(config, info.num_layers)
-    if config.top_k > info.vocab_size:
-        raise ValueError(f"--top-k {config.top_k} exceeds the target's vocabulary ({info.vocab_size})")
-    feature_dtype = parse_feature_dtype(config.feature_dtype, info.dtype)
-    prompts = {"name": str(config.prompts), "hash": prompt_set_hash(records), "count": len(items),
-               "rendered_hash": rendered_hash(items)}
-    settings = settings_identity(config, info, weights_fingerprint(model), layer_ids, feature_dtype,
-                                 config.top_k, prompts)
-    existing = check_out_dir(config.out, settings, config.overwrite)  # every rank, so all refuse together
-    if existing is not None and existing.get("complete"):
-        return existing  # already done with these settings: touch nothing
-
-    dtypes = tensor_dtypes(feature_dtype, info.dtype, config)
-    head_bytes, chunk_tokens = split_memory_budget(
-        config.memory_bytes,
-        stored_bytes_per_token(dtypes, len(layer_ids), info.hidden_size, config.top_k, info.vocab_size))
-    raw_per_token = len(layer_ids) * info.hidden_size * 2
-    manifest = {
-        "format_version": shards.FORMAT_VERSION,
-        "complete": False,
-        "settings": settings,
-        "target": {**info.to_json(), "weights_fingerprint": settings["target"]["weights_fingerprint"]},
-        "tensors": dtypes,
-        "prompts": prompts,
-        "run": {**run_facts(config, dist, device), "chunk_tokens": chunk_tokens, "head_window_bytes": head_bytes},
-    }
-    if dist.main:
-        if config.overwrite:
-            delete_outputs(config.out)
-        shards.remove_unfinished(config.out)
-        manifest["target_head"] = stored_target_head(config.out, model)
-        entries = shards.finished_shard_entries(config.out)
-        manifest.update(shards=entries, totals=totals(entries, raw_per_token))
-        shards.write_manifest(config.out, manifest)
-    barrier(dist)
-
-    entries = shards.finished_shard_entries(config.out)
-    done = check_entries(entries, {item.sample_id for item in items})
-    pending = [item for item in items if item.sample_id not in done]
-    mine = pending[dist.rank::dist.world]
-    capture_config = CaptureConfig(layer_ids=layer_ids, feature_dtype=shards.TENSOR_DTYPES[feature_dtype],
-                                   top_k=config.top_k, store_logits=config.store_logits,
-                                   store_last_hidden=config.store_last_hidden, head_budget_bytes=head_bytes)
-    writer = shards.ShardWriter(config.out, dist.rank, dtypes, shard_bytes=config.shard_bytes,
-                                zstd_level=config.zstd_level, first_index=next_shard_index(entries, dist.rank),
-                                chunk_tokens=chunk_tokens)
-    progress = make_progress(len(mine), config, dist)
-    try:
-        run_items(model, info, mine, writer, capture_config, config.max_new_tokens, config.batch_size, progress)
-        writer.close()
-    finally:
-        progress.close()
-    barrier(dist)
-
-    if dist.main:
-        finish_manifest(config.out, manifest, items, raw_per_token)
-    barrier(dist)
-    return manifest if dist.main else shards.read_manifest(config.out)
+# ---------------------------------------------------------------------------------------------
+# step 4: rank 0 finishes the manifest
 
 
 def finish_manifest(out: str, manifest: dict, items: list[Item], raw_per_token: int) -> None:
@@ -485,50 +523,62 @@ def finish_manifest(out: str, manifest: dict, items: list[Item], raw_per_token: 
     shards.write_manifest(out, manifest)
 
 
-def stored_target_head(out: str, model) -> dict:
-    """Store the embedding and lm_head once; a resumed run keeps the file the first run wrote."""
-    from pipeline.target import input_embedding_weight, output_head_weight
-
-    fs, root = shards.open_fs(out)
-    fs.create_dir(root, recursive=True)
-    path = shards.join(root, shards.TARGET_HEAD_NAME)
-    if shards.exists(fs, path):
-        try:
-            previous = shards.read_manifest(out).get("target_head")
-        except shards.ShardError:
-            previous = None
-        if previous:
-            return previous
-    return shards.save_target_head(out, input_embedding_weight(model), output_head_weight(model))
+# ---------------------------------------------------------------------------------------------
+# the run
 
 
-def run_facts(config: ExtractConfig, dist: Dist, device: str) -> dict:
-    import transformers
+def run_extract(config: ExtractConfig, progress=None, loaded=None) -> dict:
+    """Run (or resume) an extract; returns the final manifest. See the module docstring.
 
-    from importlib.metadata import PackageNotFoundError, version
+    `progress`: called once per rank with the number of samples this rank will write; returns a
+    tqdm-like bar (update, set_postfix_str, close). None: nothing is shown.
+    `loaded`: the (model, tokenizer, info) that pipeline.target.load_target returned, to reuse
+    instead of loading config.model again.
+    """
+    from pipeline.prompts import load_prompts
 
+    dist = dist_from_env()
+    validate_numbers(config)
+    records = load_prompts(config.prompts, limit=config.limit)  # parse errors surface before any load
+    init_dist(dist)
     try:
-        ours = version("specreplay")
-    except PackageNotFoundError:  # pragma: no cover - running from a plain checkout
-        ours = "unknown"
-    return {"specreplay": ours, "torch": torch.__version__, "transformers": transformers.__version__,
-            "world_size": dist.world, "device": device, "batch_size": config.batch_size,
-            "shard_bytes": config.shard_bytes, "zstd_level": config.zstd_level,
-            "memory_budget": config.memory_bytes}
+        return _run(config, dist, records, progress, loaded)
+    finally:
+        if dist.world > 1 and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
 
 
-def make_progress(total: int, config: ExtractConfig, dist: Dist):
-    from tqdm import tqdm
+def load_model_once(config: ExtractConfig, dist: Dist, device: str):
+    """Rank 0 loads first: the first load of a GGUF target converts it into a shared cache dir."""
+    from pipeline.target import load_target
 
-    return tqdm(total=total, unit="sample", desc="extract", disable=config.quiet or not dist.main, file=sys.stderr)
+    if not dist.main:
+        barrier(dist)
+    with timing.stage("load target"):
+        loaded = load_target(config.model, dtype=config.dtype, device=device)
+    if dist.main:
+        barrier(dist)
+    return loaded
 
 
-def next_steps(out: str, manifest: dict) -> str:
-    t = manifest.get("totals", {})
-    return (
-        f"{out}: {t.get('samples', 0)} samples, {t.get('tokens', 0)} tokens, {t.get('bytes', 0) / 2**20:.1f} MiB\n"
-        f"Next:\n"
-        f"  specreplay inspect {out}\n"
-        f"  make score CKPT=path/to/drafter SHARDS={out}\n"
-        f"  (or: specreplay score --ckpt path/to/drafter --shards {out} --out data/results)"
-    )
+def _run(config: ExtractConfig, dist: Dist, records, progress, loaded) -> dict:
+    device = resolve_device(config.device, dist)
+    model, tokenizer, info = loaded if loaded is not None else load_model_once(config, dist, device)
+    with timing.stage("weights fingerprint"):
+        fingerprint = weights_fingerprint(model)
+    # Planning and check_out_dir only read: a bad input leaves OUT untouched.
+    plan = plan_extract(config, records, tokenizer, info, fingerprint)
+    existing = check_out_dir(config.out, plan.settings, config.overwrite)  # every rank, so all refuse together
+    if existing is not None and existing.get("complete"):
+        return existing  # already done with these settings: touch nothing
+
+    manifest = new_manifest(plan, info, run_facts(config, dist, device))
+    if dist.main:
+        prepare_out_dir(config, model, plan, manifest)
+    barrier(dist)
+    write_rank_share(model, info, plan, config, dist, progress)
+    barrier(dist)
+    if dist.main:
+        finish_manifest(config.out, manifest, plan.items, plan.raw_bytes_per_token)
+    barrier(dist)
+    return manifest if dist.main else shards.read_manifest(config.out)

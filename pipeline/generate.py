@@ -1,8 +1,8 @@
-"""Greedy generation of the responses that extract stores (SPEC §2).
+"""Greedy generation of the responses that extract stores.
 
-Prompts are generated in left-padded batches with `model.generate(do_sample=False)`: SPEC §5
-measured that left-padded batched greedy decoding gives the same tokens as one prompt at a time
-on tiny Qwen3 / Qwen3.5 models in fp32, and tests/test_extract.py checks it again.
+Prompts are generated in left-padded batches with `model.generate(do_sample=False)`; in fp32,
+left-padded batched greedy decoding gives the same tokens as one prompt at a time
+(tests/test_extract.py checks it on tiny Qwen3 and Qwen3.5 targets).
 
 A record that already carries a response (text or token ids, e.g. produced by a serving engine)
 is not generated: its response is teacher-forced and marked `greedy=False`, finish reason
@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from pipeline import timing
 
 FINISH_EOS = "eos"
 FINISH_LENGTH = "length"
@@ -91,14 +93,16 @@ def generate_batch(model, prompts: list[list[int]], max_new_tokens: int, stop_id
     if not stop_ids:
         raise ValueError("the target has no stop token ids; cannot tell where a response ends")
     ids, mask = left_pad(prompts, pad_id, model_device(model))
-    out = model.generate(
-        input_ids=ids,
-        attention_mask=mask,
-        max_new_tokens=max_new_tokens,
-        eos_token_id=list(stop_ids),
-        pad_token_id=pad_id,
-        **NEUTRAL_GENERATION,
-    )
+    # The facts are fixed when the stage starts: the token budget, not the tokens generate makes.
+    with timing.stage("generate", prompts=len(prompts), max_new_tokens=max_new_tokens):
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=max_new_tokens,
+            eos_token_id=list(stop_ids),
+            pad_token_id=pad_id,
+            **NEUTRAL_GENERATION,
+        )
     new = out[:, ids.shape[1]:].cpu().tolist()
     return [cut_at_stop(row, stop_ids, max_new_tokens) for row in new]
 

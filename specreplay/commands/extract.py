@@ -113,7 +113,7 @@ def extract(model, prompts, out, max_new_tokens, layer_ids, draft_config, num_dr
         memory_bytes=parse_size(memory_budget, "--memory-budget"),
         overwrite=overwrite, quiet=quiet, device=device,
     )
-    main_rank = int(os.environ.get("RANK", 0)) == 0
+    main_rank = int(os.environ.get("RANK", "0")) == 0
     show = main_rank and not config.quiet
     if not show:
         from transformers.utils import logging as hf_logging
