@@ -9,11 +9,13 @@ RESULTS ?= data/results
 CKPT    ?=
 ARGS    ?=
 
-.PHONY: setup setup-browser test extract score inspect bench demo clean help
+.PHONY: setup setup-browser test test-fast lint extract score inspect bench demo clean help
 
 help:
 	@echo "make setup     create .venv and install specreplay (CPU torch 2.13.0 first)"
-	@echo "make test      run the test suite"
+	@echo "make test      lint, then run the whole test suite (slow tests included)"
+	@echo "make test-fast the tests not marked slow (no real model, no torchrun, no parity fits)"
+	@echo "make lint      ruff check and ruff format --check (what make test runs first)"
 	@echo "make setup-browser   install headless Chromium (Debian package) for the report rendering test"
 	@echo "make extract   extract SmolLM2-135M over the bundled default prompts into $(SHARDS)"
 	@echo "make score CKPT=path/to/drafter   score a drafter checkpoint against $(SHARDS)"
@@ -38,8 +40,17 @@ setup-browser:
 	# Headless Chromium for tests/test_report.py (skipped without it); Debian package, /usr/bin/chromium.
 	$(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq chromium
 
-test:
+RUFF    ?= .venv/bin/ruff
+
+# [tool.ruff] in pyproject.toml excludes .venv and data/.
+lint:
+	$(RUFF) check . && $(RUFF) format --check .
+
+test: lint
 	$(PY) -m pytest tests $(ARGS)
+
+test-fast:
+	$(PY) -m pytest tests -m "not slow" $(ARGS)
 
 extract:
 	$(CLI) extract --model $(MODEL) --prompts $(PROMPTS) --out $(SHARDS) $(ARGS)
@@ -53,7 +64,7 @@ inspect:
 	$(CLI) inspect $(SHARDS)
 
 bench:
-	$(PY) bench/run.py $(ARGS)
+	$(PY) -m bench $(ARGS)
 
 DEMO    ?= data/demo
 DEMO_STEPS ?= 600

@@ -1,9 +1,15 @@
 """Shared test fixtures: tiny random targets built from configs (no download, well under 2 s each).
 
-Other test files rely on these names; keep them stable:
+Other test files rely on these names; keep them stable. One helper per fixture concept: a test
+that needs a prompt file, a drafter or a brute-force tree uses the one here, not its own.
   fixtures  tiny_qwen3_dir, tiny_qwen35_hybrid_dir, tiny_qwen35_vlm_dir (session scope, return str paths)
-  helpers   make_tokenizer(save_dir), build_tiny_qwen3(save_dir), build_tiny_qwen35_hybrid(save_dir),
-            build_tiny_qwen35_vlm(save_dir), TINY_VOCAB, TINY_HIDDEN, IM_END_ID
+  targets   make_tokenizer(save_dir), build_tiny_qwen3(save_dir), build_tiny_qwen35_hybrid(save_dir),
+            build_tiny_qwen35_vlm(save_dir), TINY_VOCAB, TINY_HIDDEN, TINY_TARGET, IM_END_ID
+  prompts   write_prompts(path, records)
+  drafters  drafter_config(...) (the one config source), random_drafter(...) (ours, random weights),
+            reference_drafter(...) (the public dflash model, random weights, saved in z-lab format),
+            fitted_drafters(shards, out_dir, ...) (ours, fitted to extracted shards, saved)
+  trees     brute_force_tree(log_q, budget)
 
 Import the helpers with `from conftest import make_tokenizer` (pytest puts tests/ on sys.path).
 """
@@ -11,6 +17,7 @@ Import the helpers with `from conftest import make_tokenizer` (pytest puts tests
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 from pathlib import Path
 
@@ -229,3 +236,176 @@ def tiny_qwen35_hybrid_dir(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def tiny_qwen35_vlm_dir(tmp_path_factory) -> str:
     return build_tiny_qwen35_vlm(tmp_path_factory.mktemp("tiny_qwen35_vlm"))
+
+
+# ---------------------------------------------------------------------------------------------
+# prompt files
+
+
+def write_prompts(path, records) -> str:
+    """Write a prompts JSONL file, one record a line, and return its path as a string. Records are
+    dicts (written as JSON) or strings (written as they are, for malformed-input tests)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
+    return str(path)
+
+
+# ---------------------------------------------------------------------------------------------
+# drafters
+
+# The settings.target of shards extracted from build_tiny_qwen3's default (6 layers).
+TINY_TARGET = {"hidden_size": TINY_HIDDEN, "num_layers": 6, "vocab_size": TINY_VOCAB}
+
+
+def drafter_config(
+    target: dict | None = None,
+    *,
+    layers: int = 2,
+    block_size: int = 4,
+    layer_ids=(1, 3),
+    num_heads: int | None = None,
+    intermediate_size: int | None = None,
+    mask_token_id=None,
+    dflash_extra: dict | None = None,
+    **fields,
+) -> dict:
+    """A z-lab config.json dict from scoring.fit.new_drafter_config (what `specreplay fit` writes)
+    for a drafter of `target` (default TINY_TARGET).
+
+    `layer_ids=None` leaves dflash_config.target_layer_ids out, so loaders derive them from
+    num_target_layers. `dflash_extra` goes into dflash_config (input_embedding_scale, ...); other
+    fields go at the top level (layer_types, sliding_window, is_causal, ...); a sliding_window
+    also sets use_sliding_window, without which Qwen3Config drops the window on load."""
+    from scoring.fit import new_drafter_config
+
+    raw = new_drafter_config(
+        target or TINY_TARGET,
+        num_layers=layers,
+        block_size=block_size,
+        layer_ids=list(layer_ids) if layer_ids is not None else None,
+        num_heads=num_heads,
+        intermediate_size=intermediate_size,
+        mask_token_id=mask_token_id,
+    )
+    if layer_ids is None:
+        del raw["dflash_config"]["target_layer_ids"]
+    raw["dflash_config"].update(dflash_extra or {})
+    raw.update(fields)
+    if fields.get("sliding_window") is not None:
+        raw["use_sliding_window"] = True
+    return raw
+
+
+def _random_weights(model, seed: int, std: float):
+    """Every parameter (norms included, so a weight loaded into the wrong slot shows) drawn from
+    N(0, std), seeded without touching the global RNG; eval mode."""
+    with _seeded(seed), torch.no_grad():
+        for parameter in model.parameters():
+            parameter.normal_(0.0, std)
+    return model.eval()
+
+
+def random_drafter(*, seed: int = 0, std: float = 0.2, **config):
+    """Our scoring.drafter.DFlashDrafter with drafter_config(**config) and random weights."""
+    from scoring.drafter import DFlashDrafter, parse_drafter_config
+
+    with _seeded(seed):
+        drafter = DFlashDrafter(parse_drafter_config(drafter_config(**config), "test drafter"))
+    return _random_weights(drafter, seed, std)
+
+
+# The public reference drafters' dimensions (test_drafter.py, test_checkpoint.py): small enough
+# that a parity check over every anchor takes milliseconds; MASK inside VOCAB but not its last id.
+REFERENCE_HIDDEN, REFERENCE_VOCAB, REFERENCE_MASK = 32, 64, 60
+REFERENCE_TARGET = {"hidden_size": REFERENCE_HIDDEN, "num_layers": 6, "vocab_size": REFERENCE_VOCAB}
+
+
+def reference_drafter(save_dir=None, *, seed: int = 0, std: float = 0.2, **config):
+    """The public reference `dflash.model.DFlashDraftModel` built from drafter_config(**config)
+    (default: REFERENCE_TARGET, 4 query / 2 kv heads of 8, mask REFERENCE_MASK) with random
+    weights; saved to `save_dir` in z-lab format (its own save_pretrained) when given. The caller
+    must have skipped without dflash (pytest.importorskip)."""
+    from dflash.model import DFlashDraftModel
+    from transformers import Qwen3Config
+
+    config.setdefault("target", REFERENCE_TARGET)
+    config.setdefault("num_heads", 4)
+    config.setdefault("intermediate_size", 64)
+    config.setdefault("mask_token_id", REFERENCE_MASK)
+    raw = drafter_config(**config)
+    hf = Qwen3Config(**{k: v for k, v in raw.items() if k != "architectures"})
+    hf.architectures = raw["architectures"]
+    with _seeded(seed):
+        model = DFlashDraftModel(hf)
+    _random_weights(model, seed, std)
+    if save_dir is not None:
+        model.save_pretrained(str(save_dir))
+    return model
+
+
+def fitted_drafters(
+    shards: str,
+    out_dir,
+    *,
+    block_size: int = 4,
+    layer_ids=None,
+    layer_types=None,
+    sliding_window: int | None = None,
+    **options,
+) -> list[str]:
+    """Fit a new drafter (scoring.fit, as `specreplay fit`) to every sample of the shards; returns
+    the checkpoint directories written, out_dir/step_<N> (every `save_every` steps and the last).
+    One decoder layer unless layer_types says more; `options` are FitOptions fields."""
+    from pipeline.shards import ShardSet
+    from scoring.config import FitOptions
+    from scoring.fit import fit_drafter, new_drafter_config
+
+    shardset = ShardSet(shards)
+    settings = shardset.settings
+    raw = new_drafter_config(
+        settings["target"],
+        num_layers=len(layer_types or [None]),
+        block_size=block_size,
+        layer_ids=layer_ids,
+        layer_types=layer_types,
+        sliding_window=sliding_window,
+    )
+    samples = list(shardset.samples(tensors=["features"]))
+    _, written = fit_drafter(
+        samples, shardset.target_head(), settings["layer_ids"], raw, str(out_dir), FitOptions(**options)
+    )
+    return written
+
+
+# ---------------------------------------------------------------------------------------------
+# DDTree
+
+
+def brute_force_tree(log_q: torch.Tensor, budget: int, *, prune: bool = True) -> set[tuple[int, ...]]:
+    """The `budget` most probable prefixes (depth 1..L) under independent per-depth log-probs
+    log_q [L, V], by enumerating and sorting prefixes.
+
+    prune=False enumerates all V + V^2 + ... + V^L prefixes (tiny L and V only): the oracle with
+    no argument to trust. prune=True enumerates only each depth's top-`budget` tokens and keeps the
+    `budget` best prefixes of each depth as the next depth's parents, which is exact: a prefix
+    holding a rank >= budget token is beaten by `budget` siblings, and a prefix outside its depth's
+    best `budget` is beaten by those (test_ddtree.py checks the two agree); it makes the vocab of
+    a real target tractable (tests/online_reference.py)."""
+    depths, vocab = log_q.shape
+    k = min(budget, vocab) if prune else vocab
+    top = torch.topk(log_q.float(), k, dim=-1)
+    scored, frontier = [], [((), 0.0)]
+    for depth in range(depths):
+        children = [
+            (prefix + (int(top.indices[depth, r]),), score + float(top.values[depth, r]))
+            for prefix, score in frontier
+            for r in range(k)
+        ]
+        children.sort(key=lambda item: -item[1])
+        if prune:
+            children = children[:budget]
+        scored += children
+        frontier = children
+    scored.sort(key=lambda item: -item[1])
+    return {prefix for prefix, _ in scored[:budget]}

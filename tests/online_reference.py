@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 from dflash.model import extract_context_feature
 
+from conftest import brute_force_tree
+
 
 @torch.inference_mode()
 def _target_forward(target, ids: torch.Tensor):
@@ -22,14 +24,25 @@ def _target_forward(target, ids: torch.Tensor):
 
 def _draft_logits(draft, target_embed, lm_head, features, block_ids, start):
     emb = torch.nn.functional.embedding(block_ids[None], target_embed)
-    hidden = draft(target_hidden=features[None, :start], noise_embedding=emb,
-                   position_ids=torch.arange(start + block_ids.numel())[None])
+    hidden = draft(
+        target_hidden=features[None, :start],
+        noise_embedding=emb,
+        position_ids=torch.arange(start + block_ids.numel())[None],
+    )
     return draft.compute_logits(hidden[:, 1:], lambda h: torch.nn.functional.linear(h, lm_head))[0]
 
 
 @torch.inference_mode()
-def online_generate(draft, target, target_embed, lm_head, prompt: torch.Tensor, max_new_tokens: int,
-                    stop_token_ids: list[int], tree_budget: int | None = None):
+def online_generate(
+    draft,
+    target,
+    target_embed,
+    lm_head,
+    prompt: torch.Tensor,
+    max_new_tokens: int,
+    stop_token_ids: list[int],
+    tree_budget: int | None = None,
+):
     """Returns (output_ids, acceptance_lengths). Chain when tree_budget is None, else DDTree
     with a brute-force tree of `tree_budget` most probable prefixes (small vocabularies only)."""
     P = prompt.numel()
@@ -50,7 +63,7 @@ def online_generate(draft, target, target_embed, lm_head, prompt: torch.Tensor, 
         cont = seq[: start + 1].clone()
         for _ in range(verify):
             cont = torch.cat([cont, _target_forward(target, cont)[0][-1].argmax()[None]])
-        target_next = cont[start + 1:]  # target argmax after each block position
+        target_next = cont[start + 1 :]  # target argmax after each block position
         if tree_budget is None:
             drafts = dl.argmax(-1)
             accepted = int((drafts == target_next[: verify - 1]).long().cumprod(0).sum())
@@ -69,27 +82,3 @@ def online_generate(draft, target, target_embed, lm_head, prompt: torch.Tensor, 
         start += produced
         produced_list.append(produced)
     return seq[: min(start + 1, max_length)], produced_list
-
-
-def brute_force_tree(log_q: torch.Tensor, budget: int) -> set[tuple[int, ...]]:
-    """The `budget` most probable prefixes under independent per-depth distributions, found by
-    enumerating prefixes over each depth's top-`budget` tokens (a prefix using a rank >= budget
-    token is beaten by `budget` siblings, so it can never be in the tree)."""
-    L, V = log_q.shape
-    k = min(budget, V)
-    top = torch.topk(log_q, k, dim=-1)
-    scored = []
-    frontier = [((), 0.0)]
-    for depth in range(L):
-        nxt = []
-        for prefix, score in frontier:
-            for r in range(k):
-                nxt.append((prefix + (int(top.indices[depth, r]),), score + float(top.values[depth, r])))
-        # keep only what could still be in the top `budget` (all deeper nodes score lower)
-        nxt.sort(key=lambda item: -item[1])
-        nxt = nxt[:budget]
-        scored.extend(nxt)
-        frontier = nxt
-    scored.sort(key=lambda item: -item[1])
-    return {prefix for prefix, _ in scored[:budget]}
-

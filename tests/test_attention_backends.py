@@ -10,38 +10,44 @@ import warnings
 import pytest
 import torch
 
-from scoring.drafter import DFlashDrafter, parse_drafter_config
+from conftest import random_drafter
+
+TARGET = {"hidden_size": 32, "num_layers": 4, "vocab_size": 50}
 
 
 def _drafter(layer_types=None, is_causal=None, window=None, seed=0):
-    raw = {
-        "architectures": ["DFlashDraftModel"], "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "head_dim": 8, "intermediate_size": 64, "vocab_size": 50, "block_size": 4,
-        "num_target_layers": 4, "dflash_config": {"mask_token_id": 49, "target_layer_ids": [1, 2]},
-    }
+    fields = {"is_causal": is_causal} if is_causal is not None else {}
     if layer_types:
-        raw.update(layer_types=layer_types, use_sliding_window=True, sliding_window=window)
-    if is_causal is not None:
-        raw["is_causal"] = is_causal
-    torch.manual_seed(seed)
-    drafter = DFlashDrafter(parse_drafter_config(raw)).eval()
-    for p in drafter.parameters():
-        p.data.normal_(0, 0.3)
-    return drafter
+        fields.update(layer_types=layer_types, sliding_window=window)
+    return random_drafter(
+        target=TARGET,
+        layers=2,
+        block_size=4,
+        layer_ids=(1, 2),
+        num_heads=4,
+        intermediate_size=64,
+        seed=seed,
+        std=0.3,
+        **fields,
+    )
 
 
-@pytest.mark.parametrize("kind", [
-    dict(),
-    dict(layer_types=["sliding_attention", "full_attention"], window=3),
-    dict(layer_types=["sliding_attention", "sliding_attention"], window=6, is_causal=False),
-    dict(is_causal=True),
-])
+@pytest.mark.parametrize(
+    "kind",
+    [
+        dict(),
+        dict(layer_types=["sliding_attention", "full_attention"], window=3),
+        dict(layer_types=["sliding_attention", "sliding_attention"], window=6, is_causal=False),
+        dict(is_causal=True),
+    ],
+)
 def test_flex_equals_dense(kind):
     drafter = _drafter(**kind)
+    generator = torch.Generator().manual_seed(1)
     T = 40
-    features = torch.randn(T, 64)
+    features = torch.randn(T, 64, generator=generator)
     anchors = torch.tensor([1, 5, 6, 17, 30, 39])
-    embeds = torch.randn(len(anchors), 4, 32)
+    embeds = torch.randn(len(anchors), 4, 32, generator=generator)
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         context = drafter.context_kv(features)

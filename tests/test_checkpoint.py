@@ -11,11 +11,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from conftest import REFERENCE_HIDDEN as HIDDEN
-from conftest import REFERENCE_MASK as MASK
-from conftest import REFERENCE_VOCAB as VOCAB
-from conftest import reference_drafter
-from scoring.replay import select_feature_columns
+from conftest import REFERENCE_HIDDEN as HIDDEN, REFERENCE_MASK as MASK, REFERENCE_VOCAB as VOCAB, reference_drafter
 from scoring.checkpoint import (
     CheckpointError,
     CompatibilityError,
@@ -27,6 +23,7 @@ from scoring.checkpoint import (
     read_drafter_config,
 )
 from scoring.drafter import DrafterConfigError, parse_drafter_config
+from scoring.replay import select_feature_columns
 
 # The checkpoints here are written by the public reference's own save_pretrained.
 pytest.importorskip("dflash")
@@ -102,8 +99,10 @@ def test_zlab_sharded_directory_with_index(tmp_path, weights, config_raw):
         load_drafter(str(directory))
 
 
-@pytest.mark.parametrize("prefix", ["module.", "_orig_mod.", "module._orig_mod.", "_orig_mod.module.",
-                                    "model.", "draft_model.", "module.drafter."])
+@pytest.mark.parametrize(
+    "prefix",
+    ["module.", "_orig_mod.", "module._orig_mod.", "_orig_mod.module.", "model.", "draft_model.", "module.drafter."],
+)
 def test_training_safetensors_with_wrapper_prefixes(tmp_path, weights, config_raw, prefix):
     write_config(tmp_path / "run", config_raw)
     path = tmp_path / "run" / "step_20000.safetensors"
@@ -261,17 +260,20 @@ def test_ambiguous_directory_is_refused(tmp_path, weights, config_raw):
 # identity
 
 
-@pytest.mark.parametrize("path, step", [
-    ("/runs/a/step_20000", 20000),
-    ("/runs/a/checkpoint-1500", 1500),
-    ("/runs/a/step20000/model.safetensors", 20000),
-    ("/runs/a/global_step500/mp_rank_00_model_states.pt", 500),
-    ("/runs/a/ckpt-000750.pt", 750),
-    ("/runs/a/epoch_2_step_300.pt", 300),
-    ("/runs/step_100/ckpts/step_200.safetensors", 200),  # nearest component wins
-    ("/models/Qwen3-8B-DFlash-b16", None),
-    ("/models/steps_are_not_numbers", None),
-])
+@pytest.mark.parametrize(
+    "path, step",
+    [
+        ("/runs/a/step_20000", 20000),
+        ("/runs/a/checkpoint-1500", 1500),
+        ("/runs/a/step20000/model.safetensors", 20000),
+        ("/runs/a/global_step500/mp_rank_00_model_states.pt", 500),
+        ("/runs/a/ckpt-000750.pt", 750),
+        ("/runs/a/epoch_2_step_300.pt", 300),
+        ("/runs/step_100/ckpts/step_200.safetensors", 200),  # nearest component wins
+        ("/models/Qwen3-8B-DFlash-b16", None),
+        ("/models/steps_are_not_numbers", None),
+    ],
+)
 def test_step_from_path(path, step):
     assert parse_step(path) == step
 
@@ -316,8 +318,12 @@ def test_content_hash_is_stable_and_tracks_weights_and_config(tmp_path, weights,
 def manifest(layer_ids=(0, 1, 3, 5), num_layers=6, hidden=HIDDEN, vocab=VOCAB) -> dict:
     """As pipeline/extract.py writes it: the identity subset in settings.target, the full
     TargetInfo (with name and path) at the top level."""
-    identity = {"architecture": "Qwen3ForCausalLM", "num_layers": num_layers, "hidden_size": hidden,
-                "vocab_size": vocab}
+    identity = {
+        "architecture": "Qwen3ForCausalLM",
+        "num_layers": num_layers,
+        "hidden_size": hidden,
+        "vocab_size": vocab,
+    }
     return {
         "format_version": 1,
         "settings": {"layer_ids": list(layer_ids), "target": identity},

@@ -1,25 +1,14 @@
 """DDTree: the best-first tree equals brute force, and pop indices give the right depth per budget."""
 
-import itertools
 import math
 
 import numpy as np
 import pytest
 import torch
 
+from conftest import brute_force_tree
 from scoring.ddtree import build_tree, path_pop_indices, top_log_probs
 from scoring.metrics import tree_accepted
-
-
-def brute_force_tree(log_q: torch.Tensor, budget: int) -> set[tuple[int, ...]]:
-    """The `budget` most probable prefixes (depth 1..L) under independent per-depth q."""
-    L, V = log_q.shape
-    scored = []
-    for depth in range(1, L + 1):
-        for prefix in itertools.product(range(V), repeat=depth):
-            scored.append((sum(float(log_q[d, t]) for d, t in enumerate(prefix)), prefix))
-    scored.sort(key=lambda item: -item[0])
-    return {prefix for _, prefix in scored[:budget]}
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -30,9 +19,12 @@ def test_tree_equals_brute_force(seed, budget):
     logits = torch.randn(L, V) * 2
     top_logp, top_ids = top_log_probs(logits, min(budget, V))
     tree = build_tree(top_logp.numpy(), top_ids.numpy(), budget)
-    expected = brute_force_tree(torch.log_softmax(logits, -1), budget)
+    log_q = torch.log_softmax(logits, -1)
+    expected = brute_force_tree(log_q, budget, prune=False)  # all 155 prefixes enumerated
     assert len(tree) == min(budget, len(expected))
     assert set(tree) == expected
+    # the pruned enumeration online_reference.py relies on (vocab 512) finds the same tree
+    assert brute_force_tree(log_q, budget) == expected
     # prefix-closed, parents first
     seen = set()
     for node in tree:

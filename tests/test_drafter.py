@@ -1,11 +1,9 @@
 """Parity of scoring.drafter with the public reference (`dflash.model.DFlashDraftModel`).
 
-Each test builds a tiny reference drafter from a Qwen3Config, gives it random weights, saves it
-in z-lab format (save_pretrained), loads it through scoring.checkpoint.load_drafter, and
+Each test builds a tiny reference drafter with random weights (conftest.reference_drafter),
+saves it in z-lab format (save_pretrained), loads it through scoring.checkpoint.load_drafter, and
 compares outputs on the same inputs. fp32 throughout, so the tolerance is tight (1e-5): the
 only differences allowed are matmul shapes and summation order.
-
-`build_reference` is also used by test_checkpoint.py.
 """
 
 from __future__ import annotations
@@ -14,60 +12,17 @@ import pytest
 import torch
 from torch import nn
 
+from conftest import REFERENCE_HIDDEN as HIDDEN, REFERENCE_VOCAB as VOCAB, reference_drafter
 from scoring.checkpoint import load_drafter
 
 pytest.importorskip("dflash")
 from dflash.model import DFlashDraftModel, _crop_to, _make_cache  # noqa: E402
-from transformers import Qwen3Config  # noqa: E402
 
 TOL = 1e-5
-HIDDEN, VOCAB, MASK = 32, 64, 60
-TARGET_LAYERS = 6
-
-
-def build_reference(save_dir=None, *, layers: int = 2, block_size: int = 4, layer_ids=(1, 3),
-                    seed: int = 0, dflash_extra: dict | None = None, **fields) -> DFlashDraftModel:
-    """A tiny reference drafter with random weights (normal, std 0.2: norms and all, so a
-    weight loaded into the wrong slot shows); saved to `save_dir` in z-lab format when given.
-
-    `layer_ids=None` leaves dflash_config.target_layer_ids out, so the ids come from
-    num_target_layers. Extra keyword fields are set on the config (layer_types, sliding_window,
-    is_causal, ...); `dflash_extra` goes into dflash_config (output_multiplier, ...).
-    """
-    config = Qwen3Config(
-        vocab_size=VOCAB,
-        hidden_size=HIDDEN,
-        intermediate_size=64,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,  # grouped-query attention, as the real drafters
-        head_dim=8,
-        rms_norm_eps=1e-6,
-    )
-    config.architectures = ["DFlashDraftModel"]
-    config.block_size = block_size
-    config.num_target_layers = TARGET_LAYERS
-    config.dflash_config = {"mask_token_id": MASK, **(dflash_extra or {})}
-    if layer_ids is not None:
-        config.dflash_config["target_layer_ids"] = list(layer_ids)
-    for name, value in fields.items():
-        setattr(config, name, value)
-    if "sliding_window" in fields:
-        # Qwen3Config drops sliding_window on load unless use_sliding_window is true; set it so
-        # the saved config.json describes the same drafter as this in-memory reference.
-        config.use_sliding_window = True
-    torch.manual_seed(seed)
-    model = DFlashDraftModel(config).eval()
-    with torch.no_grad():
-        for parameter in model.parameters():
-            parameter.normal_(0.0, 0.2)
-    if save_dir is not None:
-        model.save_pretrained(str(save_dir))
-    return model
 
 
 def reference_and_ours(tmp_path, **kwargs):
-    ref = build_reference(tmp_path / "drafter", **kwargs)
+    ref = reference_drafter(tmp_path / "drafter", **kwargs)
     ours, _ = load_drafter(str(tmp_path / "drafter"))
     return ref, ours
 
@@ -115,16 +70,17 @@ def test_full_attention_matches_reference(tmp_path):
 
 def test_sliding_layer_matches_reference(tmp_path):
     # Window 3 < block 4 < most anchors: both the context cut and the in-block cut are exercised.
-    ref, ours = reference_and_ours(
-        tmp_path, layer_types=["sliding_attention", "full_attention"], sliding_window=3
-    )
+    ref, ours = reference_and_ours(tmp_path, layer_types=["sliding_attention", "full_attention"], sliding_window=3)
     assert ours.config.layer_is_causal(0) and not ours.config.layer_is_causal(1)
     assert_parity(ref, ours)
 
 
 def test_sliding_window_wider_than_block_matches_reference(tmp_path):
     ref, ours = reference_and_ours(
-        tmp_path, layers=3, layer_ids=(1, 2, 4), sliding_window=6,
+        tmp_path,
+        layers=3,
+        layer_ids=(1, 2, 4),
+        sliding_window=6,
         layer_types=["sliding_attention", "sliding_attention", "full_attention"],
     )
     assert_parity(ref, ours, length=14, anchors=(1, 4, 6, 7, 13))
@@ -164,10 +120,11 @@ def test_logit_scaling_and_softcapping_match_reference(tmp_path):
     ref, ours = reference_and_ours(tmp_path, dflash_extra=extra)
     config = ours.config
     assert (config.input_embedding_scale, config.output_multiplier, config.final_logit_softcapping) == (2.5, 0.7, 3.0)
+    generator = torch.Generator().manual_seed(2)
     lm_head = nn.Linear(HIDDEN, VOCAB, bias=False)
     with torch.no_grad():
-        lm_head.weight.normal_(0.0, 1.0)
-        hidden = torch.randn(3, 4, HIDDEN)
+        lm_head.weight.normal_(0.0, 1.0, generator=generator)
+        hidden = torch.randn(3, 4, HIDDEN, generator=generator)
         expected = ref.compute_logits(hidden, lm_head)
         got = ours.logits(hidden, lm_head.weight)
     assert (expected.abs() > 1.0).any(), "soft-capping must actually bite in this test"

@@ -1,7 +1,7 @@
 """Stage 1 exactness: what extract stores equals a fresh transformers forward / greedy generate.
 
-fp32, one unpadded sequence per check, so every comparison is torch.equal (SPEC §5), on tiny
-Qwen3, Qwen3.5 hybrid (Gated DeltaNet) and Qwen3.5 ForConditionalGeneration targets.
+fp32, one unpadded sequence per check, so every comparison is torch.equal, on tiny Qwen3,
+Qwen3.5 hybrid (Gated DeltaNet) and Qwen3.5 ForConditionalGeneration targets.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import write_prompts
 from pipeline.extract import ExtractConfig, run_extract
 from pipeline.generate import cut_at_stop, left_pad
 from pipeline.layer_ids import build_target_layer_ids
@@ -34,9 +35,7 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def prompts_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("prompts") / "tiny.jsonl"
-    path.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
-    return str(path)
+    return write_prompts(tmp_path_factory.mktemp("prompts") / "tiny.jsonl", PROMPTS)
 
 
 def extract(model_dir, prompts, out, **kwargs):
@@ -55,6 +54,20 @@ def single_greedy(model, prompt_ids: list[int], stop_ids: list[int], max_new: in
     with torch.inference_mode():
         out = model.generate(torch.tensor([prompt_ids]), do_sample=False, max_new_tokens=max_new)
     return cut_at_stop(out[0, len(prompt_ids):].tolist(), stop_ids, max_new).token_ids
+
+
+def capture_logits(model, ids: list[int], prompt_len: int) -> torch.Tensor:
+    """The full next-token logits [R+1, V] along extract's own path (decoder, then lm_head windows)."""
+    from pipeline.capture import MIN_HEAD_ROWS, head_rows, text_decoder, window_logits
+    from pipeline.target import text_config
+
+    head = model.get_output_embeddings()
+    with torch.inference_mode():
+        final = text_decoder(model)(input_ids=torch.tensor([ids]), use_cache=False).last_hidden_state[0]
+        rows = [MIN_HEAD_ROWS, head_rows(head.weight.shape[0], 1 << 30)]
+        windows = [torch.cat(list(window_logits(final, head, text_config(model), prompt_len - 1, r))) for r in rows]
+    assert torch.equal(windows[0], windows[1])
+    return windows[0]
 
 
 def check_against_fresh(model_dir, out, prompts_path, layer_ids):
@@ -90,10 +103,9 @@ def check_against_fresh(model_dir, out, prompts_path, layer_ids):
         assert torch.equal(sample.argmax_mismatch, mismatch)
         if sample.greedy:
             assert int(mismatch.sum()) == 0  # fp32: the full forward agrees with cached greedy decoding
-        if "logits" in sample.tensors:
-            assert torch.equal(sample.logits, logits)
-        if "last_hidden" in sample.tensors:
-            assert torch.equal(sample.last_hidden, output.hidden_states[-1][0])
+        # Every logit, not just the top-k: extract's windowed lm_head equals the model's own forward.
+        assert torch.equal(capture_logits(model, ids, sample.prompt_len), logits)
+        assert set(sample.tensors) == {"features", "topk_ids", "topk_logprobs", "argmax_mismatch"}
     return shard_set
 
 
@@ -102,10 +114,10 @@ def test_stored_values_equal_fresh_forward(fixture, request, prompts_file, tmp_p
     model_dir = request.getfixturevalue(fixture)
     config = json.loads((Path(model_dir) / "config.json").read_text())
     num_layers = (config.get("text_config") or config)["num_hidden_layers"]
-    # Layer 0 and the last layer are where off-by-one and final-norm mistakes show; out of order on purpose.
+    # Layer 0 and the last layer are where off-by-one and final-norm mistakes show; out of order on
+    # purpose. The last layer's features are the final norm's output, what the lm_head reads.
     layer_ids = [num_layers - 1, 0, num_layers // 2]
-    manifest = extract(model_dir, prompts_file, tmp_path / "out", layer_ids=layer_ids, store_logits=True,
-                       store_last_hidden=True)
+    manifest = extract(model_dir, prompts_file, tmp_path / "out", layer_ids=layer_ids)
     assert manifest["complete"] and manifest["totals"]["samples"] == len(PROMPTS)
     assert manifest["totals"]["finish_reasons"].get("given") == 1
     shard_set = check_against_fresh(model_dir, tmp_path / "out", prompts_file, layer_ids)
@@ -122,11 +134,10 @@ def test_formula_default_layer_ids(prompts_file, tmp_path):
     model_dir = build_tiny_qwen3(tmp_path / "qwen3-8", num_layers=8)
     manifest = extract(model_dir, prompts_file, tmp_path / "out", limit=2)
     assert manifest["settings"]["layer_ids"] == build_target_layer_ids(8, 5) == [1, 2, 3, 4, 5]
-    two = tmp_path / "two.jsonl"
-    two.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS[:2]))
+    two = write_prompts(tmp_path / "two.jsonl", PROMPTS[:2])
     # limit=2 takes the same two records; check them against the fresh forward.
-    extract(model_dir, str(two), tmp_path / "out2")
-    check_against_fresh(model_dir, tmp_path / "out2", str(two), [1, 2, 3, 4, 5])
+    extract(model_dir, two, tmp_path / "out2")
+    check_against_fresh(model_dir, tmp_path / "out2", two, [1, 2, 3, 4, 5])
 
 
 def test_draft_config_layer_ids(tiny_qwen3_dir, prompts_file, tmp_path):
@@ -147,7 +158,7 @@ def test_batched_generation_matches_one_at_a_time(tiny_qwen35_hybrid_dir):
     """The left-padded batch path itself, independent of the shard plumbing."""
     from pipeline.generate import generate_batch
 
-    model, tokenizer, info = load_target(tiny_qwen35_hybrid_dir, dtype="float32")
+    model, _, info = load_target(tiny_qwen35_hybrid_dir, dtype="float32")
     prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14], [15]]
     batched = generate_batch(model, prompts, MAX_NEW, info.stop_token_ids, info.pad_token_id)
     for prompt, response in zip(prompts, batched):
@@ -181,10 +192,8 @@ def test_feature_dtype_bfloat16(tiny_qwen3_dir, prompts_file, tmp_path):
 def test_feature_dtype_fp8(tiny_qwen3_dir, prompts_file, tmp_path):
     """Lossy opt-in: e4m3 values with one scale per token and layer; the reader dequantizes."""
     out = tmp_path / "out"
-    manifest = extract(tiny_qwen3_dir, prompts_file, out, layer_ids=[1, 4], feature_dtype="fp8", limit=2,
-                       store_last_hidden=True)
+    manifest = extract(tiny_qwen3_dir, prompts_file, out, layer_ids=[1, 4], feature_dtype="fp8", limit=2)
     assert manifest["tensors"]["features"] == "float8_e4m3fn" and manifest["tensors"]["features_scale"] == "float32"
-    assert manifest["tensors"]["last_hidden"] == "float32"  # kept lossless
     model, _, _ = load_target(tiny_qwen3_dir, dtype="float32")
     for sample in ShardSet(str(out)).samples():
         assert "features_scale" not in sample.tensors and sample.features.dtype == torch.float32
@@ -211,7 +220,7 @@ def test_memory_budget_sets_chunk_and_window(tiny_qwen3_dir, prompts_file, tmp_p
     big = extract(tiny_qwen3_dir, prompts_file, tmp_path / "big", layer_ids=[1])
     small = extract(tiny_qwen3_dir, prompts_file, tmp_path / "small", layer_ids=[1], memory_bytes=64 << 10)
     assert len(big["shards"][0]["batches"]) == 1 < len(small["shards"][0]["batches"])
-    assert small["run"]["memory_budget"] == 64 << 10
+    assert small["run"]["memory_bytes"] == 64 << 10
     one = [s.features for s in ShardSet(str(tmp_path / "big")).samples()]
     other = [s.features for s in ShardSet(str(tmp_path / "small")).samples()]
     assert all(torch.equal(a, b) for a, b in zip(one, other)) and len(one) == len(PROMPTS)

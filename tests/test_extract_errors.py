@@ -7,18 +7,17 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from specreplay.cli import main
+from conftest import write_prompts
 from pipeline.extract import ExtractConfig, run_extract
 from pipeline.shards import ShardError, read_manifest
+from specreplay.cli import main
 
 PROMPTS = [{"id": "a", "prompt": "Hello there"}, {"id": "b", "prompt": "Janet's ducks lay eggs."}]
 
 
 @pytest.fixture()
 def prompts_file(tmp_path):
-    path = tmp_path / "ok.jsonl"
-    path.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
-    return str(path)
+    return write_prompts(tmp_path / "ok.jsonl", PROMPTS)
 
 
 def cli(*args):
@@ -44,16 +43,14 @@ def test_missing_model_path(tmp_path, prompts_file):
 
 
 def test_malformed_jsonl_names_the_line(tmp_path, tiny_qwen3_dir):
-    bad = tmp_path / "bad.jsonl"
-    bad.write_text(json.dumps(PROMPTS[0]) + "\n" + '{"id": "b", "prompt": "unterminated\n')
+    bad = write_prompts(tmp_path / "bad.jsonl", [PROMPTS[0], '{"id": "b", "prompt": "unterminated'])
     out = tmp_path / "out"
     assert_clean_error(cli("--model", tiny_qwen3_dir, "--prompts", str(bad), "--out", str(out)), "bad.jsonl:2")
     assert_nothing_written(out)
 
 
 def test_duplicate_prompt_ids(tmp_path, tiny_qwen3_dir):
-    dup = tmp_path / "dup.jsonl"
-    dup.write_text("".join(json.dumps({"id": "same", "prompt": text}) + "\n" for text in ("one", "two")))
+    dup = write_prompts(tmp_path / "dup.jsonl", [{"id": "same", "prompt": text} for text in ("one", "two")])
     out = tmp_path / "out"
     assert_clean_error(cli("--model", tiny_qwen3_dir, "--prompts", str(dup), "--out", str(out)), "duplicate id", "'same'")
     assert_nothing_written(out)

@@ -3,7 +3,6 @@ uninterrupted single-process run (ids, tokens, tensors), none duplicated, none r
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -14,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import write_prompts
 from pipeline.extract import ExtractConfig, run_extract
 from pipeline.inspect import inspect_extract
 from pipeline.shards import ShardSet, finished_shard_entries, read_manifest
@@ -27,10 +27,8 @@ WORDS = "ducks eggs breakfast reason step answer numbers threshold travel blog H
 
 @pytest.fixture(scope="module")
 def prompts_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("resume") / "many.jsonl"
-    lines = [json.dumps({"id": f"q{i:02d}", "prompt": " ".join(WORDS[i % 7: i % 7 + 2 + i % 5])}) for i in range(NUM_PROMPTS)]
-    path.write_text("\n".join(lines) + "\n")
-    return str(path)
+    records = [{"id": f"q{i:02d}", "prompt": " ".join(WORDS[i % 7 : i % 7 + 2 + i % 5])} for i in range(NUM_PROMPTS)]
+    return write_prompts(tmp_path_factory.mktemp("resume") / "many.jsonl", records)
 
 
 @pytest.fixture(scope="module")

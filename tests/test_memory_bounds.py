@@ -17,45 +17,69 @@ import weakref
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 import scoring.replay as replay
 import scoring.score as score
+from conftest import TINY_HIDDEN as HIDDEN, TINY_TARGET, TINY_VOCAB as VOCAB, random_drafter
 from pipeline import shards
+from scoring.config import ScoreConfig
 from scoring.drafter import DFlashDrafter, parse_drafter_config
 from scoring.fit import new_drafter_config, save_drafter
-from scoring.replay import ReplayOptions, context_rows, pack_samples, replay_sample
-from scoring.score import ScoreConfig, prepare_target_head, run_score
+from scoring.replay import ReplayOptions, context_rows, pack_samples, prepare_target_head, replay_sample
+from scoring.score import run_score
 
-HIDDEN, VOCAB, TARGET_LAYERS, LAYER_IDS = 64, 512, 6, [1, 3]
+TARGET_LAYERS, LAYER_IDS = TINY_TARGET["num_layers"], [1, 3]
 
 
-def _drafter(block_size: int = 4, layers: int = 2, seed: int = 0, **extra) -> DFlashDrafter:
-    raw = new_drafter_config({"hidden_size": HIDDEN, "num_layers": TARGET_LAYERS, "vocab_size": VOCAB},
-                             num_layers=layers, block_size=block_size, layer_ids=LAYER_IDS, **extra)
-    torch.manual_seed(seed)
-    drafter = DFlashDrafter(parse_drafter_config(raw, "test drafter"))
-    with torch.no_grad():
-        for param in drafter.parameters():
-            param.normal_(0, 0.2)
-    return drafter.eval()
+def _drafter(block_size: int = 4, layers: int = 2, seed: int = 0, **config) -> DFlashDrafter:
+    return random_drafter(layers=layers, block_size=block_size, layer_ids=LAYER_IDS, seed=seed, **config)
+
+
+class _NewTensors(TorchDispatchMode):
+    """Records (shape, dtype) of every tensor an aten op allocates while active: results, copies
+    and casts, not views (an output sharing storage with an input is not recorded)."""
+
+    def __init__(self):
+        super().__init__()
+        self.allocated: list[tuple[tuple[int, ...], torch.dtype]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.numel() and t.untyped_storage().data_ptr() not in inputs:
+                self.allocated.append((tuple(t.shape), t.dtype))
+        return out
 
 
 def _sample(length: int = 40, prompt: int = 6, seed: int = 0, dtype=torch.bfloat16) -> shards.Sample:
     g = torch.Generator().manual_seed(seed)
     response = length - prompt
     return shards.Sample(
-        sample_id=f"s{seed}", dataset="t", prompt_text="", input_ids=torch.randint(0, VOCAB, (length,), generator=g),
-        prompt_len=prompt, finish_reason="given", greedy=False,
-        tensors={"features": torch.randn(length, len(LAYER_IDS) * HIDDEN, generator=g).to(dtype),
-                 "topk_ids": torch.randint(0, VOCAB, (response + 1, 8), generator=g, dtype=torch.int32),
-                 "topk_logprobs": -torch.rand(response + 1, 8, generator=g).sort(dim=-1).values,
-                 "argmax_mismatch": torch.zeros(response, dtype=torch.uint8)})
+        sample_id=f"s{seed}",
+        dataset="t",
+        prompt_text="",
+        input_ids=torch.randint(0, VOCAB, (length,), generator=g),
+        prompt_len=prompt,
+        finish_reason="given",
+        greedy=False,
+        tensors={
+            "features": torch.randn(length, len(LAYER_IDS) * HIDDEN, generator=g).to(dtype),
+            "topk_ids": torch.randint(0, VOCAB, (response + 1, 8), generator=g, dtype=torch.int32),
+            "topk_logprobs": -torch.rand(response + 1, 8, generator=g).sort(dim=-1).values,
+            "argmax_mismatch": torch.zeros(response, dtype=torch.uint8),
+        },
+    )
 
 
 def _head(dtype=torch.bfloat16, seed: int = 1) -> dict:
     g = torch.Generator().manual_seed(seed)
-    return {"embed_tokens": torch.randn(VOCAB, HIDDEN, generator=g).to(dtype),
-            "lm_head": torch.randn(VOCAB, HIDDEN, generator=g).to(dtype)}
+    return {
+        "embed_tokens": torch.randn(VOCAB, HIDDEN, generator=g).to(dtype),
+        "lm_head": torch.randn(VOCAB, HIDDEN, generator=g).to(dtype),
+    }
 
 
 def _same(a: replay.AnchorTensors, b: replay.AnchorTensors) -> None:
@@ -90,19 +114,30 @@ def test_prepare_target_head_keeps_the_narrower_embedding():
 
 
 def test_tied_head_gets_one_cast_lm_head_and_a_stored_embedding():
-    table = torch.randn(VOCAB, HIDDEN).to(torch.bfloat16)
+    table = _head(torch.bfloat16)["embed_tokens"]
     prepared = prepare_target_head({"embed_tokens": table, "lm_head": table}, "cpu", torch.float32)
     assert prepared["embed_tokens"].dtype == torch.bfloat16 and prepared["lm_head"].dtype == torch.float32
 
 
-def test_replay_with_stored_dtype_embedding_equals_cast_table():
-    drafter, sample, head = _drafter(), _sample(), _head(torch.bfloat16)
-    options = ReplayOptions(max_budget=8)
+def test_replay_never_widens_the_stored_dtype_embedding():
+    # input_embedding_scale 2.5 (binary 10.1): a bf16 row times 2.5 needs 10 significant bits, so
+    # scaling (or any arithmetic) done on the rows before they are cast rounds, and the bit-exact
+    # comparison with the fp32 table below fails; with the default scale 1.0 it could not.
+    drafter = _drafter(dflash_extra={"input_embedding_scale": 2.5})
+    sample, head = _sample(), _head(torch.bfloat16)
+    options = ReplayOptions(max_tree_nodes=8)
     columns = lambda f: f  # noqa: E731
     lm_head = head["lm_head"].float()
-    kept = replay_sample(drafter, head["embed_tokens"], lm_head, sample, columns, 64, options)
+    with _NewTensors() as spy:
+        kept = replay_sample(drafter, head["embed_tokens"], lm_head, sample, columns, 64, options)
     cast = replay_sample(drafter, head["embed_tokens"].float(), lm_head, sample, columns, 64, options)
     _same(kept, cast)
+    # The memory claim itself: no copy of the [VOCAB, HIDDEN] table in any dtype is ever made.
+    copies = [allocated for allocated in spy.allocated if allocated[0] == (VOCAB, HIDDEN)]
+    assert not copies, copies
+    with _NewTensors() as control:  # the spy does see a cast of the table
+        head["embed_tokens"].float()
+    assert control.allocated == [((VOCAB, HIDDEN), torch.float32)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -112,7 +147,7 @@ def test_replay_with_stored_dtype_embedding_equals_cast_table():
 @pytest.mark.parametrize("chunk_rows", [1, 5, 16, 39])
 def test_context_kv_in_chunks_equals_one_pass(chunk_rows):
     drafter = _drafter(layers=2)
-    features = torch.randn(40, len(LAYER_IDS) * HIDDEN)
+    features = torch.randn(40, len(LAYER_IDS) * HIDDEN, generator=torch.Generator().manual_seed(1))
     whole = drafter.context_kv(features)
     chunked = drafter.context_kv(features, chunk_rows=chunk_rows)
     for (k1, v1), (k2, v2) in zip(whole, chunked):
@@ -121,18 +156,27 @@ def test_context_kv_in_chunks_equals_one_pass(chunk_rows):
         torch.testing.assert_close(v2, v1, rtol=1e-5, atol=1e-6)
 
 
-def test_context_kv_casts_stored_features_like_a_cast_copy():
+def test_context_kv_casts_chunks_and_never_holds_a_cast_copy():
     drafter = _drafter()
-    stored = torch.randn(40, len(LAYER_IDS) * HIDDEN).to(torch.bfloat16)
+    width = len(LAYER_IDS) * HIDDEN
+    stored = torch.randn(40, width, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
     # the shard reader hands out column-major views; chunks of such a view must work too
     view = stored.t().contiguous().t()
     reference = drafter.context_kv(stored.float())
-    for got in (drafter.context_kv(view, dtype=torch.float32), drafter.context_kv(view, dtype=torch.float32,
-                                                                                  chunk_rows=7)):
+    with _NewTensors() as whole:
+        got_whole = drafter.context_kv(view, dtype=torch.float32)
+    with _NewTensors() as chunked:
+        got_chunked = drafter.context_kv(view, dtype=torch.float32, chunk_rows=7)
+    for got in (got_whole, got_chunked):
         for (k1, v1), (k2, v2) in zip(reference, got):
             assert k2.dtype == torch.float32
             torch.testing.assert_close(k2, k1, rtol=1e-5, atol=1e-6)
             torch.testing.assert_close(v2, v1, rtol=1e-5, atol=1e-6)
+    # one pass casts all 40 rows at once (so the spy sees such a copy); 7-row chunks never
+    # cast more than 7 rows: no fp32 tensor of the features' width has more rows than a chunk
+    assert ((40, width), torch.float32) in whole.allocated
+    cast_rows = [shape[0] for shape, dtype in chunked.allocated if dtype == torch.float32 and shape[-1] == width]
+    assert cast_rows and max(cast_rows) <= 7, chunked.allocated
 
 
 def test_context_rows_follow_the_memory_budget():
@@ -144,8 +188,12 @@ def test_context_rows_follow_the_memory_budget():
     assert context_rows(drafter, width, torch.bfloat16, 1 << 30) > large  # narrower values, more rows
     # 27B shapes, fp32, the default 2 GiB budget: ~2.7k positions a step, so an 8k-token sample never
     # holds an fp32 copy of all its features (8192 x 25600 x 4 bytes = 840 MB)
-    big = parse_drafter_config(new_drafter_config({"hidden_size": 5120, "num_layers": 64, "vocab_size": 248320},
-                                                  layer_ids=[1, 16, 31, 46, 61], num_heads=32), "27b")
+    big = parse_drafter_config(
+        new_drafter_config(
+            {"hidden_size": 5120, "num_layers": 64, "vocab_size": 248320}, layer_ids=[1, 16, 31, 46, 61], num_heads=32
+        ),
+        "27b",
+    )
     with torch.device("meta"):
         rows = context_rows(DFlashDrafter(big), 5 * 5120, torch.float32, 2 << 30)
     assert 2000 < rows < 4000
@@ -154,10 +202,10 @@ def test_context_rows_follow_the_memory_budget():
 def test_replay_with_chunked_context_equals_one_pass(monkeypatch):
     drafter, sample, head = _drafter(block_size=4, layers=2), _sample(length=60), _head(torch.float32)
     columns = lambda f: f  # noqa: E731
-    options = ReplayOptions(max_budget=4)
+    options = ReplayOptions(max_tree_nodes=4)
     whole = replay_sample(drafter, head["embed_tokens"], head["lm_head"], sample, columns, 64, options)
     monkeypatch.setattr(replay, "MIN_CONTEXT_ROWS", 8)
-    small = ReplayOptions(max_budget=4, memory_bytes=1)  # 8 positions per context step, 1 anchor per chunk
+    small = ReplayOptions(max_tree_nodes=4, memory_bytes=1)  # 8 positions per context step, 1 anchor per chunk
     packed = pack_samples(drafter, [sample], columns, small)
     assert all(k.is_contiguous() and v.is_contiguous() for k, v in packed.context)
     chunked = replay_sample(drafter, head["embed_tokens"], head["lm_head"], sample, columns, 64, small)
@@ -169,13 +217,11 @@ def test_replay_with_chunked_context_equals_one_pass(monkeypatch):
 
 
 def test_score_does_not_keep_the_previous_sample_alive(tmp_path, monkeypatch):
-    from bench.scale import write_synthetic_shards
+    from bench.standins import write_synthetic_shards
 
     shard_dir = tmp_path / "shards"
     write_synthetic_shards(shard_dir, [24, 20, 16], HIDDEN, VOCAB, TARGET_LAYERS, LAYER_IDS, top_k=8, prompt_tokens=4)
-    shardset = shards.ShardSet(str(shard_dir))
-    raw = new_drafter_config(shardset.settings["target"], num_layers=1, block_size=4, layer_ids=LAYER_IDS)
-    ckpt = save_drafter(DFlashDrafter(parse_drafter_config(raw, "t")), str(tmp_path / "drafter"))
+    ckpt = save_drafter(_drafter(layers=1), str(tmp_path / "drafter"))
 
     real, seen, alive_at_next = score.replay_sample, [], []
 
@@ -186,8 +232,9 @@ def test_score_does_not_keep_the_previous_sample_alive(tmp_path, monkeypatch):
         return real(drafter, embed, lm_head, sample, *args, **kwargs)
 
     monkeypatch.setattr(score, "replay_sample", spy)
-    records = run_score(ScoreConfig(ckpts=[ckpt], shards=str(shard_dir), out=str(tmp_path / "out"),
-                                    tree_nodes=[4], quiet=True))
+    records = run_score(
+        ScoreConfig(ckpts=[ckpt], shards=str(shard_dir), out=str(tmp_path / "out"), tree_nodes=[4], quiet=True)
+    )
     assert records and records[0]["anchors"] == (24 - 1) + (20 - 1) + (16 - 1)
     assert alive_at_next == [[], [False], [False, False]]
     summary = json.loads((tmp_path / "out" / "run.json").read_text())
@@ -208,8 +255,12 @@ def test_extract_does_not_keep_the_previous_sample_alive(tmp_path, monkeypatch):
         response = len(input_ids) - prompt_len
         features = torch.randn(len(input_ids), 8)
         refs.append(weakref.ref(features))
-        return {"features": features, "topk_ids": torch.zeros(response + 1, 2, dtype=torch.int32),
-                "topk_logprobs": torch.zeros(response + 1, 2), "argmax_mismatch": torch.zeros(response, dtype=torch.uint8)}
+        return {
+            "features": features,
+            "topk_ids": torch.zeros(response + 1, 2, dtype=torch.int32),
+            "topk_logprobs": torch.zeros(response + 1, 2),
+            "argmax_mismatch": torch.zeros(response, dtype=torch.uint8),
+        }
 
     class Info:
         stop_token_ids, pad_token_id = [0], 0

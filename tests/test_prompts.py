@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 
 import pytest
-from conftest import IM_END_ID, make_tokenizer
+from conftest import IM_END_ID, make_tokenizer, write_prompts
 
 from pipeline.prompts import (
     BUNDLED_NAMES,
@@ -27,11 +27,6 @@ RAW_DATASETS = Path(__file__).resolve().parents[2] / "shared" / "datasets"
 @pytest.fixture(scope="module")
 def tokenizer():
     return make_tokenizer()
-
-
-def write_jsonl(path: Path, lines: list) -> Path:
-    path.write_text("".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines))
-    return path
 
 
 # ---------------------------------------------------------------- bundled sets
@@ -119,7 +114,7 @@ def test_limit_and_determinism():
 
 
 def test_three_forms_and_responses(tmp_path):
-    path = write_jsonl(
+    path = write_prompts(
         tmp_path / "mine.jsonl",
         [
             {"id": "chat", "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]},
@@ -148,7 +143,7 @@ def test_gzipped_user_file_and_dataset_from_stem(tmp_path):
 
 
 def _error(tmp_path, lines, name="bad.jsonl") -> str:
-    path = write_jsonl(tmp_path / name, lines)
+    path = write_prompts(tmp_path / name, lines)
     with pytest.raises((ValueError, FileNotFoundError)) as info:
         load_prompts(str(path))
     return str(info.value)
@@ -221,7 +216,7 @@ def test_missing_file(tmp_path):
 
 
 def _reference_ids(tokenizer, messages, **template_kwargs) -> tuple[list[int], str]:
-    """What the public DFlash benchmark does (SPEC §5)."""
+    """What the public DFlash benchmark does: chat template as text, then encode without special tokens."""
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **template_kwargs)
     return tokenizer.encode(text, add_special_tokens=False), text
 
@@ -271,7 +266,7 @@ def test_render_response(tokenizer):
 
 
 def test_user_file_round_trip_through_render(tmp_path, tokenizer):
-    path = write_jsonl(tmp_path / "mine.jsonl", [{"id": "t", "prompt": "What is 2 + 2?", "response": "4"}])
+    path = write_prompts(tmp_path / "mine.jsonl", [{"id": "t", "prompt": "What is 2 + 2?", "response": "4"}])
     (record,) = load_prompts(str(path))
     ids, _ = render_prompt(record, tokenizer, None)
     assert ids == _reference_ids(tokenizer, [{"role": "user", "content": "What is 2 + 2?"}])[0]

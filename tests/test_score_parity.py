@@ -13,17 +13,17 @@ import json
 import time
 from collections import Counter
 
+import dflash.model as reference
 import polars as pl
 import pytest
 import torch
 
-import dflash.model as reference
-from conftest import build_tiny_qwen3, build_tiny_qwen35_hybrid, build_tiny_qwen35_vlm
+from conftest import build_tiny_qwen3, build_tiny_qwen35_hybrid, build_tiny_qwen35_vlm, fitted_drafters, write_prompts
 from online_reference import online_generate
 from pipeline.extract import ExtractConfig, run_extract
 from pipeline.shards import ShardSet
-from scoring.fit import FitOptions, fit_drafter, new_drafter_config, save_drafter
-from scoring.score import ScoreConfig, run_score
+from scoring.config import ScoreConfig
+from scoring.score import run_score
 
 # dflash_generate(return_stats=True) times itself with torch.cuda.synchronize; on CPU use a plain clock.
 reference._cuda_time = time.perf_counter
@@ -31,14 +31,17 @@ reference._cuda_time = time.perf_counter
 MAX_NEW_TOKENS = 40
 
 
-def _write_prompts(path, count: int, seed: int, vocab: int = 400) -> str:
+def _token_prompts(path, count: int, seed: int, vocab: int = 400) -> str:
+    """A prompts file of random token-id prompts, 6 to 10 tokens, no special tokens (ids 0-2)."""
     gen = torch.Generator().manual_seed(seed)
-    with open(path, "w") as f:
-        for i in range(count):
-            length = 6 + i % 5
-            ids = torch.randint(3, vocab, (length,), generator=gen).tolist()
-            f.write(json.dumps({"id": f"p{i}", "input_ids": ids}) + "\n")
-    return str(path)
+    lengths = [6 + i % 5 for i in range(count)]
+    return write_prompts(
+        path,
+        [
+            {"id": f"p{i}", "input_ids": torch.randint(3, vocab, (n,), generator=gen).tolist()}
+            for i, n in enumerate(lengths)
+        ],
+    )
 
 
 def _choose_stop_token(model_dir: str, prompts_path: str, auto_class) -> int:
@@ -49,8 +52,9 @@ def _choose_stop_token(model_dir: str, prompts_path: str, auto_class) -> int:
     with open(prompts_path) as f:
         for line in f:
             ids = torch.tensor(json.loads(line)["input_ids"])[None]
-            out = model.generate(ids, max_new_tokens=MAX_NEW_TOKENS, do_sample=False, eos_token_id=None,
-                                 pad_token_id=0)[0, ids.shape[1]:]
+            out = model.generate(
+                ids, max_new_tokens=MAX_NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0
+            )[0, ids.shape[1] :]
             counts.update(set(out[8:].tolist()))  # tokens that appear after a few steps
     # the token present in about half of the responses
     n = sum(1 for _ in open(prompts_path))
@@ -69,21 +73,34 @@ def _set_stop_token(model_dir: str, token: int) -> None:
 
 def _extract(tmp, model_dir, prompts, layer_ids):
     out = str(tmp / "shards")
-    run_extract(ExtractConfig(model=model_dir, prompts=prompts, out=out, max_new_tokens=MAX_NEW_TOKENS,
-                              layer_ids=layer_ids, top_k=8, dtype="fp32", quiet=True, batch_size=4))
+    run_extract(
+        ExtractConfig(
+            model=model_dir,
+            prompts=prompts,
+            out=out,
+            max_new_tokens=MAX_NEW_TOKENS,
+            layer_ids=layer_ids,
+            top_k=8,
+            dtype="fp32",
+            quiet=True,
+            batch_size=4,
+        )
+    )
     return out
 
 
-def _fit(shards: str, out_dir: str, block_size: int, layer_ids=None, layer_types=None, steps: int = 400):
-    shardset = ShardSet(shards)
-    settings = shardset.settings
-    raw = new_drafter_config(settings["target"], num_layers=len(layer_types or [1]), block_size=block_size,
-                             layer_ids=layer_ids, layer_types=layer_types, sliding_window=4 if layer_types else None)
-    samples = list(shardset.samples(tensors=["features"]))
-    head = shardset.target_head()
-    drafter, _ = fit_drafter(samples, head, settings["layer_ids"], raw, None,
-                             FitOptions(steps=steps, lr=5e-3, anchors_per_step=24))
-    return save_drafter(drafter, out_dir)
+def _fit(shards: str, out_dir: str, block_size: int, layer_ids=None, layer_types=None, steps: int = 400) -> str:
+    return fitted_drafters(
+        shards,
+        out_dir,
+        block_size=block_size,
+        layer_ids=layer_ids,
+        layer_types=layer_types,
+        sliding_window=4 if layer_types else None,
+        steps=steps,
+        lr=5e-3,
+        anchors_per_step=24,
+    )[-1]
 
 
 def _score(ckpt: str, shards: str, out: str, budgets=(4, 16)) -> pl.DataFrame:
@@ -100,7 +117,7 @@ def _walk_lists(walk: pl.DataFrame, method: str) -> dict[str, list[int]]:
 def qwen3_setup(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("parity_qwen3")
     model_dir = build_tiny_qwen3(tmp / "target", num_layers=6, seed=3)
-    prompts = _write_prompts(tmp / "prompts.jsonl", count=8, seed=0)
+    prompts = _token_prompts(tmp / "prompts.jsonl", count=8, seed=0)
     from transformers import AutoModelForCausalLM
 
     _set_stop_token(model_dir, _choose_stop_token(model_dir, prompts, AutoModelForCausalLM))
@@ -160,8 +177,9 @@ def test_ddtree_walk_equals_online_tree_verification(qwen3_setup):
         chain = _walk_lists(walk, "chain")
         for sample in samples:
             prompt = sample.input_ids[: sample.prompt_len]
-            output, produced = online_generate(draft, target, embed, lm_head, prompt, MAX_NEW_TOKENS, stop_ids,
-                                               tree_budget=budget)
+            output, produced = online_generate(
+                draft, target, embed, lm_head, prompt, MAX_NEW_TOKENS, stop_ids, tree_budget=budget
+            )
             assert output.tolist() == sample.input_ids.tolist()
             assert lists.get(sample.sample_id, []) == produced, (budget, sample.sample_id)
             differs_from_chain |= produced != chain.get(sample.sample_id, [])
@@ -171,7 +189,7 @@ def test_ddtree_walk_equals_online_tree_verification(qwen3_setup):
 @pytest.mark.parametrize("builder", [build_tiny_qwen35_hybrid, build_tiny_qwen35_vlm], ids=["hybrid", "vlm"])
 def test_hybrid_and_vlm_targets_match_online_loop_from_scratch(tmp_path, builder):
     model_dir = builder(tmp_path / "target", num_layers=4, seed=1)
-    prompts = _write_prompts(tmp_path / "prompts.jsonl", count=3, seed=1)
+    prompts = _token_prompts(tmp_path / "prompts.jsonl", count=3, seed=1)
     shards = _extract(tmp_path, model_dir, prompts, layer_ids=[1, 2])
     ckpt = _fit(shards, str(tmp_path / "ckpt"), 4, [1, 2], None, steps=250)
     walk = _walk_lists(_score(ckpt, shards, str(tmp_path / "results"), budgets=()), "chain")
@@ -198,8 +216,17 @@ def test_walk_only_mode_gives_the_same_walks_with_fewer_anchors(qwen3_setup):
     for mode in ("all", "walk"):
         out = str(tmp / f"results-walkmode-{mode}")
         # a small group size packs a few samples per round, so rounds mix samples
-        run_score(ScoreConfig(ckpts=[ckpt], shards=shards, out=out, tree_nodes=[4, 16], quiet=True,
-                              anchors=mode, walk_group_tokens=120))
+        run_score(
+            ScoreConfig(
+                ckpts=[ckpt],
+                shards=shards,
+                out=out,
+                tree_nodes=[4, 16],
+                quiet=True,
+                anchors=mode,
+                walk_group_tokens=120,
+            )
+        )
         runs[mode] = (pl.read_parquet(f"{out}/walk.parquet", glob=False), json.load(open(f"{out}/run.json")))
     all_walk, all_run = runs["all"]
     walk_walk, walk_run = runs["walk"]

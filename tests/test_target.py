@@ -11,13 +11,13 @@ import torch
 from conftest import IM_END_ID, TINY_HIDDEN, TINY_VOCAB
 
 from pipeline import target as target_module
+from pipeline.dtypes import resolve_dtype
 from pipeline.target import (
     TargetInfo,
     decoder_layers,
     input_embedding_weight,
     load_target,
     output_head_weight,
-    resolve_dtype,
     text_config,
 )
 

@@ -45,8 +45,7 @@ Row schema (one row = one prompt + response):
     <tensor>: large_binary (the chunk's planes, row 0)   <tensor>_shape: list<int64>
 Tensors: features [N, n_layers*H]; topk_ids [R+1, k] and topk_logprobs [R+1, k] where row i is
 the target's distribution for the token at position prompt_len + i (R = N - prompt_len);
-argmax_mismatch [R] (uint8, 1 where the stored token is not the full-forward argmax);
-optional logits [R+1, V] and last_hidden [N, H]. With fp8 features (lossy, opt-in) features
+argmax_mismatch [R] (uint8, 1 where the stored token is not the full-forward argmax). With fp8 features (lossy, opt-in) features
 are float8_e4m3fn and features_scale [N, n_layers] float32 holds each token's per-layer scale;
 the reader hands out the dequantized float32 features.
 
@@ -89,7 +88,6 @@ from pipeline.shards.schema import (
     DEFAULT_CHUNK_TOKENS,
     FORMAT_VERSION,
     MANIFEST_NAME,
-    OPTIONAL_TENSORS,
     SCALAR_FIELDS,
     SHARD_DIR,
     TARGET_HEAD_NAME,
@@ -113,7 +111,7 @@ from pipeline.shards.writer import (
 
 __all__ = [
     "CODEC_KEY", "DEFAULT_CHUNK_TOKENS", "DEFAULT_SHARD_BYTES", "DEFAULT_ZSTD_LEVEL", "DTYPE_NAMES",
-    "FORMAT_VERSION", "FP8_MAX", "MANIFEST_NAME", "OPTIONAL_TENSORS", "SCALAR_FIELDS", "SHARD_DIR",
+    "FORMAT_VERSION", "FP8_MAX", "MANIFEST_NAME", "SCALAR_FIELDS", "SHARD_DIR",
     "TARGET_HEAD_NAME", "TENSOR_DTYPES", "Sample", "ShardError", "ShardSet", "ShardWriter", "add_sample_stats",
     "block_checksums", "chunk_frame", "chunk_record_batch", "chunk_tokens_for", "decode_tensor", "dequantize_fp8",
     "empty_stats", "encode_tensor", "exists", "file_crc32", "finished_shard_entries", "join", "open_fs",

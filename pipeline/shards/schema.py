@@ -29,7 +29,6 @@ SCALAR_FIELDS = [
     pa.field("greedy", pa.bool_()),
     pa.field("input_ids", pa.list_(pa.int32())),
 ]
-OPTIONAL_TENSORS = ("logits", "last_hidden", "features_scale")
 
 
 class ShardError(UserError):
