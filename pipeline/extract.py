@@ -444,10 +444,7 @@ def stored_target_head(out: str, model) -> dict:
 class SilentProgress:
     """The progress bar of a run nobody watches (the library never prints)."""
 
-    def update(self, n: int = 1) -> None:
-        pass
-
-    def set_postfix_str(self, text: str, refresh: bool = True) -> None:
+    def update(self, n: int = 1, **postfix) -> None:
         pass
 
     def close(self) -> None:
@@ -467,7 +464,7 @@ def write_rank_share(model, info, plan: Plan, config: ExtractConfig, dist: Dist,
     writer = shards.ShardWriter(config.out, dist.rank, plan.tensors, shard_bytes=config.shard_bytes,
                                 zstd_level=config.zstd_level, first_index=next_shard_index(entries, dist.rank),
                                 chunk_tokens=plan.chunk_tokens)
-    bar = progress(len(mine)) if progress is not None else SilentProgress()
+    bar = progress(len(mine), "extract") if progress is not None else SilentProgress()
     try:
         run_items(model, info, mine, writer, capture_config, config.max_new_tokens, config.batch_size, bar)
         writer.close()
@@ -501,8 +498,7 @@ def run_items(model, info, items: list[Item], writer: shards.ShardWriter, captur
             ))
             del tensors  # the writer owns them now; the next forward must not keep them alive
             tokens += len(input_ids)
-            progress.update(1)
-            progress.set_postfix_str(f"{tokens / max(time.perf_counter() - start, 1e-9):.0f} tok/s", refresh=False)
+            progress.update(1, speed=f"{tokens / max(time.perf_counter() - start, 1e-9):.0f} tok/s")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -531,7 +527,7 @@ def run_extract(config: ExtractConfig, progress=None, loaded=None) -> dict:
     """Run (or resume) an extract; returns the final manifest. See the module docstring.
 
     `progress`: called once per rank with the number of samples this rank will write; returns a
-    tqdm-like bar (update, set_postfix_str, close). None: nothing is shown.
+    bar (specreplay/progress.py: update(n, **postfix), close). None: nothing is shown.
     `loaded`: the (model, tokenizer, info) that pipeline.target.load_target returned, to reuse
     instead of loading config.model again.
     """

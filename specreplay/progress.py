@@ -6,14 +6,16 @@ from __future__ import annotations
 
 class Bar:
     def __init__(self, total: int, desc: str, unit: str = "sample"):
+        import sys
+
         from tqdm import tqdm
 
-        self._bar = tqdm(total=total, desc=desc, unit=unit, dynamic_ncols=True)
+        self._bar = tqdm(total=total, desc=desc, unit=unit, dynamic_ncols=True, file=sys.stderr)
 
     def update(self, n: int = 1, **postfix) -> None:
-        self._bar.update(n)
         if postfix:
-            self._bar.set_postfix(**postfix)
+            self._bar.set_postfix(refresh=False, **postfix)
+        self._bar.update(n)
 
     def close(self) -> None:
         self._bar.close()

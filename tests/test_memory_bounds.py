@@ -266,10 +266,7 @@ def test_extract_does_not_keep_the_previous_sample_alive(tmp_path, monkeypatch):
         stop_token_ids, pad_token_id = [0], 0
 
     class Progress:
-        def update(self, n):
-            pass
-
-        def set_postfix_str(self, *a, **k):
+        def update(self, n, **postfix):
             pass
 
     monkeypatch.setattr(capture, "capture_sample", fake_capture)

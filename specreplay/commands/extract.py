@@ -6,7 +6,6 @@ The console side of extract lives here: options, the progress bar, and what to r
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import click
@@ -30,13 +29,6 @@ def default_out(model: str, prompts: str) -> str:
 
 def d(name: str):
     return default(ExtractConfig, name)
-
-
-def progress_bar(total: int):
-    """The bar `run_extract` updates: samples written by this rank, tokens per second."""
-    from tqdm import tqdm
-
-    return tqdm(total=total, unit="sample", desc="extract", file=sys.stderr)
 
 
 def next_steps(out: str, manifest: dict) -> str:
@@ -102,6 +94,7 @@ def extract(model, prompts, out, max_new_tokens, layer_ids, draft_config, num_dr
       torchrun --nproc_per_node 8 -m specreplay extract --model path/to/target --prompts my.jsonl --out s3://bucket/x
     """
     from pipeline.extract import run_extract
+    from specreplay.progress import bars
     from pipeline.layer_ids import parse_layer_ids
 
     config = ExtractConfig(
@@ -119,6 +112,6 @@ def extract(model, prompts, out, max_new_tokens, layer_ids, draft_config, num_dr
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()  # the weight-loading bars too, not just ours
-    manifest = run_extract(config, progress=progress_bar if show else None)
+    manifest = run_extract(config, progress=bars(not show))
     if main_rank:
         click.echo(next_steps(config.out, manifest))
