@@ -136,6 +136,8 @@ DRAFTERS = [
 ]
 
 
+# Slow: fits of up to 800 steps, then the reference's generate loop; 3-10 min each (measured on 2 shared cores).
+@pytest.mark.slow
 @pytest.mark.parametrize("block_size,layer_ids,layer_types", DRAFTERS)
 def test_chain_walk_equals_dflash_generate(qwen3_setup, block_size, layer_ids, layer_types):
     tmp, model_dir, shards, target = qwen3_setup
