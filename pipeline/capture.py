@@ -95,8 +95,10 @@ def text_decoder(model) -> torch.nn.Module:
     for module in model.modules():
         if getattr(module, "layers", None) is layers:
             return module
-    raise UserError(f"{type(model).__name__}: cannot find the module that owns its decoder layers; supported "
-                    f"are causal LMs and vision-language wrappers whose decoder holds `layers` and a final norm")
+    raise UserError(
+        f"{type(model).__name__}: cannot find the module that owns its decoder layers; supported "
+        f"are causal LMs and vision-language wrappers whose decoder holds `layers` and a final norm"
+    )
 
 
 def ties_last_hidden_state(decoder) -> bool:
@@ -131,11 +133,12 @@ def window_logits(hidden: torch.Tensor, head: torch.nn.Module, config, lo: int, 
     (after the model's own softcap/scale), as the model's forward computes them."""
     total = hidden.shape[0]
     for begin, end, keep in head_windows(lo, total, total, rows):
-        yield postprocess_logits(head(hidden[begin:end].to(head.weight.device)), config)[keep - begin:].float()
+        yield postprocess_logits(head(hidden[begin:end].to(head.weight.device)), config)[keep - begin :].float()
 
 
-def next_token_distribution(hidden: torch.Tensor, head: torch.nn.Module, config, lo: int, targets: torch.Tensor,
-                            top_k: int, rows: int) -> dict[str, torch.Tensor]:
+def next_token_distribution(
+    hidden: torch.Tensor, head: torch.nn.Module, config, lo: int, targets: torch.Tensor, top_k: int, rows: int
+) -> dict[str, torch.Tensor]:
     """Top-k and argmax mismatches for rows lo..T-1 of `hidden` [T, H].
 
     `targets` [T - lo - 1] are the stored tokens at positions lo+1..T-1 (row lo+i predicts
@@ -161,8 +164,10 @@ def stored_features(parts: list[torch.Tensor], feature_dtype: torch.dtype) -> di
     """The feature layers [N, H] each, concatenated in storage form on the CPU."""
     if feature_dtype == torch.float8_e4m3fn:  # lossy opt-in: one scale per token and layer
         quantized = [shards.quantize_fp8(p) for p in parts]
-        return {"features": torch.cat([q.cpu() for q, _ in quantized], dim=-1),
-                "features_scale": torch.cat([s.cpu() for _, s in quantized], dim=-1)}
+        return {
+            "features": torch.cat([q.cpu() for q, _ in quantized], dim=-1),
+            "features_scale": torch.cat([s.cpu() for _, s in quantized], dim=-1),
+        }
     return {"features": torch.cat([p.to(feature_dtype).cpu() for p in parts], dim=-1)}
 
 
@@ -181,10 +186,20 @@ def capture_sample(model, input_ids: list[int], prompt_len: int, config: Capture
         ids = torch.tensor([input_ids], dtype=torch.long, device=model_device(model))
         with layer_outputs(layers, hooked) as captured:
             final = decoder(input_ids=ids, use_cache=False).last_hidden_state[0]  # [N, H], final-norm output
-        tensors = stored_features([final if (i == last and from_norm) else captured[i][0] for i in config.layer_ids],
-                                  config.feature_dtype)
+        tensors = stored_features(
+            [final if (i == last and from_norm) else captured[i][0] for i in config.layer_ids], config.feature_dtype
+        )
         head = model.get_output_embeddings()
         vocab = head.weight.shape[0]
-        tensors.update(next_token_distribution(final, head, text_config(model), prompt_len - 1, ids[0, prompt_len:],
-                                               min(config.top_k, vocab), head_rows(vocab, config.head_budget_bytes)))
+        tensors.update(
+            next_token_distribution(
+                final,
+                head,
+                text_config(model),
+                prompt_len - 1,
+                ids[0, prompt_len:],
+                min(config.top_k, vocab),
+                head_rows(vocab, config.head_budget_bytes),
+            )
+        )
     return tensors

@@ -24,8 +24,9 @@ class Dist:
 
 
 def dist_from_env() -> Dist:
-    return Dist(int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")),
-                int(os.environ.get("LOCAL_RANK", "0")))
+    return Dist(
+        int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_RANK", "0"))
+    )
 
 
 def init_dist(dist: Dist) -> None:

@@ -7,9 +7,12 @@ import torch
 from pipeline.errors import UserError
 
 COMPUTE_DTYPES = {
-    "fp32": torch.float32, "float32": torch.float32,
-    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-    "fp16": torch.float16, "float16": torch.float16,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
 }
 
 
@@ -21,7 +24,7 @@ def is_cuda(device) -> bool:
 
 
 def resolve_dtype(dtype: str | torch.dtype, device="cpu", option: str = "--dtype") -> torch.dtype:
-    """"auto" = float32 on CPU (exact greedy parity), bfloat16 on CUDA; else a name above."""
+    """ "auto" = float32 on CPU (exact greedy parity), bfloat16 on CUDA; else a name above."""
     if isinstance(dtype, torch.dtype):
         return dtype
     key = str(dtype).lower().removeprefix("torch.")

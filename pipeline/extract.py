@@ -43,11 +43,11 @@ import torch
 
 from pipeline import shards, timing
 from pipeline.config import ExtractConfig
-from pipeline.versions import specreplay_version
 from pipeline.distributed import Dist, barrier, dist_from_env, init_dist, resolve_device
 from pipeline.dtypes import COMPUTE_DTYPES
 from pipeline.errors import UserError
 from pipeline.layer_ids import build_target_layer_ids, check_layer_ids
+from pipeline.versions import specreplay_version
 
 # Feature storage dtypes beyond the compute dtypes: e4m3 with one scale per token and layer (lossy).
 FP8_NAMES = ("float8_e4m3fn", "fp8")
@@ -80,7 +80,9 @@ def draft_layer_ids(path: str, num_target_layers: int) -> list[int]:
     try:
         config = json.loads(config_path.read_text())
     except json.JSONDecodeError as error:
-        raise UserError(f"--draft-config {config_path}: not valid JSON ({error}); pass a drafter config.json") from error
+        raise UserError(
+            f"--draft-config {config_path}: not valid JSON ({error}); pass a drafter config.json"
+        ) from error
     ids = (config.get("dflash_config") or {}).get("target_layer_ids", config.get("target_layer_ids"))
     if ids is not None:
         return [int(i) for i in ids]
@@ -104,8 +106,11 @@ def resolve_layer_ids(config: ExtractConfig, num_target_layers: int) -> list[int
     if not ids:
         raise UserError(f"{where}: no layer ids; pass --layer-ids explicitly")
     if len(set(ids)) != len(ids):
-        fix = ("pass --layer-ids explicitly or fewer --num-draft-layers"
-               if config.layer_ids is None and config.draft_config is None else "list each layer once")
+        fix = (
+            "pass --layer-ids explicitly or fewer --num-draft-layers"
+            if config.layer_ids is None and config.draft_config is None
+            else "list each layer once"
+        )
         raise UserError(f"{where}: duplicate layer ids {ids} (target has {num_target_layers} layers); {fix}")
     check_layer_ids(ids, num_target_layers, where)
     return ids
@@ -119,15 +124,21 @@ def parse_feature_dtype(name: str | None, model_dtype: str) -> str:
     if key in FP8_NAMES:
         return "float8_e4m3fn"
     if key not in COMPUTE_DTYPES:
-        raise UserError(f"--feature-dtype {name!r} is not supported; use one of "
-                        f"{', '.join([*COMPUTE_DTYPES, *FP8_NAMES])}")
+        raise UserError(
+            f"--feature-dtype {name!r} is not supported; use one of {', '.join([*COMPUTE_DTYPES, *FP8_NAMES])}"
+        )
     return shards.DTYPE_NAMES[COMPUTE_DTYPES[key]]
 
 
 def validate_numbers(config: ExtractConfig) -> None:
-    checks = [("--max-new-tokens", config.max_new_tokens), ("--top-k", config.top_k),
-              ("--batch-size", config.batch_size), ("--shard-bytes", config.shard_bytes),
-              ("--num-draft-layers", config.num_draft_layers), ("--memory-budget", config.memory_bytes)]
+    checks = [
+        ("--max-new-tokens", config.max_new_tokens),
+        ("--top-k", config.top_k),
+        ("--batch-size", config.batch_size),
+        ("--shard-bytes", config.shard_bytes),
+        ("--num-draft-layers", config.num_draft_layers),
+        ("--memory-budget", config.memory_bytes),
+    ]
     for name, value in checks:
         if value < 1:
             raise UserError(f"{name} must be >= 1, got {value}")
@@ -148,10 +159,19 @@ def prepare_items(records, tokenizer, enable_thinking) -> list[Item]:
             raise UserError(f"prompt {record.id!r} renders to zero tokens; give it some text or input_ids")
         given = render_response(record, tokenizer)
         if given is not None and len(given) == 0:
-            raise UserError(f"prompt {record.id!r}: its given response is empty; give it some text or token ids, "
-                            f"or leave \"response\" out to generate one")
-        items.append(Item(record.id, record.dataset, [int(t) for t in prompt_ids], prompt_text,
-                          None if given is None else [int(t) for t in given]))
+            raise UserError(
+                f"prompt {record.id!r}: its given response is empty; give it some text or token ids, "
+                f'or leave "response" out to generate one'
+            )
+        items.append(
+            Item(
+                record.id,
+                record.dataset,
+                [int(t) for t in prompt_ids],
+                prompt_text,
+                None if given is None else [int(t) for t in given],
+            )
+        )
     if not items:
         raise UserError("the prompt set is empty; give at least one prompt (or a larger --limit)")
     return items
@@ -184,12 +204,23 @@ def weights_fingerprint(model, per_tensor: int = 4096) -> str:
 # settings identity and sizes (pure)
 
 
-TARGET_IDENTITY = ("architecture", "num_layers", "hidden_size", "vocab_size", "config_hash", "dtype",
-                   "stop_token_ids", "pad_token_id", "bos_token_id", "chat_template_hash")
+TARGET_IDENTITY = (
+    "architecture",
+    "num_layers",
+    "hidden_size",
+    "vocab_size",
+    "config_hash",
+    "dtype",
+    "stop_token_ids",
+    "pad_token_id",
+    "bos_token_id",
+    "chat_template_hash",
+)
 
 
-def settings_identity(config: ExtractConfig, info, fingerprint: str, layer_ids: list[int], feature_dtype: str,
-                      prompts: dict) -> dict:
+def settings_identity(
+    config: ExtractConfig, info, fingerprint: str, layer_ids: list[int], feature_dtype: str, prompts: dict
+) -> dict:
     """What must not change between a run and its resume (compared key by key on resume)."""
     target = {key: getattr(info, key) for key in TARGET_IDENTITY}
     target["weights_fingerprint"] = fingerprint
@@ -218,8 +249,11 @@ def flatten(obj, prefix: str = "") -> dict:
 def settings_diff(old: dict, new: dict) -> list[str]:
     """'key: old -> new' lines for every setting that differs (dotted keys for nested ones)."""
     a, b = flatten(old), flatten(new)
-    return [f"{key}: {a.get(key, '<absent>')!r} -> {b.get(key, '<absent>')!r}"
-            for key in sorted(set(a) | set(b)) if a.get(key, "<absent>") != b.get(key, "<absent>")]
+    return [
+        f"{key}: {a.get(key, '<absent>')!r} -> {b.get(key, '<absent>')!r}"
+        for key in sorted(set(a) | set(b))
+        if a.get(key, "<absent>") != b.get(key, "<absent>")
+    ]
 
 
 def tensor_dtypes(feature_dtype: str) -> dict[str, str]:
@@ -232,8 +266,13 @@ def tensor_dtypes(feature_dtype: str) -> dict[str, str]:
 
 def stored_bytes_per_token(dtypes: dict[str, str], n_layers: int, hidden: int, top_k: int) -> int:
     """Raw bytes the shards hold per token (features, scales, top-k, flags)."""
-    width = {"features": n_layers * hidden, "features_scale": n_layers, "topk_ids": top_k, "topk_logprobs": top_k,
-             "argmax_mismatch": 1}
+    width = {
+        "features": n_layers * hidden,
+        "features_scale": n_layers,
+        "topk_ids": top_k,
+        "topk_logprobs": top_k,
+        "argmax_mismatch": 1,
+    }
     return sum(width[name] * shards.TENSOR_DTYPES[dtype].itemsize for name, dtype in dtypes.items())
 
 
@@ -276,7 +315,8 @@ def check_out_dir(out: str, settings: dict, overwrite: bool) -> dict | None:
     diff = settings_diff(manifest.get("settings", {}), settings)
     if diff:
         raise shards.ShardError(
-            f"{out} already holds an extract with different settings:\n  " + "\n  ".join(diff)
+            f"{out} already holds an extract with different settings:\n  "
+            + "\n  ".join(diff)
             + "\nPass --overwrite to delete the old outputs and start over, or choose another --out."
         )
     return manifest
@@ -300,14 +340,28 @@ def delete_outputs(out: str) -> None:
 
 def totals(entries: list[dict], raw_feature_bytes_per_token: int) -> dict:
     """The manifest's totals over finished shard entries (samples, tokens, bytes, finish reasons...)."""
-    out = {"samples": 0, "tokens": 0, "response_tokens": 0, "bytes": 0, "finish_reasons": {},
-           "argmax_mismatches": 0, "greedy_samples": 0, "greedy_response_tokens": 0, "greedy_argmax_mismatches": 0}
+    out = {
+        "samples": 0,
+        "tokens": 0,
+        "response_tokens": 0,
+        "bytes": 0,
+        "finish_reasons": {},
+        "argmax_mismatches": 0,
+        "greedy_samples": 0,
+        "greedy_response_tokens": 0,
+        "greedy_argmax_mismatches": 0,
+    }
     for entry in entries:
         out["samples"] += entry["rows"]
         out["tokens"] += entry["tokens"]
         out["bytes"] += entry["bytes"]
-        for key in ("response_tokens", "argmax_mismatches", "greedy_samples", "greedy_response_tokens",
-                    "greedy_argmax_mismatches"):
+        for key in (
+            "response_tokens",
+            "argmax_mismatches",
+            "greedy_samples",
+            "greedy_response_tokens",
+            "greedy_argmax_mismatches",
+        ):
             out[key] += entry.get(key, 0)
         for reason, count in entry.get("finish_reasons", {}).items():
             out["finish_reasons"][reason] = out["finish_reasons"].get(reason, 0) + count
@@ -335,7 +389,7 @@ def check_entries(entries: list[dict], wanted: set[str] | None = None) -> set[st
 def next_shard_index(entries: list[dict], rank: int) -> int:
     """First shard number for this rank after those already finished (never reuse a name)."""
     prefix = f"{shards.SHARD_DIR}/r{rank:03d}-"
-    used = [int(e["file"][len(prefix):].split(".")[0]) for e in entries if e["file"].startswith(prefix)]
+    used = [int(e["file"][len(prefix) :].split(".")[0]) for e in entries if e["file"].startswith(prefix)]
     return max(used) + 1 if used else 0
 
 
@@ -366,18 +420,31 @@ def plan_extract(config: ExtractConfig, records, tokenizer, info, fingerprint: s
     items = prepare_items(records, tokenizer, config.enable_thinking)
     layer_ids = resolve_layer_ids(config, info.num_layers)
     if config.top_k > info.vocab_size:
-        raise UserError(f"--top-k {config.top_k} exceeds the target's vocabulary ({info.vocab_size}); "
-                        f"pass a smaller --top-k")
+        raise UserError(
+            f"--top-k {config.top_k} exceeds the target's vocabulary ({info.vocab_size}); pass a smaller --top-k"
+        )
     feature_dtype = parse_feature_dtype(config.feature_dtype, info.dtype)
-    prompts = {"name": str(config.prompts), "hash": prompt_set_hash(records), "count": len(items),
-               "rendered_hash": rendered_hash(items)}
+    prompts = {
+        "name": str(config.prompts),
+        "hash": prompt_set_hash(records),
+        "count": len(items),
+        "rendered_hash": rendered_hash(items),
+    }
     tensors = tensor_dtypes(feature_dtype)
     head_bytes, chunk_tokens = split_memory_budget(
-        config.memory_bytes, stored_bytes_per_token(tensors, len(layer_ids), info.hidden_size, config.top_k))
-    return Plan(items=items, layer_ids=layer_ids, feature_dtype=feature_dtype, tensors=tensors,
-                head_window_bytes=head_bytes, chunk_tokens=chunk_tokens,
-                raw_bytes_per_token=len(layer_ids) * info.hidden_size * 2, prompts=prompts,
-                settings=settings_identity(config, info, fingerprint, layer_ids, feature_dtype, prompts))
+        config.memory_bytes, stored_bytes_per_token(tensors, len(layer_ids), info.hidden_size, config.top_k)
+    )
+    return Plan(
+        items=items,
+        layer_ids=layer_ids,
+        feature_dtype=feature_dtype,
+        tensors=tensors,
+        head_window_bytes=head_bytes,
+        chunk_tokens=chunk_tokens,
+        raw_bytes_per_token=len(layer_ids) * info.hidden_size * 2,
+        prompts=prompts,
+        settings=settings_identity(config, info, fingerprint, layer_ids, feature_dtype, prompts),
+    )
 
 
 def new_manifest(plan: Plan, info, run: dict) -> dict:
@@ -397,10 +464,17 @@ def run_facts(config: ExtractConfig, dist: Dist, device: str) -> dict:
     """Informational facts of this run (versions, world size, device, sizes); not compared on resume."""
     import transformers
 
-    return {"specreplay": specreplay_version(), "torch": torch.__version__, "transformers": transformers.__version__,
-            "world_size": dist.world, "device": device, "batch_size": config.batch_size,
-            "shard_bytes": config.shard_bytes, "zstd_level": config.zstd_level,
-            "memory_bytes": config.memory_bytes}
+    return {
+        "specreplay": specreplay_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "world_size": dist.world,
+        "device": device,
+        "batch_size": config.batch_size,
+        "shard_bytes": config.shard_bytes,
+        "zstd_level": config.zstd_level,
+        "memory_bytes": config.memory_bytes,
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -458,12 +532,22 @@ def write_rank_share(model, info, plan: Plan, config: ExtractConfig, dist: Dist,
     entries = shards.finished_shard_entries(config.out)
     done = check_entries(entries, {item.sample_id for item in plan.items})
     pending = [item for item in plan.items if item.sample_id not in done]
-    mine = pending[dist.rank::dist.world]
-    capture_config = CaptureConfig(layer_ids=plan.layer_ids, feature_dtype=shards.TENSOR_DTYPES[plan.feature_dtype],
-                                   top_k=config.top_k, head_budget_bytes=plan.head_window_bytes)
-    writer = shards.ShardWriter(config.out, dist.rank, plan.tensors, shard_bytes=config.shard_bytes,
-                                zstd_level=config.zstd_level, first_index=next_shard_index(entries, dist.rank),
-                                chunk_tokens=plan.chunk_tokens)
+    mine = pending[dist.rank :: dist.world]
+    capture_config = CaptureConfig(
+        layer_ids=plan.layer_ids,
+        feature_dtype=shards.TENSOR_DTYPES[plan.feature_dtype],
+        top_k=config.top_k,
+        head_budget_bytes=plan.head_window_bytes,
+    )
+    writer = shards.ShardWriter(
+        config.out,
+        dist.rank,
+        plan.tensors,
+        shard_bytes=config.shard_bytes,
+        zstd_level=config.zstd_level,
+        first_index=next_shard_index(entries, dist.rank),
+        chunk_tokens=plan.chunk_tokens,
+    )
     bar = progress(len(mine), "extract") if progress is not None else SilentProgress()
     try:
         run_items(model, info, mine, writer, capture_config, config.max_new_tokens, config.batch_size, bar)
@@ -474,11 +558,19 @@ def write_rank_share(model, info, plan: Plan, config: ExtractConfig, dist: Dist,
 
 def batches(items: list, size: int):
     for start in range(0, len(items), size):
-        yield items[start:start + size]
+        yield items[start : start + size]
 
 
-def run_items(model, info, items: list[Item], writer: shards.ShardWriter, capture_config, max_new_tokens: int,
-              batch_size: int, progress) -> None:
+def run_items(
+    model,
+    info,
+    items: list[Item],
+    writer: shards.ShardWriter,
+    capture_config,
+    max_new_tokens: int,
+    batch_size: int,
+    progress,
+) -> None:
     """Generate in batches, then one capture forward per sample, written in item order; `progress`
     (a tqdm-like bar) counts samples and shows tokens per second."""
     from pipeline.capture import capture_sample
@@ -486,16 +578,29 @@ def run_items(model, info, items: list[Item], writer: shards.ShardWriter, captur
 
     start, tokens = time.perf_counter(), 0
     for batch in batches(items, batch_size):
-        responses = generate_responses(model, [i.prompt_ids for i in batch], [i.given for i in batch],
-                                       max_new_tokens, info.stop_token_ids, info.pad_token_id)
+        responses = generate_responses(
+            model,
+            [i.prompt_ids for i in batch],
+            [i.given for i in batch],
+            max_new_tokens,
+            info.stop_token_ids,
+            info.pad_token_id,
+        )
         for item, response in zip(batch, responses):
             input_ids = item.prompt_ids + response.token_ids
             tensors = capture_sample(model, input_ids, len(item.prompt_ids), capture_config)
-            writer.write(shards.Sample(
-                sample_id=item.sample_id, dataset=item.dataset, prompt_text=item.prompt_text,
-                input_ids=torch.tensor(input_ids, dtype=torch.int64), prompt_len=len(item.prompt_ids),
-                finish_reason=response.finish_reason, greedy=response.greedy, tensors=tensors,
-            ))
+            writer.write(
+                shards.Sample(
+                    sample_id=item.sample_id,
+                    dataset=item.dataset,
+                    prompt_text=item.prompt_text,
+                    input_ids=torch.tensor(input_ids, dtype=torch.int64),
+                    prompt_len=len(item.prompt_ids),
+                    finish_reason=response.finish_reason,
+                    greedy=response.greedy,
+                    tensors=tensors,
+                )
+            )
             del tensors  # the writer owns them now; the next forward must not keep them alive
             tokens += len(input_ids)
             progress.update(1, speed=f"{tokens / max(time.perf_counter() - start, 1e-9):.0f} tok/s")

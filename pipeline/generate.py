@@ -71,8 +71,8 @@ def left_pad(prompts: list[list[int]], pad_id: int, device) -> tuple[torch.Tenso
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(prompts), width), dtype=torch.long)
     for row, prompt in enumerate(prompts):
-        ids[row, width - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
-        mask[row, width - len(prompt):] = 1
+        ids[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
+        mask[row, width - len(prompt) :] = 1
     return ids.to(device), mask.to(device)
 
 
@@ -85,8 +85,9 @@ def model_device(model) -> torch.device:
 
 
 @torch.inference_mode()
-def generate_batch(model, prompts: list[list[int]], max_new_tokens: int, stop_ids: list[int],
-                   pad_id: int) -> list[Response]:
+def generate_batch(
+    model, prompts: list[list[int]], max_new_tokens: int, stop_ids: list[int], pad_id: int
+) -> list[Response]:
     """Greedy responses for a batch of tokenized prompts (one left-padded generate call)."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -103,7 +104,7 @@ def generate_batch(model, prompts: list[list[int]], max_new_tokens: int, stop_id
             pad_token_id=pad_id,
             **NEUTRAL_GENERATION,
         )
-    new = out[:, ids.shape[1]:].cpu().tolist()
+    new = out[:, ids.shape[1] :].cpu().tolist()
     return [cut_at_stop(row, stop_ids, max_new_tokens) for row in new]
 
 
@@ -114,8 +115,14 @@ def given_response(token_ids: list[int]) -> Response:
     return Response(list(token_ids), FINISH_GIVEN, False)
 
 
-def generate_responses(model, prompts: list[list[int]], given: list[list[int] | None], max_new_tokens: int,
-                       stop_ids: list[int], pad_id: int) -> list[Response]:
+def generate_responses(
+    model,
+    prompts: list[list[int]],
+    given: list[list[int] | None],
+    max_new_tokens: int,
+    stop_ids: list[int],
+    pad_id: int,
+) -> list[Response]:
     """Responses for one batch in input order: given ones as they are, the rest generated together."""
     todo = [i for i, g in enumerate(given) if g is None]
     generated = generate_batch(model, [prompts[i] for i in todo], max_new_tokens, stop_ids, pad_id) if todo else []

@@ -21,7 +21,9 @@ def verify_checksums(uri: str, entries: list[dict]) -> dict:
             continue
         crc, size = shards.file_crc32(fs, path)
         if crc != entry["crc32"] or size != entry["bytes"]:
-            bad.append(f"{path}: crc32 {crc:#010x} / {size} bytes, manifest says {entry['crc32']:#010x} / {entry['bytes']} bytes")
+            bad.append(
+                f"{path}: crc32 {crc:#010x} / {size} bytes, manifest says {entry['crc32']:#010x} / {entry['bytes']} bytes"
+            )
     return {"checked": len(entries), "ok": len(entries) - len(bad), "bad": bad}
 
 
@@ -58,8 +60,9 @@ def inspect_extract(uri: str, verify: bool = True) -> dict:  # 50 lines: mostly 
         "dir": uri,
         "complete": complete,
         "format_version": manifest.get("format_version"),
-        "target": {key: target.get(key) for key in ("name", "architecture", "num_layers", "hidden_size",
-                                                      "vocab_size", "dtype")},
+        "target": {
+            key: target.get(key) for key in ("name", "architecture", "num_layers", "hidden_size", "vocab_size", "dtype")
+        },
         "layer_ids": layer_ids,
         "feature_dtype": settings.get("feature_dtype"),
         "top_k": settings.get("top_k"),
@@ -113,8 +116,11 @@ def format_report(report: dict) -> str:
         f"~{report['chunk_tokens']} tokens ({report['greedy_samples']} greedy, {report['given_samples']} given)",
         f"  tokens          {report['tokens']} ({report['prompt_tokens']} prompt, {report['response_tokens']} response)",
         f"  bytes           {report['bytes']} ({report['bytes'] / 2**20:.2f} MiB)"
-        + (f", {bpt:.0f} B/token = {ratio:.3f} x raw bf16 features ({report['raw_bf16_feature_bytes_per_token']} B/token)"
-           if bpt is not None and ratio is not None else ""),
+        + (
+            f", {bpt:.0f} B/token = {ratio:.3f} x raw bf16 features ({report['raw_bf16_feature_bytes_per_token']} B/token)"
+            if bpt is not None and ratio is not None
+            else ""
+        ),
         f"  finish reasons  {reasons}",
         f"  greedy-consistency {_pct(report['greedy_consistency'])} "
         f"({report['argmax_mismatches']} response tokens differ from the full-forward argmax)",

@@ -79,8 +79,10 @@ def _check_token_ids(value, where: str, field: str, allow_empty: bool = False) -
 
 def _parse_record(obj, where: str, default_dataset: str) -> PromptRecord:
     if not isinstance(obj, dict):
-        raise UserError(f"{where}: expected a JSON object per line, got {type(obj).__name__}; "
-                        f"write one object like {{\"id\": \"a1\", \"prompt\": \"...\"}} per line")
+        raise UserError(
+            f"{where}: expected a JSON object per line, got {type(obj).__name__}; "
+            f'write one object like {{"id": "a1", "prompt": "..."}} per line'
+        )
     record_id = obj.get("id")
     if isinstance(record_id, int) and not isinstance(record_id, bool):
         record_id = str(record_id)
@@ -114,7 +116,9 @@ def _parse_record(obj, where: str, default_dataset: str) -> PromptRecord:
         elif isinstance(response, str) and response:
             record.response = response
         else:
-            raise _bad(where, "response", "must be a non-empty string or a list of token ids", "or leave it out to generate")
+            raise _bad(
+                where, "response", "must be a non-empty string or a list of token ids", "or leave it out to generate"
+            )
 
     dataset = obj.get("dataset")
     if dataset is not None:
@@ -139,8 +143,9 @@ def load_jsonl(path: str | Path) -> list[PromptRecord]:
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as error:
-            raise UserError(f"{where}: malformed JSON ({error.msg} at column {error.colno}); "
-                             f"each line must be one JSON object") from None
+            raise UserError(
+                f"{where}: malformed JSON ({error.msg} at column {error.colno}); each line must be one JSON object"
+            ) from None
         record = _parse_record(obj, where, default_dataset)
         if record.id in first_line_of:
             raise UserError(
@@ -230,6 +235,7 @@ def render_response(record: PromptRecord, tokenizer) -> list[int] | None:
 
 def prompt_set_hash(records: list[PromptRecord]) -> str:
     """sha256 over a canonical JSON of the records (order matters: it is the extraction order)."""
-    canonical = json.dumps([asdict(record) for record in records], sort_keys=True, ensure_ascii=False,
-                           separators=(",", ":"))
+    canonical = json.dumps(
+        [asdict(record) for record in records], sort_keys=True, ensure_ascii=False, separators=(",", ":")
+    )
     return hashlib.sha256(canonical.encode("utf-8")).hexdigest()

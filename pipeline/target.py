@@ -95,8 +95,10 @@ def output_head_weight(model) -> torch.Tensor:
     """lm_head matrix [V, H]; the same tensor as the embedding when the model ties them."""
     head = model.get_output_embeddings()
     if head is None:
-        raise UserError(f"{type(model).__name__} has no output head (get_output_embeddings() is None); "
-                        f"pass a causal LM or a vision-language model with a language-model head")
+        raise UserError(
+            f"{type(model).__name__} has no output head (get_output_embeddings() is None); "
+            f"pass a causal LM or a vision-language model with a language-model head"
+        )
     return head.weight.detach()
 
 

@@ -93,11 +93,15 @@ def _weight_files_in_dir(path: str) -> list[str]:
         with open(index) as handle:
             weight_map = json.load(handle).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
-            raise CheckpointError(f"{index}: no 'weight_map' (tensor name -> file); the index is not a safetensors index")
+            raise CheckpointError(
+                f"{index}: no 'weight_map' (tensor name -> file); the index is not a safetensors index"
+            )
         files = sorted(set(weight_map.values()))
         absent = [name for name in files if not os.path.isfile(os.path.join(path, name))]
         if absent:
-            raise CheckpointError(f"{index}: lists shard files that are not in {path}: {absent}; the download is incomplete")
+            raise CheckpointError(
+                f"{index}: lists shard files that are not in {path}: {absent}; the download is incomplete"
+            )
         return [os.path.join(path, name) for name in files]
     single = os.path.join(path, SAFETENSORS_NAME)
     if os.path.isfile(single):
@@ -190,7 +194,7 @@ def normalize_keys(state: dict[str, torch.Tensor], expected: set[str], source: s
             wrapper = next((p for p in WRAPPER_PREFIXES if candidate.startswith(p)), None)
             if wrapper is None:
                 break
-            candidate, prefix = candidate[len(wrapper):], prefix + wrapper
+            candidate, prefix = candidate[len(wrapper) :], prefix + wrapper
         if candidate not in expected:
             candidate, prefix = name, ""
         if candidate in out:
@@ -211,8 +215,13 @@ def _listing(names: list[str]) -> str:
     return ", ".join(names[:MAX_LISTED]) + more
 
 
-def check_state_dict(state: dict[str, torch.Tensor], expected: dict[str, torch.Size], config: DrafterConfig,
-                     source: str, config_file: str) -> None:
+def check_state_dict(
+    state: dict[str, torch.Tensor],
+    expected: dict[str, torch.Size],
+    config: DrafterConfig,
+    source: str,
+    config_file: str,
+) -> None:
     """Strict names and shapes; one error listing everything wrong, since one fix may cover all."""
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
@@ -352,8 +361,9 @@ def read_drafter_config(path: str, config_path: str | None = None) -> DrafterCon
     return _read_config(config_file)[0]
 
 
-def load_drafter(path: str, dtype: torch.dtype = torch.float32, device="cpu",
-                 config_path: str | None = None) -> tuple[DFlashDrafter, CheckpointInfo]:
+def load_drafter(
+    path: str, dtype: torch.dtype = torch.float32, device="cpu", config_path: str | None = None
+) -> tuple[DFlashDrafter, CheckpointInfo]:
     """Load a drafter checkpoint strictly; see the module docstring for accepted layouts.
 
     Raises CheckpointError (files, names, shapes) or DrafterConfigError (the config describes a

@@ -29,11 +29,19 @@ def _zero_counts(positions: int) -> dict[str, np.ndarray]:
 def sample_row(sample, method: str, produced: list[int], mismatches: int) -> dict:
     """samples.parquet's row (without the identity) for one sample and method."""
     return {
-        "dataset": sample.dataset, "sample_id": sample.sample_id, "method": method,
-        "prompt_len": sample.prompt_len, "response_len": sample.response_len,
-        "finish_reason": sample.finish_reason, "greedy": sample.greedy,
-        "argmax_mismatches": mismatches, "exact": bool(sample.greedy and mismatches == 0), "steps": len(produced),
-        "tokens_produced": sum(produced), "tau": metrics.sample_tau(produced), "prompt_text": sample.prompt_text,
+        "dataset": sample.dataset,
+        "sample_id": sample.sample_id,
+        "method": method,
+        "prompt_len": sample.prompt_len,
+        "response_len": sample.response_len,
+        "finish_reason": sample.finish_reason,
+        "greedy": sample.greedy,
+        "argmax_mismatches": mismatches,
+        "exact": bool(sample.greedy and mismatches == 0),
+        "steps": len(produced),
+        "tokens_produced": sum(produced),
+        "tau": metrics.sample_tau(produced),
+        "prompt_text": sample.prompt_text,
     }
 
 
@@ -63,16 +71,22 @@ class Collector:
 
     def accepted(self, result: AnchorTensors) -> dict[str, torch.Tensor]:
         """Accepted length per anchor (bonus-exclusive) of every method."""
-        return {m: metrics.accepted_len(result.draft_tokens, result.target_tokens, result.tree_pop_index,
-                                        results.tree_nodes_of(m)) for m in self.methods}
+        return {
+            m: metrics.accepted_len(
+                result.draft_tokens, result.target_tokens, result.tree_pop_index, results.tree_nodes_of(m)
+            )
+            for m in self.methods
+        }
 
     def add(self, index: int, sample, result: AnchorTensors) -> None:
         is_stop = stop_mask(sample.input_ids, self.stop_token_ids)
         next_stop = next_stop_positions(is_stop)
         accepted = self.accepted(result)
         seq_len = sample.input_ids.numel()
-        produced = {m: metrics.produced_tokens(a, result.anchors, seq_len, next_stop[result.anchors])
-                    for m, a in accepted.items()}
+        produced = {
+            m: metrics.produced_tokens(a, result.anchors, seq_len, next_stop[result.anchors])
+            for m, a in accepted.items()
+        }
         mismatches = int(sample.argmax_mismatch.sum()) if "argmax_mismatch" in sample.tensors else 0
         walk_columns = {name: [] for name in results.columns(results.WALK)}
         sample_rows = []
@@ -80,8 +94,18 @@ class Collector:
             steps = walk(produced[method], sample.prompt_len, is_stop)
             accepted_here = accepted[method].tolist()
             for step, (anchor, count) in enumerate(steps):
-                for name, value in zip(walk_columns, (sample.dataset, sample.sample_id, method, step, anchor, count,
-                                                      accepted_here[anchor - sample.prompt_len])):
+                for name, value in zip(
+                    walk_columns,
+                    (
+                        sample.dataset,
+                        sample.sample_id,
+                        method,
+                        step,
+                        anchor,
+                        count,
+                        accepted_here[anchor - sample.prompt_len],
+                    ),
+                ):
                     walk_columns[name].append(value)
             sample_rows.append(sample_row(sample, method, [c for _, c in steps], mismatches))
         self.parts[index] = (self.anchor_columns(sample, result), walk_columns, sample_rows)
@@ -103,7 +127,8 @@ class Collector:
             mine[key] += counts[key].numpy()
         lengths, flat_known, A = known.sum(dim=1).numpy(), known.numpy(), result.anchors.numel()
         columns = {
-            "dataset": [sample.dataset] * A, "sample_id": [sample.sample_id] * A,
+            "dataset": [sample.dataset] * A,
+            "sample_id": [sample.sample_id] * A,
             "anchor": result.anchors.numpy().astype(np.int32),
             "anchor_offset": (result.anchors - sample.prompt_len).numpy().astype(np.int32),
             "block_len": result.block_len.numpy().astype(np.int32),
@@ -121,22 +146,29 @@ class Collector:
     def tables(self, identity: dict, anchor_set: str) -> dict[str, pa.Table | None]:
         """{'anchors' (None when no anchor was scored), 'walk', 'samples', 'summary'} in sample index order."""
         ordered = [self.parts[i] for i in sorted(self.parts)]
-        anchor_parts = [results.table(results.with_identity(p[0], identity, len(p[0]["anchor"])),
-                                      results.anchors_schema(self.tree_nodes)) for p in ordered if p[0] is not None]
+        anchor_parts = [
+            results.table(
+                results.with_identity(p[0], identity, len(p[0]["anchor"])), results.anchors_schema(self.tree_nodes)
+            )
+            for p in ordered
+            if p[0] is not None
+        ]
         walk_columns = {k: [v for p in ordered for v in p[1][k]] for k in results.columns(results.WALK)}
         sample_rows = [{**identity, **row} for p in ordered for row in p[2]]
         anchors = pa.concat_tables(anchor_parts) if anchor_parts else None
         return {
             "anchors": anchors,
-            "walk": results.table(results.with_identity(walk_columns, identity, len(walk_columns["step"])),
-                                  results.walk_schema()),
+            "walk": results.table(
+                results.with_identity(walk_columns, identity, len(walk_columns["step"])), results.walk_schema()
+            ),
             "samples": results.rows_table(sample_rows, results.samples_schema()),
             "summary": summarize(self, anchors, sample_rows, identity, anchor_set),
         }
 
 
-def summarize(collector: Collector, anchors: pa.Table | None, sample_rows: list[dict], identity: dict,
-              anchor_set: str) -> pa.Table:
+def summarize(
+    collector: Collector, anchors: pa.Table | None, sample_rows: list[dict], identity: dict, anchor_set: str
+) -> pa.Table:
     """summary.parquet: one row per (dataset, method), plus dataset ALL_DATASETS."""
     import polars as pl
 
@@ -168,18 +200,24 @@ def walk_summary(samples, method: str) -> dict:
     scored = m.filter(pl.col("steps") > 0)
     return {
         "tau": metrics.tau(scored["tau"].to_list()),
-        "samples": m.height, "samples_without_steps": m.height - scored.height,
-        "steps": int(m["steps"].sum()), "tokens_produced": int(m["tokens_produced"].sum()),
-        "inexact_samples": int((~m["exact"]).sum()), "argmax_mismatches": int(m["argmax_mismatches"].sum()),
+        "samples": m.height,
+        "samples_without_steps": m.height - scored.height,
+        "steps": int(m["steps"].sum()),
+        "tokens_produced": int(m["tokens_produced"].sum()),
+        "inexact_samples": int((~m["exact"]).sum()),
+        "argmax_mismatches": int(m["argmax_mismatches"].sum()),
         "exact": bool(m["exact"].all()),
     }
 
 
 def anchor_summary(anchors, method: str, counts: dict[str, np.ndarray]) -> dict:
     """The all-anchor columns of one summary row (the chain's extra columns only for the chain)."""
-    row = {"anchors": anchors.height,
-           "anchor_accepted_len_mean": metrics.streak(torch.from_numpy(anchors[results.accepted_column(method)]
-                                                                       .to_numpy()))}
+    row = {
+        "anchors": anchors.height,
+        "anchor_accepted_len_mean": metrics.streak(
+            torch.from_numpy(anchors[results.accepted_column(method)].to_numpy())
+        ),
+    }
     if method == results.CHAIN:
         row["anchor_produced_mean"] = float(anchors["produced_chain"].mean())  # bonus-inclusive
         row["anchor_expected_accepted_len_mean"] = float(anchors["expected_accepted_len"].mean())
@@ -188,5 +226,6 @@ def anchor_summary(anchors, method: str, counts: dict[str, np.ndarray]) -> dict:
         rate = metrics.acceptance_by_position(torch.from_numpy(counts["accepted"]), torch.from_numpy(counts["reached"]))
         row["accept_rate_by_position"] = rate.tolist()
         row["match_rate_by_position"] = metrics.match_rate_by_position(
-            torch.from_numpy(counts["match"]), torch.from_numpy(counts["known"])).tolist()
+            torch.from_numpy(counts["match"]), torch.from_numpy(counts["known"])
+        ).tolist()
     return row

@@ -31,9 +31,19 @@ from scoring.results import ALL_DATASETS
 
 REQUIRED_COLUMNS = ("dataset", "sample_id", "method", "tau")  # of results.SAMPLES, what pairing needs
 OUTPUT_SCHEMA = {
-    "dataset": pl.String, "method": pl.String, "n": pl.Int64, "tau_a": pl.Float64, "tau_b": pl.Float64,
-    "delta": pl.Float64, "ci_low": pl.Float64, "ci_high": pl.Float64, "verdict": pl.String,
-    "dropped_null": pl.Int64, "unmatched": pl.Int64, "checkpoint_a": pl.String, "checkpoint_b": pl.String,
+    "dataset": pl.String,
+    "method": pl.String,
+    "n": pl.Int64,
+    "tau_a": pl.Float64,
+    "tau_b": pl.Float64,
+    "delta": pl.Float64,
+    "ci_low": pl.Float64,
+    "ci_high": pl.Float64,
+    "verdict": pl.String,
+    "dropped_null": pl.Int64,
+    "unmatched": pl.Int64,
+    "checkpoint_a": pl.String,
+    "checkpoint_b": pl.String,
 }
 # indices drawn per bootstrap chunk: bounds memory at ~32 MiB of int64 whatever n and resamples are
 _CHUNK_ELEMENTS = 1 << 22
@@ -47,8 +57,9 @@ class ShardsDifferWarning(UserWarning):
     """A and B were not scored on the same shards (or that cannot be checked)."""
 
 
-def paired_bootstrap(a: np.ndarray, b: np.ndarray, resamples: int = 2000, seed: int = 0,
-                     confidence: float = 0.95) -> tuple[float, float, float]:
+def paired_bootstrap(
+    a: np.ndarray, b: np.ndarray, resamples: int = 2000, seed: int = 0, confidence: float = 0.95
+) -> tuple[float, float, float]:
     """(delta, low, high) for delta = mean(b) - mean(a) over paired samples a[i], b[i].
 
     The interval is the paired percentile bootstrap: an index matrix [resamples, n] drawn
@@ -59,8 +70,9 @@ def paired_bootstrap(a: np.ndarray, b: np.ndarray, resamples: int = 2000, seed: 
     a = np.asarray(a, dtype=np.float64)
     b = np.asarray(b, dtype=np.float64)
     if a.ndim != 1 or a.shape != b.shape:
-        raise ValueError(f"a and b must be 1-d arrays of the same length (paired samples); got shapes "
-                         f"{a.shape} and {b.shape}")
+        raise ValueError(
+            f"a and b must be 1-d arrays of the same length (paired samples); got shapes {a.shape} and {b.shape}"
+        )
     if a.size == 0:
         raise ValueError("no paired samples to compare (a and b are empty)")
     if not (np.isfinite(a).all() and np.isfinite(b).all()):
@@ -119,30 +131,40 @@ def _results_children(path: str) -> list[str]:
 def load_results(path: str, label: str) -> tuple[pl.DataFrame, dict | None]:
     """(samples, run record or None) of one results directory; CompareError when it is not one."""
     if not os.path.isdir(path):
-        raise CompareError(f"{label}: {path} is not a directory; pass a results directory written by "
-                           f"`specreplay score` (one holding samples.parquet and summary.parquet)")
+        raise CompareError(
+            f"{label}: {path} is not a directory; pass a results directory written by "
+            f"`specreplay score` (one holding samples.parquet and summary.parquet)"
+        )
     samples_path = os.path.join(path, results.FILES["samples"])
     if not os.path.isfile(samples_path):
         children = _results_children(path)
-        hint = (f"; it holds results directories, pass one of them: {', '.join(children)}" if children
-                else "; pass a results directory written by `specreplay score` (the --out of one checkpoint, "
-                     "or one --out/<checkpoint> subdirectory when several were scored)")
+        hint = (
+            f"; it holds results directories, pass one of them: {', '.join(children)}"
+            if children
+            else "; pass a results directory written by `specreplay score` (the --out of one checkpoint, "
+            "or one --out/<checkpoint> subdirectory when several were scored)"
+        )
         raise CompareError(f"{label}: {samples_path} not found{hint}")
     try:
         samples = pl.read_parquet(samples_path)
     except Exception as error:  # noqa: BLE001 - polars raises several types for a bad file
-        raise CompareError(f"{label}: cannot read {samples_path} ({error}); rescore that checkpoint with "
-                           f"`specreplay score --force`") from error
+        raise CompareError(
+            f"{label}: cannot read {samples_path} ({error}); rescore that checkpoint with `specreplay score --force`"
+        ) from error
     missing = [c for c in REQUIRED_COLUMNS if c not in samples.columns]
     if missing:
-        raise CompareError(f"{label}: {samples_path} lacks column(s) {missing}; it is not a `specreplay score` "
-                           f"samples table (rescore with `specreplay score --force`)")
+        raise CompareError(
+            f"{label}: {samples_path} lacks column(s) {missing}; it is not a `specreplay score` "
+            f"samples table (rescore with `specreplay score --force`)"
+        )
     duplicated = samples.select("dataset", "sample_id", "method").is_duplicated()
     if duplicated.any():
         row = samples.filter(duplicated).row(0, named=True)
-        raise CompareError(f"{label}: {samples_path} has several rows for dataset {row['dataset']!r}, sample "
-                           f"{row['sample_id']!r}, method {row['method']!r}; it must hold one checkpoint's "
-                           f"results (one row per sample and method)")
+        raise CompareError(
+            f"{label}: {samples_path} has several rows for dataset {row['dataset']!r}, sample "
+            f"{row['sample_id']!r}, method {row['method']!r}; it must hold one checkpoint's "
+            f"results (one row per sample and method)"
+        )
     run_path = os.path.join(path, results.FILES["run"])
     record = None
     if os.path.isfile(run_path):
@@ -150,9 +172,11 @@ def load_results(path: str, label: str) -> tuple[pl.DataFrame, dict | None]:
             with open(run_path) as f:
                 record = json.load(f)
         except (OSError, ValueError) as error:
-            raise CompareError(f"{label}: cannot read {run_path} ({error}); rescore that checkpoint with "
-                               f"`specreplay score --force`, or delete run.json to compare without the shards "
-                               f"check") from error
+            raise CompareError(
+                f"{label}: cannot read {run_path} ({error}); rescore that checkpoint with "
+                f"`specreplay score --force`, or delete run.json to compare without the shards "
+                f"check"
+            ) from error
     return samples, record
 
 
@@ -170,8 +194,11 @@ def checkpoint_name(samples: pl.DataFrame, record: dict | None, path: str) -> st
 def _check_shards(record_a: dict | None, record_b: dict | None, dir_a: str, dir_b: str) -> None:
     missing = [os.path.join(d, results.FILES["run"]) for d, r in ((dir_a, record_a), (dir_b, record_b)) if r is None]
     if missing:
-        warnings.warn(f"cannot check that A and B were scored on the same shards: {', '.join(missing)} not found",
-                      ShardsDifferWarning, stacklevel=3)
+        warnings.warn(
+            f"cannot check that A and B were scored on the same shards: {', '.join(missing)} not found",
+            ShardsDifferWarning,
+            stacklevel=3,
+        )
         return
     shards_a, shards_b = record_a.get("shards", {}), record_b.get("shards", {})
     if shards_a.get("identity") != shards_b.get("identity"):
@@ -180,7 +207,9 @@ def _check_shards(record_a: dict | None, record_b: dict | None, dir_a: str, dir_
             f"from {shards_a.get('uri')}, B {shards_b.get('identity')} from {shards_b.get('uri')}); samples are "
             f"matched by (dataset, sample_id), so a matched pair may hold different prompts or responses. "
             f"For a clean comparison score both checkpoints on the same --shards.",
-            ShardsDifferWarning, stacklevel=3)
+            ShardsDifferWarning,
+            stacklevel=3,
+        )
 
 
 def _select(requested: list[str] | None, available: list[str], what: str, option: str) -> list[str]:
@@ -192,8 +221,15 @@ def _select(requested: list[str] | None, available: list[str], what: str, option
     return [a for a in available if a in requested]
 
 
-def compare_results(dir_a: str, dir_b: str, methods: list[str] | None = None, datasets: list[str] | None = None,
-                    resamples: int = 2000, seed: int = 0, confidence: float = 0.95) -> pl.DataFrame:
+def compare_results(
+    dir_a: str,
+    dir_b: str,
+    methods: list[str] | None = None,
+    datasets: list[str] | None = None,
+    resamples: int = 2000,
+    seed: int = 0,
+    confidence: float = 0.95,
+) -> pl.DataFrame:
     """One row per (dataset, method) present in both A and B, plus dataset '(all)', with the
     columns of OUTPUT_SCHEMA (definitions in the module docstring). `methods` / `datasets`
     keep only those rows ('(all)' always pools every dataset). Warns (ShardsDifferWarning) when
@@ -209,10 +245,13 @@ def compare_results(dir_a: str, dir_b: str, methods: list[str] | None = None, da
     chosen_methods = _common_methods(samples_a, samples_b, methods)
     joined = _join(samples_a, samples_b, chosen_methods)
     shared = joined.filter(pl.col("in_a") & pl.col("in_b"))
-    chosen_datasets = _select(datasets, sorted(shared["dataset"].unique().to_list()) + [ALL_DATASETS], "dataset",
-                              "--dataset")
-    names = {"checkpoint_a": checkpoint_name(samples_a, record_a, dir_a),
-             "checkpoint_b": checkpoint_name(samples_b, record_b, dir_b)}
+    chosen_datasets = _select(
+        datasets, sorted(shared["dataset"].unique().to_list()) + [ALL_DATASETS], "dataset", "--dataset"
+    )
+    names = {
+        "checkpoint_a": checkpoint_name(samples_a, record_a, dir_a),
+        "checkpoint_b": checkpoint_name(samples_b, record_b, dir_b),
+    }
     rows = []
     for dataset in chosen_datasets:
         subset = joined if dataset == ALL_DATASETS else joined.filter(pl.col("dataset") == dataset)
@@ -230,8 +269,10 @@ def _check_overlap(samples_a: pl.DataFrame, samples_b: pl.DataFrame, dir_a: str,
     if ids_a.join(ids_b, on=KEYS, how="inner").height == 0:
         same_ids = set(ids_a["sample_id"].to_list()) & set(ids_b["sample_id"].to_list())
         hint = f" ({len(same_ids)} sample ids match but under different dataset names)" if same_ids else ""
-        raise CompareError(f"no sample of A ({dir_a}) matches a sample of B ({dir_b}) by (dataset, sample_id){hint}; "
-                           f"score both checkpoints on the same --shards")
+        raise CompareError(
+            f"no sample of A ({dir_a}) matches a sample of B ({dir_b}) by (dataset, sample_id){hint}; "
+            f"score both checkpoints on the same --shards"
+        )
 
 
 def _common_methods(samples_a: pl.DataFrame, samples_b: pl.DataFrame, methods: list[str] | None) -> list[str]:
@@ -239,8 +280,10 @@ def _common_methods(samples_a: pl.DataFrame, samples_b: pl.DataFrame, methods: l
     methods_a, methods_b = set(samples_a["method"].to_list()), set(samples_b["method"].to_list())
     common = sorted(methods_a & methods_b, key=results.method_order)
     if not common:
-        raise CompareError(f"A and B share no method (A: {sorted(methods_a, key=results.method_order)}, "
-                           f"B: {sorted(methods_b, key=results.method_order)})")
+        raise CompareError(
+            f"A and B share no method (A: {sorted(methods_a, key=results.method_order)}, "
+            f"B: {sorted(methods_b, key=results.method_order)})"
+        )
     only = sorted(methods_a ^ methods_b, key=results.method_order)
     if only and not methods:
         warnings.warn(f"method(s) {only} are in only one run and are not compared", UserWarning, stacklevel=3)
@@ -252,15 +295,20 @@ def _join(samples_a: pl.DataFrame, samples_b: pl.DataFrame, methods: list[str]) 
     warns about samples in only one run."""
     a = samples_a.select(*KEYS, "method", tau_a=pl.col("tau").cast(pl.Float64).fill_nan(None), in_a=pl.lit(True))
     b = samples_b.select(*KEYS, "method", tau_b=pl.col("tau").cast(pl.Float64).fill_nan(None), in_b=pl.lit(True))
-    joined = (a.join(b, on=[*KEYS, "method"], how="full", coalesce=True)
-              .filter(pl.col("method").is_in(methods))
-              .with_columns(pl.col("in_a", "in_b").fill_null(False)))
+    joined = (
+        a.join(b, on=[*KEYS, "method"], how="full", coalesce=True)
+        .filter(pl.col("method").is_in(methods))
+        .with_columns(pl.col("in_a", "in_b").fill_null(False))
+    )
     unmatched = joined.filter(~(pl.col("in_a") & pl.col("in_b")))
     if unmatched.height:
         ids = unmatched.select(KEYS).unique().sort(KEYS)
-        warnings.warn(f"{ids.height} sample(s) are in only one run (e.g. dataset {ids['dataset'][0]!r}, sample "
-                      f"{ids['sample_id'][0]!r}); they are left out and counted in `unmatched`",
-                      UserWarning, stacklevel=3)
+        warnings.warn(
+            f"{ids.height} sample(s) are in only one run (e.g. dataset {ids['dataset'][0]!r}, sample "
+            f"{ids['sample_id'][0]!r}); they are left out and counted in `unmatched`",
+            UserWarning,
+            stacklevel=3,
+        )
     return joined
 
 
@@ -272,9 +320,25 @@ def compare_pairs(rows: pl.DataFrame, resamples: int, seed: int, confidence: flo
     counts = {"dropped_null": present.height - paired.height, "unmatched": rows.height - present.height}
     n = paired.height
     if n == 0:
-        return {"n": 0, "tau_a": None, "tau_b": None, "delta": None, "ci_low": None, "ci_high": None,
-                "verdict": "no paired samples with a tau in both runs", **counts}
+        return {
+            "n": 0,
+            "tau_a": None,
+            "tau_b": None,
+            "delta": None,
+            "ci_low": None,
+            "ci_high": None,
+            "verdict": "no paired samples with a tau in both runs",
+            **counts,
+        }
     tau_a, tau_b = paired["tau_a"].to_numpy(), paired["tau_b"].to_numpy()
     delta, low, high = paired_bootstrap(tau_a, tau_b, resamples=resamples, seed=seed, confidence=confidence)
-    return {"n": n, "tau_a": float(tau_a.mean()), "tau_b": float(tau_b.mean()), "delta": delta, "ci_low": low,
-            "ci_high": high, "verdict": verdict(delta, low, high, confidence, n), **counts}
+    return {
+        "n": n,
+        "tau_a": float(tau_a.mean()),
+        "tau_b": float(tau_b.mean()),
+        "delta": delta,
+        "ci_low": low,
+        "ci_high": high,
+        "verdict": verdict(delta, low, high, confidence, n),
+        **counts,
+    }

@@ -18,8 +18,10 @@ def print_summary(summary: pa.Table, name: str, out_dir: str, record: dict) -> N
     import polars as pl
 
     df = pl.from_arrow(summary)
-    print(f"\n{name}: {record['shards']['samples']} samples, {record['anchors']} anchors, "
-          f"{record['dtype']} on {record['device']}, {record['wall_time_s']:.1f}s -> {out_dir}")
+    print(
+        f"\n{name}: {record['shards']['samples']} samples, {record['anchors']} anchors, "
+        f"{record['dtype']} on {record['device']}, {record['wall_time_s']:.1f}s -> {out_dir}"
+    )
     methods = df["method"].unique(maintain_order=True).to_list()
     print("tau (mean accepted + bonus per step, simulated walk)")
     print(f"{'dataset':<16}" + "".join(f"{m:>12}" for m in methods) + f"{'streak':>10}")
@@ -41,10 +43,14 @@ def notes(overall: dict, record: dict) -> list[str]:
     """Caveats on the numbers: inexact walks, lossy features."""
     found = []
     if overall["inexact_samples"]:
-        found.append(f"{overall['inexact_samples']} of {overall['samples']} samples are not exact walks "
-                     f"(given responses or {overall['argmax_mismatches']} positions where the stored token is not "
-                     f"the full-forward argmax); their walk numbers approximate the online loop")
+        found.append(
+            f"{overall['inexact_samples']} of {overall['samples']} samples are not exact walks "
+            f"(given responses or {overall['argmax_mismatches']} positions where the stored token is not "
+            f"the full-forward argmax); their walk numbers approximate the online loop"
+        )
     if record["shards"].get("feature_dtype") == "float8_e4m3fn":
-        found.append("the shards hold lossy fp8 features (extract --feature-dtype fp8); numbers approximate "
-                     "a lossless extract (bench/README.md measures the tau change)")
+        found.append(
+            "the shards hold lossy fp8 features (extract --feature-dtype fp8); numbers approximate "
+            "a lossless extract (bench/README.md measures the tau change)"
+        )
     return found

@@ -269,8 +269,14 @@ class DenseMask(NamedTuple):
     block_visible: torch.Tensor  # [b, b] bool
 
 
-def block_masks(anchors: torch.Tensor, block_len: int, ctx_len: int, is_causal: bool, window: int | None,
-                ctx_starts: torch.Tensor | None = None) -> DenseMask:
+def block_masks(
+    anchors: torch.Tensor,
+    block_len: int,
+    ctx_len: int,
+    is_causal: bool,
+    window: int | None,
+    ctx_starts: torch.Tensor | None = None,
+) -> DenseMask:
     """Visibility for blocks starting at `anchors` (positions within their sample) over a
     context of ctx_len keys, in which each anchor's sample starts at `ctx_starts` (0 when the
     context holds one sample; several samples are packed end to end for walk replay).
@@ -302,8 +308,14 @@ def block_masks(anchors: torch.Tensor, block_len: int, ctx_len: int, is_causal: 
     return DenseMask(ctx_visible, block_visible)
 
 
-def flex_block_mask(anchors: torch.Tensor, block_len: int, ctx_len: int, is_causal: bool, window: int | None,
-                    ctx_starts: torch.Tensor | None = None):
+def flex_block_mask(
+    anchors: torch.Tensor,
+    block_len: int,
+    ctx_len: int,
+    is_causal: bool,
+    window: int | None,
+    ctx_starts: torch.Tensor | None = None,
+):
     """The same visibility as `block_masks` as one block-sparse flex_attention mask.
 
     All blocks of a chunk are laid out as one query sequence (anchor a, block index i at
@@ -328,8 +340,9 @@ def flex_block_mask(anchors: torch.Tensor, block_len: int, ctx_len: int, is_caus
         return torch.where(kv_idx < T, ctx_ok, blk_ok)
 
     n = anchors.numel() * b
-    return create_block_mask(visible, None, None, n, T + n, device=anchors.device,
-                             _compile=anchors.device.type == "cuda")
+    return create_block_mask(
+        visible, None, None, n, T + n, device=anchors.device, _compile=anchors.device.type == "cuda"
+    )
 
 
 _COMPILED_FLEX = None
@@ -343,7 +356,10 @@ def flex_block_attention(q, k, v, ctx_k, ctx_v, block_mask, scale):
 
     A, h, b, d = q.shape
     kv = k.shape[1]
-    flat = lambda x: x.transpose(0, 1).reshape(x.shape[1], A * b, d)  # [A, n, b, d] -> [n, A*b, d]
+
+    def flat(x):  # [A, n, b, d] -> [n, A*b, d]
+        return x.transpose(0, 1).reshape(x.shape[1], A * b, d)
+
     keys = torch.cat([ctx_k, flat(k)], dim=1)[None]
     values = torch.cat([ctx_v, flat(v)], dim=1)[None]
     attend = flex_attention
@@ -372,8 +388,9 @@ class DFlashDrafter(nn.Module):
         cos, sin = self.rotary(like, flat)
         return cos.view(*positions.shape, -1), sin.view(*positions.shape, -1)
 
-    def context_kv(self, features: torch.Tensor, dtype: torch.dtype | None = None,
-                   chunk_rows: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def context_kv(
+        self, features: torch.Tensor, dtype: torch.dtype | None = None, chunk_rows: int | None = None
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer (k, v) [kv_heads, T, d] of context positions 0..T-1 from target features [T, n*H].
 
         `features` may be in their stored dtype and on another device: they are moved and cast
@@ -391,8 +408,10 @@ class DFlashDrafter(nn.Module):
             cos, sin = self.rope(ctx, torch.arange(total, device=device))
             return [layer.self_attn.keys_values(ctx, cos, sin) for layer in self.layers]
         shape = (self.config.num_key_value_heads, total, self.config.head_dim)
-        out = [(torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
-               for _ in self.layers]
+        out = [
+            (torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
+            for _ in self.layers
+        ]
         for start in range(0, total, chunk_rows):
             end = min(total, start + chunk_rows)
             ctx = self.hidden_norm(self.fc(features[start:end].to(device=device, dtype=dtype, non_blocking=True)))
@@ -403,8 +422,14 @@ class DFlashDrafter(nn.Module):
                 values[:, start:end] = v
         return out
 
-    def forward(self, block_embeds: torch.Tensor, anchors: torch.Tensor, context: list,
-                attention: str = "dense", ctx_starts: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        block_embeds: torch.Tensor,
+        anchors: torch.Tensor,
+        context: list,
+        attention: str = "dense",
+        ctx_starts: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Drafter hidden states [A, b, H] (after the final norm) for blocks at `anchors`.
 
         block_embeds [A, b, H] are the (scaled) target embeddings of [x_anchor, mask, ...];

@@ -17,8 +17,8 @@ import random
 import torch
 from safetensors.torch import save_file
 
-from pipeline.layer_ids import build_target_layer_ids
 from pipeline.errors import UserError
+from pipeline.layer_ids import build_target_layer_ids
 from pipeline.shards import Sample, ShardSet
 from scoring.config import FitOptions
 from scoring.drafter import DFlashDrafter, parse_drafter_config
@@ -38,10 +38,17 @@ def position_weights(block_size: int) -> torch.Tensor:
     return torch.exp(-(k - 1) / position_decay_gamma(block_size))
 
 
-def new_drafter_config(target: dict, num_layers: int = 1, block_size: int = 8, layer_ids: list[int] | None = None,
-                       mask_token_id: int | None = None, num_heads: int | None = None,
-                       intermediate_size: int | None = None, sliding_window: int | None = None,
-                       layer_types: list[str] | None = None) -> dict:
+def new_drafter_config(
+    target: dict,
+    num_layers: int = 1,
+    block_size: int = 8,
+    layer_ids: list[int] | None = None,
+    mask_token_id: int | None = None,
+    num_heads: int | None = None,
+    intermediate_size: int | None = None,
+    sliding_window: int | None = None,
+    layer_types: list[str] | None = None,
+) -> dict:
     """A z-lab-format config.json dict for a drafter of a target described by the manifest's
     `settings.target` (hidden_size, num_layers, vocab_size)."""
     hidden = int(target["hidden_size"])
@@ -66,8 +73,10 @@ def new_drafter_config(target: dict, num_layers: int = 1, block_size: int = 8, l
         "tie_word_embeddings": False,
         "block_size": block_size,
         "num_target_layers": int(target["num_layers"]),
-        "dflash_config": {"mask_token_id": int(target["vocab_size"]) - 1 if mask_token_id is None else mask_token_id,
-                          "target_layer_ids": list(ids)},
+        "dflash_config": {
+            "mask_token_id": int(target["vocab_size"]) - 1 if mask_token_id is None else mask_token_id,
+            "target_layer_ids": list(ids),
+        },
     }
     if layer_types is not None:
         raw["layer_types"] = layer_types
@@ -87,8 +96,15 @@ def save_drafter(drafter: DFlashDrafter, out_dir: str, extra_config: dict | None
     return out_dir
 
 
-def block_loss(drafter: DFlashDrafter, sample: Sample, features: torch.Tensor, head: dict, weights: torch.Tensor,
-               count: int, rng: random.Random) -> torch.Tensor:
+def block_loss(
+    drafter: DFlashDrafter,
+    sample: Sample,
+    features: torch.Tensor,
+    head: dict,
+    weights: torch.Tensor,
+    count: int,
+    rng: random.Random,
+) -> torch.Tensor:
     """Position-weighted cross-entropy of `count` random anchors' blocks against the stored tokens."""
     config = drafter.config
     ids, B = sample.input_ids, config.block_size
@@ -103,8 +119,9 @@ def block_loss(drafter: DFlashDrafter, sample: Sample, features: torch.Tensor, h
     positions = anchors[:, None] + torch.arange(1, B)[None, :]
     known = positions < seq_len
     targets = torch.where(known, ids[positions.clamp(max=seq_len - 1)], torch.full_like(positions, -100))
-    loss_each = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none",
-                                                  ignore_index=-100).view(count, B - 1)
+    loss_each = torch.nn.functional.cross_entropy(
+        logits.flatten(0, 1), targets.flatten(), reduction="none", ignore_index=-100
+    ).view(count, B - 1)
     w = weights[None, :] * known
     return (loss_each * w).sum() / w.sum()
 
@@ -118,8 +135,15 @@ def new_drafter(config_raw: dict, init_std: float) -> DFlashDrafter:
     return drafter.train()
 
 
-def fit_drafter(samples: list[Sample], head: dict, stored_layer_ids: list[int], config_raw: dict, out_dir: str | None,
-                options: FitOptions, progress=None) -> tuple[DFlashDrafter, list[str]]:
+def fit_drafter(
+    samples: list[Sample],
+    head: dict,
+    stored_layer_ids: list[int],
+    config_raw: dict,
+    out_dir: str | None,
+    options: FitOptions,
+    progress=None,
+) -> tuple[DFlashDrafter, list[str]]:
     """Train a drafter on stored samples; returns it and the checkpoint dirs written
     (`out_dir/step_<N>`), if any."""
     torch.manual_seed(options.seed)
@@ -132,7 +156,8 @@ def fit_drafter(samples: list[Sample], head: dict, stored_layer_ids: list[int], 
         raise UserError("no sample has a response of 2+ tokens to train on")
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=options.lr, weight_decay=0.0, foreach=True)
     schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: min(1.0, (step + 1) / 20) * 0.5 * (1 + math.cos(math.pi * step / options.steps)))
+        optimizer, lambda step: min(1.0, (step + 1) / 20) * 0.5 * (1 + math.cos(math.pi * step / options.steps))
+    )
     written = []
     for step in range(1, options.steps + 1):
         sample = rng.choice(usable)
@@ -151,19 +176,23 @@ def fit_drafter(samples: list[Sample], head: dict, stored_layer_ids: list[int], 
     return drafter, written
 
 
-def fit_from_shards(shards: str, out_dir: str, options: FitOptions, layer_ids: list[int] | None = None,
-                    progress=None) -> list[str]:
+def fit_from_shards(
+    shards: str, out_dir: str, options: FitOptions, layer_ids: list[int] | None = None, progress=None
+) -> list[str]:
     """`specreplay fit`: a new drafter config for the shards' target, fitted to every stored
     sample; returns the checkpoint directories written. layer_ids default: every stored layer."""
     shardset = ShardSet(shards)
     settings = shardset.settings
     ids = list(layer_ids) if layer_ids else list(settings["layer_ids"])
-    raw = new_drafter_config(settings["target"], num_layers=options.layers, block_size=options.block_size,
-                             layer_ids=ids)
+    raw = new_drafter_config(
+        settings["target"], num_layers=options.layers, block_size=options.block_size, layer_ids=ids
+    )
     missing = sorted(set(raw["dflash_config"]["target_layer_ids"]) - set(settings["layer_ids"]))
     if missing:
-        raise UserError(f"feature layers {missing} are not stored in {shards} (stored: {settings['layer_ids']}); "
-                        f"pass --layer-ids from the stored ones")
+        raise UserError(
+            f"feature layers {missing} are not stored in {shards} (stored: {settings['layer_ids']}); "
+            f"pass --layer-ids from the stored ones"
+        )
     samples = list(shardset.samples(tensors=["features"]))
     head = {k: v.float() for k, v in shardset.target_head().items()}
     _, written = fit_drafter(samples, head, settings["layer_ids"], raw, out_dir, options, progress)

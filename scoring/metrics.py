@@ -27,8 +27,9 @@ def tree_accepted(pop_index: torch.Tensor, budget: int) -> torch.Tensor:
     return (pop_index < budget).long().cumprod(dim=1).sum(dim=1)
 
 
-def accepted_len(draft_tokens: torch.Tensor, target_tokens: torch.Tensor, pop_index: torch.Tensor,
-                 tree_nodes: int | None) -> torch.Tensor:
+def accepted_len(
+    draft_tokens: torch.Tensor, target_tokens: torch.Tensor, pop_index: torch.Tensor, tree_nodes: int | None
+) -> torch.Tensor:
     """Accepted draft tokens per anchor (bonus-exclusive) of one method: the chain when
     tree_nodes is None, else the DDTree of `tree_nodes` nodes. -> [A]."""
     if tree_nodes is None:
@@ -36,8 +37,9 @@ def accepted_len(draft_tokens: torch.Tensor, target_tokens: torch.Tensor, pop_in
     return tree_accepted(pop_index, tree_nodes)
 
 
-def produced_tokens(accepted: torch.Tensor, anchors: torch.Tensor, seq_len: int,
-                    next_stop: torch.Tensor) -> torch.Tensor:
+def produced_tokens(
+    accepted: torch.Tensor, anchors: torch.Tensor, seq_len: int, next_stop: torch.Tensor
+) -> torch.Tensor:
     """Tokens one decoding step at each anchor appends (bonus-inclusive), as `dflash_generate`:
     accepted + 1, capped by the tokens that exist after the anchor (the max_new_tokens budget
     for greedy responses) and cut just after the first stop token.
@@ -86,8 +88,12 @@ def position_counts(accepted: torch.Tensor, match: torch.Tensor, known: torch.Te
     known), accepted (and accepted), match and known (see position_match). [A], [A, L] -> [L] each.
     Counts add over samples; acceptance_by_position turns them into rates."""
     reached, accepted_here = reached_accept(accepted, known.shape[1])
-    return {"reached": (reached & known).sum(0), "accepted": (accepted_here & known).sum(0),
-            "match": match.sum(0), "known": known.sum(0)}
+    return {
+        "reached": (reached & known).sum(0),
+        "accepted": (accepted_here & known).sum(0),
+        "match": match.sum(0),
+        "known": known.sum(0),
+    }
 
 
 def acceptance_by_position(accepted: torch.Tensor, reached: torch.Tensor) -> torch.Tensor:

@@ -16,11 +16,11 @@ from dataclasses import dataclass
 
 import torch
 
+from pipeline import timing
 from pipeline.shards import Sample
+from scoring import metrics
 from scoring.ddtree import NOT_IN_TREE, path_pop_indices, top_log_probs
 from scoring.drafter import DFlashDrafter
-from pipeline import timing
-from scoring import metrics
 from scoring.walk import next_stop_positions, walk_finished, walk_in_rounds
 
 
@@ -68,7 +68,9 @@ def prepare_target_head(head: dict[str, torch.Tensor], device: str, dtype: torch
     return {"embed_tokens": embed.to(device=device), "lm_head": lm_head.to(device=device, dtype=dtype)}
 
 
-def select_feature_columns(features: torch.Tensor, stored_layer_ids: list[int], drafter_layer_ids: list[int]) -> torch.Tensor:
+def select_feature_columns(
+    features: torch.Tensor, stored_layer_ids: list[int], drafter_layer_ids: list[int]
+) -> torch.Tensor:
     """Stored features are concatenated per layer in manifest order; pick the drafter's layers
     in the drafter's order. [N, n_stored*H] -> [N, n_drafter*H]."""
     if list(stored_layer_ids) == list(drafter_layer_ids):
@@ -127,7 +129,9 @@ def context_rows(drafter: DFlashDrafter, feature_width: int, dtype: torch.dtype,
     return max(MIN_CONTEXT_ROWS, int(memory_bytes // 4 // per_row))
 
 
-def pack_samples(drafter: DFlashDrafter, samples: list[Sample], feature_columns, options: ReplayOptions) -> PackedSamples:
+def pack_samples(
+    drafter: DFlashDrafter, samples: list[Sample], feature_columns, options: ReplayOptions
+) -> PackedSamples:
     """Context keys/values of every layer, computed once per sample (RoPE on positions within
     the sample) and concatenated."""
     device, dtype = options.device, options.dtype
@@ -142,8 +146,11 @@ def pack_samples(drafter: DFlashDrafter, samples: list[Sample], feature_columns,
         parts = [c[layer] for c in contexts]
         for c in contexts:
             c[layer] = None
-        context.append(tuple(torch.cat([p[i] for p in parts], dim=1) if len(parts) > 1 else parts[0][i].contiguous()
-                             for i in (0, 1)))
+        context.append(
+            tuple(
+                torch.cat([p[i] for p in parts], dim=1) if len(parts) > 1 else parts[0][i].contiguous() for i in (0, 1)
+            )
+        )
         del parts
     lengths = torch.tensor([s.input_ids.numel() for s in samples], device=device)
     rows = torch.tensor([s.topk_ids.shape[0] for s in samples], device=device)
@@ -176,8 +183,15 @@ def empty_anchor_tensors(sample: Sample, max_new_tokens: int, block_size: int) -
 
 
 @torch.inference_mode()
-def replay_anchors(drafter: DFlashDrafter, embed: torch.Tensor, lm_head: torch.Tensor, packed: PackedSamples,
-                   results: list[AnchorTensors], wanted: list[tuple[int, int]], options: ReplayOptions) -> None:
+def replay_anchors(
+    drafter: DFlashDrafter,
+    embed: torch.Tensor,
+    lm_head: torch.Tensor,
+    packed: PackedSamples,
+    results: list[AnchorTensors],
+    wanted: list[tuple[int, int]],
+    options: ReplayOptions,
+) -> None:
     """Score the anchors `wanted` = [(sample index, row in results[sample])] into `results`,
     batched across samples: grouped by block length, chunked by the memory budget."""
     if not wanted:
@@ -197,9 +211,17 @@ def _replay_anchors(drafter, embed, lm_head, packed, results, wanted, options) -
         group = torch.nonzero(block_lens == block_len).flatten()
         chunk = anchors_per_chunk(drafter, block_len, ctx_len, vocab, options.memory_bytes)
         for begin in range(0, group.numel(), chunk):
-            part = group[begin:begin + chunk]
-            scored = _score_chunk(drafter, embed, lm_head, packed, sample_idx[part].to(options.device),
-                                  anchors[part].to(options.device), block_len, options)
+            part = group[begin : begin + chunk]
+            scored = _score_chunk(
+                drafter,
+                embed,
+                lm_head,
+                packed,
+                sample_idx[part].to(options.device),
+                anchors[part].to(options.device),
+                block_len,
+                options,
+            )
             depth = block_len - 1
             # one indexed write per sample in the chunk, not per anchor
             for s in sample_idx[part].unique().tolist():
@@ -213,21 +235,37 @@ def _replay_anchors(drafter, embed, lm_head, packed, results, wanted, options) -
                 out.computed[r] = True
 
 
-def replay_sample(drafter: DFlashDrafter, embed: torch.Tensor, lm_head: torch.Tensor, sample: Sample,
-                  feature_columns, max_new_tokens: int, options: ReplayOptions) -> AnchorTensors:
+def replay_sample(
+    drafter: DFlashDrafter,
+    embed: torch.Tensor,
+    lm_head: torch.Tensor,
+    sample: Sample,
+    feature_columns,
+    max_new_tokens: int,
+    options: ReplayOptions,
+) -> AnchorTensors:
     """Score every anchor of one sample (all-anchor mode). `feature_columns(features)` selects
     the drafter's layers; `max_new_tokens` is the max_new_tokens the online loop would run with."""
     result = empty_anchor_tensors(sample, max_new_tokens, drafter.config.block_size)
     if result.anchors.numel():
         packed = pack_samples(drafter, [sample], feature_columns, options)
-        replay_anchors(drafter, embed, lm_head, packed, [result],
-                       [(0, r) for r in range(result.anchors.numel())], options)
+        replay_anchors(
+            drafter, embed, lm_head, packed, [result], [(0, r) for r in range(result.anchors.numel())], options
+        )
     return result
 
 
-def replay_walks(drafter: DFlashDrafter, embed: torch.Tensor, lm_head: torch.Tensor, samples: list[Sample],
-                 feature_columns, max_new_tokens: list[int], tree_nodes: list[int | None],
-                 is_stop: list[torch.Tensor], options: ReplayOptions) -> list[AnchorTensors]:
+def replay_walks(
+    drafter: DFlashDrafter,
+    embed: torch.Tensor,
+    lm_head: torch.Tensor,
+    samples: list[Sample],
+    feature_columns,
+    max_new_tokens: list[int],
+    tree_nodes: list[int | None],
+    is_stop: list[torch.Tensor],
+    options: ReplayOptions,
+) -> list[AnchorTensors]:
     """Walk-only mode: score just the anchors the simulated walks visit. One walk per (sample,
     method), a method being the chain (None) or a DDTree of n nodes; each round batches the
     current anchor of every unfinished walk (anchors shared between methods scored once)."""
@@ -241,8 +279,9 @@ def replay_walks(drafter: DFlashDrafter, embed: torch.Tensor, lm_head: torch.Ten
 
     def score(current: list[tuple[tuple[int, int], int]]) -> None:
         wanted = sorted({(s, row(s, position)) for (s, _), position in current})
-        replay_anchors(drafter, embed, lm_head, packed, results,
-                       [(s, r) for s, r in wanted if not results[s].computed[r]], options)
+        replay_anchors(
+            drafter, embed, lm_head, packed, results, [(s, r) for s, r in wanted if not results[s].computed[r]], options
+        )
 
     def produced(key: tuple[int, int], position: int) -> int:
         s, m = key
@@ -271,8 +310,9 @@ def _score_chunk(drafter, embed, lm_head, packed: PackedSamples, sample_idx, anc
     block_embeds = torch.nn.functional.embedding(block_ids, embed).to(options.dtype) * cfg.input_embedding_scale
     visible_ctx = int((starts + anchors).max())  # no anchor here sees context at or past this key
     chunk_context = [(k[:, :visible_ctx], v[:, :visible_ctx]) for k, v in packed.context]
-    hidden = drafter(block_embeds, anchors, chunk_context, attention=options.attention_backend,
-                     ctx_starts=starts)[:, 1:]
+    hidden = drafter(block_embeds, anchors, chunk_context, attention=options.attention_backend, ctx_starts=starts)[
+        :, 1:
+    ]
     logits = drafter.logits(hidden, lm_head)  # [a, depth, V]
     draft = logits.argmax(dim=-1)
 
@@ -295,8 +335,13 @@ def _score_chunk(drafter, embed, lm_head, packed: PackedSamples, sample_idx, anc
     if options.max_tree_nodes > 0:
         with timing.stage("ddtree", anchors=anchors.numel()):
             pops = _tree_pops(logits, targets, known, options.max_tree_nodes)
-    return {"draft": draft.cpu(), "targets": targets.cpu(), "target_logprob": target_logprob.cpu(),
-            "kl": kl.cpu(), "pops": pops}
+    return {
+        "draft": draft.cpu(),
+        "targets": targets.cpu(),
+        "target_logprob": target_logprob.cpu(),
+        "kl": kl.cpu(),
+        "pops": pops,
+    }
 
 
 def _tree_pops(logits: torch.Tensor, targets: torch.Tensor, known: torch.Tensor, max_tree_nodes: int) -> torch.Tensor:

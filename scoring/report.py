@@ -26,8 +26,8 @@ import polars as pl
 
 from pipeline.errors import UserError
 from pipeline.versions import specreplay_version
-from scoring.results import ALL_DATASETS as ALL
-from scoring.results import CHAIN, FILES, tree_method, tree_nodes_of
+from scoring.results import ALL_DATASETS as ALL, CHAIN, FILES, tree_method, tree_nodes_of
+
 # Plots with more lines than this stop being readable; we show an even spread, first and last kept.
 MAX_SERIES = 10
 PROMPT_PREVIEW_CHARS = 160
@@ -87,8 +87,9 @@ def _labels(summaries: list[tuple[str, pl.DataFrame]]) -> dict[str, str]:
     """dir -> display label. The checkpoint name is the label unless two directories share it
     (one checkpoint scored on two shard sets, or two runs both called step_300): then the
     directory name tells them apart."""
-    names = {d: (s["checkpoint"][0] if "checkpoint" in s.columns and s.height else os.path.basename(d))
-             for d, s in summaries}
+    names = {
+        d: (s["checkpoint"][0] if "checkpoint" in s.columns and s.height else os.path.basename(d)) for d, s in summaries
+    }
     counts: dict[str, int] = {}
     for name in names.values():
         counts[name] = counts.get(name, 0) + 1
@@ -121,10 +122,13 @@ def load_results(dirs: list[str]) -> Results:
         steps[row[0]] = None if row[1] is None else int(row[1])
     order = sorted(steps, key=lambda lab: (steps[lab] is None, steps[lab] or 0, lab))
     return Results(
-        dirs=list(dirs), summary=summary_df,
+        dirs=list(dirs),
+        summary=summary_df,
         samples=pl.concat(sample_parts, how="diagonal_relaxed") if sample_parts else None,
         walk=pl.concat(walk_parts, how="diagonal_relaxed") if walk_parts else None,
-        runs=runs, order=order, steps=steps,
+        runs=runs,
+        order=order,
+        steps=steps,
     )
 
 
@@ -223,8 +227,13 @@ def plot_acceptance_histogram(results: Results) -> tuple[bytes | None, str | Non
         share = {int(p): 100.0 * n / total for p, n in zip(mine["produced"], mine["len"])}
         mean = sum(p * s for p, s in share.items()) / 100.0
         xs = [x + (i - (len(labels) - 1) / 2) * width for x in range(1, top + 1)]
-        ax.bar(xs, [share.get(x, 0.0) for x in range(1, top + 1)], width=width, color=colors[label],
-               label=f"{label} (mean {mean:.2f})")
+        ax.bar(
+            xs,
+            [share.get(x, 0.0) for x in range(1, top + 1)],
+            width=width,
+            color=colors[label],
+            label=f"{label} (mean {mean:.2f})",
+        )
     ax.set_xticks(range(1, top + 1))
     ax.set_xlabel(f"tokens produced in one decoding step ({TAU_UNIT})")
     ax.set_ylabel("share of decoding steps (%)")
@@ -285,8 +294,10 @@ def plot_tau_vs_budget(results: Results) -> tuple[bytes | None, str | None]:
 def plot_tau_vs_step(results: Results) -> tuple[bytes | None, str | None]:
     stepped = [lab for lab in results.order if results.steps.get(lab) is not None]
     if not stepped:
-        return None, ("No checkpoint carries a training step (none in its config or path, e.g. step_2000), "
-                      "so there is no training curve.")
+        return None, (
+            "No checkpoint carries a training step (none in its config or path, e.g. step_2000), "
+            "so there is no training curve."
+        )
     rows = results.summary.filter((pl.col("method") == CHAIN) & pl.col("label").is_in(stepped))
     # Checkpoints from several runs (run_a/step_100, run_b/step_100) get one line per run and
     # dataset; a single line through both would zigzag between runs.
@@ -299,16 +310,26 @@ def plot_tau_vs_step(results: Results) -> tuple[bytes | None, str | None]:
     names = datasets(rows)
     for d_index, dataset in enumerate(names):
         for run in sorted(set(run_of.values())):
-            mine = rows.filter((pl.col("dataset") == dataset)
-                               & pl.col("label").is_in([lab for lab in stepped if run_of[lab] == run]))
-            points = sorted((results.steps[lab], tau) for lab, tau in zip(mine["label"], mine["tau"]) if tau is not None)
+            mine = rows.filter(
+                (pl.col("dataset") == dataset) & pl.col("label").is_in([lab for lab in stepped if run_of[lab] == run])
+            )
+            points = sorted(
+                (results.steps[lab], tau) for lab, tau in zip(mine["label"], mine["tau"]) if tau is not None
+            )
             if not points:
                 continue
             name = f"{run} · {dataset}" if several_runs else dataset
             overall = dataset == ALL
-            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", ms=4,
-                    color="black" if overall else cmap(d_index % 10), linewidth=2.2 if overall else 1.3,
-                    linestyle=["-", "--", ":", "-."][sorted(set(run_of.values())).index(run) % 4], label=name)
+            ax.plot(
+                [p[0] for p in points],
+                [p[1] for p in points],
+                marker="o",
+                ms=4,
+                color="black" if overall else cmap(d_index % 10),
+                linewidth=2.2 if overall else 1.3,
+                linestyle=["-", "--", ":", "-."][sorted(set(run_of.values())).index(run) % 4],
+                label=name,
+            )
     ax.set_xlabel("training step")
     ax.set_ylabel(f"chain τ ({TAU_UNIT})")
     ax.set_title("Chain τ against training step, per dataset")
@@ -337,18 +358,23 @@ def summary_table(results: Results) -> str:
     if has_streak:
         head.append("All-anchor streak")
     head.append("Inexact samples")
-    titles = {"τ chain": f"mean over samples of tokens per decoding step ({TAU_UNIT})",
-              "All-anchor streak": "mean accepted draft tokens per anchor over every response position "
-                                   "(chain, bonus-exclusive)",
-              "Inexact samples": "samples whose walk is not exact (not greedy, or argmax mismatches)"}
+    titles = {
+        "τ chain": f"mean over samples of tokens per decoding step ({TAU_UNIT})",
+        "All-anchor streak": "mean accepted draft tokens per anchor over every response position "
+        "(chain, bonus-exclusive)",
+        "Inexact samples": "samples whose walk is not exact (not greedy, or argmax mismatches)",
+    }
     out = ["<table class=summary><thead><tr>"]
     out += [f'<th title="{html.escape(titles.get(h, ""))}">{html.escape(h)}</th>' for h in head]
     out.append("</tr></thead><tbody>")
     for dataset in datasets(s):
         rows = s.filter(pl.col("dataset") == dataset)
         by = {(r["label"], r["method"]): r for r in rows.iter_rows(named=True)}
-        chain_taus = [by[(lab, CHAIN)]["tau"] for lab in results.order
-                      if (lab, CHAIN) in by and by[(lab, CHAIN)]["tau"] is not None]
+        chain_taus = [
+            by[(lab, CHAIN)]["tau"]
+            for lab in results.order
+            if (lab, CHAIN) in by and by[(lab, CHAIN)]["tau"] is not None
+        ]
         best = max(chain_taus) if len(chain_taus) > 1 else None
         first = True
         for label in results.order:
@@ -356,7 +382,12 @@ def summary_table(results: Results) -> str:
             if chain is None:
                 continue
             css, first = (' class="group-start"' if first else ""), False
-            cells = [html.escape(dataset), html.escape(label), _fmt(results.steps.get(label)), _fmt(chain.get("samples"))]
+            cells = [
+                html.escape(dataset),
+                html.escape(label),
+                _fmt(results.steps.get(label)),
+                _fmt(chain.get("samples")),
+            ]
             tau = _fmt(chain["tau"])
             cells.append(f"<b>{tau}</b>" if best is not None and chain["tau"] == best else tau)
             cells += [_fmt((by.get((label, tree_method(n))) or {}).get("tau")) for n in budgets]
@@ -374,8 +405,10 @@ def _prompt_cell(text: str | None) -> str:
     if len(text) <= PROMPT_PREVIEW_CHARS:
         return f'<div class="prompt">{html.escape(text)}</div>'
     preview = html.escape(text[:PROMPT_PREVIEW_CHARS].rstrip()) + "…"
-    return (f'<details><summary class="prompt">{preview}</summary>'
-            f'<div class="prompt full">{html.escape(text)}</div></details>')
+    return (
+        f'<details><summary class="prompt">{preview}</summary>'
+        f'<div class="prompt full">{html.escape(text)}</div></details>'
+    )
 
 
 def worst_prompts_table(results: Results, worst: int) -> tuple[str, str]:
@@ -401,14 +434,17 @@ def worst_prompts_table(results: Results, worst: int) -> tuple[str, str]:
             trail = [_fmt(key_tau.get((lab, r["dataset"], r["sample_id"])), 2) for lab in history_labels]
             cells.append(" → ".join(trail))
         cells += [_fmt(r.get("steps")), _fmt(r.get("response_len")), html.escape(str(r.get("finish_reason") or "–"))]
-        out.append("<tr>" + "".join(f"<td>{c}</td>" for c in cells) + f"<td>{_prompt_cell(r.get('prompt_text'))}</td></tr>")
+        out.append(
+            "<tr>" + "".join(f"<td>{c}</td>" for c in cells) + f"<td>{_prompt_cell(r.get('prompt_text'))}</td></tr>"
+        )
     out.append("</tbody></table>")
     skipped = samples.filter((pl.col("label") == reference) & pl.col("tau").is_null()).height
     which = "the latest checkpoint" if results.steps.get(reference) is not None else "the last checkpoint listed"
     intro = f"The {ref.height} samples with the lowest chain τ under <b>{html.escape(reference)}</b> ({which})"
     if history_labels:
-        intro += ("; “τ across checkpoints” follows the same sample through "
-                  + ", ".join(html.escape(lab) for lab in history_labels))
+        intro += "; “τ across checkpoints” follows the same sample through " + ", ".join(
+            html.escape(lab) for lab in history_labels
+        )
     intro += ". Click a long prompt to see all of it."
     if skipped:
         intro += f" {skipped} sample(s) with no decoding step (empty response) are left out."
@@ -416,16 +452,26 @@ def worst_prompts_table(results: Results, worst: int) -> tuple[str, str]:
 
 
 def inputs_table(results: Results) -> str:
-    out = ["<table class=inputs><thead><tr><th>Results directory</th><th>Checkpoint</th><th>Hash</th>"
-           "<th>Step</th><th>Shards</th><th>Samples</th><th>Device / dtype</th><th>Scoring time</th></tr></thead><tbody>"]
+    out = [
+        "<table class=inputs><thead><tr><th>Results directory</th><th>Checkpoint</th><th>Hash</th>"
+        "<th>Step</th><th>Shards</th><th>Samples</th><th>Device / dtype</th><th>Scoring time</th></tr></thead><tbody>"
+    ]
     first = {r["results_dir"]: r for r in results.summary.unique("results_dir", keep="first").iter_rows(named=True)}
     for d in results.dirs:
         row, run = first.get(d, {}), results.runs.get(d, {})
         shards = run.get("shards", {})
         device = f"{run['device']} / {run.get('dtype', '?')}" if "device" in run else "–"
         wall = f"{run['wall_time_s']:.1f} s" if isinstance(run.get("wall_time_s"), (int, float)) else "–"
-        cells = [d, row.get("label", "–"), row.get("checkpoint_hash", "–"), _fmt(row.get("checkpoint_step")),
-                 shards.get("uri", "–"), _fmt(shards.get("samples")), device, wall]
+        cells = [
+            d,
+            row.get("label", "–"),
+            row.get("checkpoint_hash", "–"),
+            _fmt(row.get("checkpoint_step")),
+            shards.get("uri", "–"),
+            _fmt(shards.get("samples")),
+            device,
+            wall,
+        ]
         out.append("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in cells) + "</tr>")
     out.append("</tbody></table>")
     return "".join(out)
@@ -482,8 +528,13 @@ def _section(title: str, caption: str, plot: tuple[bytes | None, str | None]) ->
     return "".join(parts)
 
 
-def render_report(results: Results, title: str | None = None, worst: int = 10, inputs: list[str] | None = None,
-                  generated: dt.datetime | None = None) -> str:
+def render_report(
+    results: Results,
+    title: str | None = None,
+    worst: int = 10,
+    inputs: list[str] | None = None,
+    generated: dt.datetime | None = None,
+) -> str:
     """The complete HTML document as a string."""
     generated = generated or dt.datetime.now(dt.timezone.utc)
     title = title or "specreplay report"
@@ -492,35 +543,48 @@ def render_report(results: Results, title: str | None = None, worst: int = 10, i
     body = [
         f"<h1>{html.escape(title)}</h1>",
         f'<p class="meta">{n_ckpt} checkpoint(s), {n_data} dataset(s) · generated '
-        f'{generated.strftime("%Y-%m-%d %H:%M UTC")} by specreplay {html.escape(specreplay_version())} · inputs: '
-        f'{html.escape(", ".join(inputs or results.dirs))}</p>',
+        f"{generated.strftime('%Y-%m-%d %H:%M UTC')} by specreplay {html.escape(specreplay_version())} · inputs: "
+        f"{html.escape(', '.join(inputs or results.dirs))}</p>",
         HOW_TO_READ,
         "<h2>Summary</h2>",
         f'<p class="caption">One row per dataset and checkpoint; τ in {TAU_UNIT}. Hover a column title for its '
-        f'definition. “(all)” pools every sample.</p>',
+        f"definition. “(all)” pools every sample.</p>",
         summary_table(results),
-        _section("Acceptance length per step",
-                 "How many tokens each step of the simulated chain walk produced: 1 means the first draft token "
-                 "was rejected (only the bonus token), the block size means every draft token was accepted.",
-                 plot_acceptance_histogram(results)),
-        _section("Acceptance per block position",
-                 "Probability that draft token k is accepted given that tokens 1..k-1 were, over every anchor. "
-                 "A steep early drop means the drafter loses the thread quickly.",
-                 plot_acceptance_by_position(results)),
-        _section("τ against DDTree budget",
-                 "Tree verification with N nodes per step; more nodes accept more but cost more target compute. "
-                 "At small N the tree can accept less than the chain.",
-                 plot_tau_vs_budget(results)),
-        _section("τ against training step",
-                 "Chain τ per dataset for checkpoints that carry a training step; the black line pools all datasets.",
-                 plot_tau_vs_step(results)),
-        "<h2>Worst prompts</h2>", worst_intro, worst_table,
-        "<h2>Inputs</h2>", inputs_table(results),
+        _section(
+            "Acceptance length per step",
+            "How many tokens each step of the simulated chain walk produced: 1 means the first draft token "
+            "was rejected (only the bonus token), the block size means every draft token was accepted.",
+            plot_acceptance_histogram(results),
+        ),
+        _section(
+            "Acceptance per block position",
+            "Probability that draft token k is accepted given that tokens 1..k-1 were, over every anchor. "
+            "A steep early drop means the drafter loses the thread quickly.",
+            plot_acceptance_by_position(results),
+        ),
+        _section(
+            "τ against DDTree budget",
+            "Tree verification with N nodes per step; more nodes accept more but cost more target compute. "
+            "At small N the tree can accept less than the chain.",
+            plot_tau_vs_budget(results),
+        ),
+        _section(
+            "τ against training step",
+            "Chain τ per dataset for checkpoints that carry a training step; the black line pools all datasets.",
+            plot_tau_vs_step(results),
+        ),
+        "<h2>Worst prompts</h2>",
+        worst_intro,
+        worst_table,
+        "<h2>Inputs</h2>",
+        inputs_table(results),
     ]
-    return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
-            "<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">"
-            f"<title>{html.escape(title)}</title><style>{CSS}</style></head>"
-            f"<body><main>{''.join(body)}</main></body></html>\n")
+    return (
+        '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
+        '<meta name="viewport" content="width=device-width, initial-scale=1">'
+        f"<title>{html.escape(title)}</title><style>{CSS}</style></head>"
+        f"<body><main>{''.join(body)}</main></body></html>\n"
+    )
 
 
 def write_report(paths: list[str], out: str, title: str | None = None, worst: int = 10) -> str:

@@ -24,8 +24,13 @@ ALL_DATASETS = "(all)"  # the dataset label of rows pooling every dataset
 CHAIN = "chain"
 _TREE = re.compile(r"ddtree-(\d+)")
 
-FILES = {"anchors": "anchors.parquet", "walk": "walk.parquet", "samples": "samples.parquet",
-         "summary": "summary.parquet", "run": "run.json"}
+FILES = {
+    "anchors": "anchors.parquet",
+    "walk": "walk.parquet",
+    "samples": "samples.parquet",
+    "summary": "summary.parquet",
+    "run": "run.json",
+}
 
 
 # --------------------------------------------------------------------------- method names
@@ -72,32 +77,70 @@ def accepted_column(method: str) -> str:
 
 # --------------------------------------------------------------------------- schemas
 
-IDENTITY = [pa.field("checkpoint", pa.string()), pa.field("checkpoint_hash", pa.string()),
-            pa.field("checkpoint_step", pa.int64())]
-WALK = [pa.field("dataset", pa.string()), pa.field("sample_id", pa.string()), pa.field("method", pa.string()),
-        pa.field("step", pa.int64()), pa.field("anchor", pa.int64()), pa.field("produced", pa.int64()),
-        pa.field("accepted_len", pa.int64())]
-ANCHORS = [pa.field("dataset", pa.string()), pa.field("sample_id", pa.string()), pa.field("anchor", pa.int32()),
-           pa.field("anchor_offset", pa.int32()), pa.field("block_len", pa.int32()),
-           pa.field("accepted_len", pa.int32()), pa.field("produced_chain", pa.int32()),
-           pa.field("expected_accepted_len", pa.float32()), pa.field("draft_match", pa.list_(pa.bool_())),
-           pa.field("target_prob", pa.list_(pa.float32())), pa.field("kl_topk", pa.list_(pa.float32()))]
-SAMPLES = [pa.field("dataset", pa.string()), pa.field("sample_id", pa.string()), pa.field("method", pa.string()),
-           pa.field("prompt_len", pa.int64()), pa.field("response_len", pa.int64()),
-           pa.field("finish_reason", pa.string()), pa.field("greedy", pa.bool_()),
-           pa.field("argmax_mismatches", pa.int64()), pa.field("exact", pa.bool_()), pa.field("steps", pa.int64()),
-           pa.field("tokens_produced", pa.int64()), pa.field("tau", pa.float64()),
-           pa.field("prompt_text", pa.string())]
+IDENTITY = [
+    pa.field("checkpoint", pa.string()),
+    pa.field("checkpoint_hash", pa.string()),
+    pa.field("checkpoint_step", pa.int64()),
+]
+WALK = [
+    pa.field("dataset", pa.string()),
+    pa.field("sample_id", pa.string()),
+    pa.field("method", pa.string()),
+    pa.field("step", pa.int64()),
+    pa.field("anchor", pa.int64()),
+    pa.field("produced", pa.int64()),
+    pa.field("accepted_len", pa.int64()),
+]
+ANCHORS = [
+    pa.field("dataset", pa.string()),
+    pa.field("sample_id", pa.string()),
+    pa.field("anchor", pa.int32()),
+    pa.field("anchor_offset", pa.int32()),
+    pa.field("block_len", pa.int32()),
+    pa.field("accepted_len", pa.int32()),
+    pa.field("produced_chain", pa.int32()),
+    pa.field("expected_accepted_len", pa.float32()),
+    pa.field("draft_match", pa.list_(pa.bool_())),
+    pa.field("target_prob", pa.list_(pa.float32())),
+    pa.field("kl_topk", pa.list_(pa.float32())),
+]
+SAMPLES = [
+    pa.field("dataset", pa.string()),
+    pa.field("sample_id", pa.string()),
+    pa.field("method", pa.string()),
+    pa.field("prompt_len", pa.int64()),
+    pa.field("response_len", pa.int64()),
+    pa.field("finish_reason", pa.string()),
+    pa.field("greedy", pa.bool_()),
+    pa.field("argmax_mismatches", pa.int64()),
+    pa.field("exact", pa.bool_()),
+    pa.field("steps", pa.int64()),
+    pa.field("tokens_produced", pa.int64()),
+    pa.field("tau", pa.float64()),
+    pa.field("prompt_text", pa.string()),
+]
 _LARGE = {pa.string(): pa.large_string()}
 SUMMARY = [pa.field(f.name, _LARGE.get(f.type, f.type)) for f in IDENTITY] + [
-    pa.field("dataset", pa.large_string()), pa.field("method", pa.large_string()), pa.field("tau", pa.float64()),
-    pa.field("samples", pa.int64()), pa.field("samples_without_steps", pa.int64()), pa.field("steps", pa.int64()),
-    pa.field("tokens_produced", pa.int64()), pa.field("inexact_samples", pa.int64()),
-    pa.field("argmax_mismatches", pa.int64()), pa.field("exact", pa.bool_()), pa.field("anchors", pa.int64()),
-    pa.field("anchor_accepted_len_mean", pa.float64()), pa.field("anchor_produced_mean", pa.float64()),
-    pa.field("anchor_expected_accepted_len_mean", pa.float64()), pa.field("target_prob_mean", pa.float64()),
-    pa.field("kl_topk_mean", pa.float64()), pa.field("accept_rate_by_position", pa.large_list(pa.float64())),
-    pa.field("match_rate_by_position", pa.large_list(pa.float64())), pa.field("anchor_set", pa.string())]
+    pa.field("dataset", pa.large_string()),
+    pa.field("method", pa.large_string()),
+    pa.field("tau", pa.float64()),
+    pa.field("samples", pa.int64()),
+    pa.field("samples_without_steps", pa.int64()),
+    pa.field("steps", pa.int64()),
+    pa.field("tokens_produced", pa.int64()),
+    pa.field("inexact_samples", pa.int64()),
+    pa.field("argmax_mismatches", pa.int64()),
+    pa.field("exact", pa.bool_()),
+    pa.field("anchors", pa.int64()),
+    pa.field("anchor_accepted_len_mean", pa.float64()),
+    pa.field("anchor_produced_mean", pa.float64()),
+    pa.field("anchor_expected_accepted_len_mean", pa.float64()),
+    pa.field("target_prob_mean", pa.float64()),
+    pa.field("kl_topk_mean", pa.float64()),
+    pa.field("accept_rate_by_position", pa.large_list(pa.float64())),
+    pa.field("match_rate_by_position", pa.large_list(pa.float64())),
+    pa.field("anchor_set", pa.string()),
+]
 
 
 def walk_schema() -> pa.Schema:

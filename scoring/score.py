@@ -67,8 +67,10 @@ def result_dir_name(path: str) -> str:
 
 def shards_identity(manifest: dict) -> str:
     """Content identity of an extract: its settings and every shard's checksum."""
-    blob = json.dumps({"settings": manifest["settings"],
-                       "shards": sorted((s["file"], s["crc32"]) for s in manifest["shards"])}, sort_keys=True)
+    blob = json.dumps(
+        {"settings": manifest["settings"], "shards": sorted((s["file"], s["crc32"]) for s in manifest["shards"])},
+        sort_keys=True,
+    )
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -86,8 +88,9 @@ class Job:
     stored_layer_ids: list[int]
 
 
-def already_scored(out_dir: str, content_hash: str, shards_id: str, tree_nodes: list[int], samples: int,
-                   anchor_set: str) -> bool:
+def already_scored(
+    out_dir: str, content_hash: str, shards_id: str, tree_nodes: list[int], samples: int, anchor_set: str
+) -> bool:
     """True when out_dir holds results of this checkpoint content on the same shards, budgets,
     number of samples and anchor set."""
     run_path = os.path.join(out_dir, results.FILES["run"])
@@ -95,11 +98,13 @@ def already_scored(out_dir: str, content_hash: str, shards_id: str, tree_nodes: 
         return False
     with open(run_path) as f:
         previous = json.load(f)
-    return (previous.get("checkpoint", {}).get("content_hash") == content_hash
-            and previous.get("shards", {}).get("identity") == shards_id
-            and previous.get("ddtree_budgets") == list(tree_nodes)
-            and previous.get("shards", {}).get("samples") == samples
-            and previous.get("anchor_set", "all") == anchor_set)
+    return (
+        previous.get("checkpoint", {}).get("content_hash") == content_hash
+        and previous.get("shards", {}).get("identity") == shards_id
+        and previous.get("ddtree_budgets") == list(tree_nodes)
+        and previous.get("shards", {}).get("samples") == samples
+        and previous.get("anchor_set", "all") == anchor_set
+    )
 
 
 def prepare_job(ckpt: str, shardset: ShardSet, out_dir: str, config: ScoreConfig, dist: Dist) -> Job | None:
@@ -110,17 +115,31 @@ def prepare_job(ckpt: str, shardset: ShardSet, out_dir: str, config: ScoreConfig
     with timing.stage("load drafter"):
         drafter, info = load_drafter(ckpt, dtype=dtype, device=device)
     total = shardset.num_samples if config.limit is None else min(config.limit, shardset.num_samples)
-    if not config.force and already_scored(out_dir, info.content_hash, shards_identity(manifest), config.tree_nodes,
-                                           total, config.anchors):
+    if not config.force and already_scored(
+        out_dir, info.content_hash, shards_identity(manifest), config.tree_nodes, total, config.anchors
+    ):
         if dist.main and not config.quiet:
             print(f"{info.name}: already scored on these shards in {out_dir} (use --force to redo)")
         return None
     tree_nodes = sorted(set(config.tree_nodes))
-    options = ReplayOptions(max_tree_nodes=max(tree_nodes) if tree_nodes else 0, memory_bytes=config.memory_bytes,
-                            dtype=dtype, device=device, attention=config.attention)
+    options = ReplayOptions(
+        max_tree_nodes=max(tree_nodes) if tree_nodes else 0,
+        memory_bytes=config.memory_bytes,
+        dtype=dtype,
+        device=device,
+        attention=config.attention,
+    )
     settings = manifest["settings"]
-    return Job(drafter, info, options, tree_nodes, [i for i in range(total) if i % dist.world == dist.rank], total,
-               int(settings["max_new_tokens"]), settings["layer_ids"])
+    return Job(
+        drafter,
+        info,
+        options,
+        tree_nodes,
+        [i for i in range(total) if i % dist.world == dist.rank],
+        total,
+        int(settings["max_new_tokens"]),
+        settings["layer_ids"],
+    )
 
 
 def sample_groups(indexed_samples, anchors_mode: str, group_tokens: int):
@@ -146,7 +165,9 @@ def replay_group(job: Job, head: dict, group: list, config: ScoreConfig, collect
     max_new = [job.max_new_tokens if s.greedy else max(job.max_new_tokens, s.response_len) for s in samples]
     embed, lm_head = head["embed_tokens"], head["lm_head"]
     if config.anchors == "all":
-        return [replay_sample(job.drafter, embed, lm_head, s, columns, m, job.options) for s, m in zip(samples, max_new)]
+        return [
+            replay_sample(job.drafter, embed, lm_head, s, columns, m, job.options) for s, m in zip(samples, max_new)
+        ]
     is_stop = [stop_mask(s.input_ids, collector.stop_token_ids) for s in samples]
     tree_nodes = [results.tree_nodes_of(m) for m in collector.methods]
     return replay_walks(job.drafter, embed, lm_head, samples, columns, max_new, tree_nodes, is_stop, job.options)
@@ -156,8 +177,9 @@ def replay_all(job: Job, shardset: ShardSet, head: dict, config: ScoreConfig, pr
     """Replay this rank's samples; returns the collected results and the anchors scored."""
     stop_ids = list(shardset.settings["target"]["stop_token_ids"])
     collector = Collector(job.tree_nodes, stop_ids, job.info.config.block_size)
-    samples = shardset.samples(tensors=SAMPLE_TENSORS, keep=set(job.mine).__contains__,
-                               pin_memory=job.options.device.startswith("cuda"))
+    samples = shardset.samples(
+        tensors=SAMPLE_TENSORS, keep=set(job.mine).__contains__, pin_memory=job.options.device.startswith("cuda")
+    )
     anchors_done, started = 0, time.time()
     for group in sample_groups(zip(job.mine, samples), config.anchors, config.walk_group_tokens):
         for (index, sample), result in zip(group, replay_group(job, head, group, config, collector)):
@@ -183,22 +205,39 @@ def gather(collector: Collector, anchors_done: int, dist: Dist) -> tuple[Collect
     return collector, anchors_done
 
 
-def run_record(ckpt: str, job: Job, shardset: ShardSet, config: ScoreConfig, dist: Dist, anchors_done: int,
-               wall: float) -> dict:
+def run_record(
+    ckpt: str, job: Job, shardset: ShardSet, config: ScoreConfig, dist: Dist, anchors_done: int, wall: float
+) -> dict:
     """run.json: what was scored, on what, how, and how long it took."""
     manifest = shardset.manifest
     return {
-        "checkpoint": {"path": os.path.abspath(ckpt), "name": job.info.name, "content_hash": job.info.content_hash,
-                       "step": job.info.step, "config": job.info.config_raw},
-        "shards": {"uri": shardset.uri, "identity": shards_identity(manifest),
-                   "target": manifest.get("target", {}).get("name"), "samples": job.total,
-                   "feature_dtype": manifest.get("tensors", {}).get("features")},
-        "ddtree_budgets": list(config.tree_nodes), "anchor_set": config.anchors,
-        "device": job.options.device, "dtype": str(job.options.dtype).replace("torch.", ""),
-        "attention": job.options.attention_backend, "world_size": dist.world,
-        "anchors": anchors_done, "wall_time_s": round(wall, 3),
-        "versions": {"specreplay": specreplay_version(), "torch": torch.__version__,
-                     "python": platform.python_version()},
+        "checkpoint": {
+            "path": os.path.abspath(ckpt),
+            "name": job.info.name,
+            "content_hash": job.info.content_hash,
+            "step": job.info.step,
+            "config": job.info.config_raw,
+        },
+        "shards": {
+            "uri": shardset.uri,
+            "identity": shards_identity(manifest),
+            "target": manifest.get("target", {}).get("name"),
+            "samples": job.total,
+            "feature_dtype": manifest.get("tensors", {}).get("features"),
+        },
+        "ddtree_budgets": list(config.tree_nodes),
+        "anchor_set": config.anchors,
+        "device": job.options.device,
+        "dtype": str(job.options.dtype).replace("torch.", ""),
+        "attention": job.options.attention_backend,
+        "world_size": dist.world,
+        "anchors": anchors_done,
+        "wall_time_s": round(wall, 3),
+        "versions": {
+            "specreplay": specreplay_version(),
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+        },
         "command": sys.argv,
     }
 
@@ -215,8 +254,15 @@ def write_results(out_dir: str, tables: dict, record: dict) -> None:
     os.replace(run_path + ".tmp", run_path)
 
 
-def score_checkpoint(ckpt: str, shardset: ShardSet, head: dict, out_dir: str, config: ScoreConfig,
-                     dist: Dist | None = None, progress=None) -> dict | None:
+def score_checkpoint(
+    ckpt: str,
+    shardset: ShardSet,
+    head: dict,
+    out_dir: str,
+    config: ScoreConfig,
+    dist: Dist | None = None,
+    progress=None,
+) -> dict | None:
     """Score one checkpoint; returns its run record (None when skipped as already scored, and
     on ranks other than 0). `progress(total, desc)` makes a progress bar (the CLI's)."""
     dist = dist or Dist()
@@ -232,8 +278,11 @@ def score_checkpoint(ckpt: str, shardset: ShardSet, head: dict, out_dir: str, co
     if merged is None:
         return None
     collector, anchors_done = merged
-    identity = {"checkpoint": job.info.name, "checkpoint_hash": job.info.content_hash[:16],
-                "checkpoint_step": job.info.step}
+    identity = {
+        "checkpoint": job.info.name,
+        "checkpoint_hash": job.info.content_hash[:16],
+        "checkpoint_step": job.info.step,
+    }
     tables = collector.tables(identity, config.anchors)
     record = run_record(ckpt, job, shardset, config, dist, anchors_done, time.time() - started)
     write_results(out_dir, tables, record)

@@ -47,9 +47,12 @@ def walk(produced: torch.Tensor, prompt_len: int, is_stop: torch.Tensor) -> list
     return steps
 
 
-def walk_in_rounds(starts: dict[Hashable, int], finished: Callable[[Hashable, int], bool],
-                   score: Callable[[list[tuple[Hashable, int]]], None],
-                   produced: Callable[[Hashable, int], int]) -> dict[Hashable, int]:
+def walk_in_rounds(
+    starts: dict[Hashable, int],
+    finished: Callable[[Hashable, int], bool],
+    score: Callable[[list[tuple[Hashable, int]]], None],
+    produced: Callable[[Hashable, int], int],
+) -> dict[Hashable, int]:
     """Advance many walks together, as walk-only replay does: each round `score`s the current
     anchor of every unfinished walk in one call, then moves each walk on by what its step
     produced there. Walks start at `starts[key]` and end when `finished(key, position)`

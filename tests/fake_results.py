@@ -10,8 +10,14 @@ import os
 from scoring import results
 
 
-def write_fake_results(directory, identity: dict, samples: list[dict], summary: list[dict],
-                       walk: list[dict] | None = None, run: dict | None = None) -> str:
+def write_fake_results(
+    directory,
+    identity: dict,
+    samples: list[dict],
+    summary: list[dict],
+    walk: list[dict] | None = None,
+    run: dict | None = None,
+) -> str:
     """Write samples.parquet, summary.parquet, optionally walk.parquet and run.json. Rows give
     the non-identity columns (missing ones are null); `identity` fills checkpoint,
     checkpoint_hash and checkpoint_step on every row."""

@@ -49,8 +49,13 @@ def test_the_rule_checker_sees_function_level_imports():
 
 def test_help_imports_neither_torch_nor_pyarrow():
     for args in (["--help"], ["score", "--help"], ["extract", "--help"], ["compare", "--help"]):
-        proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "specreplay", *args], cwd=ROOT,
-                              capture_output=True, text=True, timeout=120)
+        proc = subprocess.run(
+            [sys.executable, "-X", "importtime", "-m", "specreplay", *args],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert proc.returncode == 0, proc.stderr[-2000:]
         loaded = {line.split("|")[-1].strip().split(".")[0] for line in proc.stderr.splitlines() if "|" in line}
         assert "click" in loaded, "importtime output not understood"

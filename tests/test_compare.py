@@ -4,13 +4,13 @@ differences (accuracy, no-difference, coverage, pairing), null taus, shard check
 from __future__ import annotations
 
 import json
-import os
 
 import numpy as np
 import polars as pl
 import pytest
 from click.testing import CliRunner
 
+from fake_results import write_fake_results
 from scoring.compare import (
     CompareError,
     ShardsDifferWarning,
@@ -20,25 +20,45 @@ from scoring.compare import (
 )
 from scoring.results import ALL_DATASETS
 from specreplay.cli import main
-from fake_results import write_fake_results
 
 
-def write_results(path, tau, *, datasets=None, methods=("chain",), name="ckpt", shards_id="shards-1", step=None,
-                  sample_ids=None, run_json=True):
+def write_results(
+    path,
+    tau,
+    *,
+    datasets=None,
+    methods=("chain",),
+    name="ckpt",
+    shards_id="shards-1",
+    step=None,
+    sample_ids=None,
+    run_json=True,
+):
     """A synthetic `specreplay score` results directory: samples.parquet (one row per sample and
     method; tau[i] for every method, None/NaN = no step), summary.parquet and run.json."""
     n = len(tau)
     datasets = datasets if datasets is not None else ["gsm8k"] * n
     sample_ids = sample_ids if sample_ids is not None else [f"s{i}" for i in range(n)]
     tau = [None if t is None or t != t else float(t) for t in tau]
-    rows = [{"dataset": d, "sample_id": s, "method": m, "steps": 0 if t is None else 4, "tau": t}
-            for m in methods for d, s, t in zip(datasets, sample_ids, tau)]
+    rows = [
+        {"dataset": d, "sample_id": s, "method": m, "steps": 0 if t is None else 4, "tau": t}
+        for m in methods
+        for d, s, t in zip(datasets, sample_ids, tau)
+    ]
     frame = pl.DataFrame(rows, schema_overrides={"tau": pl.Float64})
-    summary = (frame.group_by("dataset", "method").agg(pl.col("tau").mean(), samples=pl.len())
-               .vstack(frame.group_by("method").agg(pl.col("tau").mean(), samples=pl.len())
-                       .select(pl.lit(ALL_DATASETS).alias("dataset"), "method", "tau", "samples")))
-    run = {"checkpoint": {"name": name, "step": step},
-           "shards": {"uri": f"data/shards/{shards_id}", "identity": shards_id, "samples": n}}
+    summary = (
+        frame.group_by("dataset", "method")
+        .agg(pl.col("tau").mean(), samples=pl.len())
+        .vstack(
+            frame.group_by("method")
+            .agg(pl.col("tau").mean(), samples=pl.len())
+            .select(pl.lit(ALL_DATASETS).alias("dataset"), "method", "tau", "samples")
+        )
+    )
+    run = {
+        "checkpoint": {"name": name, "step": step},
+        "shards": {"uri": f"data/shards/{shards_id}", "identity": shards_id, "samples": n},
+    }
     identity = {"checkpoint": name, "checkpoint_hash": "0" * 16, "checkpoint_step": step}
     return write_fake_results(path, identity, rows, summary.to_dicts(), run=run if run_json else None)
 
@@ -46,8 +66,7 @@ def write_results(path, tau, *, datasets=None, methods=("chain",), name="ckpt", 
 def _pair(tmp_path, tau_a, tau_b, **kwargs):
     kw_b = {k: kwargs.pop(k) for k in list(kwargs) if k.endswith("_b")}
     a = write_results(tmp_path / "a", tau_a, name="run/step_100", **kwargs)
-    b = write_results(tmp_path / "b", tau_b, name="run/step_200",
-                      **{**kwargs, **{k[:-2]: v for k, v in kw_b.items()}})
+    b = write_results(tmp_path / "b", tau_b, name="run/step_200", **{**kwargs, **{k[:-2]: v for k, v in kw_b.items()}})
     return a, b
 
 
@@ -159,8 +178,11 @@ def test_datasets_methods_and_filters(tmp_path):
     datasets = ["gsm8k"] * 20 + ["humaneval"] * 20
     a, b = _pair(tmp_path, tau_a, tau_b, datasets=datasets, methods=("ddtree-16", "chain", "ddtree-4"))
     df = compare_results(a, b)
-    assert df.select("dataset", "method").rows()[:3] == [("gsm8k", "chain"), ("gsm8k", "ddtree-4"),
-                                                         ("gsm8k", "ddtree-16")]
+    assert df.select("dataset", "method").rows()[:3] == [
+        ("gsm8k", "chain"),
+        ("gsm8k", "ddtree-4"),
+        ("gsm8k", "ddtree-16"),
+    ]
     assert df["dataset"].unique(maintain_order=True).to_list() == ["gsm8k", "humaneval", "(all)"]
     by = {(r["dataset"], r["method"]): r for r in df.iter_rows(named=True)}
     assert by[("gsm8k", "chain")]["verdict"].startswith("B is better by 0.40")
@@ -176,13 +198,21 @@ def test_datasets_methods_and_filters(tmp_path):
 
 def test_different_shards_warns_and_partial_overlap_counts(tmp_path):
     tau = np.linspace(2, 3, 30)
-    a, b = _pair(tmp_path, tau, tau[:20] + 0.1, shards_id="shards-1", shards_id_b="shards-2",
-                 sample_ids_b=[f"s{i}" for i in range(20)])
+    a, b = _pair(
+        tmp_path,
+        tau,
+        tau[:20] + 0.1,
+        shards_id="shards-1",
+        shards_id_b="shards-2",
+        sample_ids_b=[f"s{i}" for i in range(20)],
+    )
     with pytest.warns(UserWarning) as record:
         df = compare_results(a, b)
     messages = [(w.category, str(w.message)) for w in record]
-    assert any(c is ShardsDifferWarning and "different shards" in m and "shards-1" in m and "shards-2" in m
-               for c, m in messages), messages
+    assert any(
+        c is ShardsDifferWarning and "different shards" in m and "shards-1" in m and "shards-2" in m
+        for c, m in messages
+    ), messages
     assert any("10 sample(s) are in only one run (e.g. dataset 'gsm8k', sample 's20')" in m for _, m in messages)
     row = df.filter(pl.col("dataset") == "(all)").row(0, named=True)
     assert row["n"] == 20 and row["unmatched"] == 10
@@ -239,8 +269,24 @@ def test_cli_table_out_and_json(tmp_path):
     assert written.height == 2 and set(written["method"]) == {"chain"}
 
     out_parquet = tmp_path / "compare.parquet"
-    result = runner.invoke(main, ["compare", a, b, "--json", "--resamples", "500", "--seed", "3", "--confidence", "0.9",
-                                     "--out", str(out_parquet)], catch_exceptions=False)
+    result = runner.invoke(
+        main,
+        [
+            "compare",
+            a,
+            b,
+            "--json",
+            "--resamples",
+            "500",
+            "--seed",
+            "3",
+            "--confidence",
+            "0.9",
+            "--out",
+            str(out_parquet),
+        ],
+        catch_exceptions=False,
+    )
     assert result.exit_code == 0, result.output
     payload = json.loads(result.stdout)
     assert payload["resamples"] == 500 and payload["confidence"] == 0.9 and payload["warnings"] == []

@@ -25,8 +25,13 @@ MAX_NEW = 12
 # Different lengths so batches really pad; one given response (teacher-forced), one raw input_ids.
 PROMPTS = [
     {"id": "p0", "prompt": "Janet's ducks lay 16 eggs per day."},
-    {"id": "p1", "messages": [{"role": "system", "content": "You are a helpful assistant."},
-                              {"role": "user", "content": "def has_close_elements(numbers):"}]},
+    {
+        "id": "p1",
+        "messages": [
+            {"role": "system", "content": "You are a helpful assistant."},
+            {"role": "user", "content": "def has_close_elements(numbers):"},
+        ],
+    },
     {"id": "p2", "prompt": "Hello"},
     {"id": "p3", "prompt": "The quick brown fox", "response": "jumps over the lazy dog."},
     {"id": "p4", "input_ids": [1, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50]},
@@ -39,8 +44,9 @@ def prompts_file(tmp_path_factory):
 
 
 def extract(model_dir, prompts, out, **kwargs):
-    config = ExtractConfig(model=model_dir, prompts=prompts, out=str(out), max_new_tokens=MAX_NEW, quiet=True,
-                           batch_size=3, **kwargs)
+    config = ExtractConfig(
+        model=model_dir, prompts=prompts, out=str(out), max_new_tokens=MAX_NEW, quiet=True, batch_size=3, **kwargs
+    )
     return run_extract(config)
 
 
@@ -53,7 +59,7 @@ def fresh(model, ids: list[int]):
 def single_greedy(model, prompt_ids: list[int], stop_ids: list[int], max_new: int = MAX_NEW) -> list[int]:
     with torch.inference_mode():
         out = model.generate(torch.tensor([prompt_ids]), do_sample=False, max_new_tokens=max_new)
-    return cut_at_stop(out[0, len(prompt_ids):].tolist(), stop_ids, max_new).token_ids
+    return cut_at_stop(out[0, len(prompt_ids) :].tolist(), stop_ids, max_new).token_ids
 
 
 def capture_logits(model, ids: list[int], prompt_len: int) -> torch.Tensor:
@@ -82,7 +88,7 @@ def check_against_fresh(model_dir, out, prompts_path, layer_ids):
         prompt_ids, prompt_text = render_prompt(record, tokenizer, None)
         ids = sample.input_ids.tolist()
         assert ids[: sample.prompt_len] == prompt_ids and sample.prompt_text == prompt_text
-        response = ids[sample.prompt_len:]
+        response = ids[sample.prompt_len :]
         given = render_response(record, tokenizer)
         if given is None:
             assert sample.greedy and sample.finish_reason in ("eos", "length")
@@ -95,7 +101,7 @@ def check_against_fresh(model_dir, out, prompts_path, layer_ids):
         expected = torch.cat([output.hidden_states[i + 1][0] for i in layer_ids], dim=-1)
         assert sample.features.dtype == torch.float32
         assert torch.equal(sample.features, expected), f"{sample.sample_id}: features differ"
-        logits = output.logits[0, sample.prompt_len - 1:].float()
+        logits = output.logits[0, sample.prompt_len - 1 :].float()
         values, indices = torch.topk(torch.log_softmax(logits, dim=-1), 32, dim=-1)
         assert torch.equal(sample.topk_ids, indices.to(torch.int32))
         assert torch.equal(sample.topk_logprobs, values)
@@ -145,7 +151,9 @@ def test_draft_config_layer_ids(tiny_qwen3_dir, prompts_file, tmp_path):
 
     explicit = tmp_path / "explicit"
     explicit.mkdir()
-    (explicit / "config.json").write_text(json.dumps({"num_hidden_layers": 2, "dflash_config": {"target_layer_ids": [0, 5]}}))
+    (explicit / "config.json").write_text(
+        json.dumps({"num_hidden_layers": 2, "dflash_config": {"target_layer_ids": [0, 5]}})
+    )
     formula = tmp_path / "formula.json"
     formula.write_text(json.dumps({"num_hidden_layers": 3, "num_target_layers": 6}))
     assert draft_layer_ids(str(explicit), 6) == [0, 5]
@@ -200,7 +208,7 @@ def test_feature_dtype_fp8(tiny_qwen3_dir, prompts_file, tmp_path):
         output = fresh(model, sample.input_ids.tolist())
         for j, layer in enumerate([1, 4]):
             exact = output.hidden_states[layer + 1][0]
-            got = sample.features[:, j * exact.shape[1]:(j + 1) * exact.shape[1]]
+            got = sample.features[:, j * exact.shape[1] : (j + 1) * exact.shape[1]]
             error = (got - exact).abs().amax(-1)
             assert bool((error <= exact.abs().amax(-1) / 16).all())  # 3 mantissa bits, per-token scale
             assert not torch.equal(got, exact)
@@ -243,8 +251,23 @@ def test_smollm2_end_to_end(tmp_path):
     from specreplay.cli import main
 
     out = tmp_path / "smol"
-    result = CliRunner().invoke(main, ["extract", "--model", "smollm2", "--prompts", "default", "--limit", "3",
-                                       "--max-new-tokens", "16", "--out", str(out), "--quiet"])
+    result = CliRunner().invoke(
+        main,
+        [
+            "extract",
+            "--model",
+            "smollm2",
+            "--prompts",
+            "default",
+            "--limit",
+            "3",
+            "--max-new-tokens",
+            "16",
+            "--out",
+            str(out),
+            "--quiet",
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert "specreplay inspect" in result.output and "make score" in result.output
     shard_set = ShardSet(str(out))
@@ -256,11 +279,11 @@ def test_smollm2_end_to_end(tmp_path):
         assert sample.features.shape == (sample.input_ids.numel(), 5 * 576)
         ids = sample.input_ids.tolist()
         prompt_ids, _ = render_prompt(records[sample.sample_id], tokenizer, None)
-        assert ids[len(prompt_ids):] == single_greedy(model, prompt_ids, info.stop_token_ids, 16)
+        assert ids[len(prompt_ids) :] == single_greedy(model, prompt_ids, info.stop_token_ids, 16)
         output = fresh(model, ids)
         expected = torch.cat([output.hidden_states[i + 1][0] for i in shard_set.settings["layer_ids"]], -1)
         assert torch.equal(sample.features, expected)
-        values, indices = torch.topk(torch.log_softmax(output.logits[0, sample.prompt_len - 1:], -1), 32, -1)
+        values, indices = torch.topk(torch.log_softmax(output.logits[0, sample.prompt_len - 1 :], -1), 32, -1)
         assert torch.equal(sample.topk_ids, indices.to(torch.int32))
         assert torch.equal(sample.topk_logprobs, values)
 

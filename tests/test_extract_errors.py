@@ -37,8 +37,11 @@ def assert_nothing_written(out):
 
 def test_missing_model_path(tmp_path, prompts_file):
     out = tmp_path / "out"
-    assert_clean_error(cli("--model", str(tmp_path / "no-such-model"), "--prompts", prompts_file, "--out", str(out)),
-                       "no-such-model", "does not exist")
+    assert_clean_error(
+        cli("--model", str(tmp_path / "no-such-model"), "--prompts", prompts_file, "--out", str(out)),
+        "no-such-model",
+        "does not exist",
+    )
     assert_nothing_written(out)
 
 
@@ -52,7 +55,9 @@ def test_malformed_jsonl_names_the_line(tmp_path, tiny_qwen3_dir):
 def test_duplicate_prompt_ids(tmp_path, tiny_qwen3_dir):
     dup = write_prompts(tmp_path / "dup.jsonl", [{"id": "same", "prompt": text} for text in ("one", "two")])
     out = tmp_path / "out"
-    assert_clean_error(cli("--model", tiny_qwen3_dir, "--prompts", str(dup), "--out", str(out)), "duplicate id", "'same'")
+    assert_clean_error(
+        cli("--model", tiny_qwen3_dir, "--prompts", str(dup), "--out", str(out)), "duplicate id", "'same'"
+    )
     assert_nothing_written(out)
 
 
@@ -67,12 +72,41 @@ def test_bad_layer_ids(tmp_path, tiny_qwen3_dir, prompts_file, layer_ids, messag
 def test_formula_duplicates_and_top_k(tmp_path, tiny_qwen35_hybrid_dir, prompts_file):
     out = tmp_path / "out"
     # 4 target layers cannot feed 5 distinct drafter layers.
-    assert_clean_error(cli("--model", tiny_qwen35_hybrid_dir, "--prompts", prompts_file, "--out", str(out)),
-                       "duplicate layer ids", "--layer-ids")
-    assert_clean_error(cli("--model", tiny_qwen35_hybrid_dir, "--prompts", prompts_file, "--out", str(out),
-                           "--layer-ids", "1", "--top-k", "100000"), "--top-k 100000")
-    assert_clean_error(cli("--model", tiny_qwen35_hybrid_dir, "--prompts", prompts_file, "--out", str(out),
-                           "--layer-ids", "1", "--feature-dtype", "int8"), "--feature-dtype")
+    assert_clean_error(
+        cli("--model", tiny_qwen35_hybrid_dir, "--prompts", prompts_file, "--out", str(out)),
+        "duplicate layer ids",
+        "--layer-ids",
+    )
+    assert_clean_error(
+        cli(
+            "--model",
+            tiny_qwen35_hybrid_dir,
+            "--prompts",
+            prompts_file,
+            "--out",
+            str(out),
+            "--layer-ids",
+            "1",
+            "--top-k",
+            "100000",
+        ),
+        "--top-k 100000",
+    )
+    assert_clean_error(
+        cli(
+            "--model",
+            tiny_qwen35_hybrid_dir,
+            "--prompts",
+            prompts_file,
+            "--out",
+            str(out),
+            "--layer-ids",
+            "1",
+            "--feature-dtype",
+            "int8",
+        ),
+        "--feature-dtype",
+    )
     assert_nothing_written(out)
     result = cli("--prompts", prompts_file, "--out", str(out), "--shard-bytes", "lots")
     assert result.exit_code == 2 and "--shard-bytes" in result.output
@@ -80,8 +114,9 @@ def test_formula_duplicates_and_top_k(tmp_path, tiny_qwen35_hybrid_dir, prompts_
 
 def test_other_settings_refused_unless_overwrite(tmp_path, tiny_qwen3_dir, prompts_file):
     out = tmp_path / "out"
-    base = dict(model=tiny_qwen3_dir, prompts=prompts_file, out=str(out), layer_ids=[1, 3], max_new_tokens=4,
-                quiet=True)
+    base = dict(
+        model=tiny_qwen3_dir, prompts=prompts_file, out=str(out), layer_ids=[1, 3], max_new_tokens=4, quiet=True
+    )
     first = run_extract(ExtractConfig(**base))
     before = (out / "manifest.json").read_bytes()
     shard_files = sorted(p.name for p in (out / "shards").iterdir())
@@ -91,15 +126,27 @@ def test_other_settings_refused_unless_overwrite(tmp_path, tiny_qwen3_dir, promp
     assert again["shards"] == first["shards"]
     assert sorted(p.name for p in (out / "shards").iterdir()) == shard_files
 
-    result = cli("--model", tiny_qwen3_dir, "--prompts", prompts_file, "--out", str(out), "--layer-ids", "1,3",
-                 "--top-k", "8")
+    result = cli(
+        "--model", tiny_qwen3_dir, "--prompts", prompts_file, "--out", str(out), "--layer-ids", "1,3", "--top-k", "8"
+    )
     assert_clean_error(result, "different settings", "top_k: 32 -> 8", "--overwrite")
     with pytest.raises(ShardError, match=r"layer_ids.*\[1, 3\].*\[1, 2\]"):
         run_extract(ExtractConfig(**{**base, "layer_ids": [1, 2]}))
     assert (out / "manifest.json").read_bytes() == before  # refused runs touched nothing
 
-    result = cli("--model", tiny_qwen3_dir, "--prompts", prompts_file, "--out", str(out), "--layer-ids", "1,3",
-                 "--top-k", "8", "--overwrite")
+    result = cli(
+        "--model",
+        tiny_qwen3_dir,
+        "--prompts",
+        prompts_file,
+        "--out",
+        str(out),
+        "--layer-ids",
+        "1,3",
+        "--top-k",
+        "8",
+        "--overwrite",
+    )
     assert result.exit_code == 0, result.output
     manifest = read_manifest(str(out))
     assert manifest["complete"] and manifest["settings"]["top_k"] == 8 and manifest["totals"]["samples"] == 2
@@ -116,8 +163,11 @@ def test_foreign_shards_without_manifest_refused(tmp_path, tiny_qwen3_dir, promp
 
 def test_inspect_reports_and_flags_corruption(tmp_path, tiny_qwen3_dir, prompts_file):
     out = tmp_path / "out"
-    run_extract(ExtractConfig(model=tiny_qwen3_dir, prompts=prompts_file, out=str(out), layer_ids=[2],
-                              max_new_tokens=4, quiet=True))
+    run_extract(
+        ExtractConfig(
+            model=tiny_qwen3_dir, prompts=prompts_file, out=str(out), layer_ids=[2], max_new_tokens=4, quiet=True
+        )
+    )
     result = CliRunner().invoke(main, ["inspect", str(out), "--json"])
     assert result.exit_code == 0, result.output
     report = json.loads(result.output)

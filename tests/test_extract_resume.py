@@ -35,8 +35,17 @@ def prompts_file(tmp_path_factory):
 def reference(tiny_qwen3_dir, prompts_file, tmp_path_factory):
     """One uninterrupted single-process run."""
     out = tmp_path_factory.mktemp("reference") / "out"
-    run_extract(ExtractConfig(model=tiny_qwen3_dir, prompts=prompts_file, out=str(out), max_new_tokens=MAX_NEW,
-                              layer_ids=[0, 2, 5], batch_size=2, quiet=True))
+    run_extract(
+        ExtractConfig(
+            model=tiny_qwen3_dir,
+            prompts=prompts_file,
+            out=str(out),
+            max_new_tokens=MAX_NEW,
+            layer_ids=[0, 2, 5],
+            batch_size=2,
+            quiet=True,
+        )
+    )
     return by_id(out)
 
 
@@ -53,15 +62,31 @@ def assert_same_samples(got: dict, want: dict):
     for sample_id, sample in want.items():
         other = got[sample_id]
         assert torch.equal(other.input_ids, sample.input_ids), sample_id
-        assert (other.prompt_len, other.finish_reason, other.greedy) == (sample.prompt_len, sample.finish_reason,
-                                                                          sample.greedy)
+        assert (other.prompt_len, other.finish_reason, other.greedy) == (
+            sample.prompt_len,
+            sample.finish_reason,
+            sample.greedy,
+        )
         for name, tensor in sample.tensors.items():
             assert torch.equal(other.tensors[name], tensor), f"{sample_id}: {name}"
 
 
 def cli_args(model_dir, prompts, out, *extra):
-    return ["extract", "--model", model_dir, "--prompts", prompts, "--out", str(out), "--max-new-tokens",
-            str(MAX_NEW), "--layer-ids", LAYERS, "--quiet", *extra]
+    return [
+        "extract",
+        "--model",
+        model_dir,
+        "--prompts",
+        prompts,
+        "--out",
+        str(out),
+        "--max-new-tokens",
+        str(MAX_NEW),
+        "--layer-ids",
+        LAYERS,
+        "--quiet",
+        *extra,
+    ]
 
 
 def crcs(out) -> dict:
@@ -72,8 +97,12 @@ def crcs(out) -> dict:
 def test_resume_after_kill(tiny_qwen3_dir, prompts_file, reference, tmp_path):
     out = tmp_path / "out"
     # One sample per shard (--shard-bytes 1), so the kill lands between finished shards.
-    command = [sys.executable, "-m", "specreplay", *cli_args(tiny_qwen3_dir, prompts_file, out,
-                                                                "--shard-bytes", "1", "--batch-size", "1")]
+    command = [
+        sys.executable,
+        "-m",
+        "specreplay",
+        *cli_args(tiny_qwen3_dir, prompts_file, out, "--shard-bytes", "1", "--batch-size", "1"),
+    ]
     process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 300  # model load under a busy CI can be slow
     try:
@@ -97,8 +126,18 @@ def test_resume_after_kill(tiny_qwen3_dir, prompts_file, reference, tmp_path):
     report = inspect_extract(str(out))
     assert not report["complete"] and report["samples"] == len(before) and not report["checksums"]["bad"]
 
-    run_extract(ExtractConfig(model=tiny_qwen3_dir, prompts=prompts_file, out=str(out), max_new_tokens=MAX_NEW,
-                              layer_ids=[0, 2, 5], shard_bytes=1, batch_size=3, quiet=True))
+    run_extract(
+        ExtractConfig(
+            model=tiny_qwen3_dir,
+            prompts=prompts_file,
+            out=str(out),
+            max_new_tokens=MAX_NEW,
+            layer_ids=[0, 2, 5],
+            shard_bytes=1,
+            batch_size=3,
+            quiet=True,
+        )
+    )
     after = crcs(out)
     assert {name: after[name] for name in before} == before  # finished shards untouched
     assert not list((out / "shards").glob("*.tmp")) and not (out / "shards" / "r000-99999.json").exists()
@@ -112,8 +151,15 @@ def test_resume_after_kill(tiny_qwen3_dir, prompts_file, reference, tmp_path):
 def test_torchrun_two_ranks_match_one(tiny_qwen3_dir, prompts_file, reference, tmp_path):
     out = tmp_path / "out"
     torchrun = Path(sys.executable).parent / "torchrun"
-    command = [str(torchrun), "--standalone", "--nproc_per_node", "2", "-m", "specreplay",
-               *cli_args(tiny_qwen3_dir, prompts_file, out, "--batch-size", "2", "--device", "cpu")]
+    command = [
+        str(torchrun),
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        "-m",
+        "specreplay",
+        *cli_args(tiny_qwen3_dir, prompts_file, out, "--batch-size", "2", "--device", "cpu"),
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0, result.stdout + result.stderr

@@ -9,8 +9,8 @@ import re
 from pathlib import Path
 
 import pytest
-from conftest import IM_END_ID, make_tokenizer, write_prompts
 
+from conftest import IM_END_ID, make_tokenizer, write_prompts
 from pipeline.prompts import (
     BUNDLED_NAMES,
     PROMPTS_DIR,
@@ -70,7 +70,8 @@ def test_bundled_formats_match_the_dflash_benchmark():
 def test_default_is_a_deterministic_mix():
     records = load_prompts("default")
     assert [r.id for r in records] == (
-        [f"gsm8k/{i:04d}" for i in range(6)] + [f"humaneval/{i:04d}" for i in range(5)]
+        [f"gsm8k/{i:04d}" for i in range(6)]
+        + [f"humaneval/{i:04d}" for i in range(5)]
         + [f"mt-bench/{81 + i}" for i in range(5)]
     )
     assert [r.dataset for r in records] == ["gsm8k"] * 6 + ["humaneval"] * 5 + ["mt-bench"] * 5

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import base64
 import html.parser
-import json
 import os
 import re
 import shutil
@@ -47,8 +46,17 @@ def _walk_produced(rng, p: float, response_len: int) -> list[int]:
     return produced
 
 
-def write_results(directory, name: str, step: int | None, p: float, seed: int, budgets=BUDGETS,
-                  walk: bool = True, samples: bool = True, run_json: bool = True) -> None:
+def write_results(
+    directory,
+    name: str,
+    step: int | None,
+    p: float,
+    seed: int,
+    budgets=BUDGETS,
+    walk: bool = True,
+    samples: bool = True,
+    run_json: bool = True,
+) -> None:
     """One results directory as `specreplay score` writes it, with the README columns the report reads."""
     os.makedirs(directory, exist_ok=True)
     rng = np.random.default_rng(seed)
@@ -59,38 +67,78 @@ def write_results(directory, name: str, step: int | None, p: float, seed: int, b
             sample_id = f"{dataset}-{i}"
             response_len = 20 + 7 * i
             produced = _walk_produced(rng, p - 0.08 * (i == 0), response_len)
-            walk_rows += [{"dataset": dataset, "sample_id": sample_id, "method": "chain", "step": k,
-                           "anchor": 30 + sum(produced[:k]), "produced": n, "accepted_len": n - 1}
-                          for k, n in enumerate(produced)]
+            walk_rows += [
+                {
+                    "dataset": dataset,
+                    "sample_id": sample_id,
+                    "method": "chain",
+                    "step": k,
+                    "anchor": 30 + sum(produced[:k]),
+                    "produced": n,
+                    "accepted_len": n - 1,
+                }
+                for k, n in enumerate(produced)
+            ]
             # sample 0 has the lowest acceptance, so it is among the worst prompts
             text = {0: EVIL + " " + LONG, 1: LONG}.get(i, f"{dataset} question number {i}: what is {i} + {i}?")
             for method in method_names(budgets):
                 bonus = 0.0 if method == CHAIN else 0.25 * np.log2(tree_nodes_of(method) / 4) - 0.05
-                sample_rows.append({
-                    "dataset": dataset, "sample_id": sample_id, "method": method, "prompt_len": 30,
-                    "response_len": response_len, "finish_reason": "eos", "greedy": True, "argmax_mismatches": 0,
-                    "exact": True, "steps": len(produced), "tokens_produced": response_len,
-                    "tau": float(np.mean(produced)) + bonus, "prompt_text": text,
-                })
+                sample_rows.append(
+                    {
+                        "dataset": dataset,
+                        "sample_id": sample_id,
+                        "method": method,
+                        "prompt_len": 30,
+                        "response_len": response_len,
+                        "finish_reason": "eos",
+                        "greedy": True,
+                        "argmax_mismatches": 0,
+                        "exact": True,
+                        "steps": len(produced),
+                        "tokens_produced": response_len,
+                        "tau": float(np.mean(produced)) + bonus,
+                        "prompt_text": text,
+                    }
+                )
     samples_df = pl.DataFrame(sample_rows)
     summary_rows = []
     for dataset in list(DATASETS) + [ALL_DATASETS]:
         subset = samples_df if dataset == ALL_DATASETS else samples_df.filter(pl.col("dataset") == dataset)
         for method in method_names(budgets):
             m = subset.filter(pl.col("method") == method)
-            row = {"dataset": dataset, "method": method, "tau": float(m["tau"].mean()), "samples": m.height,
-                   "samples_without_steps": 0, "steps": int(m["steps"].sum()),
-                   "tokens_produced": int(m["tokens_produced"].sum()), "inexact_samples": 0,
-                   "argmax_mismatches": 0, "exact": True, "anchors": 500,
-                   "anchor_accepted_len_mean": float(m["tau"].mean()) - 1.1}
+            row = {
+                "dataset": dataset,
+                "method": method,
+                "tau": float(m["tau"].mean()),
+                "samples": m.height,
+                "samples_without_steps": 0,
+                "steps": int(m["steps"].sum()),
+                "tokens_produced": int(m["tokens_produced"].sum()),
+                "inexact_samples": 0,
+                "argmax_mismatches": 0,
+                "exact": True,
+                "anchors": 500,
+                "anchor_accepted_len_mean": float(m["tau"].mean()) - 1.1,
+            }
             if method == CHAIN:
                 # the last position is never reached in this run: NaN, as the scorer writes it
                 row["accept_rate_by_position"] = [p ** (0.3 * k) for k in range(1, BLOCK - 1)] + [float("nan")]
             summary_rows.append(row)
-    run = {"checkpoint": {"name": name, "step": step}, "device": "cpu", "dtype": "float32",
-           "shards": {"uri": "/data/shards/synthetic", "samples": 12}, "wall_time_s": 1.25}
-    write_fake_results(directory, identity, sample_rows if samples else [], summary_rows,
-                       walk=walk_rows if walk else None, run=run if run_json else None)
+    run = {
+        "checkpoint": {"name": name, "step": step},
+        "device": "cpu",
+        "dtype": "float32",
+        "shards": {"uri": "/data/shards/synthetic", "samples": 12},
+        "wall_time_s": 1.25,
+    }
+    write_fake_results(
+        directory,
+        identity,
+        sample_rows if samples else [],
+        summary_rows,
+        walk=walk_rows if walk else None,
+        run=run if run_json else None,
+    )
     if not samples:
         os.remove(os.path.join(directory, FILES["samples"]))
 
@@ -109,8 +157,11 @@ def results_root(tmp_path_factory):
 @pytest.fixture(scope="module")
 def built(results_root):
     out = results_root.parent / "out" / "report.html"
-    result = CliRunner().invoke(main, ["report", str(results_root), "--out", str(out), "--title", "Synthetic run", "--worst", "5"],
-                                catch_exceptions=False)
+    result = CliRunner().invoke(
+        main,
+        ["report", str(results_root), "--out", str(out), "--title", "Synthetic run", "--worst", "5"],
+        catch_exceptions=False,
+    )
     assert result.exit_code == 0, result.output
     return out, out.read_text(encoding="utf-8"), result.output
 
@@ -184,8 +235,16 @@ def test_html_is_valid_self_contained_and_complete(built):
         assert name in visible
     for dataset in DATASETS + ("(all)",):
         assert dataset in visible
-    for heading in ("Summary", "Acceptance length per step", "Acceptance per block position",
-                    "τ against DDTree budget", "τ against training step", "Worst prompts", "Inputs", "How to read this"):
+    for heading in (
+        "Summary",
+        "Acceptance length per step",
+        "Acceptance per block position",
+        "τ against DDTree budget",
+        "τ against training step",
+        "Worst prompts",
+        "Inputs",
+        "How to read this",
+    ):
         assert heading in visible
     assert "Synthetic run" in visible and "tokens per step, bonus-inclusive" in visible
     assert "τ DDTree-16" in visible
@@ -250,10 +309,22 @@ def _nonblank(png_path) -> tuple[int, int, int]:
 def test_headless_chromium_renders_the_report(built, tmp_path):
     out, _, _ = built
     shot = tmp_path / "shot.png"
-    command = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-               "--disable-background-networking", "--disable-component-update", "--disable-sync",
-               f"--user-data-dir={tmp_path / 'profile'}", "--hide-scrollbars", f"--screenshot={shot}",
-               "--window-size=1200,2000", f"file://{out}"]
+    command = [
+        CHROMIUM,
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        f"--user-data-dir={tmp_path / 'profile'}",
+        "--hide-scrollbars",
+        f"--screenshot={shot}",
+        "--window-size=1200,2000",
+        f"file://{out}",
+    ]
     proc = subprocess.run(command, capture_output=True, text=True, timeout=90)
     assert shot.exists(), f"no screenshot (rc {proc.returncode}): {proc.stderr[-2000:]}"
     width, height, levels = _nonblank(shot)

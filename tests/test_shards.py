@@ -33,14 +33,23 @@ def make_sample(index: int, n_tokens: int = 20, prompt_len: int = 8, hidden: int
     )
 
 
-def write_set(out, samples, shard_bytes=shards.DEFAULT_SHARD_BYTES, chunk_tokens=shards.DEFAULT_CHUNK_TOKENS,
-              dtypes=DTYPES) -> list[dict]:
+def write_set(
+    out, samples, shard_bytes=shards.DEFAULT_SHARD_BYTES, chunk_tokens=shards.DEFAULT_CHUNK_TOKENS, dtypes=DTYPES
+) -> list[dict]:
     writer = ShardWriter(str(out), 0, dtypes, shard_bytes=shard_bytes, chunk_tokens=chunk_tokens)
     for sample in samples:
         writer.write(sample)
     entries = writer.close()
-    shards.write_manifest(str(out), {"format_version": shards.FORMAT_VERSION, "complete": True, "settings": {},
-                                     "tensors": dtypes, "shards": entries})
+    shards.write_manifest(
+        str(out),
+        {
+            "format_version": shards.FORMAT_VERSION,
+            "complete": True,
+            "settings": {},
+            "tensors": dtypes,
+            "shards": entries,
+        },
+    )
     return entries
 
 
@@ -55,8 +64,12 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 @pytest.mark.parametrize("shape", [(0, 4), (7,), (3, 5, 2), (1,)])
 def test_byte_planes_round_trip_every_dtype(dtype, shape):
     torch_dtype = shards.TENSOR_DTYPES[dtype]
-    raw = torch.randint(0, 256, (int(torch.tensor(shape).prod()) * torch.empty((), dtype=torch_dtype).element_size(),),
-                        dtype=torch.uint8)
+    raw = torch.randint(
+        0,
+        256,
+        (int(torch.tensor(shape).prod()) * torch.empty((), dtype=torch_dtype).element_size(),),
+        dtype=torch.uint8,
+    )
     tensor = raw.view(torch_dtype).view(*shape)  # every bit pattern, NaNs and infs included
     decoded = shards.decode_tensor(shards.encode_tensor(tensor), torch_dtype, list(shape))
     assert same_bits(decoded, tensor)
@@ -98,7 +111,12 @@ def test_writer_reader_round_trip(tmp_path):
     assert [s.sample_id for s in back] == [s.sample_id for s in samples]
     for got, want in zip(back, samples):
         assert (got.dataset, got.prompt_text, got.prompt_len, got.finish_reason, got.greedy) == (
-            want.dataset, want.prompt_text, want.prompt_len, want.finish_reason, want.greedy)
+            want.dataset,
+            want.prompt_text,
+            want.prompt_len,
+            want.finish_reason,
+            want.greedy,
+        )
         assert torch.equal(got.input_ids, want.input_ids)
         for name in DTYPES:
             assert same_bits(got.tensors[name], want.tensors[name]), name
@@ -170,8 +188,12 @@ def test_chunks_hold_several_samples_and_rows_are_views(tmp_path):
 
 
 def test_a_sample_longer_than_a_chunk_is_a_chunk_by_itself(tmp_path):
-    samples = [make_sample(0, n_tokens=12), make_sample(1, n_tokens=90), make_sample(2, n_tokens=5, prompt_len=2),
-               make_sample(3, n_tokens=6, prompt_len=2)]
+    samples = [
+        make_sample(0, n_tokens=12),
+        make_sample(1, n_tokens=90),
+        make_sample(2, n_tokens=5, prompt_len=2),
+        make_sample(3, n_tokens=6, prompt_len=2),
+    ]
     entries = write_set(tmp_path, samples, chunk_tokens=16)
     # the buffered short sample is written before the long one arrives (no chunk overshoots
     # chunk_tokens unless one sample alone does); the last two share a chunk

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import IM_END_ID, TINY_HIDDEN, TINY_VOCAB
 
+from conftest import IM_END_ID, TINY_HIDDEN, TINY_VOCAB
 from pipeline import target as target_module
 from pipeline.dtypes import resolve_dtype
 from pipeline.target import (
@@ -71,7 +71,7 @@ def test_tiny_greedy_generations_vary(fixture_name, request):
     for record in load_prompts("default")[::4]:
         ids, _ = render_prompt(record, tokenizer, None)
         out = model.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False)
-        outputs.append(tuple(out[0, len(ids):].tolist()))
+        outputs.append(tuple(out[0, len(ids) :].tolist()))
     assert all(len(o) == 16 for o in outputs)  # no early stop token
     assert all(len(set(o)) >= 8 for o in outputs)  # tokens vary within a response
     assert len(set(outputs)) >= 2  # and between prompts
@@ -138,9 +138,16 @@ def test_resolve_dtype():
     assert resolve_dtype("auto", torch.device("cpu")) is torch.float32
     assert resolve_dtype("auto", "cuda") is torch.bfloat16
     assert resolve_dtype("auto", "cuda:1") is torch.bfloat16
-    for name, dtype in [("fp32", torch.float32), ("float32", torch.float32), ("bf16", torch.bfloat16),
-                        ("bfloat16", torch.bfloat16), ("fp16", torch.float16), ("float16", torch.float16),
-                        ("BF16", torch.bfloat16), ("torch.float32", torch.float32)]:
+    for name, dtype in [
+        ("fp32", torch.float32),
+        ("float32", torch.float32),
+        ("bf16", torch.bfloat16),
+        ("bfloat16", torch.bfloat16),
+        ("fp16", torch.float16),
+        ("float16", torch.float16),
+        ("BF16", torch.bfloat16),
+        ("torch.float32", torch.float32),
+    ]:
         assert resolve_dtype(name, "cpu") is dtype
     assert resolve_dtype(torch.float16, "cpu") is torch.float16
     with pytest.raises(ValueError, match="dtype 'int8' is not supported.*bf16"):
@@ -157,8 +164,11 @@ def test_load_in_bf16(tiny_qwen3_dir):
 
 def test_missing_path_error(tmp_path):
     missing = tmp_path / "nope"
-    with pytest.raises(FileNotFoundError, match=r"model path .*nope does not exist; pass a transformers directory, "
-                                                r"a \.gguf file, or `smollm2`"):
+    with pytest.raises(
+        FileNotFoundError,
+        match=r"model path .*nope does not exist; pass a transformers directory, "
+        r"a \.gguf file, or `smollm2`",
+    ):
         load_target(str(missing))
 
 
@@ -257,7 +267,7 @@ def test_smollm2_gguf_is_cached_and_reloaded(tmp_path, monkeypatch):
 
     ids, _ = render_prompt(PromptRecord(id="q", dataset="t", prompt="What is the capital of France?"), tokenizer, None)
     out = model2.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)
-    assert "Paris" in tokenizer.decode(out[0, len(ids):])
+    assert "Paris" in tokenizer.decode(out[0, len(ids) :])
 
 
 def _only_for_dirs(fail):

@@ -95,8 +95,7 @@ def frame_column(frame: pa.Buffer, rows: int) -> pa.Array:
     validity = None
     if rows > 1:
         validity = pa.py_buffer(np.packbits(np.arange(rows) == 0, bitorder="little"))
-    return pa.LargeBinaryArray.from_buffers(pa.large_binary(), rows, [validity, offsets, frame],
-                                            null_count=rows - 1)
+    return pa.LargeBinaryArray.from_buffers(pa.large_binary(), rows, [validity, offsets, frame], null_count=rows - 1)
 
 
 def chunk_frame(column: pa.Array) -> pa.Buffer:

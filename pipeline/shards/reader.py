@@ -43,8 +43,9 @@ def _checked_block(file, path: str, block: list[int], what: str) -> pa.Buffer:
     return data
 
 
-def _chunk_tensors(batch: pa.RecordBatch, tensor_dtypes: dict[str, str], names: list[str],
-                   codec: pa.Codec | None) -> dict[str, list[torch.Tensor]]:
+def _chunk_tensors(
+    batch: pa.RecordBatch, tensor_dtypes: dict[str, str], names: list[str], codec: pa.Codec | None
+) -> dict[str, list[torch.Tensor]]:
     """Each tensor of a chunk decoded once, split into its rows (views); fp8 features dequantized."""
     tensors: dict[str, list[torch.Tensor]] = {}
     for name in names:
@@ -60,11 +61,14 @@ def _chunk_tensors(batch: pa.RecordBatch, tensor_dtypes: dict[str, str], names: 
     return tensors
 
 
-def _decode_chunk(batch: pa.RecordBatch, tensor_dtypes: dict[str, str], names: list[str],
-                  rows: list[int], codec: pa.Codec | None) -> Iterator[Sample]:
+def _decode_chunk(
+    batch: pa.RecordBatch, tensor_dtypes: dict[str, str], names: list[str], rows: list[int], codec: pa.Codec | None
+) -> Iterator[Sample]:
     """The samples at `rows` of one chunk; each tensor decoded once for the chunk, rows are views."""
-    column = {name: batch.column(name).to_pylist() for name in
-              ("sample_id", "dataset", "prompt_text", "prompt_len", "finish_reason", "greedy")}
+    column = {
+        name: batch.column(name).to_pylist()
+        for name in ("sample_id", "dataset", "prompt_text", "prompt_len", "finish_reason", "greedy")
+    }
     ids = batch.column("input_ids")
     offsets = ids.offsets.to_numpy()
     all_ids = torch.from_numpy(ids.values.to_numpy(zero_copy_only=False).astype(np.int64))
@@ -74,7 +78,7 @@ def _decode_chunk(batch: pa.RecordBatch, tensor_dtypes: dict[str, str], names: l
             sample_id=column["sample_id"][row],
             dataset=column["dataset"][row],
             prompt_text=column["prompt_text"][row],
-            input_ids=all_ids[offsets[row]:offsets[row + 1]],
+            input_ids=all_ids[offsets[row] : offsets[row + 1]],
             prompt_len=column["prompt_len"][row],
             finish_reason=column["finish_reason"][row],
             greedy=column["greedy"][row],
@@ -82,8 +86,9 @@ def _decode_chunk(batch: pa.RecordBatch, tensor_dtypes: dict[str, str], names: l
         )
 
 
-def read_shard(uri: str, entry: dict, tensor_dtypes: dict[str, str], tensors: list[str] | None = None,
-               rows=None) -> Iterator[Sample]:
+def read_shard(
+    uri: str, entry: dict, tensor_dtypes: dict[str, str], tensors: list[str] | None = None, rows=None
+) -> Iterator[Sample]:
     """Yield the samples of one shard (only the row indices in `rows`, if given). Chunks holding
     none of them are not read; every chunk read is checksummed before Arrow decodes it."""
     fs, root = open_fs(uri)
@@ -96,10 +101,12 @@ def read_shard(uri: str, entry: dict, tensor_dtypes: dict[str, str], tensors: li
     wanted = None if rows is None else set(rows)
     # Local shards are memory-mapped: a chunk's bytes are hashed and decompressed in place, no copy.
     local = isinstance(fs, pafs.LocalFileSystem)
-    with (pa.memory_map(path) if local else fs.open_input_file(path)) as file:
+    with pa.memory_map(path) if local else fs.open_input_file(path) as file:
         if file.size() != entry["bytes"]:
-            raise ShardError(f"{path}: {file.size()} bytes, the sidecar says {entry['bytes']}; the shard is "
-                             f"truncated or was replaced: delete it and its .json sidecar and re-run the extract")
+            raise ShardError(
+                f"{path}: {file.size()} bytes, the sidecar says {entry['bytes']}; the shard is "
+                f"truncated or was replaced: delete it and its .json sidecar and re-run the extract"
+            )
         schema = ipc.read_schema(ipc.read_message(_checked_block(file, path, entry["schema_block"], "the schema")))
         codec = frame_codec((schema.metadata or {}).get(CODEC_KEY, b"zstd").decode())
         first = 0
@@ -139,8 +146,9 @@ class ShardSet:
     def num_samples(self) -> int:
         return sum(entry["rows"] for entry in self.entries)
 
-    def samples(self, tensors: list[str] | None = None, prefetch: int = 2, keep=None,
-                pin_memory: bool = False) -> Iterator[Sample]:
+    def samples(
+        self, tensors: list[str] | None = None, prefetch: int = 2, keep=None, pin_memory: bool = False
+    ) -> Iterator[Sample]:
         """Samples in manifest order. `keep(index)` (index over the whole set) selects which
         to decode, e.g. one torchrun rank's share; chunks holding none of them are not read.
         Decoding runs in a background thread `prefetch` samples ahead, so the consumer's

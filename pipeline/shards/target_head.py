@@ -28,8 +28,13 @@ def save_target_head(uri: str, embed_tokens: torch.Tensor, lm_head: torch.Tensor
         weights["lm_head"] = lm_head.detach().cpu().contiguous()
     fs, root = open_fs(uri)
     crc, size = write_safetensors_stream(fs, join(root, TARGET_HEAD_NAME), weights)
-    return {"file": TARGET_HEAD_NAME, "tied": bool(tied), "crc32": crc, "bytes": size,
-            "dtype": DTYPE_NAMES[embed_tokens.dtype]}
+    return {
+        "file": TARGET_HEAD_NAME,
+        "tied": bool(tied),
+        "crc32": crc,
+        "bytes": size,
+        "dtype": DTYPE_NAMES[embed_tokens.dtype],
+    }
 
 
 def load_target_head(uri: str, expected_crc: int | None) -> dict[str, torch.Tensor]:
@@ -55,8 +60,11 @@ def write_safetensors_stream(fs: pafs.FileSystem, path: str, weights: dict[str, 
         if tensor.dtype not in _SAFETENSORS_DTYPES:
             raise ValueError(f"target head tensor {name!r}: dtype {tensor.dtype} is not stored (use fp32/bf16/fp16)")
         nbytes = tensor.numel() * tensor.element_size()
-        header[name] = {"dtype": _SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape),
-                        "data_offsets": [offset, offset + nbytes]}
+        header[name] = {
+            "dtype": _SAFETENSORS_DTYPES[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
         offset += nbytes
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)  # safetensors aligns the data to 8 bytes
@@ -74,7 +82,7 @@ def _pieces(prefix: list[bytes], tensors):
     for tensor in tensors:
         raw = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
         for start in range(0, len(raw), _STREAM_STEP):
-            yield raw[start:start + _STREAM_STEP]
+            yield raw[start : start + _STREAM_STEP]
 
 
 def read_safetensors_stream(fs: pafs.FileSystem, path: str) -> tuple[dict[str, torch.Tensor], int]:
@@ -90,14 +98,16 @@ def read_safetensors_stream(fs: pafs.FileSystem, path: str) -> tuple[dict[str, t
         for name, info in sorted(header.items(), key=lambda item: item[1]["data_offsets"][0]):
             begin, end = info["data_offsets"]
             if begin != position or info["dtype"] not in names:
-                raise ShardError(f"{path}: unexpected safetensors layout at {name!r}; re-run the extract with --overwrite")
+                raise ShardError(
+                    f"{path}: unexpected safetensors layout at {name!r}; re-run the extract with --overwrite"
+                )
             tensor = torch.empty(info["shape"], dtype=names[info["dtype"]])
             raw = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
             for start in range(0, end - begin, _STREAM_STEP):
                 piece = stream.read(min(_STREAM_STEP, end - begin - start))
                 if not piece:
                     raise ShardError(f"{path}: truncated in {name!r}; re-run the extract with --overwrite")
-                raw[start:start + len(piece)] = piece
+                raw[start : start + len(piece)] = piece
                 crc = zlib.crc32(piece, crc)
             weights[name], position = tensor, end
         crc = zlib.crc32(stream.read(), crc)  # nothing should follow; counted if it does

@@ -28,8 +28,9 @@ from pipeline.shards.files import (
 from pipeline.shards.schema import DEFAULT_CHUNK_TOKENS, SHARD_DIR, Sample, shard_schema
 
 
-def chunk_record_batch(samples: list[Sample], tensor_names: list[str], schema: pa.Schema,
-                       codec: pa.Codec | None = None) -> pa.RecordBatch:
+def chunk_record_batch(
+    samples: list[Sample], tensor_names: list[str], schema: pa.Schema, codec: pa.Codec | None = None
+) -> pa.RecordBatch:
     """One record batch for consecutive samples: a row each, each tensor's planes once (row 0),
     compressed as one frame by `codec` when given."""
     columns = [
@@ -45,8 +46,10 @@ def chunk_record_batch(samples: list[Sample], tensor_names: list[str], schema: p
         parts = [s.tensors[name] for s in samples]
         trailing = {tuple(p.shape[1:]) for p in parts}
         if len(trailing) != 1 or any(p.dim() == 0 for p in parts):
-            raise ValueError(f"tensor {name!r}: every sample needs the same shape after the first axis, got "
-                             f"{[list(p.shape) for p in parts]}")
+            raise ValueError(
+                f"tensor {name!r}: every sample needs the same shape after the first axis, got "
+                f"{[list(p.shape) for p in parts]}"
+            )
         chunk = parts[0] if len(parts) == 1 else torch.cat(parts)
         columns.append(frame_column(compress_frame(encode_tensor(chunk), codec), len(samples)))
         columns.append(pa.array([list(p.shape) for p in parts], pa.list_(pa.int64())))
@@ -55,8 +58,14 @@ def chunk_record_batch(samples: list[Sample], tensor_names: list[str], schema: p
 
 def empty_stats() -> dict:
     """Per-shard counts kept in the shard's entry, so totals never require re-reading shards."""
-    return {"response_tokens": 0, "finish_reasons": {}, "argmax_mismatches": 0,
-            "greedy_samples": 0, "greedy_response_tokens": 0, "greedy_argmax_mismatches": 0}
+    return {
+        "response_tokens": 0,
+        "finish_reasons": {},
+        "argmax_mismatches": 0,
+        "greedy_samples": 0,
+        "greedy_response_tokens": 0,
+        "greedy_argmax_mismatches": 0,
+    }
 
 
 def add_sample_stats(stats: dict, sample: Sample) -> None:
@@ -92,10 +101,10 @@ def block_checksums(fs: pafs.FileSystem, path: str, batch_ends: list[int], batch
             return block_hash(file.read(end - offset))
 
         schema_block = [8, starts[0] - 8, hashed(8, starts[0])]
-        batches = [[start, end - start, rows, hashed(start, end)]
-                   for start, end, rows in zip(starts, batch_ends, batch_rows)]
-    return {"bytes": size, "crc32": crc, "block_hash": BLOCK_HASH, "schema_block": schema_block,
-            "batches": batches}
+        batches = [
+            [start, end - start, rows, hashed(start, end)] for start, end, rows in zip(starts, batch_ends, batch_rows)
+        ]
+    return {"bytes": size, "crc32": crc, "block_hash": BLOCK_HASH, "schema_block": schema_block, "batches": batches}
 
 
 class ShardWriter:
@@ -152,7 +161,9 @@ class ShardWriter:
             for name, dtype in self.tensor_dtypes.items():
                 got = sample.tensors[name].dtype
                 if DTYPE_NAMES.get(got) != dtype:
-                    raise ValueError(f"tensor {name!r} of sample {sample.sample_id} is {got}, shard schema says {dtype}")
+                    raise ValueError(
+                        f"tensor {name!r} of sample {sample.sample_id} is {got}, shard schema says {dtype}"
+                    )
             tokens = int(sample.input_ids.numel())
             if self._pending and self._pending_tokens + tokens > self.chunk_tokens:
                 self._write_chunk()  # a long sample does not make the buffered chunk overshoot

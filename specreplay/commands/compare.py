@@ -50,10 +50,18 @@ def write_table(df, path: str) -> None:
 @click.command()
 @click.argument("a", metavar="A")
 @click.argument("b", metavar="B")
-@click.option("--method", "methods", multiple=True,
-              help="Only this method (chain, ddtree-16, ...); repeat for several. Default: every method in both.")
-@click.option("--dataset", "datasets", multiple=True,
-              help="Only this dataset (or '(all)'); repeat for several. Default: every dataset and '(all)'.")
+@click.option(
+    "--method",
+    "methods",
+    multiple=True,
+    help="Only this method (chain, ddtree-16, ...); repeat for several. Default: every method in both.",
+)
+@click.option(
+    "--dataset",
+    "datasets",
+    multiple=True,
+    help="Only this dataset (or '(all)'); repeat for several. Default: every dataset and '(all)'.",
+)
 @click.option("--resamples", default=2000, show_default=True, help="Bootstrap resamples.")
 @click.option("--seed", default=0, show_default=True, help="Bootstrap random seed (results are reproducible).")
 @click.option("--confidence", default=0.95, show_default=True, help="Confidence level of the interval.")
@@ -76,8 +84,15 @@ def compare(a, b, methods, datasets, resamples, seed, confidence, out, as_json):
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        df = compare_results(a, b, methods=list(methods) or None, datasets=list(datasets) or None,
-                             resamples=resamples, seed=seed, confidence=confidence)
+        df = compare_results(
+            a,
+            b,
+            methods=list(methods) or None,
+            datasets=list(datasets) or None,
+            resamples=resamples,
+            seed=seed,
+            confidence=confidence,
+        )
     notes = [str(w.message) for w in caught]
     for note in notes:
         click.echo(f"warning: {note}", err=True)
@@ -85,10 +100,22 @@ def compare(a, b, methods, datasets, resamples, seed, confidence, out, as_json):
     if out:
         write_table(df, out)
     if as_json:
-        click.echo(json.dumps({"a": a, "b": b, "checkpoint_a": rows[0]["checkpoint_a"] if rows else None,
-                               "checkpoint_b": rows[0]["checkpoint_b"] if rows else None,
-                               "confidence": confidence, "resamples": resamples, "seed": seed,
-                               "warnings": notes, "rows": rows}, indent=1))
+        click.echo(
+            json.dumps(
+                {
+                    "a": a,
+                    "b": b,
+                    "checkpoint_a": rows[0]["checkpoint_a"] if rows else None,
+                    "checkpoint_b": rows[0]["checkpoint_b"] if rows else None,
+                    "confidence": confidence,
+                    "resamples": resamples,
+                    "seed": seed,
+                    "warnings": notes,
+                    "rows": rows,
+                },
+                indent=1,
+            )
+        )
     else:
         _print_report(rows, a, b, resamples, seed, confidence)
     if out:
@@ -99,8 +126,7 @@ def _print_report(rows: list[dict], a: str, b: str, resamples: int, seed: int, c
     if rows:
         click.echo(f"A: {rows[0]['checkpoint_a']} ({a})")
         click.echo(f"B: {rows[0]['checkpoint_b']} ({b})")
-    click.echo("tau = mean over paired samples of each sample's tokens per walk step (accepted + bonus); "
-               "delta = B - A")
+    click.echo("tau = mean over paired samples of each sample's tokens per walk step (accepted + bonus); delta = B - A")
     click.echo(f"{confidence * 100:g}% CI: paired bootstrap over samples ({resamples} resamples, seed {seed})")
     click.echo(format_table(rows))
     if any(r["dropped_null"] for r in rows):

@@ -43,43 +43,111 @@ def next_steps(out: str, manifest: dict) -> str:
 
 
 @click.command(context_settings={"max_content_width": 100})
-@click.option("--model", default=d("model"), show_default=True,
-              help="Target: `smollm2` (embedded SmolLM2-135M-Instruct), a transformers directory, or a .gguf file.")
-@click.option("--prompts", default=d("prompts"), show_default=True,
-              help="Bundled set (default, gsm8k, humaneval, mt-bench) or a JSONL file.")
-@click.option("--out", default=None, help="Output directory or URI (s3://, gs://). [default: data/shards/<model>-<prompts>]")
-@click.option("--max-new-tokens", type=int, default=d("max_new_tokens"), show_default=True,
-              help="Greedy tokens generated per prompt.")
+@click.option(
+    "--model",
+    default=d("model"),
+    show_default=True,
+    help="Target: `smollm2` (embedded SmolLM2-135M-Instruct), a transformers directory, or a .gguf file.",
+)
+@click.option(
+    "--prompts",
+    default=d("prompts"),
+    show_default=True,
+    help="Bundled set (default, gsm8k, humaneval, mt-bench) or a JSONL file.",
+)
+@click.option(
+    "--out", default=None, help="Output directory or URI (s3://, gs://). [default: data/shards/<model>-<prompts>]"
+)
+@click.option(
+    "--max-new-tokens",
+    type=int,
+    default=d("max_new_tokens"),
+    show_default=True,
+    help="Greedy tokens generated per prompt.",
+)
 @click.option("--layer-ids", default=None, help="Feature layers, e.g. 1,9,17 (id i = output of decoder layer i).")
-@click.option("--draft-config", default=None,
-              help="Drafter config.json (or its dir): take dflash_config.target_layer_ids from it.")
-@click.option("--num-draft-layers", type=int, default=d("num_draft_layers"), show_default=True,
-              help="Drafter layers n for the default DFlash layer-id formula.")
-@click.option("--top-k", type=int, default=d("top_k"), show_default=True, help="Next-token log-probs kept per position.")
-@click.option("--dtype", default=d("dtype"), show_default=True,
-              help="Model dtype: auto (fp32 on CPU, bf16 on GPU), fp32, bf16, fp16.")
-@click.option("--feature-dtype", default=None,
-              help="Storage dtype of features: float32, bfloat16, float16 (lossless when it is the model dtype), or "
-                   "fp8 (lossy e4m3 with a per-token, per-layer scale; ~half of bf16's bytes). [default: model dtype]")
-@click.option("--enable-thinking/--disable-thinking", default=None,
-              help="Pass enable_thinking to the chat template (e.g. Qwen3). [default: the template's own default]")
+@click.option(
+    "--draft-config",
+    default=None,
+    help="Drafter config.json (or its dir): take dflash_config.target_layer_ids from it.",
+)
+@click.option(
+    "--num-draft-layers",
+    type=int,
+    default=d("num_draft_layers"),
+    show_default=True,
+    help="Drafter layers n for the default DFlash layer-id formula.",
+)
+@click.option(
+    "--top-k", type=int, default=d("top_k"), show_default=True, help="Next-token log-probs kept per position."
+)
+@click.option(
+    "--dtype",
+    default=d("dtype"),
+    show_default=True,
+    help="Model dtype: auto (fp32 on CPU, bf16 on GPU), fp32, bf16, fp16.",
+)
+@click.option(
+    "--feature-dtype",
+    default=None,
+    help="Storage dtype of features: float32, bfloat16, float16 (lossless when it is the model dtype), or "
+    "fp8 (lossy e4m3 with a per-token, per-layer scale; ~half of bf16's bytes). [default: model dtype]",
+)
+@click.option(
+    "--enable-thinking/--disable-thinking",
+    default=None,
+    help="Pass enable_thinking to the chat template (e.g. Qwen3). [default: the template's own default]",
+)
 @click.option("--limit", type=int, default=None, help="Use only the first N prompts.")
-@click.option("--batch-size", type=int, default=d("batch_size"), show_default=True,
-              help="Prompts per batched generate call.")
-@click.option("--shard-bytes", default=format_size(d("shard_bytes")), show_default=True,
-              help="Roll over to a new shard after this size (1GiB, 512MiB, ...).")
-@click.option("--zstd-level", type=int, default=d("zstd_level"), show_default=True,
-              help="zstd level of the shard buffers (1 measured smaller and faster to decode than 3 on features).")
-@click.option("--memory-budget", default=format_size(d("memory_bytes")), show_default=True,
-              help="Working memory beyond the model and one sample: half for the lm_head window over the "
-                   "vocabulary, half for the shard chunk being written (sets their sizes).")
+@click.option(
+    "--batch-size", type=int, default=d("batch_size"), show_default=True, help="Prompts per batched generate call."
+)
+@click.option(
+    "--shard-bytes",
+    default=format_size(d("shard_bytes")),
+    show_default=True,
+    help="Roll over to a new shard after this size (1GiB, 512MiB, ...).",
+)
+@click.option(
+    "--zstd-level",
+    type=int,
+    default=d("zstd_level"),
+    show_default=True,
+    help="zstd level of the shard buffers (1 measured smaller and faster to decode than 3 on features).",
+)
+@click.option(
+    "--memory-budget",
+    default=format_size(d("memory_bytes")),
+    show_default=True,
+    help="Working memory beyond the model and one sample: half for the lm_head window over the "
+    "vocabulary, half for the shard chunk being written (sets their sizes).",
+)
 @click.option("--overwrite", is_flag=True, help="Delete old outputs in --out (needed when settings changed).")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
-@click.option("--device", default=None,
-              help="cpu, cuda, cuda:1, or auto (device_map over all GPUs). [default: cuda if present]")
-def extract(model, prompts, out, max_new_tokens, layer_ids, draft_config, num_draft_layers, top_k, dtype,
-            feature_dtype, enable_thinking, limit, batch_size, shard_bytes, zstd_level, memory_budget, overwrite,
-            quiet, device):
+@click.option(
+    "--device", default=None, help="cpu, cuda, cuda:1, or auto (device_map over all GPUs). [default: cuda if present]"
+)
+def extract(
+    model,
+    prompts,
+    out,
+    max_new_tokens,
+    layer_ids,
+    draft_config,
+    num_draft_layers,
+    top_k,
+    dtype,
+    feature_dtype,
+    enable_thinking,
+    limit,
+    batch_size,
+    shard_bytes,
+    zstd_level,
+    memory_budget,
+    overwrite,
+    quiet,
+    device,
+):
     """Run the target once over a prompt set; store features and next-token top-k in shards.
 
     Greedy generation (batched), then one full-sequence forward per response capturing the
@@ -94,17 +162,29 @@ def extract(model, prompts, out, max_new_tokens, layer_ids, draft_config, num_dr
       torchrun --nproc_per_node 8 -m specreplay extract --model path/to/target --prompts my.jsonl --out s3://bucket/x
     """
     from pipeline.extract import run_extract
-    from specreplay.progress import bars
     from pipeline.layer_ids import parse_layer_ids
+    from specreplay.progress import bars
 
     config = ExtractConfig(
-        model=model, prompts=prompts, out=out or default_out(model, prompts), max_new_tokens=max_new_tokens,
-        layer_ids=parse_layer_ids(layer_ids) if layer_ids is not None else None, draft_config=draft_config,
-        num_draft_layers=num_draft_layers, top_k=top_k, dtype=dtype, feature_dtype=feature_dtype,
-        enable_thinking=enable_thinking, limit=limit, batch_size=batch_size,
-        shard_bytes=parse_size(shard_bytes, "--shard-bytes"), zstd_level=zstd_level,
+        model=model,
+        prompts=prompts,
+        out=out or default_out(model, prompts),
+        max_new_tokens=max_new_tokens,
+        layer_ids=parse_layer_ids(layer_ids) if layer_ids is not None else None,
+        draft_config=draft_config,
+        num_draft_layers=num_draft_layers,
+        top_k=top_k,
+        dtype=dtype,
+        feature_dtype=feature_dtype,
+        enable_thinking=enable_thinking,
+        limit=limit,
+        batch_size=batch_size,
+        shard_bytes=parse_size(shard_bytes, "--shard-bytes"),
+        zstd_level=zstd_level,
         memory_bytes=parse_size(memory_budget, "--memory-budget"),
-        overwrite=overwrite, quiet=quiet, device=device,
+        overwrite=overwrite,
+        quiet=quiet,
+        device=device,
     )
     main_rank = int(os.environ.get("RANK", "0")) == 0
     show = main_rank and not config.quiet

@@ -16,13 +16,21 @@ def d(name: str):
 @click.option("--shards", required=True, help="Extract output directory to train on.")
 @click.option("--out", required=True, help="Directory for checkpoints: OUT/step_<N>/ (z-lab format).")
 @click.option("--steps", default=d("steps"), show_default=True, help="Optimizer steps.")
-@click.option("--save-every", default=d("save_every"), show_default=True, help="Also save every N steps (0: final only).")
+@click.option(
+    "--save-every", default=d("save_every"), show_default=True, help="Also save every N steps (0: final only)."
+)
 @click.option("--layers", default=d("layers"), show_default=True, help="Drafter decoder layers.")
-@click.option("--block-size", default=d("block_size"), show_default=True, help="Block size B (drafts B - 1 tokens per step).")
+@click.option(
+    "--block-size", default=d("block_size"), show_default=True, help="Block size B (drafts B - 1 tokens per step)."
+)
 @click.option("--layer-ids", default=None, help="Target feature layers to use (default: every stored layer).")
 @click.option("--lr", default=d("lr"), show_default=True)
-@click.option("--anchors-per-step", default=d("anchors_per_step"), show_default=True,
-              help="Anchors per optimizer step; the lm_head over the full vocabulary dominates the cost.")
+@click.option(
+    "--anchors-per-step",
+    default=d("anchors_per_step"),
+    show_default=True,
+    help="Anchors per optimizer step; the lm_head over the full vocabulary dominates the cost.",
+)
 @click.option("--seed", default=d("seed"), show_default=True)
 @click.option("--quiet", is_flag=True)
 def fit(shards, out, steps, save_every, layers, block_size, layer_ids, lr, anchors_per_step, seed, quiet):
@@ -37,8 +45,15 @@ def fit(shards, out, steps, save_every, layers, block_size, layer_ids, lr, ancho
     from pipeline.layer_ids import parse_layer_ids
     from scoring.fit import fit_from_shards
 
-    options = FitOptions(steps=steps, lr=lr, anchors_per_step=anchors_per_step, seed=seed, save_every=save_every,
-                         layers=layers, block_size=block_size)
+    options = FitOptions(
+        steps=steps,
+        lr=lr,
+        anchors_per_step=anchors_per_step,
+        seed=seed,
+        save_every=save_every,
+        layers=layers,
+        block_size=block_size,
+    )
     bar = tqdm(total=steps, desc="fit", disable=quiet, dynamic_ncols=True)
 
     def progress(step, loss):
@@ -50,5 +65,7 @@ def fit(shards, out, steps, save_every, layers, block_size, layer_ids, lr, ancho
     for path in written:
         click.echo(f"wrote {path}")
     if written:
-        click.echo(f"next: specreplay score --ckpt {written[-1]} --shards {shards} "
-                   f"--out data/results/{out.rstrip('/').split('/')[-1]}")
+        click.echo(
+            f"next: specreplay score --ckpt {written[-1]} --shards {shards} "
+            f"--out data/results/{out.rstrip('/').split('/')[-1]}"
+        )

@@ -7,10 +7,17 @@ import click
 
 @click.command()
 @click.argument("results", nargs=-1, required=True, type=click.Path(exists=True, file_okay=False))
-@click.option("--out", default="report.html", show_default=True, help="HTML file to write (parent directories are created).")
+@click.option(
+    "--out", default="report.html", show_default=True, help="HTML file to write (parent directories are created)."
+)
 @click.option("--title", default=None, help="Page title (default: 'specreplay report').")
-@click.option("--worst", default=10, show_default=True, type=click.IntRange(min=0),
-              help="How many lowest-tau prompts to list (0: none).")
+@click.option(
+    "--worst",
+    default=10,
+    show_default=True,
+    type=click.IntRange(min=0),
+    help="How many lowest-tau prompts to list (0: none).",
+)
 def report(results, out, title, worst):
     """Write one self-contained HTML report (plots embedded, opens offline) from score results.
 

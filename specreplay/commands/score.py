@@ -26,28 +26,53 @@ def d(name: str):
 
 
 @click.command(context_settings={"max_content_width": 100})
-@click.option("--ckpt", "ckpts", multiple=True, required=True,
-              help="Drafter checkpoint: a z-lab directory (config.json + safetensors) or a training "
-                   "checkpoint (.safetensors/.pt + config.json beside it). Repeat it or pass a quoted glob "
-                   "('runs/*/step_*') to score several; each gets its own results directory.")
+@click.option(
+    "--ckpt",
+    "ckpts",
+    multiple=True,
+    required=True,
+    help="Drafter checkpoint: a z-lab directory (config.json + safetensors) or a training "
+    "checkpoint (.safetensors/.pt + config.json beside it). Repeat it or pass a quoted glob "
+    "('runs/*/step_*') to score several; each gets its own results directory.",
+)
 @click.option("--shards", required=True, help="Extract output directory (local path or pyarrow.fs URI).")
 @click.option("--out", required=True, help="Results directory (one checkpoint) or parent of one per checkpoint.")
-@click.option("--ddtree-budgets", default=",".join(map(str, d("tree_nodes"))), show_default=True,
-              help="DDTree budgets (nodes per tree) to simulate; empty string for chain only.")
+@click.option(
+    "--ddtree-budgets",
+    default=",".join(map(str, d("tree_nodes"))),
+    show_default=True,
+    help="DDTree budgets (nodes per tree) to simulate; empty string for chain only.",
+)
 @click.option("--device", default=d("device"), show_default=True, help="auto (GPU if present), cpu, cuda, cuda:1 ...")
-@click.option("--dtype", default=d("dtype"), show_default=True, help="auto = fp32 on CPU, bf16 on GPU; or fp32/bf16/fp16.")
-@click.option("--memory-budget", default=format_size(d("memory_bytes")), show_default=True,
-              help="Working memory for one batch of anchors; sets the chunk sizes.")
-@click.option("--attention", type=click.Choice(["auto", "dense", "flex"]), default=d("attention"), show_default=True,
-              help="auto = block-sparse flex_attention on CUDA, dense explicit masks on CPU.")
-@click.option("--anchors", "anchor_set", type=click.Choice(["all", "walk"]), default=d("anchors"), show_default=True,
-              help="all: every response position (walk numbers plus dense all-anchor metrics); walk: only the "
-                   "anchors the simulated walks visit (same walk numbers, about tau times less drafter work).")
+@click.option(
+    "--dtype", default=d("dtype"), show_default=True, help="auto = fp32 on CPU, bf16 on GPU; or fp32/bf16/fp16."
+)
+@click.option(
+    "--memory-budget",
+    default=format_size(d("memory_bytes")),
+    show_default=True,
+    help="Working memory for one batch of anchors; sets the chunk sizes.",
+)
+@click.option(
+    "--attention",
+    type=click.Choice(["auto", "dense", "flex"]),
+    default=d("attention"),
+    show_default=True,
+    help="auto = block-sparse flex_attention on CUDA, dense explicit masks on CPU.",
+)
+@click.option(
+    "--anchors",
+    "anchor_set",
+    type=click.Choice(["all", "walk"]),
+    default=d("anchors"),
+    show_default=True,
+    help="all: every response position (walk numbers plus dense all-anchor metrics); walk: only the "
+    "anchors the simulated walks visit (same walk numbers, about tau times less drafter work).",
+)
 @click.option("--limit", type=int, default=None, help="Score only the first N samples.")
 @click.option("--force", is_flag=True, help="Re-score checkpoints already scored on these shards.")
 @click.option("--quiet", is_flag=True, help="No progress bars or summary table.")
-def score(ckpts, shards, out, ddtree_budgets, device, dtype, memory_budget, attention, anchor_set, limit, force,
-          quiet):
+def score(ckpts, shards, out, ddtree_budgets, device, dtype, memory_budget, attention, anchor_set, limit, force, quiet):
     """Replay stored shards through drafter checkpoints; write exact acceptance metrics.
 
     Writes anchors.parquet, walk.parquet, samples.parquet, summary.parquet and run.json, and
@@ -63,8 +88,17 @@ def score(ckpts, shards, out, ddtree_budgets, device, dtype, memory_budget, atte
     from specreplay.progress import bars
 
     config = ScoreConfig(
-        ckpts=list(ckpts), shards=shards, out=out, tree_nodes=parse_tree_nodes(ddtree_budgets),
-        device=device, dtype=dtype, memory_bytes=parse_size(memory_budget, "--memory-budget"), attention=attention,
-        anchors=anchor_set, limit=limit, force=force, quiet=quiet,
+        ckpts=list(ckpts),
+        shards=shards,
+        out=out,
+        tree_nodes=parse_tree_nodes(ddtree_budgets),
+        device=device,
+        dtype=dtype,
+        memory_bytes=parse_size(memory_budget, "--memory-budget"),
+        attention=attention,
+        anchors=anchor_set,
+        limit=limit,
+        force=force,
+        quiet=quiet,
     )
     run_score(config, progress=bars(quiet))
