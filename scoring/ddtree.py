@@ -77,15 +77,3 @@ def path_pop_indices(top_logp: np.ndarray, path_ranks: np.ndarray, max_budget: i
                 break
             wanted = wanted + (int(path_ranks[found]),)
     return result
-
-
-def build_tree(top_logp: np.ndarray, top_ids: np.ndarray, budget: int) -> list[tuple[int, ...]]:
-    """The tree of `budget` nodes as token-id prefixes, in pop order (for inspection and tests)."""
-    nodes: list[tuple[int, ...]] = []
-    if budget <= 0:
-        return nodes
-    for ranks in best_first(top_logp, min(top_logp.shape[1], budget)):
-        if len(nodes) == budget:
-            break
-        nodes.append(tuple(int(top_ids[d, r]) for d, r in enumerate(ranks)))
-    return nodes

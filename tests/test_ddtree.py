@@ -7,8 +7,18 @@ import pytest
 import torch
 
 from conftest import brute_force_tree
-from scoring.ddtree import build_tree, path_pop_indices, top_log_probs
+from scoring.ddtree import best_first, path_pop_indices, top_log_probs
 from scoring.metrics import tree_accepted
+
+
+def build_tree(top_logp: np.ndarray, top_ids: np.ndarray, budget: int) -> list[tuple[int, ...]]:
+    """The first `budget` nodes of the product's best-first order, as token-id prefixes."""
+    nodes = []
+    for ranks in best_first(top_logp, min(top_logp.shape[1], budget)):
+        if len(nodes) == budget:
+            break
+        nodes.append(tuple(int(top_ids[d, r]) for d, r in enumerate(ranks)))
+    return nodes
 
 
 @pytest.mark.parametrize("seed", range(6))
