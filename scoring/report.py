@@ -536,6 +536,7 @@ def render_report(
     generated: dt.datetime | None = None,
 ) -> str:
     """The complete HTML document as a string."""
+    # Long only because it lists the page's sections in order, each with its caption.
     generated = generated or dt.datetime.now(dt.timezone.utc)
     title = title or "specreplay report"
     n_ckpt, n_data = len(results.order), len([d for d in datasets(results.summary) if d != ALL])

@@ -100,26 +100,27 @@ def compare(a, b, methods, datasets, resamples, seed, confidence, out, as_json):
     if out:
         write_table(df, out)
     if as_json:
-        click.echo(
-            json.dumps(
-                {
-                    "a": a,
-                    "b": b,
-                    "checkpoint_a": rows[0]["checkpoint_a"] if rows else None,
-                    "checkpoint_b": rows[0]["checkpoint_b"] if rows else None,
-                    "confidence": confidence,
-                    "resamples": resamples,
-                    "seed": seed,
-                    "warnings": notes,
-                    "rows": rows,
-                },
-                indent=1,
-            )
-        )
+        click.echo(json.dumps(as_payload(rows, a, b, resamples, seed, confidence, notes), indent=1))
     else:
         _print_report(rows, a, b, resamples, seed, confidence)
     if out:
         click.echo(f"wrote {out}", err=as_json)
+
+
+def as_payload(rows: list[dict], a: str, b: str, resamples: int, seed: int, confidence: float, notes: list) -> dict:
+    """The --json object: inputs, settings, warnings and every row."""
+    first = rows[0] if rows else {}
+    return {
+        "a": a,
+        "b": b,
+        "checkpoint_a": first.get("checkpoint_a"),
+        "checkpoint_b": first.get("checkpoint_b"),
+        "confidence": confidence,
+        "resamples": resamples,
+        "seed": seed,
+        "warnings": notes,
+        "rows": rows,
+    }
 
 
 def _print_report(rows: list[dict], a: str, b: str, resamples: int, seed: int, confidence: float) -> None:

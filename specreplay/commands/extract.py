@@ -117,6 +117,7 @@ def next_steps(out: str, manifest: dict) -> str:
 )
 @click.option(
     "--memory-budget",
+    "memory_bytes",
     default=format_size(d("memory_bytes")),
     show_default=True,
     help="Working memory beyond the model and one sample: half for the lm_head window over the "
@@ -127,27 +128,7 @@ def next_steps(out: str, manifest: dict) -> str:
 @click.option(
     "--device", default=None, help="cpu, cuda, cuda:1, or auto (device_map over all GPUs). [default: cuda if present]"
 )
-def extract(
-    model,
-    prompts,
-    out,
-    max_new_tokens,
-    layer_ids,
-    draft_config,
-    num_draft_layers,
-    top_k,
-    dtype,
-    feature_dtype,
-    enable_thinking,
-    limit,
-    batch_size,
-    shard_bytes,
-    zstd_level,
-    memory_budget,
-    overwrite,
-    quiet,
-    device,
-):
+def extract(**options):
     """Run the target once over a prompt set; store features and next-token top-k in shards.
 
     Greedy generation (batched), then one full-sequence forward per response capturing the
@@ -165,27 +146,13 @@ def extract(
     from pipeline.layer_ids import parse_layer_ids
     from specreplay.progress import bars
 
-    config = ExtractConfig(
-        model=model,
-        prompts=prompts,
-        out=out or default_out(model, prompts),
-        max_new_tokens=max_new_tokens,
-        layer_ids=parse_layer_ids(layer_ids) if layer_ids is not None else None,
-        draft_config=draft_config,
-        num_draft_layers=num_draft_layers,
-        top_k=top_k,
-        dtype=dtype,
-        feature_dtype=feature_dtype,
-        enable_thinking=enable_thinking,
-        limit=limit,
-        batch_size=batch_size,
-        shard_bytes=parse_size(shard_bytes, "--shard-bytes"),
-        zstd_level=zstd_level,
-        memory_bytes=parse_size(memory_budget, "--memory-budget"),
-        overwrite=overwrite,
-        quiet=quiet,
-        device=device,
+    options.update(
+        out=options["out"] or default_out(options["model"], options["prompts"]),
+        layer_ids=None if options["layer_ids"] is None else parse_layer_ids(options["layer_ids"]),
+        shard_bytes=parse_size(options["shard_bytes"], "--shard-bytes"),
+        memory_bytes=parse_size(options["memory_bytes"], "--memory-budget"),
     )
+    config = ExtractConfig(**options)
     main_rank = int(os.environ.get("RANK", "0")) == 0
     show = main_rank and not config.quiet
     if not show:

@@ -39,6 +39,7 @@ def d(name: str):
 @click.option("--out", required=True, help="Results directory (one checkpoint) or parent of one per checkpoint.")
 @click.option(
     "--ddtree-budgets",
+    "tree_nodes",
     default=",".join(map(str, d("tree_nodes"))),
     show_default=True,
     help="DDTree budgets (nodes per tree) to simulate; empty string for chain only.",
@@ -49,6 +50,7 @@ def d(name: str):
 )
 @click.option(
     "--memory-budget",
+    "memory_bytes",
     default=format_size(d("memory_bytes")),
     show_default=True,
     help="Working memory for one batch of anchors; sets the chunk sizes.",
@@ -62,7 +64,7 @@ def d(name: str):
 )
 @click.option(
     "--anchors",
-    "anchor_set",
+    "anchors",
     type=click.Choice(["all", "walk"]),
     default=d("anchors"),
     show_default=True,
@@ -72,7 +74,7 @@ def d(name: str):
 @click.option("--limit", type=int, default=None, help="Score only the first N samples.")
 @click.option("--force", is_flag=True, help="Re-score checkpoints already scored on these shards.")
 @click.option("--quiet", is_flag=True, help="No progress bars or summary table.")
-def score(ckpts, shards, out, ddtree_budgets, device, dtype, memory_budget, attention, anchor_set, limit, force, quiet):
+def score(**options):
     """Replay stored shards through drafter checkpoints; write exact acceptance metrics.
 
     Writes anchors.parquet, walk.parquet, samples.parquet, summary.parquet and run.json, and
@@ -87,18 +89,9 @@ def score(ckpts, shards, out, ddtree_budgets, device, dtype, memory_budget, atte
     from scoring.score import run_score
     from specreplay.progress import bars
 
-    config = ScoreConfig(
-        ckpts=list(ckpts),
-        shards=shards,
-        out=out,
-        tree_nodes=parse_tree_nodes(ddtree_budgets),
-        device=device,
-        dtype=dtype,
-        memory_bytes=parse_size(memory_budget, "--memory-budget"),
-        attention=attention,
-        anchors=anchor_set,
-        limit=limit,
-        force=force,
-        quiet=quiet,
+    options.update(
+        ckpts=list(options["ckpts"]),
+        tree_nodes=parse_tree_nodes(options["tree_nodes"]),
+        memory_bytes=parse_size(options["memory_bytes"], "--memory-budget"),
     )
-    run_score(config, progress=bars(quiet))
+    run_score(ScoreConfig(**options), progress=bars(options["quiet"]))
