@@ -88,11 +88,17 @@ def environment() -> dict:
             cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
     except OSError:
         pass
-    return {"date": _dt.date.today().isoformat(), "cpu": cpu, "cpus": os.cpu_count(),
-            "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
-            "transformers": transformers.__version__, "python": platform.python_version(),
-            "cuda": torch.cuda.is_available(),
-            "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GiB, 1)}
+    return {
+        "date": _dt.date.today().isoformat(),
+        "cpu": cpu,
+        "cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "cuda": torch.cuda.is_available(),
+        "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GiB, 1),
+    }
 
 
 def best_of(fn, repeats: int) -> float:
@@ -156,8 +162,9 @@ def mem_available() -> int | None:
 KEEP_AVAILABLE = 1536 * MiB  # a watched child is killed when the machine's MemAvailable drops below this
 
 
-def watch_child(cmd: list[str], marker: bytes, out, env: dict | None = None, timeout_s: float = 900,
-                poll_s: float = 0.02) -> dict:
+def watch_child(
+    cmd: list[str], marker: bytes, out, env: dict | None = None, timeout_s: float = 900, poll_s: float = 0.02
+) -> dict:
     """Run `cmd` (cwd: the repository root, stdout and stderr to the file `out`) and poll its
     peak RSS (VmHWM) until it exits. Polled, because getrusage's ru_maxrss of a forked child
     includes this process's RSS at fork time; `marker` (a byte string of its command line) tells
@@ -166,26 +173,40 @@ def watch_child(cmd: list[str], marker: bytes, out, env: dict | None = None, tim
     import subprocess
 
     start = time.perf_counter()
-    polled, killed = 0, None
+    state = {"polled": 0, "killed": None}
     with subprocess.Popen(cmd, cwd=str(ROOT), stdout=out, stderr=out, env=env) as child:
-        while child.poll() is None:
-            try:
-                with open(f"/proc/{child.pid}/cmdline", "rb") as f:
-                    execed = marker in f.read()
-            except OSError:
-                execed = False
-            if execed:
-                polled = max(polled, peak_rss(child.pid) or 0)
-            available = mem_available()
-            if available is not None and available < KEEP_AVAILABLE and killed is None:
-                killed = f"killed: machine MemAvailable {available / MiB:.0f} MiB, child peak {polled / MiB:.0f} MiB"
-                child.kill()
-            if time.perf_counter() - start > timeout_s and killed is None:
-                killed = f"killed after {timeout_s:.0f} s"
-                child.kill()
-            time.sleep(poll_s)
-    return {"returncode": child.returncode, "peak_rss_bytes": polled or None,
-            "wall_s_incl_startup": time.perf_counter() - start, "killed": killed}
+        try:
+            _poll(child, marker, start, timeout_s, poll_s, state)
+        except BaseException:  # interrupted (Ctrl-C, SIGTERM): do not leave the child running
+            child.kill()
+            raise
+    return {
+        "returncode": child.returncode,
+        "peak_rss_bytes": state["polled"] or None,
+        "wall_s_incl_startup": time.perf_counter() - start,
+        "killed": state["killed"],
+    }
+
+
+def _poll(child, marker: bytes, start: float, timeout_s: float, poll_s: float, state: dict) -> None:
+    while child.poll() is None:
+        try:
+            with open(f"/proc/{child.pid}/cmdline", "rb") as f:
+                execed = marker in f.read()
+        except OSError:
+            execed = False
+        if execed:
+            state["polled"] = max(state["polled"], peak_rss(child.pid) or 0)
+        available = mem_available()
+        if available is not None and available < KEEP_AVAILABLE and state["killed"] is None:
+            state["killed"] = (
+                f"killed: machine MemAvailable {available / MiB:.0f} MiB, child peak {state['polled'] / MiB:.0f} MiB"
+            )
+            child.kill()
+        if time.perf_counter() - start > timeout_s and state["killed"] is None:
+            state["killed"] = f"killed after {timeout_s:.0f} s"
+            child.kill()
+        time.sleep(poll_s)
 
 
 def fmt_mib(n) -> str:
@@ -274,8 +295,12 @@ class Phase:
         return False
 
     def figures(self) -> dict:
-        return {"wall_s": self.seconds, "peak_rss_bytes": self.peak_rss, "rss_before_bytes": self.rss_before,
-                "others_cpu": self.others_cpu}
+        return {
+            "wall_s": self.seconds,
+            "peak_rss_bytes": self.peak_rss,
+            "rss_before_bytes": self.rss_before,
+            "others_cpu": self.others_cpu,
+        }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -314,8 +339,11 @@ class StageClock:
         self.calls.clear()
 
     def figures(self) -> dict:
-        return {"seconds": {k: round(v, 4) for k, v in self.seconds.items()},
-                "own_seconds": {k: round(v, 4) for k, v in self.own_seconds.items()}, "calls": dict(self.calls)}
+        return {
+            "seconds": {k: round(v, 4) for k, v in self.seconds.items()},
+            "own_seconds": {k: round(v, 4) for k, v in self.own_seconds.items()},
+            "calls": dict(self.calls),
+        }
 
 
 class PhaseMemory:
@@ -343,8 +371,9 @@ class PhaseMemory:
 
     def _end(self, label: str) -> None:
         peak = peak_rss() or 0
-        entry = self.phases.setdefault(label, {"seconds": 0.0, "segments": 0, "peak_rss_bytes": 0,
-                                               "rss_before_bytes": self._segment_rss})
+        entry = self.phases.setdefault(
+            label, {"seconds": 0.0, "segments": 0, "peak_rss_bytes": 0, "rss_before_bytes": self._segment_rss}
+        )
         entry["seconds"] += time.perf_counter() - self._segment_start
         entry["segments"] += 1
         entry["peak_rss_bytes"] = max(entry["peak_rss_bytes"], peak)
@@ -385,8 +414,12 @@ class PhaseMemory:
 
     def finish(self) -> dict:
         self._end(self._innermost() or "other (before exit)")
-        return {"peak_rss_bytes": self.overall, "phases": self.phases, "hwm_reset_works": self.resettable,
-                "baseline_rss_bytes": self.baseline}
+        return {
+            "peak_rss_bytes": self.overall,
+            "phases": self.phases,
+            "hwm_reset_works": self.resettable,
+            "baseline_rss_bytes": self.baseline,
+        }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -405,11 +438,14 @@ def drafter_shape(cfg, vocab: int, hidden: int | None = None) -> dict:
     q = cfg.hidden_size * cfg.num_attention_heads * cfg.head_dim
     kv = cfg.hidden_size * cfg.num_key_value_heads * cfg.head_dim
     layer = 2 * q + 2 * kv + 3 * cfg.hidden_size * cfg.intermediate_size
-    return {"drafter_layer_params": layer * cfg.num_hidden_layers, "drafter_layers": cfg.num_hidden_layers,
-            "drafter_attn_width": cfg.num_attention_heads * cfg.head_dim,
-            "drafter_ctx_params": len(cfg.target_layer_ids) * cfg.hidden_size * cfg.hidden_size
-                                  + 2 * kv * cfg.num_hidden_layers,
-            "lm_head_params": vocab * hidden}
+    return {
+        "drafter_layer_params": layer * cfg.num_hidden_layers,
+        "drafter_layers": cfg.num_hidden_layers,
+        "drafter_attn_width": cfg.num_attention_heads * cfg.head_dim,
+        "drafter_ctx_params": len(cfg.target_layer_ids) * cfg.hidden_size * cfg.hidden_size
+        + 2 * kv * cfg.num_hidden_layers,
+        "lm_head_params": vocab * hidden,
+    }
 
 
 def target_shape(target) -> dict:
@@ -421,8 +457,11 @@ def target_shape(target) -> dict:
     tcfg = text_config(target)
     norm = count_params(target.model.norm) if hasattr(target, "model") and hasattr(target.model, "norm") else 0
     head_dim = getattr(tcfg, "head_dim", None) or tcfg.hidden_size // tcfg.num_attention_heads
-    return {"target_layer_params": count_params(layers) + norm, "target_layers": len(layers),
-            "target_attn_width": tcfg.num_attention_heads * head_dim}
+    return {
+        "target_layer_params": count_params(layers) + norm,
+        "target_layers": len(layers),
+        "target_attn_width": tcfg.num_attention_heads * head_dim,
+    }
 
 
 def replay_flops(m: dict, ctx_len: int, anchors, block_lens) -> dict:
@@ -431,10 +470,12 @@ def replay_flops(m: dict, ctx_len: int, anchors, block_lens) -> dict:
     on block rows 1.. and attention to the context before it (4 x width x keys per query)."""
     b = np.asarray(block_lens, dtype=np.float64)
     s = np.asarray(anchors, dtype=np.float64)
-    parts = {"context": 2.0 * m["drafter_ctx_params"] * ctx_len,
-             "drafter_layers": float((2.0 * m["drafter_layer_params"] * b).sum()),
-             "lm_head": float((2.0 * m["lm_head_params"] * (b - 1)).sum()),
-             "attention": float((4.0 * m["drafter_layers"] * m["drafter_attn_width"] * b * (s + b)).sum())}
+    parts = {
+        "context": 2.0 * m["drafter_ctx_params"] * ctx_len,
+        "drafter_layers": float((2.0 * m["drafter_layer_params"] * b).sum()),
+        "lm_head": float((2.0 * m["lm_head_params"] * (b - 1)).sum()),
+        "attention": float((4.0 * m["drafter_layers"] * m["drafter_attn_width"] * b * (s + b)).sum()),
+    }
     parts["total"] = sum(parts.values())
     return parts
 
@@ -465,8 +506,12 @@ def fit_exponent(xs: list[float], ys: list[float]) -> dict | None:
     x, y = np.log(np.asarray(xs, float)), np.log(np.asarray(ys, float))
     b, log_a = np.polyfit(x, y, 1)
     residual = y - (b * x + log_a)
-    return {"b": float(b), "a": float(math.exp(log_a)), "lengths": list(xs),
-            "rms_log_residual": float(np.sqrt(np.mean(residual ** 2)))}
+    return {
+        "b": float(b),
+        "a": float(math.exp(log_a)),
+        "lengths": list(xs),
+        "rms_log_residual": float(np.sqrt(np.mean(residual**2))),
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -486,8 +531,9 @@ class Rows(list):
     """A section's table rows. `add(..., met=bool, sides=[cores...])`: the verdict gets a '*'
     when other processes used more than CONTENDED_CORES during any side of the comparison."""
 
-    def add(self, figure: str, value: str = "", target: str = "", met: bool | None = None, others=None,
-            sides=()) -> None:
+    def add(
+        self, figure: str, value: str = "", target: str = "", met: bool | None = None, others=None, sides=()
+    ) -> None:
         if isinstance(others, (list, tuple)):
             others = "/".join("-" if o is None else f"{o:.1f}" for o in others)
         elif others is not None:
@@ -513,7 +559,9 @@ def format_table(rows: list[Row]) -> str:
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells[1:]]
     flagged = [r.figure.strip() for r in rows if r.met.endswith("*")]
     if flagged:
-        lines.append(f"* other processes used more than {CONTENDED_CORES} cores during a side of this comparison "
-                     f"(column others' CPU): the verdict is not trustworthy; rerun on a quiet machine. "
-                     f"({'; '.join(flagged)})")
+        lines.append(
+            f"* other processes used more than {CONTENDED_CORES} cores during a side of this comparison "
+            f"(column others' CPU): the verdict is not trustworthy; rerun on a quiet machine. "
+            f"({'; '.join(flagged)})"
+        )
     return "\n".join(lines)
