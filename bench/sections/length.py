@@ -9,8 +9,8 @@ shard decoding are outside. The time inside the drafter's attention, masks, othe
 the lm_head comes from the product's stage events. A sample with more than 4 x 512 anchors
 replays 4 windows of 512 contiguous anchors centred at 1/8, 3/8, 5/8 and 7/8 of its anchors and
 scales that time to all anchors (midpoint rule: an anchor's cost is affine in its context
-length; the check against full replays is in bench/README.md). Fitted exponent b of time = a T^b over all
-lengths and the longer half, next to the exponent of the FLOP count.
+length; the check against full replays is in bench/README.md). Fitted exponent b of time =
+a T^b over all lengths and the longer half, next to the exponent of the FLOP count.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from bench.common import (
     fmt_mib,
     log,
     num,
+    others_cpu,
     peak_rss,
     replay_flops,
     reset_peak,
@@ -74,7 +75,7 @@ def replay_length(sample, length, drafter, embed, lm_head, columns, options, win
     clock = StageClock()
     reset_peak()
     before = current_rss()
-    start = time.perf_counter()
+    start = began = time.perf_counter()
     result = empty_anchor_tensors(sample, length, drafter.config.block_size)
     packed = pack_samples(drafter, [sample], columns, options)
     context_s = time.perf_counter() - start
@@ -114,6 +115,7 @@ def replay_length(sample, length, drafter, embed, lm_head, columns, options, win
         "peak_rss_bytes": peak,
         "rss_before_bytes": before,
         "rss_growth_bytes": None if peak is None or before is None else peak - before,
+        "others_cpu": others_cpu(began, time.perf_counter()),
     }
     log(
         f"length:   {length:5d} tokens: {seconds:6.1f} s{' (est.)' if entry['estimated'] else ''}, "
@@ -231,6 +233,7 @@ def rows(ls: dict) -> Rows:
             f"{p['ms_per_anchor']:.1f} ms/anchor; time in attention {pct(share['attention'])}, "
             f"lm_head {pct(share['lm_head'])}; attention {100 * p['flop_share']['attention']:.1f}% of "
             f"FLOPs; peak RSS +{fmt_mib(p['rss_growth_bytes'])}",
+            others=p.get("others_cpu"),
         )
     fa, ft = ls.get("fit_all"), ls.get("fit_top_half")
     if fa:
