@@ -94,32 +94,36 @@ class Collector:
             steps = walk(produced[method], sample.prompt_len, is_stop)
             accepted_here = accepted[method].tolist()
             for step, (anchor, count) in enumerate(steps):
-                for name, value in zip(
-                    walk_columns,
-                    (
-                        sample.dataset,
-                        sample.sample_id,
-                        method,
-                        step,
-                        anchor,
-                        count,
-                        accepted_here[anchor - sample.prompt_len],
-                    ),
-                ):
-                    walk_columns[name].append(value)
+                row = (
+                    sample.dataset,
+                    sample.sample_id,
+                    method,
+                    step,
+                    anchor,
+                    count,
+                    accepted_here[anchor - sample.prompt_len],
+                )
+                for column, value in zip(walk_columns.values(), row):
+                    column.append(value)
             sample_rows.append(sample_row(sample, method, [c for _, c in steps], mismatches))
-        self.parts[index] = (self.anchor_columns(sample, result), walk_columns, sample_rows)
+        self.parts[index] = (
+            self.anchor_columns(sample, result, accepted, produced[results.CHAIN]),
+            walk_columns,
+            sample_rows,
+        )
 
-    def anchor_columns(self, sample, result: AnchorTensors) -> dict | None:
-        """anchors.parquet's columns (without the identity) for the anchors scored; adds the
-        sample's per-position counts to its dataset's."""
-        if not bool(result.computed.any()):
+    def anchor_columns(
+        self, sample, result: AnchorTensors, accepted: dict[str, torch.Tensor], produced: torch.Tensor
+    ) -> dict | None:
+        """anchors.parquet's columns (without the identity) for the anchors scored, from `add`'s
+        per-anchor accepted lengths and chain `produced`; adds the sample's per-position counts
+        to its dataset's."""
+        keep = result.computed
+        if not bool(keep.any()):
             return None
         result = computed_only(result)
-        accepted = self.accepted(result)
-        seq_len = sample.input_ids.numel()
-        next_stop = next_stop_positions(stop_mask(sample.input_ids, self.stop_token_ids))
-        produced = metrics.produced_tokens(accepted[results.CHAIN], result.anchors, seq_len, next_stop[result.anchors])
+        accepted = {m: a[keep] for m, a in accepted.items()}
+        produced = produced[keep]
         match, known = metrics.position_match(result.draft_tokens, result.target_tokens)
         counts = metrics.position_counts(accepted[results.CHAIN], match, known)
         mine = self.counts.setdefault(sample.dataset, _zero_counts(self.positions))
