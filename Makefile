@@ -55,10 +55,10 @@ test-fast:
 extract:
 	$(CLI) extract --model $(MODEL) --prompts $(PROMPTS) --out $(SHARDS) $(ARGS)
 
-# One results directory per checkpoint: data/results/<parent>_<name>.
+# One results directory per checkpoint, as `score` always writes: data/results/<parent>_<name>.
 score:
 	@test -n "$(CKPT)" || (echo "usage: make score CKPT=path/to/drafter [SHARDS=$(SHARDS)]"; exit 2)
-	$(CLI) score --ckpt $(CKPT) --shards $(SHARDS) --out $(RESULTS)/$$(basename $$(dirname $(abspath $(CKPT))))_$$(basename $(CKPT) | sed 's/\.[a-z]*$$//') $(ARGS)
+	$(CLI) score --ckpt '$(CKPT)' --shards $(SHARDS) --out $(RESULTS) $(ARGS)
 
 inspect:
 	$(CLI) inspect $(SHARDS)

@@ -7,6 +7,8 @@ output does not depend on how samples were split over torchrun ranks) and builds
 
 from __future__ import annotations
 
+import hashlib
+
 import numpy as np
 import pyarrow as pa
 import torch
@@ -42,7 +44,18 @@ def sample_row(sample, method: str, produced: list[int], mismatches: int) -> dic
         "tokens_produced": sum(produced),
         "tau": metrics.sample_tau(produced),
         "prompt_text": sample.prompt_text,
+        "tokens_hash": tokens_hash(sample.input_ids),
     }
+
+
+def tokens_hash(input_ids: torch.Tensor) -> str:
+    """results.SAMPLES' `tokens_hash`: sha256 of the int64 token ids, first 16 hex digits."""
+    return hashlib.sha256(input_ids.to(torch.int64).numpy().astype("<i8").tobytes()).hexdigest()[:16]
+
+
+def draft_block(result: AnchorTensors, i: int) -> list[int]:
+    """The drafter's chain draft at anchor index i: block positions 1 .. block_len - 1."""
+    return result.draft_tokens[i, : int(result.block_len[i]) - 1].tolist()
 
 
 def computed_only(result: AnchorTensors) -> AnchorTensors:
@@ -102,6 +115,7 @@ class Collector:
                     anchor,
                     count,
                     accepted_here[anchor - sample.prompt_len],
+                    draft_block(result, anchor - sample.prompt_len) if method == results.CHAIN else None,
                 )
                 for column, value in zip(walk_columns.values(), row):
                     column.append(value)
@@ -219,7 +233,7 @@ def anchor_summary(anchors, method: str, counts: dict[str, np.ndarray]) -> dict:
     row = {
         "anchors": anchors.height,
         "anchor_accepted_len_mean": metrics.streak(
-            torch.from_numpy(anchors[results.accepted_column(method)].to_numpy())
+            torch.from_numpy(np.array(anchors[results.accepted_column(method)].to_numpy()))  # writable copy
         ),
     }
     if method == results.CHAIN:

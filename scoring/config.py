@@ -23,9 +23,11 @@ class ScoreConfig:
     attention: str = "auto"
     anchors: str = "all"  # "all": every response position; "walk": only the anchors the walks visit
     walk_group_tokens: int = 8192  # walk mode: samples packed per group (tokens)
-    limit: int | None = None
-    force: bool = False
-    quiet: bool = False
+    limit: int | None = None  # the first N samples (after `datasets`)
+    sample: int | None = None  # N samples drawn with `seed`, stratified by dataset
+    seed: int = 0
+    datasets: list[str] | None = None  # only these datasets
+    force: bool = False  # re-score (and replace) results that exist, whatever their settings
 
 
 @dataclass

@@ -1,11 +1,17 @@
-"""What `score` prints once a checkpoint is scored: tau per dataset and method, the streak,
-acceptance per block position, and notes on inexact or lossy inputs."""
+"""What `score` prints: per checkpoint a headline (and, unless --quiet, the table of tau per
+dataset and method, acceptance per block position, notes on inexact or lossy inputs); at the
+end a table across checkpoints with the best marked, what failed, and what to run next."""
 
 from __future__ import annotations
 
 import pyarrow as pa
 
 from scoring import results
+
+STREAK_NOTE = (
+    "streak = mean draft tokens accepted per anchor over all response positions (bonus-exclusive; "
+    "steadier than tau, which follows one walk)"
+)
 
 
 def fmt(value, digits: int = 3) -> str:
@@ -14,29 +20,55 @@ def fmt(value, digits: int = 3) -> str:
     return f"{value:.{digits}f}"
 
 
-def print_summary(summary: pa.Table, name: str, out_dir: str, record: dict) -> None:
-    import polars as pl
+def pooled_rows(summary: pa.Table) -> dict[str, dict]:
+    """method -> its summary row for dataset ALL_DATASETS."""
+    return {row["method"]: row for row in summary.to_pylist() if row["dataset"] == results.ALL_DATASETS}
 
-    df = pl.from_arrow(summary)
+
+def best_tree(pooled: dict[str, dict]) -> tuple[str, float] | None:
+    """(method, tau) of the DDTree budget with the highest pooled tau; None without DDTree."""
+    trees = [(m, r["tau"]) for m, r in pooled.items() if m != results.CHAIN and r["tau"] is not None]
+    return max(trees, key=lambda item: (item[1], -results.method_order(item[0])[1])) if trees else None
+
+
+def headline(name: str, summary: pa.Table) -> str:
+    """'tiny/step_600: tau chain 1.340 (all, 16 samples, exact 16/16), best ddtree-256 2.665, streak 0.318'."""
+    pooled = pooled_rows(summary)
+    chain = pooled[results.CHAIN]
+    exact = chain["samples"] - chain["inexact_samples"]
+    line = f"{name}: tau chain {fmt(chain['tau'])} (all, {chain['samples']} samples, exact {exact}/{chain['samples']})"
+    tree = best_tree(pooled)
+    if tree is not None:
+        line += f", best {tree[0]} {fmt(tree[1])}"
+    if chain.get("anchor_accepted_len_mean") is not None:
+        visited = " (walk anchors only)" if chain.get("anchor_set") == "walk" else ""
+        line += f", streak {fmt(chain['anchor_accepted_len_mean'])}{visited}"
+    return line
+
+
+def print_table(summary: pa.Table, record: dict, out_dir: str) -> None:
+    """The per-checkpoint detail: tau per dataset and method, streak, acceptance by position, notes."""
+    rows = summary.to_pylist()
     print(
-        f"\n{name}: {record['shards']['samples']} samples, {record['anchors']} anchors, "
-        f"{record['dtype']} on {record['device']}, {record['wall_time_s']:.1f}s -> {out_dir}"
+        f"  {record['shards']['samples']} samples, {record['anchors']} anchors, {record['dtype']} on "
+        f"{record['device']}, {record['wall_time_s']:.1f}s -> {out_dir}"
     )
-    methods = df["method"].unique(maintain_order=True).to_list()
-    print("tau (mean accepted + bonus per step, simulated walk)")
-    print(f"{'dataset':<16}" + "".join(f"{m:>12}" for m in methods) + f"{'streak':>10}")
-    for dataset in df["dataset"].unique(maintain_order=True).to_list():
-        d = df.filter(pl.col("dataset") == dataset)
-        taus = {r["method"]: r["tau"] for r in d.iter_rows(named=True)}
-        streak = d.filter(pl.col("method") == results.CHAIN).row(0, named=True).get("anchor_accepted_len_mean")
-        print(f"{dataset:<16}" + "".join(f"{fmt(taus.get(m)):>12}" for m in methods) + f"{fmt(streak):>10}")
-    overall = df.filter((pl.col("dataset") == results.ALL_DATASETS) & (pl.col("method") == results.CHAIN))
-    overall = overall.row(0, named=True)
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    print("  tau (mean accepted + bonus per step, simulated walk)")
+    print(f"  {'dataset':<16}" + "".join(f"{m:>12}" for m in methods) + f"{'streak':>10}")
+    for dataset in dict.fromkeys(r["dataset"] for r in rows):
+        taus = {r["method"]: r for r in rows if r["dataset"] == dataset}
+        streak = taus[results.CHAIN].get("anchor_accepted_len_mean")
+        cells = "".join(f"{fmt(taus[m]['tau'] if m in taus else None):>12}" for m in methods)
+        print(f"  {dataset:<16}{cells}{fmt(streak):>10}")
+    print(f"  {STREAK_NOTE}")
+    overall = pooled_rows(summary)[results.CHAIN]
     rates = overall.get("accept_rate_by_position") or []
-    print("chain acceptance per block position (all anchors, given the position was reached):")
-    print("  " + " ".join(f"{k + 1}:{fmt(r, 2)}" for k, r in enumerate(rates)))
+    if rates:
+        print("  chain acceptance per block position (all anchors, given the position was reached):")
+        print("    " + " ".join(f"{k + 1}:{fmt(r, 2)}" for k, r in enumerate(rates)))
     for note in notes(overall, record):
-        print(f"note: {note}")
+        print(f"  note: {note}")
 
 
 def notes(overall: dict, record: dict) -> list[str]:
@@ -54,3 +86,66 @@ def notes(overall: dict, record: dict) -> list[str]:
             "a lossless extract (bench/README.md measures the tau change)"
         )
     return found
+
+
+def across_table(outcomes: list) -> list[str]:
+    """One line per scored or skipped checkpoint: pooled chain tau, best DDTree and streak,
+    '*' on the best of each column."""
+    done = [o for o in outcomes if o.summary is not None]
+    cells = []
+    for o in done:
+        pooled = pooled_rows(o.summary)
+        chain = pooled[results.CHAIN]
+        tree = best_tree(pooled)
+        cells.append((o.name, chain["tau"], tree, chain.get("anchor_accepted_len_mean"), o.status))
+    width = max([len("checkpoint")] + [len(c[0]) for c in cells])
+    best = [max((c[i] for c in cells if c[i] is not None), default=None) for i in (1, 3)]
+    best_tree_tau = max((c[2][1] for c in cells if c[2] is not None), default=None)
+    mark = lambda value, top: "*" if value is not None and value == top else " "  # noqa: E731
+    lines = [f"{'checkpoint':<{width}}  {'tau chain':>10}  {'best DDTree':>22}  {'streak':>8}"]
+    for name, tau, tree, streak, status in cells:
+        tree_cell = f"{tree[0]} {fmt(tree[1])}{mark(tree[1], best_tree_tau)}" if tree else "-"
+        lines.append(
+            f"{name:<{width}}  {fmt(tau):>9}{mark(tau, best[0])}  {tree_cell:>22}  {fmt(streak):>7}{mark(streak, best[1])}"
+            + ("  (already scored)" if status == "skipped" else "")
+        )
+    return lines + ["* best of the column"]
+
+
+def next_lines(outcomes: list, out: str, program: str) -> list[str]:
+    """What to run next: report over --out; compare the two latest results when there are two."""
+    done = [o.out_dir for o in outcomes if o.status != "failed"]
+    if not done:
+        return []
+    lines = [f"next: {program} report {out} --out {out.rstrip('/')}/report.html"]
+    if len(done) >= 2:
+        lines.append(f"      {program} compare {done[-2]} {done[-1]}")
+    return lines
+
+
+def failure_lines(outcomes: list) -> list[str]:
+    failed = [o for o in outcomes if o.status == "failed"]
+    if not failed:
+        return []
+    lines = [f"{len(failed)} of {len(outcomes)} checkpoints failed:"]
+    return lines + [f"  {o.ckpt}: {o.error}" for o in failed]
+
+
+def outcome_json(outcome) -> dict:
+    """One checkpoint for `score --json`: where, what happened, the pooled numbers."""
+    item = {"checkpoint": outcome.name, "path": outcome.ckpt, "out_dir": outcome.out_dir, "status": outcome.status}
+    if outcome.error is not None:
+        item["error"] = outcome.error
+    if outcome.summary is not None:
+        pooled = pooled_rows(outcome.summary)
+        chain = pooled[results.CHAIN]
+        item.update(
+            samples=chain["samples"],
+            exact_samples=chain["samples"] - chain["inexact_samples"],
+            tau={m: r["tau"] for m, r in sorted(pooled.items(), key=lambda kv: results.method_order(kv[0]))},
+            streak=chain.get("anchor_accepted_len_mean"),
+            headline=headline(outcome.name, outcome.summary),
+        )
+    if outcome.record is not None:
+        item["wall_time_s"] = outcome.record.get("wall_time_s")
+    return item

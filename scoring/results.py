@@ -90,6 +90,10 @@ WALK = [
     pa.field("anchor", pa.int64()),
     pa.field("produced", pa.int64()),
     pa.field("accepted_len", pa.int64()),
+    # chain rows: the drafter's block at this step (block positions 1..block_len-1); its first
+    # `accepted_len` entries were accepted, the next one is the guess the target rejected.
+    # Null on DDTree rows (a tree has no single draft).
+    pa.field("draft_tokens", pa.list_(pa.int32())),
 ]
 ANCHORS = [
     pa.field("dataset", pa.string()),
@@ -118,6 +122,9 @@ SAMPLES = [
     pa.field("tokens_produced", pa.int64()),
     pa.field("tau", pa.float64()),
     pa.field("prompt_text", pa.string()),
+    # sha256 of the sample's token ids (prompt + response, int64 little-endian), 16 hex: two
+    # results are about the same sample only when this matches (compare pairs on it)
+    pa.field("tokens_hash", pa.string()),
 ]
 _LARGE = {pa.string(): pa.large_string()}
 SUMMARY = [pa.field(f.name, _LARGE.get(f.type, f.type)) for f in IDENTITY] + [

@@ -12,23 +12,25 @@ import hashlib
 import json
 import os
 import platform
+import shutil
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from pipeline import timing
 from pipeline.distributed import Dist, barrier, dist_from_env, init_dist, resolve_device
 from pipeline.dtypes import resolve_dtype
+from pipeline.errors import UserError
 from pipeline.shards import ShardSet
 from pipeline.versions import specreplay_version
 from scoring import results
 from scoring.checkpoint import CheckpointInfo, check_compatibility, load_drafter, read_drafter_config
 from scoring.collect import Collector
 from scoring.config import ScoreConfig
-from scoring.console import print_summary
 from scoring.replay import ReplayOptions, prepare_target_head, replay_sample, replay_walks, select_feature_columns
+from scoring.selection import Selection, sample_index, select_samples, selection_record
 from scoring.walk import stop_mask
 
 SAMPLE_TENSORS = ["features", "topk_ids", "topk_logprobs", "argmax_mismatch"]
@@ -57,12 +59,27 @@ def expand_checkpoints(patterns: list[str]) -> list[str]:
 
 
 def result_dir_name(path: str) -> str:
-    """Results sub-directory for one of several checkpoints: 'run1_step_200' for
-    run1/step_200/ and 'run1_step_200' for run1/step_200.pt."""
+    """A checkpoint's results sub-directory under --out: 'run1_step_200' for run1/step_200/
+    and for run1/step_200.pt. One per checkpoint whatever their number, so a checkpoint scored
+    alone and in a glob lands in the same place."""
     path = os.path.normpath(os.path.abspath(path))
     parent, base = os.path.split(path)
     stem = os.path.splitext(base)[0] if os.path.isfile(path) else base
     return f"{os.path.basename(parent)}_{stem}"
+
+
+def output_dirs(paths: list[str], out: str) -> dict[str, str]:
+    """checkpoint path -> its results directory; two checkpoints may not share one."""
+    dirs: dict[str, str] = {}
+    for path in paths:
+        target = os.path.join(out, result_dir_name(path))
+        clash = [other for other, d in dirs.items() if d == target]
+        if clash:
+            raise UserError(
+                f"--ckpt {clash[0]} and {path} would both write {target}; score them into different --out directories"
+            )
+        dirs[path] = target
+    return dirs
 
 
 def shards_identity(manifest: dict) -> str:
@@ -86,25 +103,87 @@ class Job:
     total: int  # samples scored over all ranks
     max_new_tokens: int
     stored_layer_ids: list[int]
+    selection: dict  # run.json's `selection`
 
 
-def already_scored(
-    out_dir: str, content_hash: str, shards_id: str, tree_nodes: list[int], samples: int, anchor_set: str
-) -> bool:
-    """True when out_dir holds results of this checkpoint content on the same shards, budgets,
-    number of samples and anchor set."""
+@dataclass
+class Outcome:
+    """What happened to one checkpoint: 'scored', 'skipped' (already scored with the same
+    settings) or 'failed' (`error` says why, in one line)."""
+
+    ckpt: str
+    out_dir: str
+    status: str
+    record: dict | None = None
+    summary: object = None  # pyarrow Table of summary.parquet (scored or skipped)
+    error: str | None = None
+    name: str = field(default="")
+
+
+def read_record(out_dir: str) -> dict | None:
+    """The run.json of a finished results directory, None when there is none."""
     run_path = os.path.join(out_dir, results.FILES["run"])
     if not os.path.exists(run_path):
-        return False
+        return None
     with open(run_path) as f:
-        previous = json.load(f)
-    return (
-        previous.get("checkpoint", {}).get("content_hash") == content_hash
-        and previous.get("shards", {}).get("identity") == shards_id
-        and previous.get("ddtree_budgets") == list(tree_nodes)
-        and previous.get("shards", {}).get("samples") == samples
-        and previous.get("anchor_set", "all") == anchor_set
+        return json.load(f)
+
+
+def settings_of(record: dict) -> dict:
+    """What makes two score runs the same work (and so their results interchangeable)."""
+    selection = record.get("selection") or {}
+    return {
+        "checkpoint content hash": record.get("checkpoint", {}).get("content_hash"),
+        "shards identity": record.get("shards", {}).get("identity"),
+        "ddtree budgets": record.get("ddtree_budgets"),
+        "anchor set": record.get("anchor_set", "all"),
+        "dtype": record.get("dtype"),
+        "samples": record.get("shards", {}).get("samples"),
+        "sample ids": selection.get("ids_hash"),
+    }
+
+
+def differences(previous: dict, planned: dict) -> list[str]:
+    """'name: before -> now' for every setting that differs (ids only when both recorded them)."""
+    before, now = settings_of(previous), settings_of(planned)
+    if before["sample ids"] is None or now["sample ids"] is None:
+        before.pop("sample ids"), now.pop("sample ids")
+    return [f"{key}: {before[key]} -> {now[key]}" for key in now if before[key] != now[key]]
+
+
+def check_previous(out_dir: str, planned: dict, force: bool) -> bool:
+    """True when out_dir already holds these results (skip). Results of other settings are
+    never replaced silently: an error lists what differs, unless --force."""
+    previous = read_record(out_dir)
+    if previous is None or force:
+        return False
+    changed = differences(previous, planned)
+    if not changed:
+        return True
+    raise UserError(
+        f"{out_dir} holds results scored with other settings ({'; '.join(changed)}); "
+        f"pass --force to replace them, or choose another --out"
     )
+
+
+def planned_record(info: CheckpointInfo, shardset: ShardSet, config: ScoreConfig, dtype, selection: dict) -> dict:
+    """The settings part of run.json, known before any replay: what check_previous compares."""
+    return {
+        "checkpoint": {"content_hash": info.content_hash},
+        "shards": {"identity": shards_identity(shardset.manifest), "samples": selection["samples"]},
+        "ddtree_budgets": list(config.tree_nodes),
+        "anchor_set": config.anchors,
+        "dtype": str(dtype).replace("torch.", ""),
+        "selection": selection,
+    }
+
+
+def choose_samples(shardset: ShardSet, config: ScoreConfig) -> tuple[list[int], dict]:
+    """The sample indices to replay and run.json's `selection` record."""
+    selection = Selection(config.limit, config.sample, config.seed, tuple(config.datasets or ()) or None)
+    index = sample_index(shardset)
+    chosen = select_samples(index, selection)
+    return chosen, selection_record(selection, index, chosen)
 
 
 def prepare_job(ckpt: str, shardset: ShardSet, out_dir: str, config: ScoreConfig, dist: Dist) -> Job | None:
@@ -114,12 +193,8 @@ def prepare_job(ckpt: str, shardset: ShardSet, out_dir: str, config: ScoreConfig
     check_compatibility(read_drafter_config(ckpt), manifest, ckpt)  # before reading gigabytes of weights
     with timing.stage("load drafter"):
         drafter, info = load_drafter(ckpt, dtype=dtype, device=device)
-    total = shardset.num_samples if config.limit is None else min(config.limit, shardset.num_samples)
-    if not config.force and already_scored(
-        out_dir, info.content_hash, shards_identity(manifest), config.tree_nodes, total, config.anchors
-    ):
-        if dist.main and not config.quiet:
-            print(f"{info.name}: already scored on these shards in {out_dir} (use --force to redo)")
+    chosen, selection = choose_samples(shardset, config)
+    if check_previous(out_dir, planned_record(info, shardset, config, dtype, selection), config.force):
         return None
     tree_nodes = sorted(set(config.tree_nodes))
     options = ReplayOptions(
@@ -135,10 +210,11 @@ def prepare_job(ckpt: str, shardset: ShardSet, out_dir: str, config: ScoreConfig
         info,
         options,
         tree_nodes,
-        [i for i in range(total) if i % dist.world == dist.rank],
-        total,
+        chosen[dist.rank :: dist.world],
+        len(chosen),
         int(settings["max_new_tokens"]),
         settings["layer_ids"],
+        selection,
     )
 
 
@@ -227,6 +303,7 @@ def run_record(
         },
         "ddtree_budgets": list(config.tree_nodes),
         "anchor_set": config.anchors,
+        "selection": job.selection,
         "device": job.options.device,
         "dtype": str(job.options.dtype).replace("torch.", ""),
         "attention": job.options.attention_backend,
@@ -243,15 +320,31 @@ def run_record(
 
 
 def write_results(out_dir: str, tables: dict, record: dict) -> None:
-    """The parquet files, then run.json last: a directory with run.json is complete."""
-    os.makedirs(out_dir, exist_ok=True)
+    """Write the files into a hidden staging directory beside out_dir, run.json last, then
+    rename it into place: a results directory that exists is complete, whenever the process
+    dies. Results being replaced (--force) are moved aside first and deleted after."""
+    parent, name = os.path.split(os.path.normpath(out_dir))
+    staging = os.path.join(parent, f".{name}.partial-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    os.makedirs(staging)
     for kind in ("anchors", "walk", "samples", "summary"):
         if tables[kind] is not None:
-            results.write_table(tables[kind], out_dir, kind)
-    run_path = os.path.join(out_dir, results.FILES["run"])
-    with open(run_path + ".tmp", "w") as f:
+            results.write_table(tables[kind], staging, kind)
+    run_path = os.path.join(staging, results.FILES["run"])
+    with open(run_path, "w") as f:
         json.dump(record, f, indent=1)
-    os.replace(run_path + ".tmp", run_path)
+    if os.path.exists(out_dir):
+        replaced = os.path.join(parent, f".{name}.replaced-{os.getpid()}")
+        os.replace(out_dir, replaced)
+        os.replace(staging, out_dir)
+        shutil.rmtree(replaced)
+    else:
+        os.replace(staging, out_dir)
+
+
+def identity_of(info: CheckpointInfo) -> dict:
+    """The identity columns every results row carries."""
+    return {"checkpoint": info.name, "checkpoint_hash": info.content_hash[:16], "checkpoint_step": info.step}
 
 
 def score_checkpoint(
@@ -262,14 +355,14 @@ def score_checkpoint(
     config: ScoreConfig,
     dist: Dist | None = None,
     progress=None,
-) -> dict | None:
-    """Score one checkpoint; returns its run record (None when skipped as already scored, and
-    on ranks other than 0). `progress(total, desc)` makes a progress bar (the CLI's)."""
+) -> Outcome | None:
+    """Score one checkpoint into out_dir (None on ranks other than 0). `progress(total, desc)`
+    makes a progress bar (the CLI's)."""
     dist = dist or Dist()
     started = time.time()
     job = prepare_job(ckpt, shardset, out_dir, config, dist)
     if job is None:
-        return None
+        return skipped(ckpt, out_dir) if dist.main else None
     bar = progress(len(job.mine), f"score {job.info.name}") if progress is not None and dist.main else None
     collector, anchors_done = replay_all(job, shardset, head, config, bar)
     if bar is not None:
@@ -278,34 +371,44 @@ def score_checkpoint(
     if merged is None:
         return None
     collector, anchors_done = merged
-    identity = {
-        "checkpoint": job.info.name,
-        "checkpoint_hash": job.info.content_hash[:16],
-        "checkpoint_step": job.info.step,
-    }
-    tables = collector.tables(identity, config.anchors)
+    tables = collector.tables(identity_of(job.info), config.anchors)
     record = run_record(ckpt, job, shardset, config, dist, anchors_done, time.time() - started)
     write_results(out_dir, tables, record)
-    if not config.quiet:
-        print_summary(tables["summary"], job.info.name, out_dir, record)
-    return record
+    return Outcome(ckpt, out_dir, "scored", record, tables["summary"], name=job.info.name)
 
 
-def run_score(config: ScoreConfig, progress=None) -> list[dict]:
-    """Score every checkpoint; each gets its own results directory (the --out itself for one
-    checkpoint, --out/<name> for several)."""
+def skipped(ckpt: str, out_dir: str) -> Outcome:
+    """The outcome of a checkpoint already scored with the same settings, from its files."""
+    import pyarrow.parquet as pq
+
+    record = read_record(out_dir)
+    summary = pq.read_table(os.path.join(out_dir, results.FILES["summary"]))
+    return Outcome(ckpt, out_dir, "skipped", record, summary, name=record["checkpoint"]["name"])
+
+
+def run_score(config: ScoreConfig, progress=None, on_outcome=None) -> list[Outcome]:
+    """Score every checkpoint, each into --out/<parent>_<name>/ (result_dir_name). A checkpoint
+    that cannot be scored (truncated, incompatible, results of other settings in the way) is
+    a 'failed' outcome and the others go on. `on_outcome(outcome)` is called as each finishes
+    (rank 0 only); returns the outcomes in checkpoint order."""
     paths = expand_checkpoints(config.ckpts)
+    dirs = output_dirs(paths, config.out)
     shardset = ShardSet(config.shards)
     dist = dist_from_env()
     device, dtype = resolve_device_dtype(config.device, config.dtype, dist)
     with timing.stage("prepare target head"):
         head = prepare_target_head(shardset.target_head(), device, dtype)  # the stored-dtype copy is dropped here
     init_dist(dist)
-    records = []
+    outcomes = []
     for path in paths:
-        out_dir = config.out if len(paths) == 1 else os.path.join(config.out, result_dir_name(path))
-        record = score_checkpoint(path, shardset, head, out_dir, config, dist, progress)
+        try:
+            outcome = score_checkpoint(path, shardset, head, dirs[path], config, dist, progress)
+        except (UserError, FileNotFoundError, NotADirectoryError, PermissionError) as error:
+            # every rank fails the same checks, before any collective
+            outcome = Outcome(path, dirs[path], "failed", error=str(error), name=path) if dist.main else None
         barrier(dist)  # every rank sees run.json before the next checkpoint's skip check
-        if record is not None:
-            records.append(record)
-    return records
+        if outcome is not None:
+            outcomes.append(outcome)
+            if on_outcome is not None:
+                on_outcome(outcome)
+    return outcomes

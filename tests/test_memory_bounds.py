@@ -14,6 +14,7 @@ from __future__ import annotations
 import gc
 import json
 import weakref
+from pathlib import Path
 
 import pytest
 import torch
@@ -232,12 +233,10 @@ def test_score_does_not_keep_the_previous_sample_alive(tmp_path, monkeypatch):
         return real(drafter, embed, lm_head, sample, *args, **kwargs)
 
     monkeypatch.setattr(score, "replay_sample", spy)
-    records = run_score(
-        ScoreConfig(ckpts=[ckpt], shards=str(shard_dir), out=str(tmp_path / "out"), tree_nodes=[4], quiet=True)
-    )
-    assert records and records[0]["anchors"] == (24 - 1) + (20 - 1) + (16 - 1)
+    [outcome] = run_score(ScoreConfig(ckpts=[ckpt], shards=str(shard_dir), out=str(tmp_path / "out"), tree_nodes=[4]))
+    assert outcome.status == "scored" and outcome.record["anchors"] == (24 - 1) + (20 - 1) + (16 - 1)
     assert alive_at_next == [[], [False], [False, False]]
-    summary = json.loads((tmp_path / "out" / "run.json").read_text())
+    summary = json.loads((Path(outcome.out_dir) / "run.json").read_text())
     assert summary["dtype"] == "float32"
 
 

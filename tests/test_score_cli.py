@@ -22,8 +22,14 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.fixture(scope="module")
 def scored_setup(tmp_path_factory, tiny_qwen3_dir):
     tmp = tmp_path_factory.mktemp("score_cli")
+    # two datasets, the first three prompts one, the last two the other: --limit takes the
+    # first N, --sample spreads N over both
     prompts = write_prompts(
-        tmp / "prompts.jsonl", [{"id": f"q{i}", "prompt": f"Question {i}: what is {i} + {i}?"} for i in range(5)]
+        tmp / "prompts.jsonl",
+        [
+            {"id": f"q{i}", "prompt": f"Question {i}: what is {i} + {i}?", "dataset": "alpha" if i < 3 else "beta"}
+            for i in range(5)
+        ],
     )
     shards = str(tmp / "shards")
     run_extract(
@@ -35,7 +41,6 @@ def scored_setup(tmp_path_factory, tiny_qwen3_dir):
             layer_ids=[1, 3],
             top_k=8,
             dtype="fp32",
-            quiet=True,
         )
     )
     written = fitted_drafters(
@@ -72,7 +77,8 @@ def test_several_checkpoints_by_glob_then_skip_and_force(scored_setup):
     )
     assert s["tau"][0] == pytest.approx(per_sample)
     # the console table prints the summary's numbers: step_60's "(all)" row, cell by cell
-    lines = result.output[result.output.rindex("runs/step_60") :].splitlines()
+    block = result.output[result.output.index("runs/step_30: tau chain") :]  # step_60's table follows
+    lines = [line.strip() for line in block.splitlines()]
     header = next(line.split() for line in lines if line.startswith("dataset"))
     cells = dict(zip(header, next(line.split() for line in lines if line.startswith("(all)"))))
     for method in ("chain", "ddtree-4", "ddtree-8"):
@@ -84,21 +90,91 @@ def test_several_checkpoints_by_glob_then_skip_and_force(scored_setup):
     again = _score(
         ["--ckpt", str(tmp / "runs" / "step_*"), "--shards", shards, "--out", out, "--ddtree-budgets", "4,8"]
     )
-    assert again.output.count("already scored") == 2
-    forced = _score(
-        [
-            "--ckpt",
-            written[0],
-            "--shards",
-            shards,
-            "--out",
-            str(tmp / "results" / "runs_step_30"),
-            "--ddtree-budgets",
-            "4,8",
-            "--force",
-        ]
-    )
+    assert again.output.count("already scored with these settings") == 2, again.output
+    forced = _score(["--ckpt", written[0], "--shards", shards, "--out", out, "--ddtree-budgets", "4,8", "--force"])
     assert "already scored" not in forced.output and "tau" in forced.output
+    assert sorted(os.listdir(out)) == ["runs_step_30", "runs_step_60"]  # one layout, whatever the count
+
+
+def _pooled(out_dir: str) -> dict:
+    summary = pl.read_parquet(os.path.join(out_dir, "summary.parquet"))
+    return {r["method"]: r for r in summary.filter(pl.col("dataset") == "(all)").iter_rows(named=True)}
+
+
+def _digest(directory: str) -> dict:
+    return {name: open(os.path.join(directory, name), "rb").read() for name in sorted(os.listdir(directory))}
+
+
+def test_other_settings_are_refused_unless_forced(scored_setup, tmp_path):
+    """A full run is never silently replaced by a partial one: the refusal lists what differs
+    and leaves the files as they were; --force replaces them (atomically: no staging left)."""
+    tmp, shards, written = scored_setup
+    out = str(tmp_path / "results")
+    assert _score(["--ckpt", written[-1], "--shards", shards, "--out", out, "--ddtree-budgets", "4,8"]).exit_code == 0
+    target = os.path.join(out, "runs_step_60")
+    before = _digest(target)
+    refused = _score(["--ckpt", written[-1], "--shards", shards, "--out", out, "--limit", "2", "--ddtree-budgets", "4"])
+    assert refused.exit_code == 1, refused.output
+    assert f"{target} holds results scored with other settings" in refused.output
+    assert "ddtree budgets: [4, 8] -> [4]" in refused.output and "samples: 5 -> 2" in refused.output
+    assert "--force" in refused.output and "Traceback" not in refused.output
+    assert _digest(target) == before
+    forced = _score(
+        ["--ckpt", written[-1], "--shards", shards, "--out", out, "--limit", "2", "--ddtree-budgets", "4", "--force"]
+    )
+    assert forced.exit_code == 0, forced.output
+    assert set(_pooled(target)) == {"chain", "ddtree-4"} and _pooled(target)["chain"]["samples"] == 2
+    assert os.listdir(out) == ["runs_step_60"]  # no .partial / .replaced directory left behind
+
+
+def test_sample_selection_limit_stratified_and_datasets(scored_setup, tmp_path):
+    tmp, shards, written = scored_setup
+
+    def chosen(*options):
+        out = str(tmp_path / "-".join(options))
+        result = _score(["--ckpt", written[-1], "--shards", shards, "--out", out, "--ddtree-budgets", "", *options])
+        assert result.exit_code == 0, result.output
+        samples = pl.read_parquet(os.path.join(out, "runs_step_60", "samples.parquet"))
+        record = json.load(open(os.path.join(out, "runs_step_60", "run.json")))
+        return sorted(samples["sample_id"].to_list()), record["selection"]
+
+    assert chosen("--limit", "2")[0] == ["q0", "q1"]  # the first two: both dataset alpha
+    ids, selection = chosen("--sample", "2", "--seed", "3")
+    assert len([i for i in ids if i in ("q0", "q1", "q2")]) == 1 and len(ids) == 2  # one of each dataset
+    assert selection["sample"] == 2 and selection["seed"] == 3 and selection["samples"] == 2
+    assert chosen("--datasets", "beta")[0] == ["q3", "q4"]
+    # the draw depends on the seed and only on it
+    draws = {tuple(chosen("--sample", "3", "--seed", str(seed))[0]) for seed in range(6)}
+    assert len(draws) > 1
+    bad = _score(["--ckpt", written[-1], "--shards", shards, "--out", str(tmp_path / "x"), "--datasets", "gamma"])
+    assert bad.exit_code == 1 and "no dataset named gamma" in bad.output and "alpha, beta" in bad.output
+
+
+def test_headline_quiet_no_progress_and_json(scored_setup, tmp_path):
+    """The headline states the pooled chain tau, exactness, the best DDTree budget and the
+    streak from summary.parquet; --quiet prints only that; --json gives the same numbers."""
+    tmp, shards, written = scored_setup
+    out = str(tmp_path / "results")
+    quiet = _score(["--ckpt", written[-1], "--shards", shards, "--out", out, "--ddtree-budgets", "4,8", "--quiet"])
+    assert quiet.exit_code == 0, quiet.output
+    pooled = _pooled(os.path.join(out, "runs_step_60"))
+    best = max(("ddtree-4", "ddtree-8"), key=lambda m: pooled[m]["tau"])
+    expected = (
+        f"runs/step_60: tau chain {pooled['chain']['tau']:.3f} (all, 5 samples, exact 5/5), "
+        f"best {best} {pooled[best]['tau']:.3f}, streak {pooled['chain']['anchor_accepted_len_mean']:.3f}"
+    )
+    lines = quiet.output.splitlines()
+    assert lines[0] == expected, quiet.output
+    assert "dataset" not in quiet.output and "%|" not in quiet.output  # no table, no bar
+    assert lines[1].startswith("next: ") and f"report {out}" in lines[1]
+    as_json = _score(["--ckpt", written[-1], "--shards", shards, "--out", out, "--ddtree-budgets", "4,8", "--json"])
+    items = json.loads(as_json.output)
+    assert [i["status"] for i in items] == ["skipped"] and items[0]["headline"] == expected
+    assert items[0]["tau"]["ddtree-8"] == pooled["ddtree-8"]["tau"] and items[0]["exact_samples"] == 5
+    table = _score(
+        ["--ckpt", written[-1], "--shards", shards, "--out", out, "--ddtree-budgets", "4,8", "--no-progress", "--force"]
+    )
+    assert "streak = mean draft tokens accepted" in table.output and "%|" not in table.output
 
 
 def test_incompatible_checkpoint_is_a_clear_error(scored_setup, tmp_path):
@@ -112,9 +188,9 @@ def test_incompatible_checkpoint_is_a_clear_error(scored_setup, tmp_path):
     config["dflash_config"]["target_layer_ids"] = [1, 4]
     json.dump(config, open(bad / "config.json", "w"))
     result = CliRunner().invoke(main, ["score", "--ckpt", str(bad), "--shards", shards, "--out", str(tmp_path / "r")])
-    # a user error (exit 2, one line, no traceback) naming both layer lists, the missing layer and the fix
-    assert result.exit_code == 2, result.output
-    assert result.output.startswith("error: ") and "Traceback" not in result.output, result.output
+    # a failed checkpoint (exit 1, one line, no traceback) naming both layer lists, the missing layer and the fix
+    assert result.exit_code == 1, result.output
+    assert result.output.startswith(f"error: {bad}: ") and "Traceback" not in result.output, result.output
     for needle in ("target_layer_ids [1, 4]", "store layer ids [1, 3]", "(missing [4])", "--layer-ids 1,3,4"):
         assert needle in result.output, (needle, result.output)
     assert not (tmp_path / "r").exists()
@@ -154,10 +230,10 @@ def test_torchrun_two_ranks_equal_one_process(scored_setup, tmp_path):
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     for name in ("walk", "samples", "anchors", "summary"):
-        a = pl.read_parquet(os.path.join(one, f"{name}.parquet"))
-        b = pl.read_parquet(os.path.join(two, f"{name}.parquet"))
+        a = pl.read_parquet(os.path.join(one, "runs_step_60", f"{name}.parquet"))
+        b = pl.read_parquet(os.path.join(two, "runs_step_60", f"{name}.parquet"))
         assert a.equals(b, null_equal=True), name
-    assert json.load(open(os.path.join(two, "run.json")))["world_size"] == 2
+    assert json.load(open(os.path.join(two, "runs_step_60", "run.json")))["world_size"] == 2
 
 
 def test_fp8_shards_score_close_to_lossless(scored_setup, tiny_qwen3_dir):
@@ -176,13 +252,14 @@ def test_fp8_shards_score_close_to_lossless(scored_setup, tiny_qwen3_dir):
             top_k=8,
             dtype="fp32",
             feature_dtype="fp8",
-            quiet=True,
         )
     )
     runs, anchors, tau = {}, {}, {}
     for name, source in (("lossless", shards), ("fp8", fp8)):
-        out = str(tmp / f"results-{name}")
-        result = _score(["--ckpt", written[-1], "--shards", source, "--out", out, "--ddtree-budgets", "4"])
+        result = _score(
+            ["--ckpt", written[-1], "--shards", source, "--out", str(tmp / f"results-{name}"), "--ddtree-budgets", "4"]
+        )
+        out = str(tmp / f"results-{name}" / "runs_step_60")
         assert result.exit_code == 0, result.output
         runs[name] = (json.load(open(os.path.join(out, "run.json"))), result.output)
         anchors[name] = pl.read_parquet(os.path.join(out, "anchors.parquet")).sort("sample_id", "anchor")

@@ -82,7 +82,6 @@ def _extract(tmp, model_dir, prompts, layer_ids):
             layer_ids=layer_ids,
             top_k=8,
             dtype="fp32",
-            quiet=True,
             batch_size=4,
         )
     )
@@ -104,8 +103,9 @@ def _fit(shards: str, out_dir: str, block_size: int, layer_ids=None, layer_types
 
 
 def _score(ckpt: str, shards: str, out: str, budgets=(4, 16)) -> pl.DataFrame:
-    run_score(ScoreConfig(ckpts=[ckpt], shards=shards, out=out, tree_nodes=list(budgets), quiet=True))
-    return pl.read_parquet(f"{out}/walk.parquet", glob=False)
+    [outcome] = run_score(ScoreConfig(ckpts=[ckpt], shards=shards, out=out, tree_nodes=list(budgets)))
+    assert outcome.status == "scored", outcome.error
+    return pl.read_parquet(f"{outcome.out_dir}/walk.parquet", glob=False)
 
 
 def _walk_lists(walk: pl.DataFrame, method: str) -> dict[str, list[int]]:
@@ -218,18 +218,17 @@ def test_walk_only_mode_gives_the_same_walks_with_fewer_anchors(qwen3_setup):
     for mode in ("all", "walk"):
         out = str(tmp / f"results-walkmode-{mode}")
         # a small group size packs a few samples per round, so rounds mix samples
-        run_score(
+        [outcome] = run_score(
             ScoreConfig(
                 ckpts=[ckpt],
                 shards=shards,
                 out=out,
                 tree_nodes=[4, 16],
-                quiet=True,
                 anchors=mode,
                 walk_group_tokens=120,
             )
         )
-        runs[mode] = (pl.read_parquet(f"{out}/walk.parquet", glob=False), json.load(open(f"{out}/run.json")))
+        runs[mode] = (pl.read_parquet(f"{outcome.out_dir}/walk.parquet", glob=False), outcome.record)
     all_walk, all_run = runs["all"]
     walk_walk, walk_run = runs["walk"]
     assert all_walk.equals(walk_walk)

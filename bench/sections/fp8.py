@@ -5,6 +5,8 @@ method against the lossless run, and how many chain walks stay identical step fo
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from bench.common import Phase, Rows, log
 from bench.sections.extract import stored_bytes
 from bench.sections.score import summary_tau, walk_lists
@@ -36,17 +38,16 @@ def run(ctx) -> tuple[dict, Rows]:
         )
     result = {"extract_s": phase.seconds, "storage": stored_bytes(str(out))}
     log(f"fp8:   features {result['storage']['features_vs_raw_bf16']:.3f} of raw bf16; scoring ...")
-    results_dir = ctx.work / "results-fp8"
-    run_score(
+    [outcome] = run_score(
         ScoreConfig(
             ckpts=[lossless["checkpoint"]],
             shards=str(out),
-            out=str(results_dir),
+            out=str(ctx.work / "results-fp8"),
             tree_nodes=list(lossless["ddtree_budgets"]),
-            quiet=True,
             force=True,
         )
     )
+    results_dir = Path(outcome.out_dir)
     tau = summary_tau(results_dir)
     result.update(
         tau=tau,

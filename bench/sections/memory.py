@@ -220,7 +220,7 @@ def child_score(payload: dict) -> dict:
     from scoring.score import SAMPLE_TENSORS, prepare_job
 
     config = ScoreConfig(
-        ckpts=[payload["ckpt"]], shards=payload["shards"], out=payload["out"], tree_nodes=[], force=True, quiet=True
+        ckpts=[payload["ckpt"]], shards=payload["shards"], out=payload["out"], tree_nodes=[], force=True
     )
     memory = PhaseMemory()
     start = time.perf_counter()

@@ -216,18 +216,17 @@ def run(ctx) -> tuple[dict, Rows]:
 
         clock = StageClock()
         with Phase() as phase, timing.recording(clock):
-            records = run_score(
+            [outcome] = run_score(
                 ScoreConfig(
                     ckpts=[ckpt],
                     shards=shard_dir,
                     out=str(out),
                     anchors=anchor_set,
                     tree_nodes=list(tree_nodes),
-                    quiet=True,
                     force=True,
                 )
             )
-        anchors = records[0]["anchors"]
+        anchors, out = outcome.record["anchors"], Path(outcome.out_dir)
         result["stages"][label] = clock.figures()
         log(
             f"score:   {phase.seconds:.1f}s, {anchors} anchors, {anchors / phase.seconds:.0f} anchors/s "
@@ -250,7 +249,6 @@ def run(ctx) -> tuple[dict, Rows]:
             shards=shard_dir,
             out=str(work / "results-warmup"),
             tree_nodes=[4],
-            quiet=True,
             force=True,
             limit=1,
         )
@@ -362,7 +360,6 @@ def profile_offline(work: Path, shard_dir: str, ckpt: str, samples: int = 2, top
                 shards=shard_dir,
                 out=str(work / "results-profile"),
                 tree_nodes=[],
-                quiet=True,
                 force=True,
                 limit=samples,
             )

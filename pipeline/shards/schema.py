@@ -13,6 +13,7 @@ from pipeline.errors import UserError
 FORMAT_VERSION = 2
 MANIFEST_NAME = "manifest.json"
 TARGET_HEAD_NAME = "target_head.safetensors"
+TOKENIZER_DIR = "tokenizer"  # the target tokenizer (save_pretrained), for reports that show text
 SHARD_DIR = "shards"
 # Tokens per record batch: longer channel runs compress better, a chunk is held whole while it
 # is written or read (bench/README.md "Feature codecs" compares chunk sizes).

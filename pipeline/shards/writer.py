@@ -150,6 +150,7 @@ class ShardWriter:
         self._stream = self.fs.open_output_stream(self._tmp)
         self._writer = ipc.new_file(self._stream, self.schema)  # our frames, no Arrow buffer compression
         self._ids: list[str] = []
+        self._datasets: list[str] = []  # beside sample_ids: selecting samples by dataset reads no shard
         self._tokens = 0
         self._batch_ends: list[int] = []
         self._batch_rows: list[int] = []
@@ -186,6 +187,7 @@ class ShardWriter:
         self._batch_rows.append(len(self._pending))
         for sample in self._pending:
             self._ids.append(sample.sample_id)
+            self._datasets.append(sample.dataset)
             self._tokens += int(sample.input_ids.numel())
             add_sample_stats(self._stats, sample)
         self._pending, self._pending_tokens, self._pending_bytes = [], 0, 0
@@ -213,6 +215,7 @@ class ShardWriter:
             "tokens": self._tokens,
             **block_checksums(self.fs, self._tmp, self._batch_ends, self._batch_rows),
             "sample_ids": self._ids,
+            "datasets": self._datasets,
             **self._stats,
         }
         write_json_atomic(self.fs, join(self.root, SHARD_DIR, self._name + ".json"), entry)

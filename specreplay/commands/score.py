@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import sys
+
 import click
 
 from pipeline.errors import UserError
@@ -36,7 +39,7 @@ def d(name: str):
     "('runs/*/step_*') to score several; each gets its own results directory.",
 )
 @click.option("--shards", required=True, help="Extract output directory (local path or pyarrow.fs URI).")
-@click.option("--out", required=True, help="Results directory (one checkpoint) or parent of one per checkpoint.")
+@click.option("--out", required=True, help="Parent of the results: each checkpoint writes --out/<parent>_<name>/.")
 @click.option(
     "--ddtree-budgets",
     "tree_nodes",
@@ -71,27 +74,88 @@ def d(name: str):
     help="all: every response position (walk numbers plus dense all-anchor metrics); walk: only the "
     "anchors the simulated walks visit (same walk numbers, about tau times less drafter work).",
 )
-@click.option("--limit", type=int, default=None, help="Score only the first N samples.")
-@click.option("--force", is_flag=True, help="Re-score checkpoints already scored on these shards.")
-@click.option("--quiet", is_flag=True, help="No progress bars or summary table.")
-def score(**options):
+@click.option("--limit", type=int, default=None, help="Score only the first N samples (after --datasets).")
+@click.option(
+    "--sample",
+    type=int,
+    default=None,
+    help="Score N samples drawn at random (--seed), spread over the datasets in proportion to their sizes.",
+)
+@click.option("--seed", type=int, default=d("seed"), show_default=True, help="Seed of --sample.")
+@click.option("--datasets", default=None, help="Only these datasets, comma-separated (e.g. gsm8k,humaneval).")
+@click.option(
+    "--force", is_flag=True, help="Re-score and replace results already in --out, even when their settings differ."
+)
+@click.option("--no-progress", is_flag=True, help="No progress bars (the tables are still printed).")
+@click.option("--quiet", is_flag=True, help="No progress bars and no tables: one headline line per checkpoint.")
+@click.option("--json", "as_json", is_flag=True, help="Print the outcome of every checkpoint as JSON (stdout) instead.")
+def score(no_progress, quiet, as_json, **options):
     """Replay stored shards through drafter checkpoints; write exact acceptance metrics.
 
-    Writes anchors.parquet, walk.parquet, samples.parquet, summary.parquet and run.json, and
-    prints tau for the chain and each DDTree budget.
+    Each checkpoint gets its own results directory, --out/<parent>_<name>/ (runs/tiny/step_300
+    -> data/results/tiny_step_300/), holding anchors.parquet, walk.parquet, samples.parquet,
+    summary.parquet and run.json. A checkpoint already scored there with the same settings is
+    skipped; one scored with other settings is refused unless --force. Prints one headline per
+    checkpoint (pooled chain tau, best DDTree budget, all-anchor streak) and, for several, a
+    table across them. Exits 1 when a checkpoint could not be scored (the others still are).
 
     \b
     Example:
-      specreplay score --ckpt runs/drafter/step_2000 --shards data/shards/smollm2-default \\
-          --out data/results/step_2000
-      specreplay score --ckpt 'runs/drafter/step_*' --shards data/shards/smollm2-default --out data/results
+      specreplay score --ckpt runs/tiny/step_300 --shards data/shards/smollm2-default --out data/results
+      specreplay score --ckpt 'runs/tiny/step_*' --shards data/shards/smollm2-default --out data/results \\
+          --sample 8 --seed 0 --ddtree-budgets 16,64
     """
     from scoring.score import run_score
     from specreplay.progress import bars
 
+    datasets = [name.strip() for name in (options["datasets"] or "").split(",") if name.strip()]
     options.update(
         ckpts=list(options["ckpts"]),
         tree_nodes=parse_tree_nodes(options["tree_nodes"]),
         memory_bytes=parse_size(options["memory_bytes"], "--memory-budget"),
+        datasets=datasets or None,
     )
-    run_score(ScoreConfig(**options), progress=bars(options["quiet"]))
+    config = ScoreConfig(**options)
+    printer = OutcomePrinter(quiet or as_json)
+    outcomes = run_score(config, progress=bars(no_progress or quiet), on_outcome=None if as_json else printer)
+    if not outcomes:  # ranks other than 0 under torchrun
+        return
+    if as_json:
+        from scoring.console import outcome_json
+
+        click.echo(json.dumps([outcome_json(o) for o in outcomes], indent=1))
+    else:
+        printer.finish(outcomes, config.out)
+    if any(o.status == "failed" for o in outcomes):
+        sys.exit(1)
+
+
+class OutcomePrinter:
+    """Prints each checkpoint as it finishes, then the table across them and what to run next."""
+
+    def __init__(self, quiet: bool):
+        self.quiet = quiet
+
+    def __call__(self, outcome) -> None:
+        from scoring.console import headline, print_table
+
+        if outcome.status == "failed":
+            click.echo(f"error: {outcome.ckpt}: {outcome.error}", err=True)
+            return
+        if outcome.status == "skipped":
+            click.echo(f"{outcome.name}: already scored with these settings in {outcome.out_dir} (--force to redo)")
+        elif not self.quiet:
+            click.echo("")
+            print_table(outcome.summary, outcome.record, outcome.out_dir)
+        click.echo(headline(outcome.name, outcome.summary))
+
+    def finish(self, outcomes: list, out: str) -> None:
+        from scoring.console import across_table, failure_lines, next_lines
+        from specreplay.hints import program
+
+        if sum(o.summary is not None for o in outcomes) >= 2:
+            click.echo("\n" + "\n".join(across_table(outcomes)))
+        for line in failure_lines(outcomes):
+            click.echo(line, err=True)
+        for line in next_lines(outcomes, out, program()):
+            click.echo(line)
