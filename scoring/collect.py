@@ -67,8 +67,9 @@ def computed_only(result: AnchorTensors) -> AnchorTensors:
 class Collector:
     """Everything `score` writes for one checkpoint, sample by sample."""
 
-    def __init__(self, tree_nodes: list[int], stop_token_ids: list[int], block_size: int):
+    def __init__(self, tree_nodes: list[int], stop_token_ids: list[int], block_size: int, drafts: bool = False):
         self.tree_nodes = tree_nodes
+        self.drafts = drafts  # anchors.parquet keeps every anchor's draft block
         self.methods = results.method_names(tree_nodes)
         self.stop_token_ids = stop_token_ids
         self.positions = block_size - 1
@@ -159,6 +160,8 @@ class Collector:
         }
         for nodes in self.tree_nodes:
             columns[results.tree_column(nodes)] = accepted[results.tree_method(nodes)].numpy().astype(np.int32)
+        if self.drafts:
+            columns["draft_tokens"] = [draft_block(result, i) for i in range(A)]
         return columns
 
     def tables(self, identity: dict, anchor_set: str) -> dict[str, pa.Table | None]:
@@ -166,7 +169,8 @@ class Collector:
         ordered = [self.parts[i] for i in sorted(self.parts)]
         anchor_parts = [
             results.table(
-                results.with_identity(p[0], identity, len(p[0]["anchor"])), results.anchors_schema(self.tree_nodes)
+                results.with_identity(p[0], identity, len(p[0]["anchor"])),
+                results.anchors_schema(self.tree_nodes, self.drafts),
             )
             for p in ordered
             if p[0] is not None

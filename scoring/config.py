@@ -27,6 +27,7 @@ class ScoreConfig:
     sample: int | None = None  # N samples drawn with `seed`, stratified by dataset
     seed: int = 0
     datasets: list[str] | None = None  # only these datasets
+    anchor_drafts: bool = False  # anchors.parquet keeps every anchor's draft block (walk.parquet always has the walk's)
     force: bool = False  # re-score (and replace) results that exist, whatever their settings
 
 

@@ -154,8 +154,14 @@ def walk_schema() -> pa.Schema:
     return pa.schema(IDENTITY + WALK)
 
 
-def anchors_schema(tree_nodes) -> pa.Schema:
-    return pa.schema(IDENTITY + ANCHORS + [pa.field(tree_column(n), pa.int32()) for n in tree_nodes])
+# `score --anchor-drafts`: every anchor's draft block (block positions 1..block_len-1), which
+# costs block_size - 1 ints per response token; walk.parquet keeps the walk's blocks regardless
+ANCHOR_DRAFTS = pa.field("draft_tokens", pa.list_(pa.int32()))
+
+
+def anchors_schema(tree_nodes, drafts: bool = False) -> pa.Schema:
+    trees = [pa.field(tree_column(n), pa.int32()) for n in tree_nodes]
+    return pa.schema(IDENTITY + ANCHORS + trees + ([ANCHOR_DRAFTS] if drafts else []))
 
 
 def samples_schema() -> pa.Schema:

@@ -137,6 +137,7 @@ def settings_of(record: dict) -> dict:
         "shards identity": record.get("shards", {}).get("identity"),
         "ddtree budgets": record.get("ddtree_budgets"),
         "anchor set": record.get("anchor_set", "all"),
+        "anchor drafts": record.get("anchor_drafts", False),
         "dtype": record.get("dtype"),
         "samples": record.get("shards", {}).get("samples"),
         "sample ids": selection.get("ids_hash"),
@@ -173,6 +174,7 @@ def planned_record(info: CheckpointInfo, shardset: ShardSet, config: ScoreConfig
         "shards": {"identity": shards_identity(shardset.manifest), "samples": selection["samples"]},
         "ddtree_budgets": list(config.tree_nodes),
         "anchor_set": config.anchors,
+        "anchor_drafts": config.anchor_drafts,
         "dtype": str(dtype).replace("torch.", ""),
         "selection": selection,
     }
@@ -252,7 +254,7 @@ def replay_group(job: Job, head: dict, group: list, config: ScoreConfig, collect
 def replay_all(job: Job, shardset: ShardSet, head: dict, config: ScoreConfig, progress=None) -> tuple[Collector, int]:
     """Replay this rank's samples; returns the collected results and the anchors scored."""
     stop_ids = list(shardset.settings["target"]["stop_token_ids"])
-    collector = Collector(job.tree_nodes, stop_ids, job.info.config.block_size)
+    collector = Collector(job.tree_nodes, stop_ids, job.info.config.block_size, config.anchor_drafts)
     samples = shardset.samples(
         tensors=SAMPLE_TENSORS, keep=set(job.mine).__contains__, pin_memory=job.options.device.startswith("cuda")
     )
@@ -303,6 +305,7 @@ def run_record(
         },
         "ddtree_budgets": list(config.tree_nodes),
         "anchor_set": config.anchors,
+        "anchor_drafts": config.anchor_drafts,
         "selection": job.selection,
         "device": job.options.device,
         "dtype": str(job.options.dtype).replace("torch.", ""),

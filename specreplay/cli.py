@@ -67,6 +67,6 @@ def main():
     \b
     Typical use:
       specreplay extract --model smollm2 --prompts default --out data/shards/smollm2
-      specreplay score --ckpt path/to/drafter --shards data/shards/smollm2 --out data/results/run1
+      specreplay score --ckpt path/to/drafter --shards data/shards/smollm2 --out data/results
       specreplay inspect data/shards/smollm2
     """

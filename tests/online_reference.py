@@ -42,9 +42,12 @@ def online_generate(
     max_new_tokens: int,
     stop_token_ids: list[int],
     tree_budget: int | None = None,
+    drafts: list | None = None,
 ):
     """Returns (output_ids, acceptance_lengths). Chain when tree_budget is None, else DDTree
-    with a brute-force tree of `tree_budget` most probable prefixes (small vocabularies only)."""
+    with a brute-force tree of `tree_budget` most probable prefixes (small vocabularies only).
+    `drafts`, when given, receives each chain step's draft block (the drafter's argmax at block
+    positions 1..verify-1)."""
     P = prompt.numel()
     max_length = P + max_new_tokens
     logits, _ = _target_forward(target, prompt)
@@ -65,8 +68,10 @@ def online_generate(
             cont = torch.cat([cont, _target_forward(target, cont)[0][-1].argmax()[None]])
         target_next = cont[start + 1 :]  # target argmax after each block position
         if tree_budget is None:
-            drafts = dl.argmax(-1)
-            accepted = int((drafts == target_next[: verify - 1]).long().cumprod(0).sum())
+            guesses = dl.argmax(-1)
+            accepted = int((guesses == target_next[: verify - 1]).long().cumprod(0).sum())
+            if drafts is not None:
+                drafts.append(guesses.tolist())
         else:
             tree = brute_force_tree(torch.log_softmax(dl.float(), -1), tree_budget)
             accepted = 0

@@ -276,3 +276,39 @@ def test_fp8_shards_score_close_to_lossless(scored_setup, tiny_qwen3_dir):
     # Measured difference 0 (no walk step changes). One step changing by one token moves tau by
     # 1 / (5 samples x that sample's steps), 0.029 in the shortest sample (7 steps): allow one.
     assert tau["fp8"] == pytest.approx(tau["lossless"], abs=0.03)
+
+
+def test_anchor_drafts_on_request(scored_setup, tmp_path):
+    """walk.parquet always keeps the walk's draft blocks; anchors.parquet keeps every anchor's
+    only with --anchor-drafts, and the two agree where the walk stepped; asking for them is a
+    different setting, not 'already scored'."""
+    tmp, shards, written = scored_setup
+    out = str(tmp_path / "results")
+    assert _score(["--ckpt", written[-1], "--shards", shards, "--out", out, "--ddtree-budgets", "4"]).exit_code == 0
+    target = os.path.join(out, "runs_step_60")
+    assert "draft_tokens" not in pl.read_parquet(os.path.join(target, "anchors.parquet")).columns
+    again = _score(
+        ["--ckpt", written[-1], "--shards", shards, "--out", out, "--ddtree-budgets", "4", "--anchor-drafts"]
+    )
+    assert again.exit_code == 1 and "anchor drafts: False -> True" in again.output
+    forced = _score(
+        ["--ckpt", written[-1], "--shards", shards, "--out", out, "--ddtree-budgets", "4", "--anchor-drafts", "--force"]
+    )
+    assert forced.exit_code == 0, forced.output
+    anchors = pl.read_parquet(os.path.join(target, "anchors.parquet"))
+    walk = pl.read_parquet(os.path.join(target, "walk.parquet"))
+    assert (
+        walk.filter(pl.col("method") == "ddtree-4")["draft_tokens"].null_count()
+        == walk.filter(pl.col("method") == "ddtree-4").height
+    )
+    joined = walk.filter(pl.col("method") == "chain").join(
+        anchors.select("sample_id", "anchor", "draft_match", anchor_drafts="draft_tokens"),
+        on=["sample_id", "anchor"],
+    )
+    assert joined.height == walk.filter(pl.col("method") == "chain").height > 0
+    assert joined["draft_tokens"].to_list() == joined["anchor_drafts"].to_list()
+    for row in joined.iter_rows(named=True):
+        # the accepted length is the run of leading matches of the stored draft block
+        matches = row["draft_match"] + [False]
+        assert row["accepted_len"] == matches.index(False)
+        assert len(row["draft_tokens"]) >= len(row["draft_match"])

@@ -194,7 +194,12 @@ def test_hybrid_and_vlm_targets_match_online_loop_from_scratch(tmp_path, builder
     prompts = _token_prompts(tmp_path / "prompts.jsonl", count=3, seed=1)
     shards = _extract(tmp_path, model_dir, prompts, layer_ids=[1, 2])
     ckpt = _fit(shards, str(tmp_path / "ckpt"), 4, [1, 2], None, steps=250)
-    walk = _walk_lists(_score(ckpt, shards, str(tmp_path / "results"), budgets=()), "chain")
+    walk_table = _score(ckpt, shards, str(tmp_path / "results"), budgets=())
+    walk = _walk_lists(walk_table, "chain")
+    blocks = {
+        sid: group.sort("step")["draft_tokens"].to_list()
+        for (sid,), group in walk_table.filter(pl.col("method") == "chain").group_by("sample_id")
+    }
 
     from pipeline.target import load_target
 
@@ -204,9 +209,14 @@ def test_hybrid_and_vlm_targets_match_online_loop_from_scratch(tmp_path, builder
     steps = []
     for sample in ShardSet(shards).samples(tensors=[]):
         prompt = sample.input_ids[: sample.prompt_len]
-        output, produced = online_generate(draft, target, embed, lm_head, prompt, MAX_NEW_TOKENS, info.stop_token_ids)
+        drafts = []
+        output, produced = online_generate(
+            draft, target, embed, lm_head, prompt, MAX_NEW_TOKENS, info.stop_token_ids, drafts=drafts
+        )
         assert output.tolist() == sample.input_ids.tolist()
         assert walk.get(sample.sample_id, []) == produced, sample.sample_id
+        # walk.parquet keeps each chain step's draft block: the online loop's drafts, step by step
+        assert blocks.get(sample.sample_id, []) == drafts, sample.sample_id
         steps += produced
     assert max(steps) > 1, steps
 

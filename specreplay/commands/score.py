@@ -74,6 +74,12 @@ def d(name: str):
     help="all: every response position (walk numbers plus dense all-anchor metrics); walk: only the "
     "anchors the simulated walks visit (same walk numbers, about tau times less drafter work).",
 )
+@click.option(
+    "--anchor-drafts",
+    is_flag=True,
+    help="Also store every anchor's draft block in anchors.parquet (block_size - 1 ints per token); "
+    "walk.parquet always keeps the blocks of the walk's steps.",
+)
 @click.option("--limit", type=int, default=None, help="Score only the first N samples (after --datasets).")
 @click.option(
     "--sample",
