@@ -6,8 +6,8 @@ A run is four steps (`run_extract`); every check happens before the first byte i
      Then every rank checks OUT (`check_out_dir`, read-only): a manifest with other settings is
      refused (the message lists each differing setting) unless `overwrite`;
   2. rank 0 prepares OUT (`prepare_out_dir`): delete the old outputs on `overwrite`, remove
-     temporary files of an interrupted run, store the target head once, write manifest.json
-     with complete=false;
+     temporary files of an interrupted run, store the target head and the tokenizer
+     (OUT/tokenizer/, save_pretrained) once, write manifest.json with complete=false;
   3. every rank writes its share (`write_rank_share`): skip samples already in finished shards
      (by id), take pending[rank::world], generate (batched greedy) + capture (one forward per
      sample), write its own shards;
@@ -28,14 +28,16 @@ Manifest layout (manifest.json):
                moved model directory still resumes)
     tensors    {tensor name: dtype name} as stored in the shards
     prompts    {name, hash, count, rendered_hash}
-    target_head, shards (entries sorted by file name), totals, run (informational)
+    target_head, tokenizer ({dir, files: {name: bytes}}), shards (entries sorted by file name),
+    totals, run (informational)
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import time
+import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -323,15 +325,16 @@ def check_out_dir(out: str, settings: dict, overwrite: bool) -> dict | None:
 
 
 def delete_outputs(out: str) -> None:
-    """Remove what extract writes in OUT (manifest, target head, shards/); nothing else."""
+    """Remove what extract writes in OUT (manifest, target head, shards/, tokenizer/); nothing else."""
     fs, root = shards.open_fs(out)
     for name in (shards.MANIFEST_NAME, shards.TARGET_HEAD_NAME):
         path = shards.join(root, name)
         if shards.exists(fs, path):
             fs.delete_file(path)
-    shard_dir = shards.join(root, shards.SHARD_DIR)
-    if shards.exists(fs, shard_dir):
-        fs.delete_dir(shard_dir)
+    for name in (shards.SHARD_DIR, shards.TOKENIZER_DIR):
+        path = shards.join(root, name)
+        if shards.exists(fs, path):
+            fs.delete_dir(path)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -481,14 +484,17 @@ def run_facts(config: ExtractConfig, dist: Dist, device: str) -> dict:
 # step 2: rank 0 prepares OUT
 
 
-def prepare_out_dir(config: ExtractConfig, model, plan: Plan, manifest: dict) -> None:
+def prepare_out_dir(config: ExtractConfig, model, tokenizer, plan: Plan, manifest: dict) -> None:
     """After check_out_dir accepted OUT: delete old outputs (--overwrite), remove what an interrupted
-    run left unfinished, store the target head once, write the manifest with complete=false."""
+    run left unfinished, store the target head and tokenizer once, write the manifest with
+    complete=false."""
     if config.overwrite:
         delete_outputs(config.out)
     shards.remove_unfinished(config.out)
     with timing.stage("store target head"):
         manifest["target_head"] = stored_target_head(config.out, model)
+    if tokenizer is not None:
+        manifest["tokenizer"] = stored_tokenizer(config.out, tokenizer)
     entries = shards.finished_shard_entries(config.out)
     manifest.update(shards=entries, totals=totals(entries, plan.raw_bytes_per_token))
     shards.write_manifest(config.out, manifest)
@@ -502,13 +508,52 @@ def stored_target_head(out: str, model) -> dict:
     fs.create_dir(root, recursive=True)
     path = shards.join(root, shards.TARGET_HEAD_NAME)
     if shards.exists(fs, path):
-        try:
-            previous = shards.read_manifest(out).get("target_head")
-        except shards.ShardError:
-            previous = None
+        previous = previous_entry(out, "target_head")
         if previous:
             return previous
     return shards.save_target_head(out, input_embedding_weight(model), output_head_weight(model))
+
+
+def previous_entry(out: str, key: str):
+    """manifest[key] of the run that wrote OUT before (None when there is no readable manifest)."""
+    try:
+        return shards.read_manifest(out).get(key)
+    except shards.ShardError:
+        return None
+
+
+def stored_tokenizer(out: str, tokenizer) -> dict:
+    """Store the target's tokenizer in OUT/tokenizer/ (save_pretrained), so reports can show
+    stored tokens as text with AutoTokenizer.from_pretrained; returns the manifest entry.
+
+    The manifest entry is the commit point, not a directory rename: object stores (s3://, gs://)
+    cannot move a directory, so files land one by one (each atomically). A resumed run keeps a
+    tokenizer whose entry the previous manifest holds and whose files are all there at their
+    sizes; anything else (an interrupted first write) is deleted and written again."""
+    fs, root = shards.open_fs(out)
+    directory = shards.join(root, shards.TOKENIZER_DIR)
+    previous = previous_entry(out, "tokenizer")
+    if previous and tokenizer_files_present(fs, directory, previous.get("files", {})):
+        return previous
+    if shards.exists(fs, directory):
+        fs.delete_dir(directory)
+    fs.create_dir(directory, recursive=True)
+    files = {}
+    with tempfile.TemporaryDirectory(prefix="specreplay-tokenizer-") as local:
+        tokenizer.save_pretrained(local)
+        for name in sorted(os.listdir(local)):  # save_pretrained writes flat files
+            data = Path(local, name).read_bytes()
+            shards.write_bytes_atomic(fs, shards.join(directory, name), data)
+            files[name] = len(data)
+    return {"dir": shards.TOKENIZER_DIR, "files": files}
+
+
+def tokenizer_files_present(fs, directory: str, files: dict[str, int]) -> bool:
+    """Every file of a manifest's tokenizer entry exists with its recorded size."""
+    if not files:
+        return False
+    infos = fs.get_file_info([shards.join(directory, name) for name in files])
+    return all(info.size == size for info, size in zip(infos, files.values()))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -548,7 +593,8 @@ def write_rank_share(model, info, plan: Plan, config: ExtractConfig, dist: Dist,
         first_index=next_shard_index(entries, dist.rank),
         chunk_tokens=plan.chunk_tokens,
     )
-    bar = progress(len(mine), "extract") if progress is not None else SilentProgress()
+    budget = token_budget(mine, config.max_new_tokens)
+    bar = progress(budget, "extract", unit="tok") if progress is not None else SilentProgress()
     try:
         run_items(model, info, mine, writer, capture_config, config.max_new_tokens, config.batch_size, bar)
         writer.close()
@@ -559,6 +605,29 @@ def write_rank_share(model, info, plan: Plan, config: ExtractConfig, dist: Dist,
 def batches(items: list, size: int):
     for start in range(0, len(items), size):
         yield items[start : start + size]
+
+
+def token_budget(items: list[Item], max_new_tokens: int) -> int:
+    """The progress bar's total in tokens: every generated sample's full budget (an upper bound;
+    TokenProgress tops it up when a response stops early) plus every given response's length."""
+    return sum(max_new_tokens if item.given is None else len(item.given) for item in items)
+
+
+class TokenProgress:
+    """Counts decoded tokens into a bar as they are generated (a batch of long responses takes
+    minutes: counting finished prompts left the bar at 0 until the first batch was done), with
+    the samples written so far as its postfix."""
+
+    def __init__(self, bar, samples: int):
+        self.bar, self.samples, self.done = bar, samples, 0
+
+    def tokens(self, n: int) -> None:
+        self.bar.update(n, samples=f"{self.done}/{self.samples}")
+
+    def written(self, item: Item) -> None:
+        """One sample stored; a teacher-forced one counts its response now, its forward is done."""
+        self.done += 1
+        self.bar.update(0 if item.given is None else len(item.given), samples=f"{self.done}/{self.samples}")
 
 
 def run_items(
@@ -572,11 +641,11 @@ def run_items(
     progress,
 ) -> None:
     """Generate in batches, then one capture forward per sample, written in item order; `progress`
-    (a tqdm-like bar) counts samples and shows tokens per second."""
+    (a tqdm-like bar of token_budget(items) tokens) advances every decode step."""
     from pipeline.capture import capture_sample
     from pipeline.generate import generate_responses
 
-    start, tokens = time.perf_counter(), 0
+    counter = TokenProgress(progress, len(items))
     for batch in batches(items, batch_size):
         responses = generate_responses(
             model,
@@ -585,6 +654,7 @@ def run_items(
             max_new_tokens,
             info.stop_token_ids,
             info.pad_token_id,
+            on_tokens=counter.tokens,
         )
         for item, response in zip(batch, responses):
             input_ids = item.prompt_ids + response.token_ids
@@ -602,8 +672,7 @@ def run_items(
                 )
             )
             del tensors  # the writer owns them now; the next forward must not keep them alive
-            tokens += len(input_ids)
-            progress.update(1, speed=f"{tokens / max(time.perf_counter() - start, 1e-9):.0f} tok/s")
+            counter.written(item)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -631,8 +700,9 @@ def finish_manifest(out: str, manifest: dict, items: list[Item], raw_per_token: 
 def run_extract(config: ExtractConfig, progress=None, loaded=None) -> dict:
     """Run (or resume) an extract; returns the final manifest. See the module docstring.
 
-    `progress`: called once per rank with the number of samples this rank will write; returns a
-    bar (specreplay/progress.py: update(n, **postfix), close). None: nothing is shown.
+    `progress`: called once per rank as progress(total, desc, unit="tok") with the tokens this
+    rank will generate or teacher-force (token_budget); returns a bar (specreplay/progress.py:
+    update(n, **postfix), close), advanced every decode step. None: nothing is shown.
     `loaded`: the (model, tokenizer, info) that pipeline.target.load_target returned, to reuse
     instead of loading config.model again.
     """
@@ -675,7 +745,7 @@ def _run(config: ExtractConfig, dist: Dist, records, progress, loaded) -> dict:
 
     manifest = new_manifest(plan, info, run_facts(config, dist, device))
     if dist.main:
-        prepare_out_dir(config, model, plan, manifest)
+        prepare_out_dir(config, model, tokenizer, plan, manifest)
     barrier(dist)
     write_rank_share(model, info, plan, config, dist, progress)
     barrier(dist)

@@ -14,6 +14,10 @@ touched and a foreign tensor keeps the name it was saved under in the error. Eve
 unexpected or mis-shaped tensor is an error: a drafter scored with a silently dropped weight
 would still produce numbers, just wrong ones.
 
+`checkpoint_problem` tells a completely written checkpoint from a partly written one from
+file sizes and headers alone (no tensor data), so a truncated file is one clear error, not a
+deserializer's traceback.
+
 Everything here runs before any compute; nothing of the target model is loaded.
 """
 
@@ -23,6 +27,7 @@ import hashlib
 import json
 import os
 import re
+import zipfile
 from dataclasses import dataclass, field
 
 import torch
@@ -80,18 +85,26 @@ def resolve_checkpoint_files(path: str, config_path: str | None = None) -> tuple
         config = config_path or os.path.join(os.path.dirname(path), CONFIG_NAME)
     config = os.path.abspath(config)
     if not os.path.isfile(config):
-        raise CheckpointError(
-            f"{path}: no drafter config at {config}; put the drafter's config.json next to the weights or pass "
-            f"its path explicitly (config_path= / --drafter-config)"
-        )
+        raise CheckpointError(missing_config_message(path, config, explicit=config_path is not None))
     return weights, config
+
+
+def missing_config_message(path: str, config: str, explicit: bool) -> str:
+    """Which config file is missing, where, and the fix (the CLI takes no config option: the
+    config travels with the weights, as z-lab directories and training checkpoints keep it)."""
+    if explicit:
+        return f"{path}: drafter config {config} does not exist"
+    where = path if os.path.isdir(path) else os.path.dirname(path)
+    return (
+        f"{path}: the drafter config {config} is missing; put the drafter's {CONFIG_NAME} "
+        f"(the one it was trained with) in {where}, beside the weights"
+    )
 
 
 def _weight_files_in_dir(path: str) -> list[str]:
     index = os.path.join(path, SAFETENSORS_INDEX_NAME)
     if os.path.isfile(index):
-        with open(index) as handle:
-            weight_map = json.load(handle).get("weight_map")
+        weight_map = _read_json_file(index).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise CheckpointError(
                 f"{index}: no 'weight_map' (tensor name -> file); the index is not a safetensors index"
@@ -118,6 +131,79 @@ def _weight_files_in_dir(path: str) -> list[str]:
         f"{path}: several weight files and no {SAFETENSORS_INDEX_NAME} to say how they combine: {candidates}; "
         f"pass the one file to load"
     )
+
+
+def _read_json_file(path: str) -> dict:
+    """A JSON object from disk; anything else is a CheckpointError naming the file."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            obj = json.load(handle)
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise CheckpointError(
+            f"{path}: not valid JSON ({error}); the file is corrupt or still being written"
+        ) from error
+    if not isinstance(obj, dict):
+        raise CheckpointError(f"{path}: expected a JSON object, found {type(obj).__name__}")
+    return obj
+
+
+# ---------------------------------------------------------------------------------------------
+# integrity: cheap checks that a checkpoint is completely written, before any tensor is read
+
+
+def checkpoint_problem(path: str, config_path: str | None = None) -> str | None:
+    """None when the checkpoint at `path` is complete, else one line saying what is wrong, naming
+    the file: config.json missing or unparseable, weights missing (every shard a
+    model.safetensors.index.json names), a safetensors header unreadable or the file shorter
+    than its header says, an empty .pt/.pth/.bin (or a truncated zip one).
+
+    Reads file sizes, safetensors headers and zip end records only, never tensor data, and
+    prints nothing: it is meant to be called on checkpoints still being written."""
+    try:
+        weight_files, config_file = resolve_checkpoint_files(path, config_path)
+        _read_json_file(config_file)
+        return next(filter(None, map(weight_file_problem, weight_files)), None)
+    except CheckpointError as error:
+        return str(error)
+    except OSError as error:  # a file removed or rewritten while a writer is still at work
+        return f"{error.filename or path}: {error.strerror or error}"
+
+
+def weight_file_problem(path: str) -> str | None:
+    """What makes one weight file unusable, judged from its size and header alone."""
+    size = os.path.getsize(path)
+    if size == 0:
+        return f"{path}: empty (0 bytes); the checkpoint was not completely written"
+    if path.endswith(".safetensors"):
+        return _safetensors_problem(path, size)
+    with open(path, "rb") as handle:
+        zipped = handle.read(4) == b"PK\x03\x04"
+    # torch.save writes a zip archive; its directory is at the end, so a cut-off file has none.
+    if zipped and not zipfile.is_zipfile(path):
+        return f"{path}: truncated ({size} bytes, the zip archive torch.save writes has no end record)"
+    return None
+
+
+def _safetensors_problem(path: str, size: int) -> str | None:
+    """safetensors = 8-byte little-endian header length, JSON header, then the tensor data; the
+    file must be at least as long as the largest data_offsets end says."""
+    truncated = f"{path}: truncated ({size} bytes"
+    if size < 8:
+        return f"{truncated}, shorter than the 8-byte safetensors header length)"
+    with open(path, "rb") as handle:
+        header_len = int.from_bytes(handle.read(8), "little")
+        if 8 + header_len > size:
+            return f"{truncated}, the safetensors header alone needs {8 + header_len})"
+        raw = handle.read(header_len)
+    try:
+        header = json.loads(raw)
+        ends = [int(entry["data_offsets"][1]) for name, entry in header.items() if name != "__metadata__"]
+    except (UnicodeDecodeError, ValueError, TypeError, KeyError, IndexError, AttributeError) as error:
+        return f"{path}: unreadable safetensors header ({type(error).__name__}: {error}); the file is corrupt"
+    needed = 8 + header_len + max(ends, default=0)
+    if needed > size:
+        return f"{truncated}, its safetensors header says {needed}); the checkpoint was not completely written"
+    return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -346,17 +432,22 @@ def _materialize(skeleton: DFlashDrafter, state: dict, dtype, device) -> DFlashD
 
 
 def _read_config(config_file: str) -> tuple[DrafterConfig, dict]:
-    with open(config_file) as handle:
-        try:
-            config_raw = json.load(handle)
-        except json.JSONDecodeError as error:
-            raise CheckpointError(f"{config_file}: not valid JSON ({error})") from error
+    config_raw = _read_json_file(config_file)
     return parse_drafter_config(config_raw, source=config_file), config_raw
+
+
+def check_checkpoint(path: str, config_path: str | None = None) -> None:
+    """Raise checkpoint_problem's line as a CheckpointError (before any tensor is read)."""
+    problem = checkpoint_problem(path, config_path)
+    if problem is not None:
+        raise CheckpointError(problem)
 
 
 def read_drafter_config(path: str, config_path: str | None = None) -> DrafterConfig:
     """The checkpoint's parsed config without reading any weights, so `check_compatibility`
-    can reject a drafter before gigabytes of weights are loaded."""
+    can reject a drafter before gigabytes of weights are loaded. A partly written checkpoint is
+    refused here already (checkpoint_problem reads headers only)."""
+    check_checkpoint(path, config_path)
     _, config_file = resolve_checkpoint_files(path, config_path)
     return _read_config(config_file)[0]
 
@@ -367,8 +458,10 @@ def load_drafter(
     """Load a drafter checkpoint strictly; see the module docstring for accepted layouts.
 
     Raises CheckpointError (files, names, shapes) or DrafterConfigError (the config describes a
-    variant or field specreplay cannot score exactly), both before any compute.
+    variant or field specreplay cannot score exactly), both before any compute; a partly
+    written checkpoint (checkpoint_problem) before any tensor is read.
     """
+    check_checkpoint(path, config_path)
     weight_files, config_file = resolve_checkpoint_files(path, config_path)
     config, config_raw = _read_config(config_file)
     source = weight_files[0] if len(weight_files) == 1 else os.path.dirname(weight_files[0])

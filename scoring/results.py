@@ -33,6 +33,19 @@ FILES = {
 }
 
 
+# --------------------------------------------------------------------------- layout
+
+
+def result_dir_name(path: str) -> str:
+    """A checkpoint's results sub-directory under --out: 'run1_step_200' for run1/step_200/
+    and for run1/step_200.pt. One per checkpoint whatever their number, so a checkpoint scored
+    alone and in a glob lands in the same place."""
+    path = os.path.normpath(os.path.abspath(path))
+    parent, base = os.path.split(path)
+    stem = os.path.splitext(base)[0] if os.path.isfile(path) else base
+    return f"{os.path.basename(parent)}_{stem}"
+
+
 # --------------------------------------------------------------------------- method names
 
 

@@ -58,21 +58,11 @@ def expand_checkpoints(patterns: list[str]) -> list[str]:
     return paths
 
 
-def result_dir_name(path: str) -> str:
-    """A checkpoint's results sub-directory under --out: 'run1_step_200' for run1/step_200/
-    and for run1/step_200.pt. One per checkpoint whatever their number, so a checkpoint scored
-    alone and in a glob lands in the same place."""
-    path = os.path.normpath(os.path.abspath(path))
-    parent, base = os.path.split(path)
-    stem = os.path.splitext(base)[0] if os.path.isfile(path) else base
-    return f"{os.path.basename(parent)}_{stem}"
-
-
 def output_dirs(paths: list[str], out: str) -> dict[str, str]:
     """checkpoint path -> its results directory; two checkpoints may not share one."""
     dirs: dict[str, str] = {}
     for path in paths:
-        target = os.path.join(out, result_dir_name(path))
+        target = os.path.join(out, results.result_dir_name(path))
         clash = [other for other, d in dirs.items() if d == target]
         if clash:
             raise UserError(

@@ -140,8 +140,10 @@ def test_explicit_config_path(tmp_path, weights, config_raw):
     path = tmp_path / "weights" / "drafter.safetensors"
     path.parent.mkdir()
     save_file(weights, str(path))
-    with pytest.raises(CheckpointError, match="config_path"):
+    with pytest.raises(CheckpointError, match="config.json"):
         load_drafter(str(path))
+    with pytest.raises(CheckpointError, match="nowhere.json does not exist"):
+        load_drafter(str(path), config_path=str(tmp_path / "nowhere.json"))
     config = write_config(tmp_path / "elsewhere", config_raw)
     drafter, info = load_drafter(str(path), config_path=config)
     assert_same_weights(drafter, weights)
@@ -242,8 +244,13 @@ def test_config_without_mask_token_is_refused(tmp_path, config_raw):
 
 def test_missing_config_and_missing_path(tmp_path, weights):
     save_file(weights, str(tmp_path / "model.safetensors"))
-    with pytest.raises(CheckpointError, match="config.json"):
-        load_drafter(str(tmp_path))
+    for path in (tmp_path, tmp_path / "model.safetensors"):  # a directory, and its weight file
+        with pytest.raises(CheckpointError) as caught:
+            load_drafter(str(path))
+        message = str(caught.value)
+        assert f"the drafter config {tmp_path / 'config.json'} is missing" in message
+        assert f"put the drafter's config.json (the one it was trained with) in {tmp_path}, beside" in message
+        assert "--" not in message  # no command-line option to point at: the config travels with the weights
     with pytest.raises(CheckpointError, match="no such file"):
         load_drafter(str(tmp_path / "nope"))
 

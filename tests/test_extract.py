@@ -241,6 +241,7 @@ def test_out_as_pyarrow_uri(tiny_qwen3_dir, prompts_file, tmp_path):
     assert manifest["complete"] and len(manifest["shards"]) == 2
     assert [s.sample_id for s in ShardSet(uri).samples()] == ["p0", "p1"]
     assert (tmp_path / "out" / "manifest.json").is_file()
+    assert (tmp_path / "out" / "tokenizer" / "tokenizer.json").is_file()  # through the same pyarrow.fs
 
 
 @pytest.mark.slow
@@ -290,3 +291,108 @@ def test_smollm2_end_to_end(tmp_path):
     result = CliRunner().invoke(main, ["inspect", str(out)])
     assert result.exit_code == 0, result.output
     assert "3 in 1 shards" in result.output and "checksums       1/1 shards ok" in result.output
+
+
+# ---------------------------------------------------------------------------------------------
+# progress in tokens, and the tokenizer stored with the shards
+
+
+class RecordingBar:
+    """The progress protocol (specreplay/progress.py) recording every call instead of drawing."""
+
+    made: list[RecordingBar] = []
+
+    def __init__(self, total: int, desc: str, unit: str = "sample"):
+        self.total, self.desc, self.unit = total, desc, unit
+        self.updates: list[tuple[int, dict]] = []
+        self.closed = False
+        RecordingBar.made.append(self)
+
+    def update(self, n: int = 1, **postfix) -> None:
+        self.updates.append((n, postfix))
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_progress_counts_tokens_every_decode_step(tiny_qwen3_dir, prompts_file, tmp_path):
+    """The bar counts tokens (given responses included), moves before the first batch is written,
+    and its updates add up to its total."""
+    RecordingBar.made = []
+    config = ExtractConfig(
+        model=tiny_qwen3_dir,
+        prompts=prompts_file,
+        out=str(tmp_path / "out"),
+        max_new_tokens=MAX_NEW,
+        batch_size=3,
+        layer_ids=[1],
+    )
+    run_extract(config, progress=RecordingBar)
+    (bar,) = RecordingBar.made
+    given = {s.sample_id: s.response_len for s in ShardSet(str(tmp_path / "out")).samples() if not s.greedy}
+    assert bar.unit == "tok" and bar.closed
+    assert bar.total == (len(PROMPTS) - len(given)) * MAX_NEW + sum(given.values())
+    assert sum(n for n, _ in bar.updates) == bar.total
+    before_first_sample = [n for n, postfix in bar.updates if postfix["samples"] == f"0/{len(PROMPTS)}" and n > 0]
+    assert len(before_first_sample) >= MAX_NEW  # one per decode step of the first batch, at least
+    assert bar.updates[-1][1]["samples"] == f"{len(PROMPTS)}/{len(PROMPTS)}"
+
+
+def test_token_counter_tops_up_early_stops(tiny_qwen3_dir):
+    """A sequence that stops early counts its tokens up to its stop token; the batch then adds the
+    budget it did not use, so a batch always adds rows x max_new_tokens."""
+    from pipeline.generate import TokenCounter, generate_batch
+
+    seen = []
+    counter = TokenCounter(3, [2], seen.append)
+    counter.put(torch.tensor([[7, 8], [9, 10], [11, 12]]))  # the prompt: not counted
+    for step in ([5, 2, 7], [2, 2, 8], [2, 2, 9]):
+        counter.put(torch.tensor(step))
+    assert seen == [3, 2, 1] and counter.counted == 6
+
+    model, _, info = load_target(tiny_qwen3_dir, dtype="float32")
+    prompts = [[5, 6, 7], [8, 9, 10, 11]]
+    free = generate_batch(model, prompts, MAX_NEW, info.stop_token_ids, info.pad_token_id)
+    stop = free[0].token_ids[3]  # make the 4th token of the first response a stop token
+    counts = []
+    stopped = generate_batch(model, prompts, MAX_NEW, [*info.stop_token_ids, stop], info.pad_token_id, counts.append)
+    assert len(stopped[0].token_ids) == 4 and stopped[0].finish_reason == "eos"
+    assert sum(counts) == len(prompts) * MAX_NEW
+    assert counts[-1] == sum(MAX_NEW - len(r.token_ids) for r in stopped)  # the top-up
+    assert counts[0] == len(prompts)
+
+
+def test_tokenizer_is_stored_and_kept_on_resume(tiny_qwen3_dir, prompts_file, tmp_path):
+    from transformers import AutoTokenizer
+
+    out = tmp_path / "out"
+    manifest = extract(tiny_qwen3_dir, prompts_file, out, layer_ids=[1], limit=3)
+    stored = AutoTokenizer.from_pretrained(str(out / "tokenizer"))
+    original = AutoTokenizer.from_pretrained(tiny_qwen3_dir)
+    for sample in ShardSet(str(out)).samples():
+        ids = sample.input_ids.tolist()
+        assert stored.decode(ids) == original.decode(ids)
+        assert [stored.decode([t]) for t in ids] == [original.decode([t]) for t in ids]
+    files = manifest["tokenizer"]["files"]
+    assert manifest["tokenizer"]["dir"] == "tokenizer" and "tokenizer.json" in files
+
+    # An interrupted run: the manifest not complete, one sample to redo. A complete tokenizer is kept...
+    when = {name: (out / "tokenizer" / name).stat().st_mtime_ns for name in files}
+    interrupt(out)
+    extract(tiny_qwen3_dir, prompts_file, out, layer_ids=[1], limit=3)
+    assert {name: (out / "tokenizer" / name).stat().st_mtime_ns for name in files} == when
+    # ...a half-written one is written again.
+    interrupt(out)
+    (out / "tokenizer" / "tokenizer.json").unlink()
+    manifest = extract(tiny_qwen3_dir, prompts_file, out, layer_ids=[1], limit=3)
+    assert manifest["complete"] and manifest["tokenizer"]["files"] == files
+    assert AutoTokenizer.from_pretrained(str(out / "tokenizer")).decode([5, 6, 7]) == original.decode([5, 6, 7])
+
+
+def interrupt(out: Path) -> None:
+    """Make OUT look like an extract killed before its last shard: manifest not complete."""
+    manifest = json.loads((out / "manifest.json").read_text())
+    last = sorted((out / "shards").glob("*.arrow"))[-1]
+    last.unlink()
+    last.with_suffix(".json").unlink()
+    (out / "manifest.json").write_text(json.dumps({**manifest, "complete": False}))

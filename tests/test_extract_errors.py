@@ -175,9 +175,35 @@ def test_inspect_reports_and_flags_corruption(tmp_path, tiny_qwen3_dir, prompts_
     assert report["greedy_consistency"] == 1.0 and report["checksums"]["bad"] == []
     assert report["raw_bf16_feature_bytes_per_token"] == 64 * 2
     assert report["prompt_tokens"] + report["response_tokens"] == report["tokens"]
+    assert report["tokenizer"] == f"{out}/tokenizer"
+    assert f"tokenizer       {out}/tokenizer" in CliRunner().invoke(main, ["inspect", str(out), "--no-verify"]).output
     shard = next((out / "shards").glob("*.arrow"))
     data = bytearray(shard.read_bytes())
     data[100] ^= 0xFF
     shard.write_bytes(bytes(data))
     result = CliRunner().invoke(main, ["inspect", str(out)])
     assert result.exit_code == 1 and shard.name in result.output and "BAD" in result.output
+
+
+def test_mistyped_shards_directory(tmp_path):
+    """A path that does not exist says so; an existing directory without manifest.json says that,
+    with the fix; a file is not a directory. Through `score --shards` and `inspect` alike, as one
+    error line without a traceback."""
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text("{}")
+    (tmp_path / "empty").mkdir()
+    cases = {
+        tmp_path / "shrads": f"no such directory: {tmp_path / 'shrads'}",
+        tmp_path / "empty": "no manifest. Is this an extract output directory? Run `specreplay extract --out",
+        ckpt / "config.json": f"{ckpt / 'config.json'}: not a directory",
+    }
+    for shards_dir, message in cases.items():
+        for args in (
+            ["score", "--ckpt", str(ckpt), "--shards", str(shards_dir), "--out", str(tmp_path / "results")],
+            ["inspect", str(shards_dir)],
+        ):
+            result = CliRunner().invoke(main, args)
+            assert result.exit_code == 2, result.output
+            assert result.output.startswith("error: ") and "Traceback" not in result.output, result.output
+            assert message in result.output and str(shards_dir) in result.output, result.output

@@ -125,6 +125,8 @@ def test_resume_after_kill(tiny_qwen3_dir, prompts_file, reference, tmp_path):
         ShardSet(str(out))
     report = inspect_extract(str(out))
     assert not report["complete"] and report["samples"] == len(before) and not report["checksums"]["bad"]
+    tokenizer = {p.name: p.stat().st_mtime_ns for p in (out / "tokenizer").iterdir()}
+    assert set(tokenizer) == set(manifest["tokenizer"]["files"])
 
     run_extract(
         ExtractConfig(
@@ -144,6 +146,7 @@ def test_resume_after_kill(tiny_qwen3_dir, prompts_file, reference, tmp_path):
     manifest = read_manifest(str(out))
     assert manifest["complete"] and manifest["totals"]["samples"] == NUM_PROMPTS
     assert [e["file"] for e in manifest["shards"]] == sorted(after)
+    assert {p.name: p.stat().st_mtime_ns for p in (out / "tokenizer").iterdir()} == tokenizer  # kept, not rewritten
     assert_same_samples(by_id(out), reference)
 
 
@@ -168,4 +171,5 @@ def test_torchrun_two_ranks_match_one(tiny_qwen3_dir, prompts_file, reference, t
     assert manifest["complete"] and manifest["run"]["world_size"] == 2
     assert {entry["rank"] for entry in manifest["shards"]} == {0, 1}
     assert manifest["totals"]["samples"] == NUM_PROMPTS
+    assert sorted(p.name for p in (out / "tokenizer").iterdir()) == sorted(manifest["tokenizer"]["files"])
     assert_same_samples(by_id(out), reference)

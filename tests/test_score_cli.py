@@ -312,3 +312,27 @@ def test_anchor_drafts_on_request(scored_setup, tmp_path):
         matches = row["draft_match"] + [False]
         assert row["accepted_len"] == matches.index(False)
         assert len(row["draft_tokens"]) >= len(row["draft_match"])
+
+
+def test_truncated_checkpoint_fails_alone(scored_setup, tmp_path):
+    """A checkpoint still being written (model.safetensors cut short) is one error line; the
+    checkpoints around it are scored; the command ends with what failed and exits 1."""
+    tmp, shards, written = scored_setup
+    runs = tmp_path / "run"
+    for source, name in zip(written, ("step_1", "step_3")):
+        (runs / name).mkdir(parents=True)
+        for file in os.listdir(source):
+            (runs / name / file).write_bytes(open(os.path.join(source, file), "rb").read())
+    (runs / "step_2").mkdir()
+    (runs / "step_2" / "config.json").write_bytes((runs / "step_1" / "config.json").read_bytes())
+    weights = (runs / "step_1" / "model.safetensors").read_bytes()
+    (runs / "step_2" / "model.safetensors").write_bytes(weights[: len(weights) // 2])
+    out = tmp_path / "results"
+    result = _score(["--ckpt", str(runs / "step_*"), "--shards", shards, "--out", str(out), "--ddtree-budgets", "4"])
+    assert result.exit_code == 1, result.output
+    assert "Traceback" not in result.output
+    errors = [line for line in result.output.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and str(runs / "step_2") in errors[0] and "model.safetensors" in errors[0], errors
+    assert sorted(os.listdir(out)) == ["run_step_1", "run_step_3"]
+    assert "1 of 3 checkpoints failed:" in result.output
+    assert result.output.index("run/step_3: tau chain") > result.output.index(errors[0])

@@ -13,6 +13,7 @@ from pipeline.shards.schema import FORMAT_VERSION, MANIFEST_NAME, SHARD_DIR, Sha
 
 def read_manifest(uri: str) -> dict:
     fs, root = open_fs(uri)
+    check_directory(fs, root, uri)
     path = join(root, MANIFEST_NAME)
     if not exists(fs, path):
         raise ShardError(
@@ -29,6 +30,15 @@ def read_manifest(uri: str) -> dict:
             f"specreplay (`specreplay extract ... --overwrite`) or use the version that wrote it"
         )
     return manifest
+
+
+def check_directory(fs: pafs.FileSystem, root: str, uri: str) -> None:
+    """A mistyped path is told apart from a directory that holds no extract: the fixes differ."""
+    kind = fs.get_file_info(root).type
+    if kind == pafs.FileType.NotFound:
+        raise ShardError(f"no such directory: {uri}")
+    if kind != pafs.FileType.Directory:
+        raise ShardError(f"{uri}: not a directory; pass the directory an extract wrote (it holds {MANIFEST_NAME})")
 
 
 def write_manifest(uri: str, manifest: dict) -> None:

@@ -32,13 +32,18 @@ def d(name: str):
 
 
 def next_steps(out: str, manifest: dict) -> str:
+    """What the run wrote and what to run next, with the program named as the user can type it
+    (specreplay.hints.program: `specreplay` is not on PATH until the venv is activated)."""
+    from specreplay.hints import program
+
     t = manifest.get("totals", {})
+    prog = program()
     return (
         f"{out}: {t.get('samples', 0)} samples, {t.get('tokens', 0)} tokens, {t.get('bytes', 0) / 2**20:.1f} MiB\n"
-        f"Next:\n"
-        f"  specreplay inspect {out}\n"
-        f"  make score CKPT=path/to/drafter SHARDS={out}\n"
-        f"  (or: specreplay score --ckpt path/to/drafter --shards {out} --out data/results)"
+        f"next:\n"
+        f"  {prog} inspect {out}\n"
+        f"  make score CKPT=path/to/drafter SHARDS={out}    # results in data/results/<parent>_<name>\n"
+        f"  (or: {prog} score --ckpt path/to/drafter --shards {out} --out data/results)"
     )
 
 

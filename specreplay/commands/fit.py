@@ -12,6 +12,19 @@ def d(name: str):
     return default(FitOptions, name)
 
 
+def next_hint(ckpt: str, shards: str) -> str:
+    """How to score the last checkpoint, with the program named as the user can type it.
+    `score --out DIR` puts each checkpoint's results in DIR/<parent>_<name>/."""
+    from scoring.results import result_dir_name
+    from specreplay.hints import program
+
+    results = f"data/results/{result_dir_name(ckpt)}"
+    return (
+        f"next: {program()} score --ckpt {ckpt} --shards {shards} --out data/results    # results in {results}\n"
+        f"  (or: make score CKPT={ckpt} SHARDS={shards})"
+    )
+
+
 @click.command(context_settings={"max_content_width": 100})
 @click.option("--shards", required=True, help="Extract output directory to train on.")
 @click.option("--out", required=True, help="Directory for checkpoints: OUT/step_<N>/ (z-lab format).")
@@ -65,7 +78,4 @@ def fit(shards, out, steps, save_every, layers, block_size, layer_ids, lr, ancho
     for path in written:
         click.echo(f"wrote {path}")
     if written:
-        click.echo(
-            f"next: specreplay score --ckpt {written[-1]} --shards {shards} "
-            f"--out data/results/{out.rstrip('/').split('/')[-1]}"
-        )
+        click.echo(next_hint(written[-1], shards))

@@ -7,6 +7,21 @@ import json
 import click
 
 
+def stored_tokenizer(directory: str) -> str | None:
+    """Where the extract stored the target's tokenizer (None: an older extract stored none)."""
+    from pipeline import shards
+
+    fs, root = shards.open_fs(directory)
+    found = shards.exists(fs, shards.join(root, shards.TOKENIZER_DIR))
+    return shards.join(directory, shards.TOKENIZER_DIR) if found else None  # as the user wrote the directory
+
+
+def tokenizer_line(path: str | None) -> str:
+    if path is None:
+        return "  tokenizer       not stored (extracted by an older specreplay)"
+    return f"  tokenizer       {path} (AutoTokenizer.from_pretrained)"
+
+
 @click.command(context_settings={"max_content_width": 100})
 @click.argument("directory", default="data/shards/smollm2-default")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (for scripts).")
@@ -26,7 +41,9 @@ def inspect(directory, as_json, no_verify):
     from pipeline.inspect import format_report, inspect_extract, report_problems
 
     report = inspect_extract(directory, verify=not no_verify)
-    click.echo(json.dumps(report, indent=1, sort_keys=True) if as_json else format_report(report))
+    report["tokenizer"] = stored_tokenizer(directory)
+    text = format_report(report) + "\n" + tokenizer_line(report["tokenizer"])
+    click.echo(json.dumps(report, indent=1, sort_keys=True) if as_json else text)
     problems = report_problems(report)
     if problems:
         raise click.ClickException(f"{len(problems)} integrity problem(s) in {directory}:\n  " + "\n  ".join(problems))
