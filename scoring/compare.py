@@ -1,35 +1,103 @@
 """`specreplay compare A B`: is checkpoint B better than checkpoint A, by how much, and is it real?
 
+This module computes the comparison table and its headline. scoring/compare_inputs.py loads and
+pairs the two results directories; scoring/bootstrap.py holds the intervals and verdicts (and
+defines them).
+
 Definitions (A and B are two results directories written by `specreplay score`):
 
-- A sample's tau is its `tau` in samples.parquet: mean tokens produced per walk step
-  (accepted draft tokens + the target's bonus token), null when the sample had no step.
-- Samples are paired by (dataset, sample_id). A pair where either tau is null is dropped and
-  counted in `dropped_null`; samples present in only one run are counted in `unmatched`.
-- `tau_a`, `tau_b`: mean over the n paired samples of per-sample tau (the README's tau,
-  restricted to the pairs, so it can differ from summary.parquet when samples were dropped).
-- `delta` = tau_b - tau_a. `ci_low`, `ci_high`: paired percentile-bootstrap interval: resample
-  the n pairs with replacement, recompute mean(tau_b) - mean(tau_a), take the
-  (1 - confidence) / 2 and (1 + confidence) / 2 quantiles over the resamples.
+- Inputs. A directory that is not itself a results directory but holds results directories
+  (`score --out` holds `<parent>_<name>/` per checkpoint) is resolved to the one it holds; when
+  it holds several of the same checkpoint content (same `checkpoint_hash`, same shards) one is
+  kept and a warning says which; several different checkpoints are an error listing them.
+- Shards. A and B must have been scored on the same shards (equal `shards.identity` in
+  run.json); different or uncheckable (run.json or the field missing) is a CompareError unless
+  `allow_different_shards` (`--allow-different-shards`), which warns instead.
+- Pairing. Samples are paired by (dataset, sample_id) and only when they hold the same tokens:
+  equal `tokens_hash` (samples.parquet), or, when a side lacks it (results of older versions),
+  equal `prompt_len`, `response_len` and `prompt_text` (with different shards, `prompt_len`
+  and `response_len` must also be present). Samples in both runs whose tokens differ are left
+  out and counted in `differing`; samples present in only one run in `unmatched`. A pair
+  where either tau is null (no walk step) is dropped from the tau comparison and counted in
+  `dropped_null`.
+- tau. A sample's tau is its `tau` in samples.parquet: mean tokens produced per walk step
+  (accepted draft tokens + the target's bonus token). `tau_a`, `tau_b`: mean over the n paired
+  samples of per-sample tau (the README's tau restricted to the pairs). `delta` = tau_b - tau_a.
+  `ci_low`, `ci_high`: the paired percentile bootstrap interval of delta over the n pairs
+  (scoring/bootstrap.py: paired_bootstrap).
+- All-anchor streak (extra `streak_*` columns of the same rows; printed as a second table).
+  From anchors.parquet, per paired sample and method: S = sum of the method's accepted length
+  (`accepted_len` for the chain, `ddtree_N_accepted_len`, bonus-exclusive) and C = anchors,
+  over the anchors both runs scored. `streak_a` = sum S_a / sum C over the paired samples (the
+  summary's anchor-weighted `anchor_accepted_len_mean`, restricted to the pairs: with
+  `--anchors all` results it equals the summary's pooled streak when every sample pairs),
+  `streak_delta` = streak_b - streak_a, and the interval is the same bootstrap over resampled
+  samples of sum(S_b - S_a) / sum(C) (paired_ratio_bootstrap). `streak_n` samples and
+  `streak_anchors` anchors enter. When a side has no anchors.parquet the streak columns are
+  null and a warning says so.
 - Dataset `(all)` pools every pair of every dataset (as summary.parquet's `(all)` does).
-- Verdict: B (A) is better when the whole interval lies above (below) zero; otherwise no
-  significant difference.
+- Verdict: as scoring/bootstrap.py defines it (B or A is better when the whole interval lies
+  above or below zero); n < 2 supports none. n < FEW_SAMPLES (20) gets a warning (the interval
+  is unreliable there), and the report counts the intervals computed and how many would
+  exclude zero by chance alone at this confidence.
+- Headline: the pooled chain row (dataset `(all)`, method chain; else the first row kept by
+  the filters) as one sentence, printed first.
+- Same checkpoint: when A and B hold the same checkpoint content (`checkpoint_hash`) a warning
+  says so (the difference is then expected to be zero).
 """
 
 from __future__ import annotations
 
-import json
-import os
 import warnings
+from dataclasses import dataclass, field
 
 import numpy as np
 import polars as pl
 
-from pipeline.errors import UserError
 from scoring import results
+from scoring.bootstrap import FEW_SAMPLES, chance_note, digits, paired_bootstrap, paired_ratio_bootstrap, verdict
+from scoring.compare_inputs import (
+    CompareError,
+    CompareWarning,
+    DifferingSamplesWarning,
+    Pairing,
+    SameCheckpointWarning,
+    ShardsDifferWarning,
+    Side,
+    StreakWarning,
+    check_same_checkpoint,
+    check_shards,
+    load_side,
+    pair_samples,
+    select_requested,
+    streak_inputs,
+)
 from scoring.results import ALL_DATASETS
 
-REQUIRED_COLUMNS = ("dataset", "sample_id", "method", "tau")  # of results.SAMPLES, what pairing needs
+# The public API: this module's comparison, and what its callers catch or print re-exported.
+__all__ = [
+    "OUTPUT_SCHEMA",
+    "Comparison",
+    "FewSamplesWarning",
+    "compare_pairs",
+    "compare_results",
+    "compare_streak",
+    "headline",
+    "headline_row",
+    "run_comparison",
+    "FEW_SAMPLES",
+    "CompareError",
+    "CompareWarning",
+    "DifferingSamplesWarning",
+    "SameCheckpointWarning",
+    "ShardsDifferWarning",
+    "StreakWarning",
+    "chance_note",
+    "paired_bootstrap",
+    "paired_ratio_bootstrap",
+    "verdict",
+]
+
 OUTPUT_SCHEMA = {
     "dataset": pl.String,
     "method": pl.String,
@@ -42,282 +110,52 @@ OUTPUT_SCHEMA = {
     "verdict": pl.String,
     "dropped_null": pl.Int64,
     "unmatched": pl.Int64,
+    "differing": pl.Int64,
+    "streak_n": pl.Int64,
+    "streak_anchors": pl.Int64,
+    "streak_a": pl.Float64,
+    "streak_b": pl.Float64,
+    "streak_delta": pl.Float64,
+    "streak_ci_low": pl.Float64,
+    "streak_ci_high": pl.Float64,
+    "streak_verdict": pl.String,
     "checkpoint_a": pl.String,
     "checkpoint_b": pl.String,
 }
-# indices drawn per bootstrap chunk: bounds memory at ~32 MiB of int64 whatever n and resamples are
-_CHUNK_ELEMENTS = 1 << 22
 
 
-class CompareError(UserError):
-    """The inputs cannot be compared; the message names the file or field and the fix."""
+class FewSamplesWarning(CompareWarning):
+    """Some intervals rest on fewer than FEW_SAMPLES paired samples."""
 
 
-class ShardsDifferWarning(UserWarning):
-    """A and B were not scored on the same shards (or that cannot be checked)."""
+# --------------------------------------------------------------------------- one (dataset, method)
 
 
-def paired_bootstrap(
-    a: np.ndarray, b: np.ndarray, resamples: int = 2000, seed: int = 0, confidence: float = 0.95
-) -> tuple[float, float, float]:
-    """(delta, low, high) for delta = mean(b) - mean(a) over paired samples a[i], b[i].
-
-    The interval is the paired percentile bootstrap: an index matrix [resamples, n] drawn
-    with replacement (numpy, seeded; chunked over resamples to bound memory), the mean of
-    b - a on each resample, and its (1 - confidence) / 2 and (1 + confidence) / 2 quantiles.
-    mean(b[idx]) - mean(a[idx]) equals mean((b - a)[idx]), so the differences are resampled.
-    """
-    a = np.asarray(a, dtype=np.float64)
-    b = np.asarray(b, dtype=np.float64)
-    if a.ndim != 1 or a.shape != b.shape:
-        raise ValueError(
-            f"a and b must be 1-d arrays of the same length (paired samples); got shapes {a.shape} and {b.shape}"
-        )
-    if a.size == 0:
-        raise ValueError("no paired samples to compare (a and b are empty)")
-    if not (np.isfinite(a).all() and np.isfinite(b).all()):
-        raise ValueError("a and b must be finite; drop samples with a null/NaN tau before bootstrapping")
-    if not 0.0 < confidence < 1.0:
-        raise ValueError(f"confidence must be between 0 and 1 (e.g. 0.95); got {confidence}")
-    if resamples < 1:
-        raise ValueError(f"resamples must be >= 1 (e.g. 2000); got {resamples}")
-    diff = b - a
-    n = diff.size
-    rng = np.random.default_rng(seed)
-    chunk = max(1, _CHUNK_ELEMENTS // n)
-    means = np.empty(resamples, dtype=np.float64)
-    for start in range(0, resamples, chunk):
-        stop = min(resamples, start + chunk)
-        index = rng.integers(0, n, size=(stop - start, n))
-        means[start:stop] = diff[index].mean(axis=1)
-    tail = (1.0 - confidence) / 2.0
-    low, high = np.quantile(means, [tail, 1.0 - tail])
-    return float(diff.mean()), float(low), float(high)
-
-
-def _digits(*values: float) -> int:
-    """Decimals that show the smallest nonzero magnitude among values (2 at least, 4 at most)."""
-    digits = 2
-    smallest = min((abs(v) for v in values if v), default=1.0)
-    while digits < 4 and round(smallest, digits) == 0:
-        digits += 1
-    return digits
-
-
-def verdict(delta: float, low: float, high: float, confidence: float = 0.95, n: int | None = None) -> str:
-    """Plain words for a B - A interval: 'B is better by 0.31 tau, 95% CI 0.22 to 0.40' when low > 0;
-    'A is better by ...' (the interval of A - B) when high < 0; otherwise 'no significant
-    difference (B - A = ..., 95% CI ... to ...)'. n < 2 pairs cannot support a verdict."""
-    level = f"{confidence * 100:g}%"
-    if n is not None and n < 2:
-        return f"too few paired samples to judge (n = {n})"
-    d = _digits(delta, low, high)
-    if low > 0:
-        return f"B is better by {delta:.{d}f} tau, {level} CI {low:.{d}f} to {high:.{d}f}"
-    if high < 0:
-        return f"A is better by {-delta:.{d}f} tau, {level} CI {-high:.{d}f} to {-low:.{d}f}"
-    return f"no significant difference (B - A = {delta:.{d}f}, {level} CI {low:.{d}f} to {high:.{d}f})"
-
-
-def _results_children(path: str) -> list[str]:
-    """Subdirectories of path that hold a samples.parquet (to suggest in an error)."""
-    try:
-        entries = sorted(os.listdir(path))
-    except OSError:
-        return []
-    return [os.path.join(path, e) for e in entries if os.path.isfile(os.path.join(path, e, results.FILES["samples"]))]
-
-
-def load_results(path: str, label: str) -> tuple[pl.DataFrame, dict | None]:
-    """(samples, run record or None) of one results directory; CompareError when it is not one."""
-    if not os.path.isdir(path):
-        raise CompareError(
-            f"{label}: {path} is not a directory; pass a results directory written by "
-            f"`specreplay score` (one holding samples.parquet and summary.parquet)"
-        )
-    samples_path = os.path.join(path, results.FILES["samples"])
-    if not os.path.isfile(samples_path):
-        children = _results_children(path)
-        hint = (
-            f"; it holds results directories, pass one of them: {', '.join(children)}"
-            if children
-            else "; pass a results directory written by `specreplay score` (the --out of one checkpoint, "
-            "or one --out/<checkpoint> subdirectory when several were scored)"
-        )
-        raise CompareError(f"{label}: {samples_path} not found{hint}")
-    try:
-        samples = pl.read_parquet(samples_path)
-    except Exception as error:  # noqa: BLE001 - polars raises several types for a bad file
-        raise CompareError(
-            f"{label}: cannot read {samples_path} ({error}); rescore that checkpoint with `specreplay score --force`"
-        ) from error
-    missing = [c for c in REQUIRED_COLUMNS if c not in samples.columns]
-    if missing:
-        raise CompareError(
-            f"{label}: {samples_path} lacks column(s) {missing}; it is not a `specreplay score` "
-            f"samples table (rescore with `specreplay score --force`)"
-        )
-    duplicated = samples.select("dataset", "sample_id", "method").is_duplicated()
-    if duplicated.any():
-        row = samples.filter(duplicated).row(0, named=True)
-        raise CompareError(
-            f"{label}: {samples_path} has several rows for dataset {row['dataset']!r}, sample "
-            f"{row['sample_id']!r}, method {row['method']!r}; it must hold one checkpoint's "
-            f"results (one row per sample and method)"
-        )
-    run_path = os.path.join(path, results.FILES["run"])
-    record = None
-    if os.path.isfile(run_path):
-        try:
-            with open(run_path) as f:
-                record = json.load(f)
-        except (OSError, ValueError) as error:
-            raise CompareError(
-                f"{label}: cannot read {run_path} ({error}); rescore that checkpoint with "
-                f"`specreplay score --force`, or delete run.json to compare without the shards "
-                f"check"
-            ) from error
-    return samples, record
-
-
-def checkpoint_name(samples: pl.DataFrame, record: dict | None, path: str) -> str:
-    """Display name of the checkpoint behind a results directory."""
-    if "checkpoint" in samples.columns and samples.height:
-        names = samples["checkpoint"].unique().to_list()
-        if len(names) == 1 and names[0]:
-            return str(names[0])
-    if record and record.get("checkpoint", {}).get("name"):
-        return str(record["checkpoint"]["name"])
-    return os.path.basename(os.path.normpath(path))
-
-
-def _check_shards(record_a: dict | None, record_b: dict | None, dir_a: str, dir_b: str) -> None:
-    missing = [os.path.join(d, results.FILES["run"]) for d, r in ((dir_a, record_a), (dir_b, record_b)) if r is None]
-    if missing:
-        warnings.warn(
-            f"cannot check that A and B were scored on the same shards: {', '.join(missing)} not found",
-            ShardsDifferWarning,
-            stacklevel=3,
-        )
-        return
-    shards_a, shards_b = record_a.get("shards", {}), record_b.get("shards", {})
-    if shards_a.get("identity") != shards_b.get("identity"):
-        warnings.warn(
-            f"A and B were scored on different shards (run.json shards.identity: A {shards_a.get('identity')} "
-            f"from {shards_a.get('uri')}, B {shards_b.get('identity')} from {shards_b.get('uri')}); samples are "
-            f"matched by (dataset, sample_id), so a matched pair may hold different prompts or responses. "
-            f"For a clean comparison score both checkpoints on the same --shards.",
-            ShardsDifferWarning,
-            stacklevel=3,
-        )
-
-
-def _select(requested: list[str] | None, available: list[str], what: str, option: str) -> list[str]:
-    if not requested:
-        return available
-    unknown = [r for r in requested if r not in available]
-    if unknown:
-        raise CompareError(f"{option} {unknown[0]!r}: no such {what} in both runs; choose from {available}")
-    return [a for a in available if a in requested]
-
-
-def compare_results(
-    dir_a: str,
-    dir_b: str,
-    methods: list[str] | None = None,
-    datasets: list[str] | None = None,
-    resamples: int = 2000,
-    seed: int = 0,
-    confidence: float = 0.95,
-) -> pl.DataFrame:
-    """One row per (dataset, method) present in both A and B, plus dataset '(all)', with the
-    columns of OUTPUT_SCHEMA (definitions in the module docstring). `methods` / `datasets`
-    keep only those rows ('(all)' always pools every dataset). Warns (ShardsDifferWarning) when
-    A and B were scored on different shards; raises CompareError when nothing pairs up."""
-    if not 0.0 < confidence < 1.0:
-        raise CompareError(f"--confidence must be between 0 and 1 (e.g. 0.95); got {confidence}")
-    if resamples < 1:
-        raise CompareError(f"--resamples must be >= 1 (e.g. 2000); got {resamples}")
-    samples_a, record_a = load_results(dir_a, "A")
-    samples_b, record_b = load_results(dir_b, "B")
-    _check_shards(record_a, record_b, dir_a, dir_b)
-    _check_overlap(samples_a, samples_b, dir_a, dir_b)
-    chosen_methods = _common_methods(samples_a, samples_b, methods)
-    joined = _join(samples_a, samples_b, chosen_methods)
-    shared = joined.filter(pl.col("in_a") & pl.col("in_b"))
-    chosen_datasets = _select(
-        datasets, sorted(shared["dataset"].unique().to_list()) + [ALL_DATASETS], "dataset", "--dataset"
-    )
-    names = {
-        "checkpoint_a": checkpoint_name(samples_a, record_a, dir_a),
-        "checkpoint_b": checkpoint_name(samples_b, record_b, dir_b),
-    }
-    rows = []
-    for dataset in chosen_datasets:
-        subset = joined if dataset == ALL_DATASETS else joined.filter(pl.col("dataset") == dataset)
-        for method in chosen_methods:
-            row = compare_pairs(subset.filter(pl.col("method") == method), resamples, seed, confidence)
-            rows.append({"dataset": dataset, "method": method, **row, **names})
-    return pl.DataFrame(rows, schema=OUTPUT_SCHEMA)
-
-
-KEYS = ["dataset", "sample_id"]
-
-
-def _check_overlap(samples_a: pl.DataFrame, samples_b: pl.DataFrame, dir_a: str, dir_b: str) -> None:
-    ids_a, ids_b = samples_a.select(KEYS).unique(), samples_b.select(KEYS).unique()
-    if ids_a.join(ids_b, on=KEYS, how="inner").height == 0:
-        same_ids = set(ids_a["sample_id"].to_list()) & set(ids_b["sample_id"].to_list())
-        hint = f" ({len(same_ids)} sample ids match but under different dataset names)" if same_ids else ""
-        raise CompareError(
-            f"no sample of A ({dir_a}) matches a sample of B ({dir_b}) by (dataset, sample_id){hint}; "
-            f"score both checkpoints on the same --shards"
-        )
-
-
-def _common_methods(samples_a: pl.DataFrame, samples_b: pl.DataFrame, methods: list[str] | None) -> list[str]:
-    """The methods in both runs (chain first, then DDTree by budget), narrowed to `methods`."""
-    methods_a, methods_b = set(samples_a["method"].to_list()), set(samples_b["method"].to_list())
-    common = sorted(methods_a & methods_b, key=results.method_order)
-    if not common:
-        raise CompareError(
-            f"A and B share no method (A: {sorted(methods_a, key=results.method_order)}, "
-            f"B: {sorted(methods_b, key=results.method_order)})"
-        )
-    only = sorted(methods_a ^ methods_b, key=results.method_order)
-    if only and not methods:
-        warnings.warn(f"method(s) {only} are in only one run and are not compared", UserWarning, stacklevel=3)
-    return _select(methods, common, "method", "--method")
-
-
-def _join(samples_a: pl.DataFrame, samples_b: pl.DataFrame, methods: list[str]) -> pl.DataFrame:
-    """Full join of A's and B's taus by (dataset, sample_id, method), with in_a / in_b flags;
-    warns about samples in only one run."""
-    a = samples_a.select(*KEYS, "method", tau_a=pl.col("tau").cast(pl.Float64).fill_nan(None), in_a=pl.lit(True))
-    b = samples_b.select(*KEYS, "method", tau_b=pl.col("tau").cast(pl.Float64).fill_nan(None), in_b=pl.lit(True))
-    joined = (
-        a.join(b, on=[*KEYS, "method"], how="full", coalesce=True)
-        .filter(pl.col("method").is_in(methods))
-        .with_columns(pl.col("in_a", "in_b").fill_null(False))
-    )
-    unmatched = joined.filter(~(pl.col("in_a") & pl.col("in_b")))
-    if unmatched.height:
-        ids = unmatched.select(KEYS).unique().sort(KEYS)
-        warnings.warn(
-            f"{ids.height} sample(s) are in only one run (e.g. dataset {ids['dataset'][0]!r}, sample "
-            f"{ids['sample_id'][0]!r}); they are left out and counted in `unmatched`",
-            UserWarning,
-            stacklevel=3,
-        )
-    return joined
+_NO_STREAK = {
+    "streak_n": None,
+    "streak_anchors": None,
+    "streak_a": None,
+    "streak_b": None,
+    "streak_delta": None,
+    "streak_ci_low": None,
+    "streak_ci_high": None,
+    "streak_verdict": None,
+}
 
 
 def compare_pairs(rows: pl.DataFrame, resamples: int, seed: int, confidence: float) -> dict:
-    """n, tau_a, tau_b, delta, ci_low, ci_high, verdict, dropped_null, unmatched for one
-    (dataset, method), from its rows of the full join of A and B (columns tau_a, tau_b, in_a, in_b)."""
-    present = rows.filter(pl.col("in_a") & pl.col("in_b"))
+    """n, tau_a, tau_b, delta, ci_low, ci_high, verdict, dropped_null, unmatched, differing for one
+    (dataset, method), from its rows of the full join of A and B (tau_a, tau_b, in_a, in_b, differs)."""
+    if "differs" not in rows.columns:
+        rows = rows.with_columns(differs=pl.lit(False))
+    both = rows.filter(pl.col("in_a") & pl.col("in_b"))
+    present = both.filter(~pl.col("differs"))
     paired = present.filter(pl.col("tau_a").is_not_null() & pl.col("tau_b").is_not_null())
-    counts = {"dropped_null": present.height - paired.height, "unmatched": rows.height - present.height}
+    counts = {
+        "dropped_null": present.height - paired.height,
+        "unmatched": rows.height - both.height,
+        "differing": both.height - present.height,
+    }
     n = paired.height
     if n == 0:
         return {
@@ -342,3 +180,266 @@ def compare_pairs(rows: pl.DataFrame, resamples: int, seed: int, confidence: flo
         "verdict": verdict(delta, low, high, confidence, n),
         **counts,
     }
+
+
+def compare_streak(sums: pl.DataFrame, resamples: int, seed: int, confidence: float) -> dict:
+    """The streak_* columns of one (dataset, method) from its rows of streak_sums."""
+    sums = sums.filter(pl.col("anchors") > 0)
+    if sums.height == 0:
+        return {**_NO_STREAK, "streak_n": 0, "streak_anchors": 0, "streak_verdict": "no anchor scored in both runs"}
+    sum_a, sum_b, counts = (sums[c].to_numpy().astype(np.float64) for c in ("sum_a", "sum_b", "anchors"))
+    delta, low, high = paired_ratio_bootstrap(
+        sum_a, sum_b, counts, resamples=resamples, seed=seed, confidence=confidence
+    )
+    total = counts.sum()
+    return {
+        "streak_n": sums.height,
+        "streak_anchors": int(total),
+        "streak_a": float(sum_a.sum() / total),
+        "streak_b": float(sum_b.sum() / total),
+        "streak_delta": delta,
+        "streak_ci_low": low,
+        "streak_ci_high": high,
+        "streak_verdict": verdict(delta, low, high, confidence, sums.height, unit="streak"),
+    }
+
+
+# --------------------------------------------------------------------------- the comparison
+
+
+@dataclass
+class Comparison:
+    """A comparison: the table (OUTPUT_SCHEMA, one row per dataset and method) and what the
+    report says around it."""
+
+    table: pl.DataFrame
+    dir_a: str
+    dir_b: str
+    checkpoint_a: str
+    checkpoint_b: str
+    checkpoint_hash_a: str | None
+    checkpoint_hash_b: str | None
+    same_checkpoint: bool
+    shards_identity_a: str | None
+    shards_identity_b: str | None
+    shards: str  # 'same', 'different' or 'unknown' (the last two only with allow_different_shards)
+    differing_samples: int
+    streak_compared: bool
+    streak_missing: str  # why the streak is not compared ('' when it is)
+    confidence: float
+    few_samples: list[str] = field(default_factory=list)  # 'gsm8k (n = 6)': datasets with n < FEW_SAMPLES
+
+    @property
+    def intervals(self) -> int:
+        """Intervals computed (tau and streak; groups of at least 2 pairs)."""
+        t = self.table
+        return int((t["n"] >= 2).sum()) + int((t["streak_n"].fill_null(0) >= 2).sum())
+
+    @property
+    def expected_by_chance(self) -> float:
+        """Intervals expected to exclude zero by chance alone: intervals * (1 - confidence)."""
+        return self.intervals * (1.0 - self.confidence)
+
+    @property
+    def headline(self) -> str:
+        """headline() of the table, noting when A and B are the same checkpoint content."""
+        line = headline(self.table.to_dicts(), self.confidence)
+        if self.same_checkpoint:
+            line += f"; A and B are the same checkpoint content ({self.checkpoint_hash_a}), so zero is expected"
+        return line
+
+    def payload(self) -> dict:
+        """The JSON-able fields besides the rows."""
+        return {
+            "headline": self.headline,
+            "dir_a": self.dir_a,
+            "dir_b": self.dir_b,
+            "checkpoint_a": self.checkpoint_a,
+            "checkpoint_b": self.checkpoint_b,
+            "checkpoint_hash_a": self.checkpoint_hash_a,
+            "checkpoint_hash_b": self.checkpoint_hash_b,
+            "same_checkpoint": self.same_checkpoint,
+            "shards_identity_a": self.shards_identity_a,
+            "shards_identity_b": self.shards_identity_b,
+            "shards": self.shards,
+            "differing_samples": self.differing_samples,
+            "streak_compared": self.streak_compared,
+            "streak_missing": self.streak_missing or None,
+            "intervals": self.intervals,
+            "expected_by_chance": self.expected_by_chance,
+            "few_samples": self.few_samples,
+        }
+
+
+def headline_row(rows: list[dict]) -> dict | None:
+    """The pooled chain row, else the pooled row of the first method, else the first row."""
+    for test in (
+        lambda r: r["dataset"] == ALL_DATASETS and r["method"] == results.CHAIN,
+        lambda r: r["dataset"] == ALL_DATASETS,
+        lambda r: True,
+    ):
+        found = [r for r in rows if test(r)]
+        if found:
+            return found[0]
+    return None
+
+
+def headline(rows: list[dict], confidence: float = 0.95) -> str:
+    """One sentence: 'B (x) vs A (y): tau chain 1.34 -> 1.52, +0.18 (95% CI 0.09 to 0.27), B is
+    better; all 16 samples paired'."""
+    row = headline_row(rows)
+    if row is None:
+        return "nothing to compare"
+    where = "" if row["dataset"] == ALL_DATASETS else f" on {row['dataset']}"
+    who = f"B ({row['checkpoint_b']}) vs A ({row['checkpoint_a']}): tau {row['method']}{where}"
+    n = row["n"]
+    extra = {
+        "differ in prompt or response": row["differing"],
+        "in only one run": row["unmatched"],
+        "without a tau": row["dropped_null"],
+    }
+    total = n + sum(extra.values())
+    left_out = ", ".join(f"{v} {k}" for k, v in extra.items() if v)
+    pairing = f"all {n} samples paired" if not left_out else f"{n} of {total} samples paired ({left_out})"
+    if 0 < n < FEW_SAMPLES:
+        pairing += f"; fewer than {FEW_SAMPLES}, so the interval is unreliable"
+    if n == 0:
+        return f"{who}: no paired samples with a tau in both runs ({left_out or 'none'})"
+    delta, low, high = row["delta"], row["ci_low"], row["ci_high"]
+    d = digits(delta, low, high)
+    if n < 2:
+        judgement = "too few paired samples to judge"
+    elif low > 0:
+        judgement = "B is better"
+    elif high < 0:
+        judgement = "A is better"
+    else:
+        judgement = "no significant difference"
+    return (
+        f"{who} {row['tau_a']:.{d}f} -> {row['tau_b']:.{d}f}, {delta:+.{d}f} "
+        f"({confidence * 100:g}% CI {low:.{d}f} to {high:.{d}f}), {judgement}; {pairing}"
+    )
+
+
+def _few_samples(table: pl.DataFrame) -> list[str]:
+    """Groups with fewer than FEW_SAMPLES pairs (tau or streak), one entry per dataset:
+    'gsm8k (n = 6)' when every method of it is short, else 'gsm8k chain, ddtree-8 (n = 6)';
+    warned about once."""
+    methods = table["method"].unique(maintain_order=True).to_list()
+    short: dict[str, tuple[list[str], int]] = {}
+    for row in table.iter_rows(named=True):
+        small = sorted(n for n in {row["n"], row["streak_n"]} - {None, 0} if n < FEW_SAMPLES)
+        if small:
+            names, least = short.get(row["dataset"], ([], small[0]))
+            short[row["dataset"]] = ([*names, row["method"]], min(least, small[0]))
+    groups = [
+        f"{dataset}{'' if names == methods else ' ' + ', '.join(names)} (n = {least})"
+        for dataset, (names, least) in short.items()
+    ]
+    if groups:
+        warnings.warn(
+            f"fewer than {FEW_SAMPLES} paired samples in {', '.join(groups)}: the intervals there are unreliable "
+            f"(a bootstrap over so few samples is too narrow) and their verdicts weak; score more samples "
+            f"for a firm answer",
+            FewSamplesWarning,
+            stacklevel=3,
+        )
+    return groups
+
+
+def run_comparison(
+    dir_a: str,
+    dir_b: str,
+    methods: list[str] | None = None,
+    datasets: list[str] | None = None,
+    resamples: int = 2000,
+    seed: int = 0,
+    confidence: float = 0.95,
+    allow_different_shards: bool = False,
+) -> Comparison:
+    """Compare two results directories (definitions in the module docstring). Warnings
+    (CompareWarning subclasses) say what the reader must know; CompareError when A and B cannot
+    be compared (different or uncheckable shards without allow_different_shards, nothing pairs)."""
+    # each step called here warns with stacklevel 3 (pair_samples' helpers 4): a warning names our caller
+    _check_settings(resamples, confidence)
+    a, b = load_side(dir_a, "A"), load_side(dir_b, "B")
+    shards = check_shards(a, b, allow_different_shards)
+    same_checkpoint = check_same_checkpoint(a, b)
+    pairing = pair_samples(a, b, methods, strict=shards != "same")
+    chosen_datasets = _datasets(pairing.joined, datasets)
+    sums, streak_missing = streak_inputs(a, b, pairing.pairs, pairing.methods)
+    settings = {"resamples": resamples, "seed": seed, "confidence": confidence}
+    table = _table(pairing, sums, chosen_datasets, {"checkpoint_a": a.name, "checkpoint_b": b.name}, settings)
+    return Comparison(
+        table=table,
+        **_sides(a, b),
+        same_checkpoint=same_checkpoint,
+        shards=shards,
+        differing_samples=pairing.differing,
+        streak_compared=sums is not None,
+        streak_missing=streak_missing,
+        confidence=confidence,
+        few_samples=_few_samples(table),
+    )
+
+
+def _check_settings(resamples: int, confidence: float) -> None:
+    """CompareError naming the option for a confidence outside (0, 1) or fewer than 1 resample."""
+    if not 0.0 < confidence < 1.0:
+        raise CompareError(f"--confidence must be between 0 and 1 (e.g. 0.95); got {confidence}")
+    if resamples < 1:
+        raise CompareError(f"--resamples must be >= 1 (e.g. 2000); got {resamples}")
+
+
+def _datasets(joined: pl.DataFrame, requested: list[str] | None) -> list[str]:
+    """The requested datasets among those with a sample in both runs, then (all)."""
+    shared = joined.filter(pl.col("in_a") & pl.col("in_b"))
+    available = sorted(shared["dataset"].unique().to_list()) + [ALL_DATASETS]
+    return select_requested(requested, available, "dataset", "--dataset")
+
+
+def _table(
+    pairing: Pairing, sums: pl.DataFrame | None, datasets: list[str], names: dict, settings: dict
+) -> pl.DataFrame:
+    """One OUTPUT_SCHEMA row per (dataset, method): compare_pairs' and compare_streak's columns
+    (bootstrap `settings`: resamples, seed, confidence) and the checkpoints' `names`."""
+    rows = []
+    for dataset in datasets:
+        pooled = dataset == ALL_DATASETS
+        subset = pairing.joined if pooled else pairing.joined.filter(pl.col("dataset") == dataset)
+        for method in pairing.methods:
+            row = compare_pairs(subset.filter(pl.col("method") == method), **settings)
+            streak = _streak_row(sums, dataset, method, settings)
+            rows.append({"dataset": dataset, "method": method, **row, **streak, **names})
+    return pl.DataFrame(rows, schema=OUTPUT_SCHEMA)
+
+
+def _streak_row(sums: pl.DataFrame | None, dataset: str, method: str, settings: dict) -> dict:
+    """compare_streak of (dataset, method) over streak_sums' rows ((all): every dataset's);
+    _NO_STREAK when the streak is not compared or the method has no sums."""
+    if sums is None or not (sums["method"] == method).any():
+        return _NO_STREAK
+    pooled = dataset == ALL_DATASETS
+    mine = sums.filter((pl.col("method") == method) & (pl.lit(pooled) | (pl.col("dataset") == dataset)))
+    return compare_streak(mine, **settings)
+
+
+def _sides(a: Side, b: Side) -> dict:
+    """The fields of Comparison that describe A and B."""
+    return {
+        "dir_a": a.path,
+        "dir_b": b.path,
+        "checkpoint_a": a.name,
+        "checkpoint_b": b.name,
+        "checkpoint_hash_a": a.content_hash,
+        "checkpoint_hash_b": b.content_hash,
+        "shards_identity_a": a.shards_identity,
+        "shards_identity_b": b.shards_identity,
+    }
+
+
+def compare_results(dir_a: str, dir_b: str, **options) -> pl.DataFrame:
+    """run_comparison's table: one row per (dataset, method) present in both A and B, plus
+    dataset '(all)', with the columns of OUTPUT_SCHEMA. `methods` / `datasets` keep only those
+    rows ('(all)' always pools every dataset)."""
+    return run_comparison(dir_a, dir_b, **options).table

@@ -1,4 +1,9 @@
-"""`specreplay compare A B`: the console table and files around scoring/compare.py's statistics."""
+"""`specreplay compare A B`: the console report and files around scoring/compare.py's statistics.
+
+Console order: the headline (pooled chain tau, one sentence) first on stdout; the warnings on
+stderr; then which directories, the definitions, the tau table, the all-anchor streak table,
+the footnotes and how many intervals were computed (with how many would exclude zero by chance).
+"""
 
 from __future__ import annotations
 
@@ -9,6 +14,19 @@ import warnings
 import click
 
 TABLE_COLUMNS = ("dataset", "method", "n", "tau_a", "tau_b", "delta", "ci_low", "ci_high", "verdict")
+STREAK_COLUMNS = {  # console header -> comparison column
+    "dataset": "dataset",
+    "method": "method",
+    "n": "streak_n",
+    "anchors": "streak_anchors",
+    "streak_a": "streak_a",
+    "streak_b": "streak_b",
+    "delta": "streak_delta",
+    "ci_low": "streak_ci_low",
+    "ci_high": "streak_ci_high",
+    "verdict": "streak_verdict",
+}
+COUNT_COLUMNS = ("dropped_null", "unmatched", "differing")
 
 
 def _cell(value) -> str:
@@ -19,20 +37,29 @@ def _cell(value) -> str:
     return str(value)
 
 
-def format_table(rows: list[dict]) -> str:
-    """The console table: TABLE_COLUMNS (with dropped_null / unmatched after n when any row has
-    some), numbers to 3 decimals, verdict left-aligned last."""
-    counts = [c for c in ("dropped_null", "unmatched") if any(r[c] for r in rows)]
-    columns = list(TABLE_COLUMNS[:3]) + counts + list(TABLE_COLUMNS[3:])
-    cells = [[_cell(r[c]) for c in columns] for r in rows]
-    widths = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(columns)]
+def _render(headers: list[str], cells: list[list[str]]) -> str:
+    widths = [max([len(h)] + [len(row[i]) for row in cells]) for i, h in enumerate(headers)]
     left = {"dataset", "method", "verdict"}
 
     def line(values):
-        parts = [v.ljust(w) if c in left else v.rjust(w) for c, v, w in zip(columns, values, widths)]
+        parts = [v.ljust(w) if h in left else v.rjust(w) for h, v, w in zip(headers, values, widths)]
         return "  ".join(parts).rstrip()
 
-    return "\n".join([line(columns)] + [line(row) for row in cells])
+    return "\n".join([line(headers)] + [line(row) for row in cells])
+
+
+def format_table(rows: list[dict]) -> str:
+    """The tau table: TABLE_COLUMNS (with dropped_null / unmatched / differing after n when any
+    row has some), numbers to 3 decimals, verdict left-aligned last."""
+    counts = [c for c in COUNT_COLUMNS if any(r.get(c) for r in rows)]
+    columns = list(TABLE_COLUMNS[:3]) + counts + list(TABLE_COLUMNS[3:])
+    return _render(columns, [[_cell(r.get(c)) for c in columns] for r in rows])
+
+
+def format_streak_table(rows: list[dict]) -> str:
+    """The all-anchor streak table: STREAK_COLUMNS, one row per (dataset, method) with a streak."""
+    kept = [r for r in rows if r.get("streak_verdict") is not None]
+    return _render(list(STREAK_COLUMNS), [[_cell(r.get(c)) for c in STREAK_COLUMNS.values()] for r in kept])
 
 
 def write_table(df, path: str) -> None:
@@ -65,26 +92,36 @@ def write_table(df, path: str) -> None:
 @click.option("--resamples", default=2000, show_default=True, help="Bootstrap resamples.")
 @click.option("--seed", default=0, show_default=True, help="Bootstrap random seed (results are reproducible).")
 @click.option("--confidence", default=0.95, show_default=True, help="Confidence level of the interval.")
+@click.option(
+    "--allow-different-shards",
+    is_flag=True,
+    help="Compare results scored on different (or uncheckable) shards; only samples whose tokens match "
+    "(samples.parquet tokens_hash) are paired, the others are counted in `differing`.",
+)
 @click.option("--out", default=None, help="Also write the comparison to this .parquet or .csv file.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON (rows and warnings) instead of the table.")
-def compare(a, b, methods, datasets, resamples, seed, confidence, out, as_json):
+def compare(a, b, methods, datasets, resamples, seed, confidence, allow_different_shards, out, as_json):
     """Is checkpoint B better than A? tau difference B - A per dataset and method, with a
-    paired bootstrap confidence interval over samples and a plain-words verdict.
+    paired bootstrap confidence interval over samples and a plain-words verdict; the same for
+    the all-anchor streak (anchors.parquet). The first line is the pooled chain verdict.
 
-    A and B are results directories written by `specreplay score` (each holds samples.parquet).
-    Samples are paired by (dataset, sample_id); a pair where either run has no tau (the sample
-    had no walk step) is dropped and counted in `dropped_null`.
+    A and B are results directories written by `specreplay score` (each holds samples.parquet;
+    a directory holding one checkpoint's results directory, or duplicates of one, is accepted).
+    They must have been scored on the same shards (run.json shards.identity), unless
+    --allow-different-shards. Samples are paired by (dataset, sample_id) and equal tokens
+    (tokens_hash); a pair where either run has no tau (the sample had no walk step) is dropped
+    and counted in `dropped_null`.
 
     \b
     Example:
       specreplay compare data/results/runs_step_150 data/results/runs_step_300
       specreplay compare A B --method chain --dataset gsm8k --out compare.csv
     """
-    from scoring.compare import compare_results
+    from scoring.compare import run_comparison
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        df = compare_results(
+        comparison = run_comparison(
             a,
             b,
             methods=list(methods) or None,
@@ -92,45 +129,68 @@ def compare(a, b, methods, datasets, resamples, seed, confidence, out, as_json):
             resamples=resamples,
             seed=seed,
             confidence=confidence,
+            allow_different_shards=allow_different_shards,
         )
     notes = [str(w.message) for w in caught]
-    for note in notes:
-        click.echo(f"warning: {note}", err=True)
-    rows = df.to_dicts()
+    rows = comparison.table.to_dicts()
     if out:
-        write_table(df, out)
+        write_table(comparison.table, out)
     if as_json:
-        click.echo(json.dumps(as_payload(rows, a, b, resamples, seed, confidence, notes), indent=1))
+        for note in notes:
+            click.echo(f"warning: {note}", err=True)
+        payload = as_payload(comparison, a, b, resamples, seed, allow_different_shards, notes)
+        click.echo(json.dumps(payload, indent=1))
     else:
-        _print_report(rows, a, b, resamples, seed, confidence)
+        click.echo(comparison.headline)
+        for note in notes:
+            click.echo(f"warning: {note}", err=True)
+        _print_report(comparison, rows, resamples, seed)
     if out:
         click.echo(f"wrote {out}", err=as_json)
 
 
-def as_payload(rows: list[dict], a: str, b: str, resamples: int, seed: int, confidence: float, notes: list) -> dict:
-    """The --json object: inputs, settings, warnings and every row."""
-    first = rows[0] if rows else {}
+def as_payload(comparison, a: str, b: str, resamples: int, seed: int, allow: bool, notes: list) -> dict:
+    """The --json object: inputs, settings, what the report says, warnings and every row."""
     return {
         "a": a,
         "b": b,
-        "checkpoint_a": first.get("checkpoint_a"),
-        "checkpoint_b": first.get("checkpoint_b"),
-        "confidence": confidence,
+        **comparison.payload(),
+        "confidence": comparison.confidence,
         "resamples": resamples,
         "seed": seed,
+        "allow_different_shards": allow,
         "warnings": notes,
-        "rows": rows,
+        "rows": comparison.table.to_dicts(),
     }
 
 
-def _print_report(rows: list[dict], a: str, b: str, resamples: int, seed: int, confidence: float) -> None:
-    if rows:
-        click.echo(f"A: {rows[0]['checkpoint_a']} ({a})")
-        click.echo(f"B: {rows[0]['checkpoint_b']} ({b})")
+def _print_report(comparison, rows: list[dict], resamples: int, seed: int) -> None:
+    from scoring.compare import chance_note
+
+    c = comparison
+    click.echo(f"A: {c.checkpoint_a} ({c.dir_a}; checkpoint_hash {c.checkpoint_hash_a or 'unknown'})")
+    click.echo(f"B: {c.checkpoint_b} ({c.dir_b}; checkpoint_hash {c.checkpoint_hash_b or 'unknown'})")
     click.echo("tau = mean over paired samples of each sample's tokens per walk step (accepted + bonus); delta = B - A")
-    click.echo(f"{confidence * 100:g}% CI: paired bootstrap over samples ({resamples} resamples, seed {seed})")
+    click.echo(f"{c.confidence * 100:g}% CI: paired bootstrap over samples ({resamples} resamples, seed {seed})")
+    click.echo("")
     click.echo(format_table(rows))
+    click.echo("")
+    if c.streak_compared and any(r["streak_verdict"] is not None for r in rows):
+        click.echo(
+            "all-anchor streak = accepted draft tokens per anchor (bonus-exclusive), over the anchors both runs "
+            "scored of the paired samples"
+        )
+        click.echo(format_streak_table(rows))
+    else:
+        click.echo(f"all-anchor streak: not compared ({c.streak_missing or 'no method has it in both runs'})")
+    click.echo("")
     if any(r["dropped_null"] for r in rows):
         click.echo("dropped_null: pairs left out because a run has no tau for the sample (no walk step)")
     if any(r["unmatched"] for r in rows):
         click.echo("unmatched: samples in only one run, left out")
+    if any(r["differing"] for r in rows):
+        click.echo(
+            f"differing: {c.differing_samples} sample(s) whose prompt or response differ between A and B "
+            f"(samples.parquet tokens_hash, or prompt_len / response_len / prompt_text where a run lacks it), never paired"
+        )
+    click.echo(chance_note(c.intervals, c.confidence))
