@@ -409,3 +409,35 @@ def brute_force_tree(log_q: torch.Tensor, budget: int, *, prune: bool = True) ->
         frontier = children
     scored.sort(key=lambda item: -item[1])
     return {prefix for prefix, _ in scored[:budget]}
+
+
+# --------------------------------------------------------------------------- headless Chromium
+
+CHROMIUM = "/usr/bin/chromium"  # the Debian package `make setup-browser` installs
+needs_chromium = pytest.mark.skipif(
+    not os.path.exists(CHROMIUM), reason=f"{CHROMIUM} absent: install it with `make setup-browser`"
+)
+
+
+def chromium_screenshot(page, shot, profile_dir, width: int, height: int) -> None:
+    """Render a local HTML file in headless Chromium into the PNG `shot` (no network, a fresh profile)."""
+    import subprocess
+
+    command = [
+        CHROMIUM,
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        f"--user-data-dir={profile_dir}",
+        "--hide-scrollbars",
+        f"--screenshot={shot}",
+        f"--window-size={width},{height}",
+        f"file://{page}",
+    ]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=90)
+    assert os.path.exists(shot), f"no screenshot (rc {proc.returncode}): {proc.stderr[-2000:]}"

@@ -7,22 +7,31 @@ from __future__ import annotations
 
 import base64
 import html.parser
+import json
 import os
 import re
 import shutil
 import struct
-import subprocess
 
 import numpy as np
 import polars as pl
 import pytest
 from click.testing import CliRunner
 
+from conftest import chromium_screenshot, needs_chromium
 from fake_results import write_fake_results
-from scoring.results import ALL_DATASETS, CHAIN, FILES, method_names, tree_nodes_of
+from scoring.results import (
+    ALL_DATASETS,
+    CHAIN,
+    FILES,
+    anchors_schema,
+    method_names,
+    rows_table,
+    tree_nodes_of,
+    write_table,
+)
 from specreplay.cli import main
 
-CHROMIUM = "/usr/bin/chromium"
 BLOCK = 8  # block size B: produced in 1..8, block positions 1..7
 DATASETS = ("gsm8k", "humaneval")
 BUDGETS = (4, 8, 16)
@@ -46,6 +55,70 @@ def _walk_produced(rng, p: float, response_len: int) -> list[int]:
     return produced
 
 
+def _anchor_rows(rng, p: float, dataset: str, sample_id: str, response_len: int) -> list[dict]:
+    """Every anchor of one response: a chain streak with acceptance p per position. The block is
+    cut one short (as the token budget would cut it), so block position BLOCK - 1 is never
+    reached and its rate is NaN, and few anchors reach the positions before it."""
+    rows = []
+    for offset in range(response_len - 1):
+        known = min(BLOCK - 2, response_len - 1 - offset)
+        accepted = 0
+        while accepted < known and rng.random() < p:
+            accepted += 1
+        rows.append(
+            {
+                "dataset": dataset,
+                "sample_id": sample_id,
+                "anchor": 30 + offset,
+                "anchor_offset": offset,
+                "block_len": known + 1,
+                "accepted_len": accepted,
+                "produced_chain": accepted + 1,
+                "draft_match": [k < accepted for k in range(known)],
+            }
+        )
+    return rows
+
+
+def accept_rates(anchor_rows: list[dict]) -> tuple[list[int], list[float]]:
+    """(reached, rate) per block position 1..BLOCK-1, as scoring/metrics.py counts them."""
+    reached = [
+        sum(r["accepted_len"] >= k - 1 and len(r["draft_match"]) >= k for r in anchor_rows) for k in range(1, BLOCK)
+    ]
+    accepted = [sum(r["accepted_len"] >= k for r in anchor_rows) for k in range(1, BLOCK)]
+    return reached, [a / n if n else float("nan") for a, n in zip(accepted, reached)]
+
+
+def _summary_rows(samples_df: pl.DataFrame, anchor_rows: list[dict], budgets) -> list[dict]:
+    """summary.parquet's rows for the fake samples: per (dataset, method), plus (all)."""
+    summary_rows = []
+    for dataset in list(DATASETS) + [ALL_DATASETS]:
+        subset = samples_df if dataset == ALL_DATASETS else samples_df.filter(pl.col("dataset") == dataset)
+        for method in method_names(budgets):
+            m = subset.filter(pl.col("method") == method)
+            row = {
+                "dataset": dataset,
+                "method": method,
+                "tau": float(m["tau"].mean()),
+                "samples": m.height,
+                "samples_without_steps": 0,
+                "steps": int(m["steps"].sum()),
+                "tokens_produced": int(m["tokens_produced"].sum()),
+                "inexact_samples": 0,
+                "argmax_mismatches": 0,
+                "exact": True,
+                "anchors": 500,
+                "anchor_accepted_len_mean": float(m["tau"].mean()) - 1.1,
+            }
+            if method == CHAIN:
+                # the last position is never reached in this run: NaN, as the scorer writes it
+                row["accept_rate_by_position"] = accept_rates(
+                    [r for r in anchor_rows if dataset == ALL_DATASETS or r["dataset"] == dataset]
+                )[1]
+            summary_rows.append(row)
+    return summary_rows
+
+
 def write_results(
     directory,
     name: str,
@@ -56,16 +129,18 @@ def write_results(
     walk: bool = True,
     samples: bool = True,
     run_json: bool = True,
+    anchors: bool = True,
 ) -> None:
     """One results directory as `specreplay score` writes it, with the README columns the report reads."""
     os.makedirs(directory, exist_ok=True)
     rng = np.random.default_rng(seed)
     identity = {"checkpoint": name, "checkpoint_hash": f"{seed:016x}", "checkpoint_step": step}
-    walk_rows, sample_rows = [], []
+    walk_rows, sample_rows, anchor_rows = [], [], []
     for dataset in DATASETS:
         for i in range(6):
             sample_id = f"{dataset}-{i}"
             response_len = 20 + 7 * i
+            anchor_rows += _anchor_rows(rng, p, dataset, sample_id, response_len)
             produced = _walk_produced(rng, p - 0.08 * (i == 0), response_len)
             walk_rows += [
                 {
@@ -100,30 +175,7 @@ def write_results(
                         "prompt_text": text,
                     }
                 )
-    samples_df = pl.DataFrame(sample_rows)
-    summary_rows = []
-    for dataset in list(DATASETS) + [ALL_DATASETS]:
-        subset = samples_df if dataset == ALL_DATASETS else samples_df.filter(pl.col("dataset") == dataset)
-        for method in method_names(budgets):
-            m = subset.filter(pl.col("method") == method)
-            row = {
-                "dataset": dataset,
-                "method": method,
-                "tau": float(m["tau"].mean()),
-                "samples": m.height,
-                "samples_without_steps": 0,
-                "steps": int(m["steps"].sum()),
-                "tokens_produced": int(m["tokens_produced"].sum()),
-                "inexact_samples": 0,
-                "argmax_mismatches": 0,
-                "exact": True,
-                "anchors": 500,
-                "anchor_accepted_len_mean": float(m["tau"].mean()) - 1.1,
-            }
-            if method == CHAIN:
-                # the last position is never reached in this run: NaN, as the scorer writes it
-                row["accept_rate_by_position"] = [p ** (0.3 * k) for k in range(1, BLOCK - 1)] + [float("nan")]
-            summary_rows.append(row)
+    summary_rows = _summary_rows(pl.DataFrame(sample_rows), anchor_rows, budgets)
     run = {
         "checkpoint": {"name": name, "step": step},
         "device": "cpu",
@@ -141,6 +193,10 @@ def write_results(
     )
     if not samples:
         os.remove(os.path.join(directory, FILES["samples"]))
+    if anchors:
+        write_table(
+            rows_table([{**identity, **r} for r in anchor_rows], anchors_schema(budgets)), str(directory), "anchors"
+        )
 
 
 CHECKPOINTS = [("run/step_100", 100, 0.45), ("run/step_200", 200, 0.6), ("run/step_300", 300, 0.72)]
@@ -256,7 +312,7 @@ def test_html_is_valid_self_contained_and_complete(built):
         width, height = png_size(data)
         assert width >= 400 and height >= 200 and len(data) > 10_000
     # nothing fetched from anywhere
-    assert not [link for link in checker.links if not link.startswith("data:")]
+    assert not [link for link in checker.links if not link.startswith(("data:", "#"))]
     assert not re.search(r"(src|href)\s*=\s*[\"']?\s*(https?:)?//", text, re.I)
     assert not re.search(r"url\(\s*['\"]?(https?:)?//", text, re.I)
 
@@ -266,7 +322,7 @@ def test_prompts_are_escaped_ranked_and_expandable(built):
     assert "<script>" not in text
     assert "&lt;script&gt;alert(&#x27;x&#x27;)&lt;/script&gt; &amp; &quot;quotes&quot;" in text
     assert "<details>" in text and "why the drafter keeps failing" in text
-    worst = text.split("<h2>Worst prompts</h2>", 1)[1].split("<h2>", 1)[0]
+    worst = text.split("<h2>Worst prompts</h2>", 1)[1].split("<h2", 1)[0]
     assert worst.count("<tr>") == 1 + 5  # header + --worst 5
     assert "run/step_300" in worst  # ranked under the latest checkpoint
     taus = [float(x) for x in re.findall(r"<tr><td>\d+</td><td>[^<]*</td><td>[^<]*</td><td>([\d.]+)</td>", worst)]
@@ -276,7 +332,9 @@ def test_prompts_are_escaped_ranked_and_expandable(built):
 
 def test_missing_pieces_become_notes(tmp_path):
     # no step, no DDTree, no walk, no samples, no run.json: still a report, with notes
-    write_results(tmp_path / "a", "drafter-a", None, 0.5, 1, budgets=(), walk=False, samples=False, run_json=False)
+    write_results(
+        tmp_path / "a", "drafter-a", None, 0.5, 1, budgets=(), walk=False, samples=False, run_json=False, anchors=False
+    )
     write_results(tmp_path / "b", "drafter-b", None, 0.6, 2, budgets=(), walk=False, samples=False, run_json=False)
     out = tmp_path / "r.html"
     result = CliRunner().invoke(main, ["report", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(out)])
@@ -287,6 +345,129 @@ def test_missing_pieces_become_notes(tmp_path):
     for note in ("No walk.parquet", "No DDTree budgets", "No checkpoint carries a training step", "No samples.parquet"):
         assert note in text
     assert "drafter-a" in text and "drafter-b" in text
+    assert "No anchors.parquet for drafter-a" in text  # so its points carry no n and none is greyed
+
+
+def _section_of(text: str, heading: str) -> str:
+    return text.split(f">{heading}</h2>", 1)[1].split("<h2", 1)[0]
+
+
+def test_acceptance_by_position_shows_n_and_greys_thin_points(built, results_root):
+    _, text, _ = built
+    section = _section_of(text, "Acceptance per block position")
+    assert "fewer than 30 anchors" in section  # the threshold is stated
+    table = section.split('<table class="reach">', 1)[1].split("</table>", 1)[0]
+    rows = re.findall(r"<tr><td>(.*?)</td>(.*?)</tr>", table)
+    assert [re.sub("<wbr>", "", label) for label, _ in rows] == [name for name, _, _ in CHECKPOINTS]
+    for (name, step, _), (_, cells) in zip(CHECKPOINTS, rows):
+        # n per position from the anchors written, independently of the report's code
+        anchors = pl.read_parquet(results_root / f"run_step_{step}" / FILES["anchors"])
+        expected = accept_rates(anchors.to_dicts())[0]
+        shown = re.findall(r"<td( class=\"few\"[^>]*)?>(\d+)</td>", cells)
+        assert [int(n) for _, n in shown] == expected, name
+        assert [bool(few) for few, _ in shown] == [n < 30 for n in expected], name
+    assert any(n < 30 for n in expected) and 'class="few"' in table  # the fixture has thin positions
+
+
+def test_histogram_legend_names_tau_and_the_per_step_mean(results_root, monkeypatch):
+    from scoring import report_plots
+    from scoring.report import find_results_dirs, load_results
+
+    figures = []
+    monkeypatch.setattr(report_plots, "_png", lambda fig: figures.append(fig) or b"")
+    results = load_results(find_results_dirs([str(results_root)]))
+    report_plots.plot_acceptance_histogram(results)
+    legend = [t.get_text() for t in figures[0].axes[0].get_legend().get_texts()]
+    summary = pl.read_parquet(results_root / "*" / FILES["summary"]).filter(
+        (pl.col("dataset") == ALL_DATASETS) & (pl.col("method") == CHAIN)
+    )
+    for name, tau in zip(summary["checkpoint"], summary["tau"]):
+        entry = next(e for e in legend if e.startswith(name + " "))
+        assert f"τ {tau:.3f}" in entry and "per-step mean" in entry  # the table's tau, the other number named
+
+
+def test_layout_scrolls_the_summary_and_wraps_identifiers(built):
+    _, text, _ = built
+    assert '<div class="scroll"><table class=summary>' in text
+    assert "break-all" not in text  # identifiers no longer break mid-word
+    inputs = _section_of(text, "Inputs")
+    assert 'class="path">' in inputs and "/<wbr>" in inputs and "_<wbr>" in inputs
+    assert "keep-all" in text and "overflow-wrap:anywhere" in text
+
+
+def test_user_message_is_found_in_chat_templates():
+    from scoring.report_tables import user_message
+
+    system = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+    chatml = (
+        f"<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\nWhat is 2 + 2?<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert user_message(chatml) == "What is 2 + 2?"
+    qwen3 = "<|im_start|>user\nHi\nthere<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    assert user_message(qwen3) == "Hi\nthere"
+    llama3 = (
+        "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|>"
+        "<|start_header_id|>user<|end_header_id|>\n\nName a prime.<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
+    )
+    assert user_message(llama3) == "Name a prime."
+    assert user_message("<bos><start_of_turn>user\nHello<end_of_turn>\n<start_of_turn>model\n") == "Hello"
+    # a system block with no recognisable user turn: the rest, without the assistant header
+    assert (
+        user_message(f"<|im_start|>system\n{system}<|im_end|>\nplain question<|im_start|>assistant\n")
+        == "plain question"
+    )
+    assert user_message("no template at all") == "no template at all"
+    assert user_message(None) == ""
+
+
+def _dedupe_tree(root, newer_samples: int | None = None):
+    """The same checkpoint (same seed, so same hash) scored twice on the same shards, in two places,
+    plus another checkpoint; returns (old copy, new copy)."""
+    old, new = root / "run_step_300", root / "nested" / "run_step_300"
+    write_results(old, "run/step_300", 300, 0.72, 5)
+    write_results(new, "run/step_300", 300, 0.72, 5)
+    write_results(root / "run_step_100", "run/step_100", 100, 0.45, 6)
+    os.utime(old / FILES["run"], (1_000_000_000, 1_000_000_000))  # the old layout's run is older
+    if newer_samples is not None:
+        run = json.loads((new / FILES["run"]).read_text())
+        run["shards"]["samples"] = newer_samples
+        (new / FILES["run"]).write_text(json.dumps(run))
+    return old, new
+
+
+def test_a_checkpoint_scored_twice_is_listed_once(tmp_path):
+    old, new = _dedupe_tree(tmp_path / "results")
+    out = tmp_path / "r.html"
+    result = CliRunner().invoke(main, ["report", str(tmp_path / "results"), "--out", str(out), "--worst", "20"])
+    assert result.exit_code == 0, result.output
+    assert f"skipped {old}: same checkpoint" in result.output and f"as {new} (more recent)" in result.output
+    text = out.read_text()
+    check_html(text)
+    summary = text.split("<table class=summary>", 1)[1].split("</table>", 1)[0]
+    assert summary.count("<td>run/step_300</td>") == 3  # once per dataset row: (all), gsm8k, humaneval
+    worst = _section_of(text, "Worst prompts")
+    rows = re.findall(r"<tr><td>\d+</td><td>([^<]*)</td><td>([^<]*)</td>", worst)
+    assert len(rows) == 12 and len(set(rows)) == 12  # every sample once
+    note = text.split('class="note duplicates"', 1)[1].split("</div>", 1)[0].replace("<wbr>", "")
+    assert f"{old}</span>: same checkpoint" in note and f"as <span class=path>{new}</span>" in note
+    assert "left out as duplicates" in note and "more recent" in note
+    assert "left out; see" in text  # the header points at it
+
+
+def test_dedupe_prefers_the_run_on_more_samples_and_keeps_other_shards(tmp_path):
+    old, new = _dedupe_tree(tmp_path / "results", newer_samples=4)  # the newer run was --limit 4
+    result = CliRunner().invoke(main, ["report", str(tmp_path / "results"), "--out", str(tmp_path / "r.html")])
+    assert f"skipped {new}: same checkpoint" in result.output and "(more samples)" in result.output
+    # the same checkpoint on other shards is another result: both stay, told apart by directory
+    other = tmp_path / "other"
+    write_results(other / "a", "run/step_300", 300, 0.72, 5)
+    write_results(other / "b", "run/step_300", 300, 0.72, 5)
+    run = json.loads((other / "b" / FILES["run"]).read_text())
+    run["shards"]["uri"] = "/data/shards/another-set"
+    (other / "b" / FILES["run"]).write_text(json.dumps(run))
+    result = CliRunner().invoke(main, ["report", str(other), "--out", str(tmp_path / "o.html")])
+    assert result.exit_code == 0 and "skipped" not in result.output
+    assert "run/step_300 [a]" in (tmp_path / "o.html").read_text()
 
 
 def test_no_results_is_a_clear_error(tmp_path):
@@ -305,28 +486,11 @@ def _nonblank(png_path) -> tuple[int, int, int]:
         return image.width, image.height, sum(1 for count in grey.histogram() if count)
 
 
-@pytest.mark.skipif(not os.path.exists(CHROMIUM), reason=f"{CHROMIUM} absent: install it with `make setup-browser`")
+@needs_chromium
 def test_headless_chromium_renders_the_report(built, tmp_path):
     out, _, _ = built
     shot = tmp_path / "shot.png"
-    command = [
-        CHROMIUM,
-        "--headless",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-quic",
-        "--no-first-run",
-        "--disable-background-networking",
-        "--disable-component-update",
-        "--disable-sync",
-        f"--user-data-dir={tmp_path / 'profile'}",
-        "--hide-scrollbars",
-        f"--screenshot={shot}",
-        "--window-size=1200,2000",
-        f"file://{out}",
-    ]
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=90)
-    assert shot.exists(), f"no screenshot (rc {proc.returncode}): {proc.stderr[-2000:]}"
+    chromium_screenshot(out, shot, tmp_path / "profile", 1200, 2000)
     width, height, levels = _nonblank(shot)
     assert (width, height) == (1200, 2000)
     # text, tables and plots give many grey levels; a blank or error page gives one or two

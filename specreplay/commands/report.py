@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 
-@click.command()
+@click.command(context_settings={"max_content_width": 100})
 @click.argument("results", nargs=-1, required=True, type=click.Path(exists=True, file_okay=False))
 @click.option(
     "--out", default="report.html", show_default=True, help="HTML file to write (parent directories are created)."
@@ -18,20 +18,59 @@ import click
     type=click.IntRange(min=0),
     help="How many lowest-tau prompts to list (0: none).",
 )
-def report(results, out, title, worst):
+@click.option(
+    "--sample-views",
+    "sample_views",
+    default=3,
+    show_default=True,
+    type=click.IntRange(min=0),
+    help="How many worst and how many best samples (by chain tau) to show token by token (0: only --sample ones).",
+)
+@click.option(
+    "--sample",
+    "samples",
+    multiple=True,
+    metavar="ID",
+    help="Also show this sample token by token (a sample id, or dataset/id); repeatable.",
+)
+@click.option(
+    "--shards",
+    default=None,
+    metavar="DIR",
+    help="Where the scored shards are now, when they moved since scoring (default: the path in run.json).",
+)
+@click.option(
+    "--tokenizer",
+    default=None,
+    metavar="PATH",
+    help="Tokenizer directory for the token view (default: the one extract saved under <shards>/tokenizer/).",
+)
+def report(results, out, title, worst, sample_views, samples, shards, tokenizer):
     """Write one self-contained HTML report (plots embedded, opens offline) from score results.
 
     RESULTS are directories written by `specreplay score`, or parents holding several: every
-    summary.parquet below them is included. The report has a summary table (tau chain, tau per
-    DDTree budget, all-anchor streak), the acceptance-length histogram, acceptance per block
-    position, tau against DDTree budget, tau against training step, and the worst prompts.
+    summary.parquet below them is included, once per checkpoint (a checkpoint scored twice on the
+    same shards is listed once: the run on the most samples, then the most recent). The report has
+    a summary table (tau chain, tau per DDTree budget, all-anchor streak), the acceptance-length
+    histogram, acceptance per block position, tau against DDTree budget, tau against training
+    step, the worst prompts, and the worst and best responses token by token (accepted draft
+    tokens, the target's bonus tokens, the drafter's rejected guesses), read from the shards.
 
     \b
     Example:
       specreplay report data/results --out report.html --title "tiny drafter, steps 150-300"
       specreplay report data/results/runs_step_150 data/results/runs_step_300 --worst 20
+      specreplay report data/results --sample gsm8k-17 --shards /new/place/of/shards
     """
-    from scoring.report import write_report
+    from scoring.report import SampleViews, write_report
 
-    path = write_report(list(results), out, title=title, worst=worst)
-    click.echo(f"wrote {path}")
+    views = SampleViews(count=sample_views, ids=list(samples), shards=shards, tokenizer=tokenizer)
+    written = write_report(list(results), out, title=title, worst=worst, views=views)
+    for duplicate in written.duplicates:
+        click.echo(
+            f"skipped {duplicate.skipped}: same checkpoint (hash {duplicate.checkpoint_hash}) on the same shards "
+            f"as {duplicate.kept} ({duplicate.reason})"
+        )
+    click.echo(f"wrote {written.path}")
+    for sample, anchor in written.sample_anchors.items():
+        click.echo(f"sample {sample}: file://{written.path}{anchor}")
