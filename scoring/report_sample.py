@@ -175,12 +175,14 @@ def _auto_tokenizer(path: str):
     return AutoTokenizer.from_pretrained(path)
 
 
-def visible_text(text: str) -> str:
+def visible_text(text: str, breaks: bool = True) -> str:
     """A token's text with newlines, tabs and other control characters shown as glyphs (a newline
-    keeps its line break after the ↵); spaces stay spaces, made visible by the token's background."""
+    keeps its line break after the ↵ unless `breaks` is off: a rejected guess never was text, so it
+    must not break the line); spaces stay spaces, made visible by the token's background."""
     if text == "":
         return "∅"
-    return "".join(_VISIBLE.get(ch) or (f"\\x{ord(ch):02x}" if ord(ch) < 32 or ord(ch) == 127 else ch) for ch in text)
+    glyphs = _VISIBLE if breaks else {ch: glyph.strip() for ch, glyph in _VISIBLE.items()}
+    return "".join(glyphs.get(ch) or (f"\\x{ord(ch):02x}" if ord(ch) < 32 or ord(ch) == 127 else ch) for ch in text)
 
 
 def decoder(tokenizer):
@@ -248,7 +250,7 @@ def _token_html(token: Token, decode) -> str:
         guess = decode(token.rejected)
         out += (
             f'<s class="rej" data-tok="{token.rejected}" title="{html.escape(f"rejected draft guess {guess!r}")}">'
-            f"{html.escape(visible_text(guess))}</s>"
+            f"{html.escape(visible_text(guess, breaks=False))}</s>"
         )
     return out
 

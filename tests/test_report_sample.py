@@ -130,7 +130,7 @@ def expected_view(walk: pl.DataFrame, ids: list[int], prompt_len: int, decode) -
         draft = row["draft_tokens"]
         if row["accepted_len"] < row["produced"] and row["accepted_len"] < len(draft):
             guess = draft[row["accepted_len"]]
-            rejected.append((guess, visible_text(decode(guess))))
+            rejected.append((guess, visible_text(decode(guess), breaks=False)))
     texts = [visible_text(decode(i)) for i in ids[prompt_len:]]
     return list(zip(kinds, texts)), rejected
 
@@ -292,3 +292,11 @@ def test_headless_chromium_draws_the_token_colours(scored, tmp_path):
     keep = os.environ.get("SPECREPLAY_KEEP_SCREENSHOT")
     if keep:
         shutil.copy(shot, keep)
+
+
+def test_rejected_guesses_never_break_the_line():
+    """A response newline is shown and kept (↵ then a real break); a rejected guess of a newline
+    is only the glyph: it was never part of the text, so the text must not wrap there."""
+    assert visible_text("a\nb") == "a↵\nb"
+    assert visible_text("\n\t", breaks=False) == "↵⇥"
+    assert visible_text("") == "∅" and visible_text("\x01") == "\\x01"
