@@ -125,3 +125,64 @@ def tau(per_sample: list[float | None]) -> float:
     each response's sample_tau. Responses with no step (None) are left out, as it does."""
     means = [t for t in per_sample if t is not None]
     return sum(means) / len(means) if means else float("nan")
+
+
+# --------------------------------------------------------------------------- sampling (T > 0)
+# SPEC §1 "Sampling": drafts d_j ~ q_j, accepted while u_j q_j(d_j) < p_j(d_j). Given the emitted
+# response y (distributed as the target samples), block position j is accepted with probability
+# a_j = min(1, q_j(y_j) / p_j(y_j)), conditionally on every earlier position being accepted.
+
+
+def acceptance_probs(draft_logprob: torch.Tensor, target_logprob: torch.Tensor) -> torch.Tensor:
+    """a_j = min(1, q_j(y_j) / p_j(y_j)) from log q and log p [A, L] under the shard's sampling
+    settings; 0 where either is unknown (NaN: past the response or the block)."""
+    ratio = torch.exp(draft_logprob.double() - target_logprob.double()).clamp(max=1.0)
+    return torch.nan_to_num(ratio, nan=0.0)
+
+
+def survival(accept_probs: torch.Tensor) -> torch.Tensor:
+    """P(accepted >= k) = prod_{j<=k} a_j for k = 0..L (k = 0 is 1). [A, L] -> [A, L + 1]."""
+    ones = torch.ones_like(accept_probs[:, :1])
+    return torch.cat([ones, torch.cumprod(accept_probs, dim=1)], dim=1)
+
+
+def accepted_distribution(accept_probs: torch.Tensor) -> torch.Tensor:
+    """P(accepted = m) for m = 0..L: P(>= m) - P(>= m + 1). [A, L] -> [A, L + 1]."""
+    at_least = survival(accept_probs)
+    return at_least - torch.cat([at_least[:, 1:], torch.zeros_like(at_least[:, :1])], dim=1)
+
+
+def expected_accepted_sampled(accept_probs: torch.Tensor) -> torch.Tensor:
+    """E[accepted] per anchor, bonus-exclusive: sum_{k>=1} prod_{j<=k} a_j. [A, L] -> [A]."""
+    return survival(accept_probs)[:, 1:].sum(dim=1)
+
+
+def produced_distribution(
+    accept_probs: torch.Tensor, anchors: torch.Tensor, seq_len: int, next_stop: torch.Tensor
+) -> torch.Tensor:
+    """P(produced = n) per anchor for n = 0..L + 1 (bonus-inclusive), each accepted length m
+    mapped through produced_tokens' caps (budget, end of response, first stop). -> [A, L + 2]."""
+    A, L = accept_probs.shape
+    by_accepted = accepted_distribution(accept_probs)  # [A, L + 1]
+    m = torch.arange(L + 1)[None, :].expand(A, L + 1)
+    produced = produced_tokens(m, anchors[:, None], seq_len, next_stop[anchors][:, None])  # [A, L + 1]
+    out = torch.zeros(A, L + 2, dtype=by_accepted.dtype)
+    return out.scatter_add_(1, produced.clamp(min=0), by_accepted)
+
+
+def expected_position_counts(accept_probs: torch.Tensor, known: torch.Tensor) -> dict[str, torch.Tensor]:
+    """position_counts' reached / accepted in expectation: reached_k = sum P(accepted >= k - 1),
+    accepted_k = sum P(accepted >= k), over anchors whose position k is known. [A, L] -> [L]."""
+    at_least = survival(accept_probs)
+    return {"reached": (at_least[:, :-1] * known).sum(0), "accepted": (at_least[:, 1:] * known).sum(0)}
+
+
+def tau_standard_error(per_sample: list[float | None]) -> float | None:
+    """Sampling error of tau over responses: std(per-response tau, ddof 1) / sqrt(n); None
+    below two responses."""
+    means = [t for t in per_sample if t is not None]
+    if len(means) < 2:
+        return None
+    mean = sum(means) / len(means)
+    variance = sum((t - mean) ** 2 for t in means) / (len(means) - 1)
+    return (variance / len(means)) ** 0.5

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from pipeline import timing
+from pipeline.sampling import Sampling, token_logprob
 from pipeline.shards import Sample
 from scoring import metrics
 from scoring.ddtree import NOT_IN_TREE, path_pop_indices, top_log_probs
@@ -31,6 +32,7 @@ class ReplayOptions:
     dtype: torch.dtype = torch.float32
     device: str = "cpu"
     attention: str = "auto"  # auto: flex_attention on CUDA, dense explicit masks on CPU
+    sampling: Sampling = Sampling()  # the shards' settings: q_j for rejection sampling at T > 0
 
     @property
     def attention_backend(self) -> str:
@@ -50,6 +52,7 @@ class AnchorTensors:
     draft_tokens: torch.Tensor  # [A, L] drafter argmax
     target_tokens: torch.Tensor  # [A, L] stored (greedy) tokens, -1 where unknown
     target_logprob: torch.Tensor  # [A, L] log q_k(y_k)
+    sampled_logprob: torch.Tensor  # [A, L] log q_k(y_k) under the shards' sampling settings (NaN when greedy)
     kl_topk: torch.Tensor  # [A, L] KL(target || draft) on the stored top-k support
     tree_pop_index: torch.Tensor  # [A, L] DDTree pop index of the target-path prefix of depth k
     computed: torch.Tensor  # [A] bool: scored (all True in all-anchor mode; walk mode scores visited anchors)
@@ -176,6 +179,7 @@ def empty_anchor_tensors(sample: Sample, max_new_tokens: int, block_size: int) -
         draft_tokens=torch.full((A, L), -1, dtype=torch.long),
         target_tokens=torch.full((A, L), -1, dtype=torch.long),
         target_logprob=torch.full((A, L), float("nan")),
+        sampled_logprob=torch.full((A, L), float("nan")),
         kl_topk=torch.full((A, L), float("nan")),
         tree_pop_index=torch.full((A, L), NOT_IN_TREE, dtype=torch.long),
         computed=torch.zeros(A, dtype=torch.bool),
@@ -230,6 +234,7 @@ def _replay_anchors(drafter, embed, lm_head, packed, results, wanted, options) -
                 out.draft_tokens[r, :depth] = scored["draft"][mine]
                 out.target_tokens[r, :depth] = scored["targets"][mine]
                 out.target_logprob[r, :depth] = scored["target_logprob"][mine]
+                out.sampled_logprob[r, :depth] = scored["sampled_logprob"][mine]
                 out.kl_topk[r, :depth] = scored["kl"][mine]
                 out.tree_pop_index[r, :depth] = scored["pops"][mine]
                 out.computed[r] = True
@@ -330,6 +335,9 @@ def _score_chunk(drafter, embed, lm_head, packed: PackedSamples, sample_idx, anc
     kl = metrics.kl_on_topk(packed.topk_logprobs[topk_rows], logprobs.gather(-1, support))
     kl = torch.where(known, kl, torch.full_like(kl, float("nan")))
     del logprobs
+    sampled = torch.full_like(target_logprob, float("nan"))
+    if not options.sampling.greedy:  # the drafter samples with the target's settings (SPEC §1)
+        sampled = torch.where(known, token_logprob(logits, targets, options.sampling), sampled)
 
     pops = torch.full((anchors.numel(), depth), NOT_IN_TREE, dtype=torch.long)
     if options.max_tree_nodes > 0:
@@ -339,6 +347,7 @@ def _score_chunk(drafter, embed, lm_head, packed: PackedSamples, sample_idx, anc
         "draft": draft.cpu(),
         "targets": targets.cpu(),
         "target_logprob": target_logprob.cpu(),
+        "sampled_logprob": sampled.cpu(),
         "kl": kl.cpu(),
         "pops": pops,
     }

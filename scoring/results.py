@@ -160,6 +160,12 @@ SUMMARY = [pa.field(f.name, _LARGE.get(f.type, f.type)) for f in IDENTITY] + [
     pa.field("accept_rate_by_position", pa.large_list(pa.float64())),
     pa.field("match_rate_by_position", pa.large_list(pa.float64())),
     pa.field("anchor_set", pa.string()),
+    # the shards' decoding: temperature 0 is greedy; at T > 0 `tau` is the expected value (exact in
+    # distribution) and tau_se its sampling error over responses (null for greedy)
+    pa.field("temperature", pa.float64()),
+    pa.field("top_p", pa.float64()),
+    pa.field("top_k", pa.int64()),
+    pa.field("tau_se", pa.float64()),
 ]
 
 

@@ -23,6 +23,7 @@ from pipeline import timing
 from pipeline.distributed import Dist, barrier, dist_from_env, init_dist, resolve_device
 from pipeline.dtypes import resolve_dtype
 from pipeline.errors import UserError
+from pipeline.sampling import sampling_of
 from pipeline.shards import ShardSet
 from pipeline.versions import specreplay_version
 from scoring import results
@@ -33,7 +34,7 @@ from scoring.replay import ReplayOptions, prepare_target_head, replay_sample, re
 from scoring.selection import Selection, sample_index, select_samples, selection_record
 from scoring.walk import stop_mask
 
-SAMPLE_TENSORS = ["features", "topk_ids", "topk_logprobs", "argmax_mismatch"]
+SAMPLE_TENSORS = ["features", "topk_ids", "topk_logprobs", "argmax_mismatch", "sample_logprob"]
 
 
 def resolve_device_dtype(device: str, dtype: str, dist: Dist | None = None) -> tuple[str, torch.dtype]:
@@ -178,6 +179,17 @@ def choose_samples(shardset: ShardSet, config: ScoreConfig) -> tuple[list[int], 
     return chosen, selection_record(selection, index, chosen)
 
 
+def check_anchor_set(shardset: ShardSet, config: ScoreConfig) -> None:
+    """Walk-only replay follows one deterministic walk; on sampled shards the chain's expected
+    tau weighs every anchor a walk could visit, so they need every anchor."""
+    sampling = sampling_of(shardset.settings)
+    if config.anchors == "walk" and not sampling.greedy:
+        raise UserError(
+            f"--anchors walk: {shardset.uri} holds responses sampled at {sampling.describe()}; their expected "
+            "tau needs every anchor (the default --anchors all)"
+        )
+
+
 def prepare_job(ckpt: str, shardset: ShardSet, out_dir: str, config: ScoreConfig, dist: Dist) -> Job | None:
     """Load the checkpoint for replay; None when out_dir already holds its results."""
     device, dtype = resolve_device_dtype(config.device, config.dtype, dist)
@@ -195,6 +207,7 @@ def prepare_job(ckpt: str, shardset: ShardSet, out_dir: str, config: ScoreConfig
         dtype=dtype,
         device=device,
         attention=config.attention,
+        sampling=sampling_of(manifest["settings"]),
     )
     settings = manifest["settings"]
     return Job(
@@ -244,7 +257,9 @@ def replay_group(job: Job, head: dict, group: list, config: ScoreConfig, collect
 def replay_all(job: Job, shardset: ShardSet, head: dict, config: ScoreConfig, progress=None) -> tuple[Collector, int]:
     """Replay this rank's samples; returns the collected results and the anchors scored."""
     stop_ids = list(shardset.settings["target"]["stop_token_ids"])
-    collector = Collector(job.tree_nodes, stop_ids, job.info.config.block_size, config.anchor_drafts)
+    collector = Collector(
+        job.tree_nodes, stop_ids, job.info.config.block_size, config.anchor_drafts, job.options.sampling
+    )
     samples = shardset.samples(
         tensors=SAMPLE_TENSORS, keep=set(job.mine).__contains__, pin_memory=job.options.device.startswith("cuda")
     )
@@ -292,6 +307,7 @@ def run_record(
             "target": manifest.get("target", {}).get("name"),
             "samples": job.total,
             "feature_dtype": manifest.get("tensors", {}).get("features"),
+            "sampling": job.options.sampling.as_dict(),
         },
         "ddtree_budgets": list(config.tree_nodes),
         "anchor_set": config.anchors,
@@ -387,6 +403,7 @@ def run_score(config: ScoreConfig, progress=None, on_outcome=None) -> list[Outco
     paths = expand_checkpoints(config.ckpts)
     dirs = output_dirs(paths, config.out)
     shardset = ShardSet(config.shards)
+    check_anchor_set(shardset, config)
     dist = dist_from_env()
     device, dtype = resolve_device_dtype(config.device, config.dtype, dist)
     with timing.stage("prepare target head"):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Callable, Hashable
 
+import numpy as np
 import torch
 
 
@@ -66,3 +67,43 @@ def walk_in_rounds(
             if finished(key, positions[key]):
                 active.discard(key)
     return positions
+
+
+def walk_end(prompt_len: int, is_stop: torch.Tensor) -> int:
+    """Where every walk over this response ends, whatever its steps: the first stop token at or
+    after prompt_len, else the last position (a step never jumps past either: `produced` is
+    capped by the response and cut just after the first stop)."""
+    for position in range(prompt_len, is_stop.numel() - 1):
+        if bool(is_stop[position]):
+            return position
+    return max(prompt_len, is_stop.numel() - 1)
+
+
+def steps_distribution(produced_probs: torch.Tensor, prompt_len: int, end: int) -> torch.Tensor:
+    """P(S = s) for s = 0..end - prompt_len: the number of steps the walk takes from prompt_len
+    to `end` when the step at anchor prompt_len + i produces n tokens with probability
+    produced_probs[i, n]. Backward over positions, f_t(s) = sum_n P_t(n) f_{t+n}(s - 1), keeping
+    only the last L + 2 positions' vectors (memory O(L * R), time O(L * R^2) for R tokens)."""
+    tokens = end - prompt_len
+    width = produced_probs.shape[1]
+    window: dict[int, np.ndarray] = {end: np.eye(1, tokens + 1, 0)[0]}  # f_end = delta at 0 steps
+    probs = produced_probs.double().numpy()
+    for t in range(end - 1, prompt_len - 1, -1):
+        f = np.zeros(tokens + 1)
+        for n in range(1, width):
+            weight = probs[t - prompt_len, n]
+            if weight > 0 and t + n <= end:
+                f[1:] += weight * window[t + n][:-1]
+        window[t] = f
+        window.pop(t + width, None)
+    return torch.from_numpy(window[prompt_len])
+
+
+def expected_tau(steps: torch.Tensor, tokens: int) -> tuple[float | None, float]:
+    """(E[N/S], E[S]) from P(S = s): the loop reports N/S for a response of N produced tokens,
+    so its expected tau is N * sum_s P(S = s) / s, not N / E[S] (Jensen). None when N = 0."""
+    s = torch.arange(steps.numel(), dtype=torch.float64)
+    expected_steps = float((steps * s).sum())
+    if tokens == 0:
+        return None, expected_steps
+    return float(tokens * (steps[1:] / s[1:]).sum()), expected_steps
