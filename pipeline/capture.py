@@ -8,6 +8,9 @@ What is stored for a sample of N tokens (prompt_len P, R = N - P response tokens
     topk_ids         [R+1, k]  int32          row i: top-k of the distribution of token P+i
     topk_logprobs    [R+1, k]  float32        log_softmax of the logits (computed in float32)
     argmax_mismatch  [R]       uint8          1 where argmax of row i != stored token P+i
+    sample_logprob   [R]       float32        only at temperature > 0: log p_{P+i}(token P+i) under the
+                                              sampling distribution (pipeline.sampling) of row i;
+                                              -inf where that token has probability 0 there
 
 Layer id i is transformers' `hidden_states[i + 1]`, which is what the reference DFlash loop
 feeds its drafter. For i < L-1 that is the output of decoder layer i, captured by a forward hook
@@ -30,6 +33,7 @@ import torch
 from pipeline import shards, timing
 from pipeline.errors import UserError
 from pipeline.generate import model_device
+from pipeline.sampling import Sampling, token_logprob
 from pipeline.target import decoder_layers, text_config
 
 # The lm_head runs over windows of at least this many rows: CPU BLAS switches to a different
@@ -39,6 +43,11 @@ MAX_HEAD_ROWS = 8192
 # Bytes per logit row element while a window is live: model-dtype logits, a float32 copy,
 # its log_softmax and topk's scratch.
 _BYTES_PER_LOGIT = 16
+# More per element while sample_logprob is computed on the window (sampling_probs): scores / T
+# and the scattered probabilities; a full-vocabulary top-p also holds the sorted probabilities,
+# their int64 order, the cumsum, the mask and the renormalised copy.
+_SAMPLING_BYTES_PER_LOGIT = 8
+_SORTED_SAMPLING_BYTES_PER_LOGIT = 48
 
 
 @dataclass
@@ -47,12 +56,23 @@ class CaptureConfig:
     feature_dtype: torch.dtype
     top_k: int = 32
     head_budget_bytes: int = 1 << 30  # memory for one lm_head window; sets the window rows
+    sampling: Sampling | None = None  # temperature > 0: also store sample_logprob
 
 
-def head_rows(vocab_size: int, budget_bytes: int) -> int:
+def head_rows(vocab_size: int, budget_bytes: int, bytes_per_logit: int = _BYTES_PER_LOGIT) -> int:
     """Rows per lm_head window so that one window's logits and softmax fit `budget_bytes`."""
-    rows = budget_bytes // max(1, vocab_size * _BYTES_PER_LOGIT)
+    rows = budget_bytes // max(1, vocab_size * bytes_per_logit)
     return int(min(MAX_HEAD_ROWS, max(MIN_HEAD_ROWS, rows)))
+
+
+def window_bytes_per_logit(sampling: Sampling | None, vocab_size: int) -> int:
+    """Bytes per window element: the top-k capture's, plus sampling_probs' scratch when sampling.
+    With 0 < top_k < V the top-p sort runs over k columns only; without a top-k filter and with
+    top-p < 1 it sorts whole rows, so the window holds fewer rows to stay within the budget."""
+    if sampling is None:
+        return _BYTES_PER_LOGIT
+    sorts_rows = not 0 < sampling.top_k < vocab_size and sampling.top_p < 1
+    return _BYTES_PER_LOGIT + (_SORTED_SAMPLING_BYTES_PER_LOGIT if sorts_rows else _SAMPLING_BYTES_PER_LOGIT)
 
 
 def head_windows(lo: int, hi: int, total: int, rows: int) -> list[tuple[int, int, int]]:
@@ -137,27 +157,44 @@ def window_logits(hidden: torch.Tensor, head: torch.nn.Module, config, lo: int, 
 
 
 def next_token_distribution(
-    hidden: torch.Tensor, head: torch.nn.Module, config, lo: int, targets: torch.Tensor, top_k: int, rows: int
+    hidden: torch.Tensor,
+    head: torch.nn.Module,
+    config,
+    lo: int,
+    targets: torch.Tensor,
+    top_k: int,
+    rows: int,
+    sampling: Sampling | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Top-k and argmax mismatches for rows lo..T-1 of `hidden` [T, H].
+    """Top-k and argmax mismatches for rows lo..T-1 of `hidden` [T, H]; with `sampling`, also
+    sample_logprob, the log-probability of each stored token under the sampling distribution.
 
     `targets` [T - lo - 1] are the stored tokens at positions lo+1..T-1 (row lo+i predicts
     position lo+i+1). log_softmax runs in float32 whatever the model dtype; argmax is taken on
-    the logits themselves, as greedy decoding does.
+    the logits themselves, as greedy decoding does. sample_logprob comes from the same window
+    logits, so it is the full forward's value, not the cached decoding's the token was drawn from.
     """
-    ids, logprobs, argmax = [], [], []
+    ids, logprobs, argmax, sampled = [], [], [], []
+    done = 0  # rows of earlier windows: where this window's targets start
     with timing.stage("next-token distribution", rows=hidden.shape[0] - lo):
         for logits in window_logits(hidden, head, config, lo, rows):
             argmax.append(logits.argmax(dim=-1).cpu())
             values, indices = torch.topk(torch.log_softmax(logits, dim=-1), top_k, dim=-1)
             ids.append(indices.to(torch.int32).cpu())
             logprobs.append(values.cpu())
+            if sampling is not None:  # the last row predicts past the end: it has no target
+                mine = targets[done : done + logits.shape[0]].to(logits.device)
+                sampled.append(token_logprob(logits[: mine.shape[0]], mine, sampling).cpu())
+            done += logits.shape[0]
     best = torch.cat(argmax)
-    return {
+    out = {
         "topk_ids": torch.cat(ids),
         "topk_logprobs": torch.cat(logprobs),
         "argmax_mismatch": (best[:-1] != targets.cpu()).to(torch.uint8),
     }
+    if sampling is not None:
+        out["sample_logprob"] = torch.cat(sampled)
+    return out
 
 
 def stored_features(parts: list[torch.Tensor], feature_dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -199,7 +236,8 @@ def capture_sample(model, input_ids: list[int], prompt_len: int, config: Capture
                 prompt_len - 1,
                 ids[0, prompt_len:],
                 min(config.top_k, vocab),
-                head_rows(vocab, config.head_budget_bytes),
+                head_rows(vocab, config.head_budget_bytes, window_bytes_per_logit(config.sampling, vocab)),
+                config.sampling,
             )
         )
     return tensors

@@ -33,3 +33,9 @@ class ExtractConfig:
     quiet: bool = False  # read by the CLI: no progress bars (the library never prints)
     device: str | None = None  # None = cuda when available, else cpu; "auto" = device_map over GPUs
     memory_bytes: int = DEFAULT_MEMORY_BYTES  # working memory beyond model and sample: lm_head window + shard chunk
+    # Sampling (pipeline/sampling.py): temperature 0 is greedy decoding, the default.
+    temperature: float = 0.0
+    top_p: float = 1.0
+    sample_top_k: int = 0  # the sampling filter; not `top_k`, the log-probs stored per position
+    num_samples: int = 1  # sampled responses per prompt (ids <id>#<k>)
+    seed: int = 0  # with the prompt id and the draw, seeds each response's generator

@@ -9,8 +9,8 @@ A run is four steps (`run_extract`); every check happens before the first byte i
      temporary files of an interrupted run, store the target head and the tokenizer
      (OUT/tokenizer/, save_pretrained) once, write manifest.json with complete=false;
   3. every rank writes its share (`write_rank_share`): skip samples already in finished shards
-     (by id), take pending[rank::world], generate (batched greedy) + capture (one forward per
-     sample), write its own shards;
+     (by id), take pending[rank::world], generate (batched, greedy or sampled) + capture (one
+     forward per sample), write its own shards;
   4. rank 0 finishes the manifest (`finish_manifest`): every finished shard entry (sorted by file
      name), complete=true, totals.
 
@@ -18,12 +18,21 @@ Resume is exact because a sample is either in a finished shard (never touched ag
 from scratch: shards land atomically (see pipeline/shards.py) and settings cannot change
 between runs without `--overwrite`.
 
+Sampling (temperature > 0): each prompt without a given response becomes `num_samples` items
+with ids `<id>#<k>`, k = 0..K-1 (every sampled id carries its draw, also when K = 1); a record
+with a given response stays one item under its own id. A draw's generator is seeded from (seed,
+prompt id, k) only (pipeline/generate.py), so which batch, rank or run redoes it changes nothing.
+The shards then also hold sample_logprob (pipeline/capture.py); greedy shards and manifests are
+exactly what they were before sampling existed.
+
 Manifest layout (manifest.json):
     format_version, complete
     settings   the identity compared on resume: format_version, target (architecture,
                num_layers, hidden_size, vocab_size, config_hash, dtype, stop/pad/bos ids,
                chat_template_hash, weights_fingerprint), layer_ids, feature_dtype, top_k,
-               max_new_tokens, enable_thinking, decoding, prompts (hash, count, rendered_hash)
+               max_new_tokens, enable_thinking, decoding ("greedy" | "sampled"),
+               sampling (only when sampled: temperature, top_p, top_k, seed, num_samples),
+               prompts (hash, count, rendered_hash)
     target     the full TargetInfo (name and path included; not part of the identity, so a
                moved model directory still resumes)
     tensors    {tensor name: dtype name} as stored in the shards
@@ -38,7 +47,8 @@ import hashlib
 import json
 import os
 import tempfile
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -49,6 +59,7 @@ from pipeline.distributed import Dist, barrier, dist_from_env, init_dist, resolv
 from pipeline.dtypes import COMPUTE_DTYPES
 from pipeline.errors import UserError
 from pipeline.layer_ids import build_target_layer_ids, check_layer_ids
+from pipeline.sampling import Sampling
 from pipeline.versions import specreplay_version
 
 # Feature storage dtypes beyond the compute dtypes: e4m3 with one scale per token and layer (lossy).
@@ -64,6 +75,8 @@ class Item:
     prompt_ids: list[int]
     prompt_text: str
     given: list[int] | None = None
+    draw: int | None = None  # sampled: which draw of its prompt (sample id `<prompt_id>#<draw>`)
+    prompt_id: str | None = None  # sampled: the prompt record's id, what the draw's seed is made of
 
 
 # ---------------------------------------------------------------------------------------------
@@ -146,6 +159,50 @@ def validate_numbers(config: ExtractConfig) -> None:
             raise UserError(f"{name} must be >= 1, got {value}")
     if config.limit is not None and config.limit < 1:
         raise UserError(f"--limit must be >= 1, got {config.limit}; leave it out to use every prompt")
+    validate_sampling(config)
+
+
+def validate_sampling(config: ExtractConfig) -> None:
+    """The sampling options, checked as the reference's `_validate_sampling` does, and refused
+    when they would be silently ignored (a filter or several draws with greedy decoding)."""
+    if config.temperature < 0:
+        raise UserError(f"--temperature must be >= 0 (0 = greedy decoding), got {config.temperature}")
+    if not 0 < config.top_p <= 1:
+        raise UserError(f"--top-p must be in (0, 1] (1 = no top-p filter), got {config.top_p}")
+    if config.sample_top_k < 0:
+        raise UserError(f"--sample-top-k must be >= 0 (0 = no top-k filter), got {config.sample_top_k}")
+    if config.num_samples < 1:
+        raise UserError(f"--num-samples must be >= 1, got {config.num_samples}")
+    if config.temperature == 0:
+        ignored = [
+            name
+            for name, used in (
+                (f"--num-samples {config.num_samples}", config.num_samples > 1),
+                (f"--top-p {config.top_p:g}", config.top_p < 1),
+                (f"--sample-top-k {config.sample_top_k}", config.sample_top_k > 0),
+            )
+            if used
+        ]
+        if ignored:
+            raise UserError(
+                f"{', '.join(ignored)} need sampling: pass --temperature > 0 (e.g. 0.6); "
+                f"temperature 0, the default, is greedy decoding"
+            )
+
+
+def sampling_of_config(config: ExtractConfig) -> Sampling | None:
+    """The distribution responses are drawn from; None for greedy decoding."""
+    if config.temperature <= 0:
+        return None
+    return Sampling(float(config.temperature), float(config.top_p), int(config.sample_top_k)).check()
+
+
+def sampling_settings(config: ExtractConfig) -> dict | None:
+    """manifest settings["sampling"] (None for greedy: a greedy manifest has no such key)."""
+    sampling = sampling_of_config(config)
+    if sampling is None:
+        return None
+    return {**sampling.as_dict(), "seed": int(config.seed), "num_samples": int(config.num_samples)}
 
 
 def prepare_items(records, tokenizer, enable_thinking) -> list[Item]:
@@ -177,6 +234,26 @@ def prepare_items(records, tokenizer, enable_thinking) -> list[Item]:
     if not items:
         raise UserError("the prompt set is empty; give at least one prompt (or a larger --limit)")
     return items
+
+
+def sampled_items(items: list[Item], num_samples: int) -> list[Item]:
+    """Each prompt to generate as `num_samples` draws `<id>#<k>`, adjacent (a batch then runs a
+    prompt's draws together); a prompt with a given response stays one item, id unchanged."""
+    out = []
+    for item in items:
+        if item.given is not None:
+            out.append(item)
+            continue
+        for draw in range(num_samples):
+            out.append(replace(item, sample_id=f"{item.sample_id}#{draw}", draw=draw, prompt_id=item.sample_id))
+    clashes = [sample_id for sample_id, n in Counter(item.sample_id for item in out).items() if n > 1]
+    if clashes:
+        clash = clashes[0]
+        raise UserError(
+            f"sample id {clash!r} occurs twice: a record with a given response has the id of another "
+            f"prompt's draw (<id>#<k>); rename that record"
+        )
+    return out
 
 
 def rendered_hash(items: list[Item]) -> str:
@@ -226,7 +303,7 @@ def settings_identity(
     """What must not change between a run and its resume (compared key by key on resume)."""
     target = {key: getattr(info, key) for key in TARGET_IDENTITY}
     target["weights_fingerprint"] = fingerprint
-    return {
+    identity = {
         "format_version": shards.FORMAT_VERSION,
         "target": target,
         "layer_ids": list(layer_ids),
@@ -237,6 +314,10 @@ def settings_identity(
         "decoding": "greedy",
         "prompts": {key: prompts[key] for key in ("hash", "count", "rendered_hash")},
     }
+    sampling = sampling_settings(config)
+    if sampling is not None:  # absent for greedy, so a greedy identity is what it always was
+        identity.update(decoding="sampled", sampling=sampling)
+    return identity
 
 
 def flatten(obj, prefix: str = "") -> dict:
@@ -258,11 +339,13 @@ def settings_diff(old: dict, new: dict) -> list[str]:
     ]
 
 
-def tensor_dtypes(feature_dtype: str) -> dict[str, str]:
+def tensor_dtypes(feature_dtype: str, sampled: bool = False) -> dict[str, str]:
     """{tensor name: dtype name} of what the shards store (see pipeline/capture.py)."""
     dtypes = {"features": feature_dtype, "topk_ids": "int32", "topk_logprobs": "float32", "argmax_mismatch": "uint8"}
     if feature_dtype == "float8_e4m3fn":
         dtypes["features_scale"] = "float32"
+    if sampled:
+        dtypes["sample_logprob"] = "float32"
     return dtypes
 
 
@@ -274,6 +357,7 @@ def stored_bytes_per_token(dtypes: dict[str, str], n_layers: int, hidden: int, t
         "topk_ids": top_k,
         "topk_logprobs": top_k,
         "argmax_mismatch": 1,
+        "sample_logprob": 1,
     }
     return sum(width[name] * shards.TENSOR_DTYPES[dtype].itemsize for name, dtype in dtypes.items())
 
@@ -370,6 +454,9 @@ def totals(entries: list[dict], raw_feature_bytes_per_token: int) -> dict:
             out["finish_reasons"][reason] = out["finish_reasons"].get(reason, 0) + count
     out["prompt_tokens"] = out["tokens"] - out["response_tokens"]
     out["raw_bf16_feature_bytes"] = out["tokens"] * raw_feature_bytes_per_token
+    for key in ("sampled_response_tokens", "zero_prob_tokens"):  # sampled extracts only
+        if any(key in entry for entry in entries):
+            out[key] = sum(entry.get(key, 0) for entry in entries)
     return out
 
 
@@ -414,6 +501,7 @@ class Plan:
     raw_bytes_per_token: int  # the features as raw bf16, what `totals` compares the shards against
     prompts: dict  # {name, hash, count, rendered_hash}
     settings: dict  # the identity compared on resume (see settings_identity)
+    sampling: Sampling | None = None  # the responses' distribution; None: greedy
 
 
 def plan_extract(config: ExtractConfig, records, tokenizer, info, fingerprint: str) -> Plan:
@@ -433,7 +521,10 @@ def plan_extract(config: ExtractConfig, records, tokenizer, info, fingerprint: s
         "count": len(items),
         "rendered_hash": rendered_hash(items),
     }
-    tensors = tensor_dtypes(feature_dtype)
+    sampling = sampling_of_config(config)
+    if sampling is not None:  # after the prompt facts: they describe the prompts, not the draws
+        items = sampled_items(items, config.num_samples)
+    tensors = tensor_dtypes(feature_dtype, sampled=sampling is not None)
     head_bytes, chunk_tokens = split_memory_budget(
         config.memory_bytes, stored_bytes_per_token(tensors, len(layer_ids), info.hidden_size, config.top_k)
     )
@@ -447,6 +538,7 @@ def plan_extract(config: ExtractConfig, records, tokenizer, info, fingerprint: s
         raw_bytes_per_token=len(layer_ids) * info.hidden_size * 2,
         prompts=prompts,
         settings=settings_identity(config, info, fingerprint, layer_ids, feature_dtype, prompts),
+        sampling=sampling,
     )
 
 
@@ -583,6 +675,7 @@ def write_rank_share(model, info, plan: Plan, config: ExtractConfig, dist: Dist,
         feature_dtype=shards.TENSOR_DTYPES[plan.feature_dtype],
         top_k=config.top_k,
         head_budget_bytes=plan.head_window_bytes,
+        sampling=plan.sampling,
     )
     writer = shards.ShardWriter(
         config.out,
@@ -596,7 +689,18 @@ def write_rank_share(model, info, plan: Plan, config: ExtractConfig, dist: Dist,
     budget = token_budget(mine, config.max_new_tokens)
     bar = progress(budget, "extract", unit="tok") if progress is not None else SilentProgress()
     try:
-        run_items(model, info, mine, writer, capture_config, config.max_new_tokens, config.batch_size, bar)
+        run_items(
+            model,
+            info,
+            mine,
+            writer,
+            capture_config,
+            config.max_new_tokens,
+            config.batch_size,
+            bar,
+            sampling=plan.sampling,
+            seed=config.seed,
+        )
         writer.close()
     finally:
         bar.close()
@@ -639,11 +743,13 @@ def run_items(
     max_new_tokens: int,
     batch_size: int,
     progress,
+    sampling: Sampling | None = None,
+    seed: int = 0,
 ) -> None:
     """Generate in batches, then one capture forward per sample, written in item order; `progress`
-    (a tqdm-like bar of token_budget(items) tokens) advances every decode step."""
-    from pipeline.capture import capture_sample
-    from pipeline.generate import generate_responses
+    (a tqdm-like bar of token_budget(items) tokens) advances every decode step. Responses are
+    drawn from `sampling` when it is set (None: greedy), each draw seeded from `seed` (draw_seed)."""
+    from pipeline.generate import draw_seed, generate_responses
 
     counter = TokenProgress(progress, len(items))
     for batch in batches(items, batch_size):
@@ -655,24 +761,34 @@ def run_items(
             info.stop_token_ids,
             info.pad_token_id,
             on_tokens=counter.tokens,
+            sampling=sampling,
+            seeds=[None if i.draw is None else draw_seed(seed, i.prompt_id, i.draw) for i in batch],
         )
         for item, response in zip(batch, responses):
-            input_ids = item.prompt_ids + response.token_ids
-            tensors = capture_sample(model, input_ids, len(item.prompt_ids), capture_config)
-            writer.write(
-                shards.Sample(
-                    sample_id=item.sample_id,
-                    dataset=item.dataset,
-                    prompt_text=item.prompt_text,
-                    input_ids=torch.tensor(input_ids, dtype=torch.int64),
-                    prompt_len=len(item.prompt_ids),
-                    finish_reason=response.finish_reason,
-                    greedy=response.greedy,
-                    tensors=tensors,
-                )
-            )
-            del tensors  # the writer owns them now; the next forward must not keep them alive
+            capture_and_write(model, item, response, capture_config, writer)
             counter.written(item)
+
+
+def capture_and_write(model, item: Item, response, capture_config, writer: shards.ShardWriter) -> None:
+    """One capture forward over prompt + response, written as one sample."""
+    from pipeline.capture import capture_sample
+
+    input_ids = item.prompt_ids + response.token_ids
+    tensors = capture_sample(model, input_ids, len(item.prompt_ids), capture_config)
+    writer.write(
+        shards.Sample(
+            sample_id=item.sample_id,
+            dataset=item.dataset,
+            prompt_text=item.prompt_text,
+            input_ids=torch.tensor(input_ids, dtype=torch.int64),
+            prompt_len=len(item.prompt_ids),
+            finish_reason=response.finish_reason,
+            greedy=response.greedy,
+            tensors=tensors,
+        )
+    )
+    # The writer owns the tensors now; returning drops our reference, so the next forward
+    # does not keep them alive.
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,8 +1,16 @@
-"""Greedy generation of the responses that extract stores.
+"""Generation of the responses that extract stores: greedy, or sampled at temperature > 0.
 
 Prompts are generated in left-padded batches with `model.generate(do_sample=False)`; in fp32,
 left-padded batched greedy decoding gives the same tokens as one prompt at a time
 (tests/test_extract.py checks it on tiny Qwen3 and Qwen3.5 targets).
+
+Sampling (temperature > 0) keeps that same greedy generate call and adds one logits processor,
+`DrawFromSampling`: it draws each row's token from `pipeline.sampling.sampling_probs` (the
+reference's distribution, not transformers' warpers, whose top-p boundary differs) and hands
+back scores that are -inf everywhere but the drawn token, so greedy selection picks it. Every
+response (prompt, draw) has its own torch.Generator seeded from (seed, prompt id, draw) through
+sha256 (`draw_seed`), so its tokens do not depend on the batch it ran in, on the rank, or on a
+resume. Responses are sampled responses, not the target's greedy output: `greedy=False`.
 
 A record that already carries a response (text or token ids, e.g. produced by a serving engine)
 is not generated: its response is teacher-forced and marked `greedy=False`, finish reason
@@ -17,12 +25,14 @@ that stopped early did not use, so a batch always adds exactly rows x max_new_to
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from pipeline import timing
+from pipeline.sampling import Sampling, sampling_probs
 
 FINISH_EOS = "eos"
 FINISH_LENGTH = "length"
@@ -122,6 +132,40 @@ class TokenCounter:
         pass
 
 
+def draw_seed(seed: int, prompt_id: str, draw: int) -> int:
+    """The generator seed of one sampled response: sha256 of (seed, prompt id, draw), so the
+    draw's randomness is a function of those three only (Python's hash() is salted per process)."""
+    digest = hashlib.sha256(f"{int(seed)}\0{prompt_id}\0{int(draw)}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") & ((1 << 63) - 1)
+
+
+class DrawFromSampling:
+    """A logits processor for greedy `generate` that samples instead: row r's token is drawn
+    from sampling_probs(scores[r]) with row r's own generator, and the returned scores are -inf
+    everywhere but that token, so generate's argmax picks it.
+
+    Each row is drawn alone, with its own generator, from its own 1-D distribution: the draw
+    consumes that generator the same way whatever else is in the batch. Rows that already
+    stopped keep drawing (generate pads them afterwards); that only advances their own generator.
+    The logits come from a padded, cached batched forward, which differs from a single-sequence
+    forward by ~1e-6, so a draw that falls exactly on a boundary between two tokens could in
+    principle differ between batch sizes; at such odds that is accepted, not engineered away.
+    """
+
+    def __init__(self, sampling: Sampling, seeds: list[int]):
+        self.sampling, self.seeds, self.generators = sampling, list(seeds), None
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.generators is None:  # on the logits' device, created when that is known
+            self.generators = [torch.Generator(scores.device).manual_seed(seed) for seed in self.seeds]
+        drawn = [
+            torch.multinomial(sampling_probs(scores[row], self.sampling), 1, generator=generator)
+            for row, generator in enumerate(self.generators)
+        ]
+        picked = torch.full_like(scores, float("-inf"))
+        return picked.scatter_(1, torch.stack(drawn), 0.0)
+
+
 @torch.inference_mode()
 def generate_batch(
     model,
@@ -130,8 +174,11 @@ def generate_batch(
     stop_ids: list[int],
     pad_id: int,
     on_tokens: Callable[[int], None] | None = None,
+    sampling: Sampling | None = None,
+    seeds: list[int] | None = None,
 ) -> list[Response]:
-    """Greedy responses for a batch of tokenized prompts (one left-padded generate call).
+    """Responses for a batch of tokenized prompts (one left-padded generate call): greedy, or
+    drawn from `sampling` with one seed per prompt (`draw_seed`).
     `on_tokens(n)`: see the module docstring; the calls add up to len(prompts) * max_new_tokens."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -139,6 +186,11 @@ def generate_batch(
         raise ValueError("the target has no stop token ids; cannot tell where a response ends")
     ids, mask = left_pad(prompts, pad_id, model_device(model))
     counter = TokenCounter(len(prompts), stop_ids, on_tokens) if on_tokens is not None else None
+    processors = None
+    if sampling is not None:
+        from transformers import LogitsProcessorList
+
+        processors = LogitsProcessorList([DrawFromSampling(sampling, seeds)])
     # The facts are fixed when the stage starts: the token budget, not the tokens generate makes.
     with timing.stage("generate", prompts=len(prompts), max_new_tokens=max_new_tokens):
         out = model.generate(
@@ -148,6 +200,7 @@ def generate_batch(
             eos_token_id=list(stop_ids),
             pad_token_id=pad_id,
             streamer=counter,
+            logits_processor=processors,
             **NEUTRAL_GENERATION,
         )
     new = out[:, ids.shape[1] :].cpu().tolist()
@@ -155,7 +208,8 @@ def generate_batch(
         unused = len(prompts) * max_new_tokens - counter.counted  # rows that stopped before the budget
         if unused:
             on_tokens(unused)
-    return [cut_at_stop(row, stop_ids, max_new_tokens) for row in new]
+    responses = [cut_at_stop(row, stop_ids, max_new_tokens) for row in new]
+    return responses if sampling is None else [replace(r, greedy=False) for r in responses]
 
 
 def given_response(token_ids: list[int]) -> Response:
@@ -173,12 +227,20 @@ def generate_responses(
     stop_ids: list[int],
     pad_id: int,
     on_tokens: Callable[[int], None] | None = None,
+    sampling: Sampling | None = None,
+    seeds: list[int | None] | None = None,
 ) -> list[Response]:
-    """Responses for one batch in input order: given ones as they are, the rest generated together
-    (`on_tokens` counts the generated ones only; a given response costs no decoding)."""
+    """Responses for one batch in input order: given ones as they are, the rest generated together,
+    greedy or sampled (`seeds[i]`: prompt i's `draw_seed`) (`on_tokens` counts the generated ones
+    only; a given response costs no decoding)."""
     todo = [i for i, g in enumerate(given) if g is None]
+    todo_seeds = [seeds[i] for i in todo] if sampling is not None else None
     generated = (
-        generate_batch(model, [prompts[i] for i in todo], max_new_tokens, stop_ids, pad_id, on_tokens) if todo else []
+        generate_batch(
+            model, [prompts[i] for i in todo], max_new_tokens, stop_ids, pad_id, on_tokens, sampling, todo_seeds
+        )
+        if todo
+        else []
     )
     by_index = dict(zip(todo, generated))
     return [by_index[i] if given[i] is None else given_response(given[i]) for i in range(len(prompts))]

@@ -8,6 +8,7 @@ one sequential read.
 from __future__ import annotations
 
 from pipeline import shards
+from pipeline.sampling import sampling_of
 
 
 def verify_checksums(uri: str, entries: list[dict]) -> dict:
@@ -83,9 +84,10 @@ def inspect_extract(uri: str, verify: bool = True) -> dict:  # 50 lines: mostly 
         "bytes_vs_raw_bf16_features": t["bytes"] / t["raw_bf16_feature_bytes"] if t["raw_bf16_feature_bytes"] else None,
         "finish_reasons": t["finish_reasons"],
         "greedy_samples": t["greedy_samples"],
-        "given_samples": t["samples"] - t["greedy_samples"],
+        "given_samples": t["finish_reasons"].get("given", 0),  # teacher-forced; the rest are greedy or sampled
         "argmax_mismatches": t["greedy_argmax_mismatches"],
         "greedy_consistency": 1 - t["greedy_argmax_mismatches"] / greedy_tokens if greedy_tokens else None,
+        **sampling_report(settings, t),
     }
     if verify:
         report["checksums"] = verify_checksums(uri, entries)
@@ -93,8 +95,48 @@ def inspect_extract(uri: str, verify: bool = True) -> dict:  # 50 lines: mostly 
     return report
 
 
+def sampling_report(settings: dict, t: dict) -> dict:
+    """The sampling part of the report: settings (None for greedy), the description inspect
+    prints, how many samples were sampled, and stored tokens of probability 0 (see capture.py)."""
+    recorded = settings.get("sampling")
+    if not recorded:
+        return {"sampling": None, "decoding": "greedy"}
+    draws = int(recorded.get("num_samples", 1))
+    return {
+        "sampling": recorded,
+        "decoding": (
+            f"sampled at {sampling_of(settings).describe()}; {draws} draw{'s' if draws != 1 else ''} per prompt, "
+            f"seed {recorded.get('seed')}"
+        ),
+        "sampled_samples": t["samples"] - t["greedy_samples"] - t["finish_reasons"].get("given", 0),
+        "sampled_response_tokens": t.get("sampled_response_tokens", 0),
+        "zero_prob_tokens": t.get("zero_prob_tokens", 0),
+    }
+
+
+def consistency_lines(report: dict) -> list[str]:
+    """Greedy: how often the full forward agrees with the stored tokens. Sampled: the decoding
+    settings, and stored tokens the full forward's sampling distribution gives probability 0."""
+    if report.get("sampling") is None:
+        return [
+            f"  greedy-consistency {_pct(report['greedy_consistency'])} "
+            f"({report['argmax_mismatches']} response tokens differ from the full-forward argmax)"
+        ]
+    return [
+        f"  decoding        {report['decoding']}",
+        f"  sample log-probs {report['zero_prob_tokens']} of {report['sampled_response_tokens']} sampled tokens have "
+        f"probability 0 under the full forward's sampling distribution",
+    ]
+
+
 def _pct(value) -> str:
     return "n/a" if value is None else f"{100 * value:.2f}%"
+
+
+def samples_kinds(report: dict) -> str:
+    if report.get("sampling") is None:
+        return f"{report['greedy_samples']} greedy, {report['given_samples']} given"
+    return f"{report['sampled_samples']} sampled, {report['given_samples']} given"
 
 
 def format_report(report: dict) -> str:
@@ -113,7 +155,7 @@ def format_report(report: dict) -> str:
         f"tensors {', '.join(report['tensors'])}",
         f"  prompts         {prompts.get('name')} ({prompts.get('count')} prompts), max_new_tokens {report['max_new_tokens']}",
         f"  samples         {report['samples']} in {report['shards']} shards, {report['chunks']} chunks of "
-        f"~{report['chunk_tokens']} tokens ({report['greedy_samples']} greedy, {report['given_samples']} given)",
+        f"~{report['chunk_tokens']} tokens ({samples_kinds(report)})",
         f"  tokens          {report['tokens']} ({report['prompt_tokens']} prompt, {report['response_tokens']} response)",
         f"  bytes           {report['bytes']} ({report['bytes'] / 2**20:.2f} MiB)"
         + (
@@ -122,8 +164,7 @@ def format_report(report: dict) -> str:
             else ""
         ),
         f"  finish reasons  {reasons}",
-        f"  greedy-consistency {_pct(report['greedy_consistency'])} "
-        f"({report['argmax_mismatches']} response tokens differ from the full-forward argmax)",
+        *consistency_lines(report),
     ]
     if "checksums" in report:
         sums = report["checksums"]

@@ -87,3 +87,58 @@ def online_generate(
         start += produced
         produced_list.append(produced)
     return seq[: min(start + 1, max_length)], produced_list
+
+
+@torch.inference_mode()
+def online_tree_sampled(
+    draft,
+    target,
+    target_embed,
+    lm_head,
+    prompt: torch.Tensor,
+    max_new_tokens: int,
+    stop_token_ids: list[int],
+    tree_budget: int,
+    temperature: float,
+    generator: torch.Generator,
+):
+    """DDTree at T > 0 as liranringel/ddtree's loop runs it (SPEC §1): the tree is built from the
+    drafter's untempered log-probs; the target samples (temperature only) at the root and at
+    every node it reaches, and verification goes on while the sampled token is a child. The
+    first token is sampled at prefill. Returns (output_ids, acceptance_lengths)."""
+    P = prompt.numel()
+    max_length = P + max_new_tokens
+
+    def sample_next(ids):
+        probs = torch.softmax(_target_forward(target, ids)[0][-1].float() / temperature, dim=-1)
+        return torch.multinomial(probs, 1, generator=generator)
+
+    seq = torch.cat([prompt, sample_next(prompt)])
+    produced_list, start = [], P
+    stopped = int(seq[start]) in stop_token_ids
+    while start + 1 < max_length and not stopped:
+        verify = min(draft.block_size, max_length - start)
+        _, hidden_states = _target_forward(target, seq[:start])
+        features = extract_context_feature(hidden_states, draft.target_layer_ids)[0]
+        block = torch.full((verify,), draft.mask_token_id, dtype=torch.long)
+        block[0] = seq[start]
+        dl = _draft_logits(draft, target_embed, lm_head, features, block, start)
+        tree = brute_force_tree(torch.log_softmax(dl.float(), -1), tree_budget)
+        cont = seq[: start + 1].clone()
+        accepted = 0
+        while True:
+            cont = torch.cat([cont, sample_next(cont)])
+            if accepted < verify - 1 and tuple(cont[start + 1 :].tolist()) in tree:
+                accepted += 1
+            else:
+                break
+        new_tokens = cont[start + 1 :]
+        produced = min(accepted + 1, max_length - start - 1)
+        stops = [i for i, t in enumerate(new_tokens[:produced].tolist()) if t in stop_token_ids]
+        if stops:
+            produced = stops[0] + 1
+            stopped = True
+        seq = torch.cat([seq[: start + 1], new_tokens[:produced]])
+        start += produced
+        produced_list.append(produced)
+    return seq[: min(start + 1, max_length)], produced_list

@@ -73,6 +73,13 @@ def add_sample_stats(stats: dict, sample: Sample) -> None:
     stats["response_tokens"] += sample.response_len
     stats["finish_reasons"][sample.finish_reason] = stats["finish_reasons"].get(sample.finish_reason, 0) + 1
     stats["argmax_mismatches"] += mismatches
+    if "sample_logprob" in sample.tensors and sample.finish_reason != "given":  # sampled responses only
+        # Drawn tokens the full forward's sampling distribution gives probability 0 (-inf): the
+        # cached decoding that drew them and the full forward disagree at a top-k/top-p boundary.
+        # (A given response's -inf is its text, not numerics.) Keys absent from greedy entries.
+        zeros = int(torch.isneginf(sample.tensors["sample_logprob"]).sum())
+        stats["sampled_response_tokens"] = stats.get("sampled_response_tokens", 0) + sample.response_len
+        stats["zero_prob_tokens"] = stats.get("zero_prob_tokens", 0) + zeros
     if sample.greedy:
         stats["greedy_samples"] += 1
         stats["greedy_response_tokens"] += sample.response_len

@@ -68,7 +68,7 @@ def next_steps(out: str, manifest: dict) -> str:
     type=int,
     default=d("max_new_tokens"),
     show_default=True,
-    help="Greedy tokens generated per prompt.",
+    help="Tokens generated per prompt (greedy, or sampled with --temperature).",
 )
 @click.option("--layer-ids", default=None, help="Feature layers, e.g. 1,9,17 (id i = output of decoder layer i).")
 @click.option(
@@ -128,6 +128,41 @@ def next_steps(out: str, manifest: dict) -> str:
     help="Working memory beyond the model and one sample: half for the lm_head window over the "
     "vocabulary, half for the shard chunk being written (sets their sizes).",
 )
+@click.option(
+    "--temperature",
+    type=float,
+    default=d("temperature"),
+    show_default=True,
+    help="Sample responses at this temperature (the reference DFlash sampler); 0 = greedy decoding.",
+)
+@click.option(
+    "--top-p",
+    type=float,
+    default=d("top_p"),
+    show_default=True,
+    help="Sampling: keep the most likely tokens up to this cumulative probability (1 = off).",
+)
+@click.option(
+    "--sample-top-k",
+    type=int,
+    default=d("sample_top_k"),
+    show_default=True,
+    help="Sampling: keep only the k most likely tokens (0 = off). Not --top-k, the log-probs stored.",
+)
+@click.option(
+    "--num-samples",
+    type=int,
+    default=d("num_samples"),
+    show_default=True,
+    help="Sampling: independent responses per prompt, stored as <id>#0 .. <id>#K-1.",
+)
+@click.option(
+    "--seed",
+    type=int,
+    default=d("seed"),
+    show_default=True,
+    help="Sampling: with the prompt id and draw, seeds each response (same seed, same responses).",
+)
 @click.option("--overwrite", is_flag=True, help="Delete old outputs in --out (needed when settings changed).")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @click.option(
@@ -137,14 +172,18 @@ def extract(**options):
     """Run the target once over a prompt set; store features and next-token top-k in shards.
 
     Greedy generation (batched), then one full-sequence forward per response capturing the
-    feature layers and the target's distribution. Re-running the same command resumes an
-    interrupted extract; under torchrun, prompts are split by rank.
+    feature layers and the target's distribution. With --temperature > 0 responses are sampled
+    (top-p/top-k as the reference DFlash loop applies them) and each token's sampling
+    log-probability is stored too. Re-running the same command resumes an interrupted extract;
+    under torchrun, prompts are split by rank.
 
     \b
     Examples:
       specreplay extract                                   # SmolLM2-135M, bundled default prompts
       specreplay extract --model path/to/Qwen3-8B --prompts gsm8k --limit 200 \\
           --draft-config path/to/drafter --out data/shards/qwen3-8b-gsm8k
+      specreplay extract --temperature 0.6 --top-p 0.95 --sample-top-k 20 --num-samples 4 --seed 0 \\
+          --out data/shards/smollm2-sampled
       torchrun --nproc_per_node 8 -m specreplay extract --model path/to/target --prompts my.jsonl --out s3://bucket/x
     """
     from pipeline.extract import run_extract
