@@ -436,7 +436,10 @@ def load_anchors(side: Side, methods: list[str]) -> pl.DataFrame | None:
             raise CompareError(
                 f"{side.label}: {path} lacks column(s) {missing}; rescore that checkpoint with `specreplay score --force`"
             )
-        wanted = [results.accepted_column(m) for m in methods if results.accepted_column(m) in schema]
+        # named by the greedy column whatever the shards, so both sides line up method by method
+        sampled = results.is_sampled(side.record)
+        columns = {results.accepted_column(m): results.accepted_column(m, sampled) for m in methods}
+        wanted = [pl.col(source).alias(name) for name, source in columns.items() if source in schema]
         return pl.scan_parquet(path).select(*KEYS, "anchor", *wanted).collect()
     except CompareError:
         raise

@@ -158,12 +158,23 @@ def _labels(summaries: list[tuple[str, pl.DataFrame]]) -> dict[str, str]:
     (one checkpoint scored on two shard sets, or two runs both called step_300): then the
     directory name tells them apart."""
     names = {
-        d: (s["checkpoint"][0] if "checkpoint" in s.columns and s.height else os.path.basename(d)) for d, s in summaries
+        d: (s["checkpoint"][0] if "checkpoint" in s.columns and s.height else os.path.basename(d)) + _decoding(s)
+        for d, s in summaries
     }
     counts: dict[str, int] = {}
     for name in names.values():
         counts[name] = counts.get(name, 0) + 1
-    return {d: name if counts[name] == 1 else f"{name} [{os.path.basename(d)}]" for d, name in names.items()}
+    tails = {d: os.path.join(os.path.basename(os.path.dirname(os.path.abspath(d))), os.path.basename(d)) for d in names}
+    return {d: name if counts[name] == 1 else f"{name} [{tails[d]}]" for d, name in names.items()}
+
+
+def _decoding(summary: pl.DataFrame) -> str:
+    """' (T=0.6, top-p 0.95, top-k 20)' for results scored on sampled shards, '' for greedy."""
+    from pipeline.sampling import Sampling
+
+    if "temperature" not in summary.columns or not summary.height or not summary["temperature"][0]:
+        return ""
+    return f" ({Sampling(summary['temperature'][0], summary['top_p'][0], summary['top_k'][0]).describe()})"
 
 
 def position_reach(directory: str, positions: int) -> tuple[list[int], list[int]] | None:
@@ -231,7 +242,8 @@ def load_results(dirs: list[str]) -> Results:
         samples, walk = _chain_parts(d, labels[d])
         sample_parts.append(samples)
         walk_parts.append(walk)
-        counts = position_reach(d, _positions(summary))
+        # at T > 0 reaching a position is random: its expected count is not in anchors.parquet
+        counts = None if _decoding(summary) else position_reach(d, _positions(summary))
         if counts is not None:
             reach[labels[d]] = counts
     summary_df = _concat(summary_parts)

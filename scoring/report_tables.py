@@ -73,7 +73,8 @@ def summary_table(results: Results) -> str:
         head.append("All-anchor streak")
     head.append("Inexact samples")
     titles = {
-        "τ chain": f"mean over samples of tokens per decoding step ({TAU_UNIT})",
+        "τ chain": f"mean over samples of tokens per decoding step ({TAU_UNIT}); on sampled shards the "
+        "expected value, exact in distribution, ± its standard error over the responses",
         "All-anchor streak": "mean accepted draft tokens per anchor over every response position "
         "(chain, bonus-exclusive)",
         "Inexact samples": "samples whose walk is not exact (not greedy, or argmax mismatches)",
@@ -104,6 +105,8 @@ def _summary_rows(results: Results, dataset: str, budgets: list[int], has_streak
             continue
         css, first = (' class="group-start"' if first else ""), False
         tau = fmt(chain["tau"])
+        if chain.get("tau_se") is not None:  # sampled shards: an expectation with its sampling error
+            tau += f" ± {fmt(chain['tau_se'])}"
         cells = [
             html.escape(dataset),
             label_html(label),

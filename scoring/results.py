@@ -82,10 +82,18 @@ def tree_column(nodes: int) -> str:
     return f"ddtree_{int(nodes)}_accepted_len"
 
 
-def accepted_column(method: str) -> str:
-    """anchors.parquet column of a method's accepted length per anchor (bonus-exclusive)."""
+def accepted_column(method: str, sampled: bool = False) -> str:
+    """anchors.parquet column of a method's accepted length per anchor (bonus-exclusive). On
+    sampled shards the chain's is its expectation under rejection sampling."""
     nodes = tree_nodes_of(method)
-    return "accepted_len" if nodes is None else tree_column(nodes)
+    if nodes is None:
+        return "expected_accepted_len" if sampled else "accepted_len"
+    return tree_column(nodes)
+
+
+def is_sampled(record: dict | None) -> bool:
+    """Whether run.json says the shards' responses were sampled (temperature > 0)."""
+    return bool(((record or {}).get("shards", {}).get("sampling") or {}).get("temperature"))
 
 
 # --------------------------------------------------------------------------- schemas

@@ -467,7 +467,7 @@ def test_dedupe_prefers_the_run_on_more_samples_and_keeps_other_shards(tmp_path)
     (other / "b" / FILES["run"]).write_text(json.dumps(run))
     result = CliRunner().invoke(main, ["report", str(other), "--out", str(tmp_path / "o.html")])
     assert result.exit_code == 0 and "skipped" not in result.output
-    assert "run/step_300 [a]" in (tmp_path / "o.html").read_text()
+    assert "run/step_300 [other/a]" in (tmp_path / "o.html").read_text()
 
 
 def test_no_results_is_a_clear_error(tmp_path):
@@ -498,3 +498,17 @@ def test_headless_chromium_renders_the_report(built, tmp_path):
     keep = os.environ.get("SPECREPLAY_KEEP_SCREENSHOT")
     if keep:
         shutil.copy(shot, keep)
+
+
+def test_sampled_results_are_labelled_by_their_decoding():
+    """One checkpoint scored on greedy and on sampled shards: two rows, told apart by the sampling
+    settings rather than merged under one label."""
+    from scoring.report_data import _labels
+
+    greedy = pl.DataFrame({"checkpoint": ["run/step_1"], "temperature": [0.0], "top_p": [1.0], "top_k": [0]})
+    sampled = pl.DataFrame({"checkpoint": ["run/step_1"], "temperature": [0.6], "top_p": [0.95], "top_k": [20]})
+    labels = _labels([("r/greedy/run_step_1", greedy), ("r/sampled/run_step_1", sampled)])
+    assert labels == {
+        "r/greedy/run_step_1": "run/step_1",
+        "r/sampled/run_step_1": "run/step_1 (T=0.6, top-p 0.95, top-k 20)",
+    }

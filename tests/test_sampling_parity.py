@@ -25,6 +25,7 @@ import numpy as np
 import polars as pl
 import pytest
 import torch
+from click.testing import CliRunner
 
 import scoring.collect as collect
 import scoring.score as score_module
@@ -36,6 +37,7 @@ from pipeline.shards import ShardSet
 from scoring import metrics
 from scoring.config import ScoreConfig
 from scoring.score import run_score
+from specreplay.cli import main
 
 pytestmark = pytest.mark.slow
 # dflash_generate(return_stats=True) times itself with torch.cuda.synchronize; on CPU use a plain clock.
@@ -269,3 +271,12 @@ def test_ddtree_walk_along_a_sampled_response_equals_the_online_tree_loop(setup)
         steps += produced
     assert max(steps) > 1, steps
     assert json.load(open(f"{outcome.out_dir}/run.json"))["shards"]["sampling"]["temperature"] == 1.0
+    # the console says what the numbers are
+    headline = CliRunner().invoke(
+        main, ["score", "--ckpt", ckpt, "--shards", shards, "--out", str(tmp / "tree-cli"), "--quiet"]
+    )
+    assert headline.exit_code == 0, headline.output
+    assert (
+        "expected tau chain" in headline.output
+        and "sampled at T=1: expected tau, exact in distribution; ±" in headline.output
+    )
