@@ -276,6 +276,10 @@ def test_ddtree_walk_along_a_sampled_response_equals_the_online_tree_loop(setup)
         main, ["score", "--ckpt", ckpt, "--shards", shards, "--out", str(tmp / "tree-cli"), "--quiet"]
     )
     assert headline.exit_code == 0, headline.output
+    walk_only = CliRunner().invoke(
+        main, ["score", "--ckpt", ckpt, "--shards", shards, "--out", str(tmp / "tree-walk"), "--anchors", "walk"]
+    )
+    assert walk_only.exit_code == 2 and "needs every anchor" in walk_only.output, walk_only.output
     assert (
         "expected tau chain" in headline.output
         and "sampled at T=1: expected tau, exact in distribution; ±" in headline.output
