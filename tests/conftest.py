@@ -441,3 +441,26 @@ def chromium_screenshot(page, shot, profile_dir, width: int, height: int) -> Non
     ]
     proc = subprocess.run(command, capture_output=True, text=True, timeout=90)
     assert os.path.exists(shot), f"no screenshot (rc {proc.returncode}): {proc.stderr[-2000:]}"
+
+
+# --------------------------------------------------------------------------- killed runs
+
+
+def kill_after_first_shard(command: list[str], out, cwd: str, timeout_s: float = 300) -> None:
+    """Start `command` (an extract writing into `out`) and SIGKILL it as soon as its first shard
+    lands, so a resume test finds a half-finished extract. Model load under a busy CI can be slow."""
+    import signal
+    import subprocess
+    import time
+    from pathlib import Path
+
+    process = subprocess.Popen(command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not any((Path(out) / "shards").glob("*.arrow")):
+            assert process.poll() is None, process.stdout.read().decode()
+            assert time.monotonic() < deadline, "no shard appeared"
+            time.sleep(0.01)
+    finally:
+        process.send_signal(signal.SIGKILL)
+        process.wait()

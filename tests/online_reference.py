@@ -32,6 +32,16 @@ def _draft_logits(draft, target_embed, lm_head, features, block_ids, start):
     return draft.compute_logits(hidden[:, 1:], lambda h: torch.nn.functional.linear(h, lm_head))[0]
 
 
+def _block_logits(draft, target, target_embed, lm_head, seq, start: int, verify: int):
+    """The drafter's logits [verify - 1, V] for the block [seq[start], mask, ...] at `start`,
+    with the target's features of seq[:start] recomputed from scratch."""
+    _, hidden_states = _target_forward(target, seq[:start])
+    features = extract_context_feature(hidden_states, draft.target_layer_ids)[0]
+    block = torch.full((verify,), draft.mask_token_id, dtype=torch.long)
+    block[0] = seq[start]
+    return _draft_logits(draft, target_embed, lm_head, features, block, start)
+
+
 @torch.inference_mode()
 def online_generate(
     draft,
@@ -57,11 +67,7 @@ def online_generate(
     stopped = int(seq[start]) in stop_token_ids
     while start + 1 < max_length and not stopped:
         verify = min(draft.block_size, max_length - start)
-        _, hidden_states = _target_forward(target, seq[:start])
-        features = extract_context_feature(hidden_states, draft.target_layer_ids)[0]
-        block = torch.full((verify,), draft.mask_token_id, dtype=torch.long)
-        block[0] = seq[start]
-        dl = _draft_logits(draft, target_embed, lm_head, features, block, start)
+        dl = _block_logits(draft, target, target_embed, lm_head, seq, start, verify)
         # the target's greedy continuation after seq[:start + 1], long enough to verify the block
         cont = seq[: start + 1].clone()
         for _ in range(verify):
@@ -118,11 +124,7 @@ def online_tree_sampled(
     stopped = int(seq[start]) in stop_token_ids
     while start + 1 < max_length and not stopped:
         verify = min(draft.block_size, max_length - start)
-        _, hidden_states = _target_forward(target, seq[:start])
-        features = extract_context_feature(hidden_states, draft.target_layer_ids)[0]
-        block = torch.full((verify,), draft.mask_token_id, dtype=torch.long)
-        block[0] = seq[start]
-        dl = _draft_logits(draft, target_embed, lm_head, features, block, start)
+        dl = _block_logits(draft, target, target_embed, lm_head, seq, start, verify)
         tree = brute_force_tree(torch.log_softmax(dl.float(), -1), tree_budget)
         cont = seq[: start + 1].clone()
         accepted = 0

@@ -4,16 +4,14 @@ uninterrupted single-process run (ids, tokens, tensors), none duplicated, none r
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import write_prompts
+from conftest import kill_after_first_shard, write_prompts
 from pipeline.extract import ExtractConfig, run_extract
 from pipeline.inspect import inspect_extract
 from pipeline.shards import ShardSet, finished_shard_entries, read_manifest
@@ -103,16 +101,7 @@ def test_resume_after_kill(tiny_qwen3_dir, prompts_file, reference, tmp_path):
         "specreplay",
         *cli_args(tiny_qwen3_dir, prompts_file, out, "--shard-bytes", "1", "--batch-size", "1"),
     ]
-    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 300  # model load under a busy CI can be slow
-    try:
-        while not any((out / "shards").glob("*.arrow")):
-            assert process.poll() is None, process.stdout.read().decode()
-            assert time.monotonic() < deadline, "no shard appeared"
-            time.sleep(0.01)
-    finally:
-        process.send_signal(signal.SIGKILL)
-        process.wait()
+    kill_after_first_shard(command, out, REPO)
 
     manifest = read_manifest(str(out))
     assert not manifest["complete"]

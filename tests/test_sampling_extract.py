@@ -8,10 +8,7 @@ from __future__ import annotations
 
 import json
 import math
-import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 from statistics import NormalDist
 
@@ -19,7 +16,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from conftest import write_prompts
+from conftest import kill_after_first_shard, write_prompts
 from pipeline.extract import ExtractConfig, run_extract
 from pipeline.inspect import format_report, inspect_extract
 from pipeline.prompts import PromptRecord, render_prompt
@@ -269,16 +266,7 @@ def test_resume_after_kill_gives_the_uninterrupted_draws(sampled, tiny_qwen3_dir
     command = [sys.executable, "-m", "specreplay", "extract", "--model", tiny_qwen3_dir, "--prompts", prompts_file]
     command += ["--out", str(out), "--max-new-tokens", str(MAX_NEW), "--layer-ids", "0,2,5", "--quiet"]
     command += [*options, "--shard-bytes", "1", "--batch-size", "1"]
-    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 300
-    try:
-        while not any((out / "shards").glob("*.arrow")):
-            assert process.poll() is None, process.stdout.read().decode()
-            assert time.monotonic() < deadline, "no shard appeared"
-            time.sleep(0.01)
-    finally:
-        process.send_signal(signal.SIGKILL)
-        process.wait()
+    kill_after_first_shard(command, out, REPO)
     assert not read_manifest(str(out))["complete"]
     before = len(finished_shard_entries(str(out)))
     assert 1 <= before < len(want), "the kill must land mid-way"
