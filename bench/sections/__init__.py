@@ -9,7 +9,7 @@ from pathlib import Path
 
 # Run (and print) order of the default run. length runs before memory because memory writes
 # ~16 GiB of stand-in weights and shards, which evicts the page cache.
-DEFAULT = ("extract", "codecs", "reader", "fp32", "score", "fp8", "length", "memory")
+DEFAULT = ("extract", "codecs", "reader", "fp32", "score", "fp8", "sampling", "length", "memory")
 # Experiments that explain a design choice but are no figure of the product: only with --research.
 RESEARCH = ("research",)
 # A section needs the figures of these; skipping one skips its dependents, --only pulls them in.
