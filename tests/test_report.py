@@ -512,3 +512,13 @@ def test_sampled_results_are_labelled_by_their_decoding():
         "r/greedy/run_step_1": "run/step_1",
         "r/sampled/run_step_1": "run/step_1 (T=0.6, top-p 0.95, top-k 20)",
     }
+
+
+def test_staging_directories_are_not_results(tmp_path):
+    """score writes into a hidden `.<name>.partial-<pid>` directory and renames it when run.json
+    is in; the report never takes one of those (summary.parquet already there) as results."""
+    from scoring.report_data import find_results_dirs
+
+    write_results(tmp_path / "r" / "run_step_1", "run/step_1", 1, 1.2, 4)
+    write_results(tmp_path / "r" / ".run_step_2.partial-123", "run/step_2", 2, 1.3, 4)
+    assert find_results_dirs([str(tmp_path / "r")]) == [str(tmp_path / "r" / "run_step_1")]
