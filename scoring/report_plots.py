@@ -188,6 +188,19 @@ def _step_lines(results: Results, stepped: list[str]):
                 yield name, points, d_index, r_index, dataset == ALL
 
 
+def _tree_step_lines(results: Results, stepped: list[str]):
+    """('(all) ddtree-N', [(step, tau)]) per DDTree budget over every dataset pooled; one run
+    only (several runs' checkpoints share steps, and their lines would zigzag)."""
+    if len({lab.rsplit("/", 1)[0] for lab in stepped}) > 1:
+        return
+    rows = results.summary.filter((pl.col("dataset") == ALL) & pl.col("label").is_in(stepped))
+    for nodes in ddtree_budgets(results.summary):
+        mine = rows.filter(pl.col("method") == tree_method(nodes))
+        points = sorted((results.steps[lab], tau) for lab, tau in zip(mine["label"], mine["tau"]) if tau is not None)
+        if points:
+            yield f"{ALL} {tree_method(nodes)}", points
+
+
 def plot_tau_vs_step(results: Results) -> tuple[bytes | None, str | None]:
     stepped = [lab for lab in results.order if results.steps.get(lab) is not None]
     if not stepped:
@@ -210,10 +223,32 @@ def plot_tau_vs_step(results: Results) -> tuple[bytes | None, str | None]:
             linestyle=["-", "--", ":", "-."][r_index % 4],
             label=name,
         )
+    for index, (name, points) in enumerate(_tree_step_lines(results, stepped)):
+        ax.plot(
+            [p[0] for p in points],
+            [p[1] for p in points],
+            marker=".",
+            ms=3,
+            linewidth=1,
+            color=str(0.25 + 0.5 * index / max(1, len(ddtree_budgets(results.summary)))),
+            label=name,
+        )
+    newest = max(results.steps[lab] for lab in stepped)
+    ax.axvline(newest, color="#d62728", linestyle=":", linewidth=1)
+    ax.annotate(
+        f"newest: step {newest}",
+        (newest, 1),
+        xycoords=("data", "axes fraction"),
+        xytext=(-4, -12),
+        textcoords="offset points",
+        ha="right",
+        fontsize=8,
+        color="#d62728",
+    )
     ax.set_xlabel("training step")
-    ax.set_ylabel(f"chain τ ({TAU_UNIT})")
-    ax.set_title("Chain τ against training step, per dataset")
-    ax.legend(fontsize=8, title="dataset", title_fontsize=8)
+    ax.set_ylabel(f"τ ({TAU_UNIT})")
+    ax.set_title("τ against training step: chain per dataset, DDTree-N pooled (grey)")
+    ax.legend(fontsize=8, title="chain by dataset; DDTree pooled", title_fontsize=8)
     note = None
     if len(stepped) == 1:
         note = "Only one checkpoint carries a training step, so the curve is a single point."
