@@ -464,3 +464,25 @@ def kill_after_first_shard(command: list[str], out, cwd: str, timeout_s: float =
     finally:
         process.send_signal(signal.SIGKILL)
         process.wait()
+
+
+def tiny_shards(tmp, model_dir: str, records: list[dict], max_new_tokens: int = 16) -> str:
+    """`records` written as tmp/prompts.jsonl and extracted from a tiny target into tmp/shards
+    (feature layers 1 and 3, top-8, fp32): the small real extract most score tests start from."""
+    from pipeline.config import ExtractConfig
+    from pipeline.extract import run_extract
+
+    prompts = write_prompts(tmp / "prompts.jsonl", records)
+    shards = str(tmp / "shards")
+    run_extract(
+        ExtractConfig(
+            model=model_dir,
+            prompts=prompts,
+            out=shards,
+            max_new_tokens=max_new_tokens,
+            layer_ids=[1, 3],
+            top_k=8,
+            dtype="fp32",
+        )
+    )
+    return shards

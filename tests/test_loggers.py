@@ -17,10 +17,9 @@ import polars as pl
 import pytest
 from click.testing import CliRunner
 
-from conftest import fitted_drafters, write_prompts
+from conftest import fitted_drafters, tiny_shards
 from fake_results import write_fake_results
 from pipeline.errors import UserError
-from pipeline.extract import ExtractConfig, run_extract
 from scoring.loggers import LEDGER_NAME, LoggerOptions, log_results, open_loggers, results_dirs_under, scalars_of
 from scoring.loggers_ledger import Ledger
 from scoring.results import summary_schema
@@ -40,25 +39,10 @@ def scored(tmp_path_factory, tiny_qwen3_dir) -> str:
     """A real `score` of two checkpoints (steps 10 and 20) of a drafter fitted to tiny shards of
     two datasets, plus a synthetic results directory whose checkpoint has no step; returns --out."""
     tmp = tmp_path_factory.mktemp("loggers")
-    prompts = write_prompts(
-        tmp / "prompts.jsonl",
-        [
-            {"id": f"q{i}", "prompt": f"What is {i} + {i}?", "dataset": "alpha" if i < 2 else "mt-bench"}
-            for i in range(4)
-        ],
-    )
-    shards = str(tmp / "shards")
-    run_extract(
-        ExtractConfig(
-            model=tiny_qwen3_dir,
-            prompts=prompts,
-            out=shards,
-            max_new_tokens=16,
-            layer_ids=[1, 3],
-            top_k=8,
-            dtype="fp32",
-        )
-    )
+    records = [
+        {"id": f"q{i}", "prompt": f"What is {i} + {i}?", "dataset": "alpha" if i < 2 else "mt-bench"} for i in range(4)
+    ]
+    shards = tiny_shards(tmp, tiny_qwen3_dir, records)
     fitted_drafters(shards, tmp / "runs", block_size=4, layer_ids=[1, 3], steps=20, save_every=10, anchors_per_step=16)
     out = str(tmp / "results")
     args = ["score", "--ckpt", str(tmp / "runs" / "step_*"), "--shards", shards, "--out", out]

@@ -12,7 +12,7 @@ import polars as pl
 import pytest
 from click.testing import CliRunner
 
-from conftest import fitted_drafters, write_prompts
+from conftest import fitted_drafters, tiny_shards
 from pipeline.extract import ExtractConfig, run_extract
 from specreplay.cli import main
 
@@ -24,25 +24,11 @@ def scored_setup(tmp_path_factory, tiny_qwen3_dir):
     tmp = tmp_path_factory.mktemp("score_cli")
     # two datasets, the first three prompts one, the last two the other: --limit takes the
     # first N, --sample spreads N over both
-    prompts = write_prompts(
-        tmp / "prompts.jsonl",
-        [
-            {"id": f"q{i}", "prompt": f"Question {i}: what is {i} + {i}?", "dataset": "alpha" if i < 3 else "beta"}
-            for i in range(5)
-        ],
-    )
-    shards = str(tmp / "shards")
-    run_extract(
-        ExtractConfig(
-            model=tiny_qwen3_dir,
-            prompts=prompts,
-            out=shards,
-            max_new_tokens=24,
-            layer_ids=[1, 3],
-            top_k=8,
-            dtype="fp32",
-        )
-    )
+    records = [
+        {"id": f"q{i}", "prompt": f"Question {i}: what is {i} + {i}?", "dataset": "alpha" if i < 3 else "beta"}
+        for i in range(5)
+    ]
+    shards = tiny_shards(tmp, tiny_qwen3_dir, records, max_new_tokens=24)
     written = fitted_drafters(
         shards, tmp / "runs", block_size=4, layer_ids=[1, 3], steps=60, save_every=30, anchors_per_step=32
     )

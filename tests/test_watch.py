@@ -24,8 +24,7 @@ import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
-from conftest import fitted_drafters, write_prompts
-from pipeline.extract import ExtractConfig, run_extract
+from conftest import fitted_drafters, tiny_shards
 from scoring.config import ScoreConfig
 from scoring.score import run_score
 from scoring.watch import Tracker, candidate_paths
@@ -48,19 +47,7 @@ class Setup:
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory, tiny_qwen3_dir) -> Setup:
     tmp = tmp_path_factory.mktemp("watch")
-    prompts = write_prompts(tmp / "prompts.jsonl", [{"id": f"q{i}", "prompt": f"What is {i} + {i}?"} for i in range(4)])
-    shards = str(tmp / "shards")
-    run_extract(
-        ExtractConfig(
-            model=tiny_qwen3_dir,
-            prompts=prompts,
-            out=shards,
-            max_new_tokens=16,
-            layer_ids=[1, 3],
-            top_k=8,
-            dtype="fp32",
-        )
-    )
+    shards = tiny_shards(tmp, tiny_qwen3_dir, [{"id": f"q{i}", "prompt": f"What is {i} + {i}?"} for i in range(4)])
     fitted = fitted_drafters(
         shards, tmp / "fitted", block_size=4, layer_ids=[1, 3], steps=30, save_every=10, anchors_per_step=16
     )
