@@ -71,4 +71,8 @@ def main():
       specreplay extract --model smollm2 --prompts default --out data/shards/smollm2
       specreplay score --ckpt path/to/drafter --shards data/shards/smollm2 --out data/results
       specreplay inspect data/shards/smollm2
+      specreplay compare data/results/run7_step_1000 data/results/run7_step_2000
+      specreplay report data/results --out report.html
+      specreplay watch --ckpt 'runs/run7/step_*' --shards data/shards/smollm2 --out data/results \\
+          --tensorboard runs/run7/logs      # beside a training run
     """
