@@ -19,7 +19,7 @@ from typing import Protocol
 from pipeline.errors import UserError
 from scoring.loggers_backends import PREFIX, MlflowLogger, TensorBoardLogger, WandbLogger
 from scoring.loggers_ledger import LEDGER_NAME, Ledger, ledger_path_for
-from scoring.results import ALL_DATASETS, CHAIN, FILES, tree_nodes_of
+from scoring.results import ALL_DATASETS, CHAIN, FILES, results_dirs_below, tree_nodes_of
 
 __all__ = [
     "LEDGER_NAME",
@@ -131,12 +131,7 @@ def results_dirs_under(path: str) -> list[str]:
     complete one below it. Hidden directories (score's staging names) are never entered."""
     if not os.path.isdir(path):
         raise UserError(f"{path}: not a directory (pass a results directory written by `specreplay score`)")
-    found = []
-    for root, dirs, files in os.walk(path):
-        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-        if FILES["summary"] in files and FILES["run"] in files:
-            found.append(os.path.abspath(root))
-            dirs[:] = []  # a results directory holds no other
+    found = results_dirs_below(path, ("summary", "run"))
     if not found:
         raise UserError(f"no results directory (summary.parquet and run.json) at or below {path}")
     return found

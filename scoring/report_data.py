@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import polars as pl
 
 from pipeline.errors import UserError
-from scoring.results import ALL_DATASETS as ALL, CHAIN, FILES, tree_nodes_of
+from scoring.results import ALL_DATASETS as ALL, CHAIN, FILES, results_dirs_below, tree_nodes_of
 
 TAU_UNIT = "tokens per step, bonus-inclusive"
 SAMPLE_COLUMNS = [
@@ -74,11 +74,7 @@ def find_results_dirs(paths: list[str]) -> list[str]:
     for path in paths:
         if not os.path.isdir(path):
             raise ReportError(f"{path}: not a directory (pass results directories written by `specreplay score`)")
-        for root, dirs, files in os.walk(path):
-            # hidden directories are score's staging (`.<name>.partial-<pid>`, not complete yet)
-            dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-            if FILES["summary"] in files:
-                found.append(os.path.abspath(root))
+        found += results_dirs_below(path, ("summary",))
     unique = sorted(set(found))
     if not unique:
         raise ReportError(f"no summary.parquet at or below {', '.join(paths)}; run `specreplay score` first")

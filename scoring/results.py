@@ -46,6 +46,34 @@ def result_dir_name(path: str) -> str:
     return f"{os.path.basename(parent)}_{stem}"
 
 
+STAGING = ".partial-"  # score writes `.<name>.partial-<pid>/` beside the results, then renames it
+
+
+def staging_dir(out_dir: str, pid: int | str) -> str:
+    """The hidden directory process `pid` writes out_dir's files into before renaming it into place."""
+    parent, name = os.path.split(os.path.normpath(out_dir))
+    return os.path.join(parent, f".{name}{STAGING}{pid}")
+
+
+def staging_dirs(out_dir: str) -> list[tuple[str, str]]:
+    """(path, pid text) of every staging directory of out_dir, whichever process made it."""
+    import glob
+
+    pattern = staging_dir(glob.escape(os.path.normpath(out_dir)), "*")
+    return [(path, path.rsplit(STAGING, 1)[1]) for path in sorted(glob.glob(pattern))]
+
+
+def results_dirs_below(path: str, need: tuple[str, ...] = ("summary",)) -> list[str]:
+    """Every directory at or below `path` holding the FILES kinds in `need`, sorted. Hidden
+    directories (staging, not complete yet) are never entered."""
+    found = []
+    for root, dirs, files in os.walk(path):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        if all(FILES[kind] in files for kind in need):
+            found.append(os.path.abspath(root))
+    return sorted(found)
+
+
 # --------------------------------------------------------------------------- method names
 
 

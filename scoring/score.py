@@ -333,7 +333,7 @@ def write_results(out_dir: str, tables: dict, record: dict) -> None:
     rename it into place: a results directory that exists is complete, whenever the process
     dies. Results being replaced (--force) are moved aside first and deleted after."""
     parent, name = os.path.split(os.path.normpath(out_dir))
-    staging = os.path.join(parent, f".{name}.partial-{os.getpid()}")
+    staging = results.staging_dir(out_dir, os.getpid())
     shutil.rmtree(staging, ignore_errors=True)
     os.makedirs(staging)
     for kind in ("anchors", "walk", "samples", "summary"):

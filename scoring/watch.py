@@ -56,8 +56,6 @@ from scoring.score import Outcome, check_anchor_set, read_record, resolve_device
 ONCE_SETTLE_S = 2.0
 # Names trainers write under before renaming: never scored, however the glob reads.
 TEMPORARY_NAME = re.compile(r"^(\.|tmp[-_.]|temp[-_.])|\.(tmp|temp|partial|incomplete)$", re.I)
-# scoring/score.py write_results stages a results directory as .<name>.partial-<pid>.
-STAGING_INFIX = ".partial-"
 REPORT_NAME = "report.html"
 
 
@@ -197,12 +195,6 @@ class Tracker:
 # --------------------------------------------------------------------------- staging and signals
 
 
-def staging_dirs(out_dir: str) -> list[str]:
-    """The hidden staging directories of out_dir that write_results creates, whoever made them."""
-    parent, name = os.path.split(os.path.normpath(out_dir))
-    return sorted(glob.glob(os.path.join(glob.escape(parent), f".{glob.escape(name)}{STAGING_INFIX}*")))
-
-
 def pid_alive(pid: int) -> bool:
     """Whether process `pid` exists on this machine (signal 0 checks without sending one)."""
     try:
@@ -218,8 +210,7 @@ def remove_dead_staging(out_dir: str) -> list[str]:
     """Remove the staging directories of out_dir whose process is gone (killed mid-write): they
     will never be renamed into place. A live process's (ours included) is left alone."""
     removed = []
-    for path in staging_dirs(out_dir):
-        pid = path.rsplit(STAGING_INFIX, 1)[1]
+    for path, pid in results.staging_dirs(out_dir):
         if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
@@ -228,8 +219,7 @@ def remove_dead_staging(out_dir: str) -> list[str]:
 
 def remove_own_staging(out_dir: str) -> None:
     """Our own staging directory of out_dir, left when a signal or an error cut write_results short."""
-    parent, name = os.path.split(os.path.normpath(out_dir))
-    shutil.rmtree(os.path.join(parent, f".{name}{STAGING_INFIX}{os.getpid()}"), ignore_errors=True)
+    shutil.rmtree(results.staging_dir(out_dir, os.getpid()), ignore_errors=True)
 
 
 @contextlib.contextmanager
