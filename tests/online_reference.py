@@ -42,6 +42,30 @@ def _block_logits(draft, target, target_embed, lm_head, seq, start: int, verify:
     return _draft_logits(draft, target_embed, lm_head, features, block, start)
 
 
+def _online_loop(prompt: torch.Tensor, first: torch.Tensor, max_new_tokens: int, stop_token_ids, block_size, step):
+    """The loop both online references share: from the prefill token `first`, each step at
+    `start` verifies a block of min(block_size, remaining) and `step(seq, start, verify)` returns
+    (accepted draft tokens, the tokens the target emits after seq[start]); `produced` = accepted
+    + 1, capped by the budget and cut after the first stop token. Returns (output_ids, produced list)."""
+    P = prompt.numel()
+    max_length = P + max_new_tokens
+    seq = torch.cat([prompt, first.reshape(1)])
+    produced_list, start = [], P
+    stopped = int(seq[start]) in stop_token_ids
+    while start + 1 < max_length and not stopped:
+        verify = min(block_size, max_length - start)
+        accepted, new_tokens = step(seq, start, verify)
+        produced = min(accepted + 1, max_length - start - 1)
+        stops = [i for i, t in enumerate(new_tokens[:produced].tolist()) if t in stop_token_ids]
+        if stops:
+            produced = stops[0] + 1
+            stopped = True
+        seq = torch.cat([seq[: start + 1], new_tokens[:produced]])
+        start += produced
+        produced_list.append(produced)
+    return seq[: min(start + 1, max_length)], produced_list
+
+
 @torch.inference_mode()
 def online_generate(
     draft,
@@ -58,15 +82,8 @@ def online_generate(
     with a brute-force tree of `tree_budget` most probable prefixes (small vocabularies only).
     `drafts`, when given, receives each chain step's draft block (the drafter's argmax at block
     positions 1..verify-1)."""
-    P = prompt.numel()
-    max_length = P + max_new_tokens
-    logits, _ = _target_forward(target, prompt)
-    seq = torch.cat([prompt, logits[-1].argmax()[None]])
-    produced_list = []
-    start = P
-    stopped = int(seq[start]) in stop_token_ids
-    while start + 1 < max_length and not stopped:
-        verify = min(draft.block_size, max_length - start)
+
+    def step(seq, start, verify):
         dl = _block_logits(draft, target, target_embed, lm_head, seq, start, verify)
         # the target's greedy continuation after seq[:start + 1], long enough to verify the block
         cont = seq[: start + 1].clone()
@@ -75,24 +92,17 @@ def online_generate(
         target_next = cont[start + 1 :]  # target argmax after each block position
         if tree_budget is None:
             guesses = dl.argmax(-1)
-            accepted = int((guesses == target_next[: verify - 1]).long().cumprod(0).sum())
             if drafts is not None:
                 drafts.append(guesses.tolist())
-        else:
-            tree = brute_force_tree(torch.log_softmax(dl.float(), -1), tree_budget)
-            accepted = 0
-            while accepted < verify - 1 and tuple(target_next[: accepted + 1].tolist()) in tree:
-                accepted += 1
-        produced = min(accepted + 1, max_length - start - 1)
-        new_tokens = target_next[:produced]
-        stops = [i for i, t in enumerate(new_tokens.tolist()) if t in stop_token_ids]
-        if stops:
-            produced = stops[0] + 1
-            stopped = True
-        seq = torch.cat([seq[: start + 1], target_next[:produced]])
-        start += produced
-        produced_list.append(produced)
-    return seq[: min(start + 1, max_length)], produced_list
+            return int((guesses == target_next[: verify - 1]).long().cumprod(0).sum()), target_next
+        tree = brute_force_tree(torch.log_softmax(dl.float(), -1), tree_budget)
+        accepted = 0
+        while accepted < verify - 1 and tuple(target_next[: accepted + 1].tolist()) in tree:
+            accepted += 1
+        return accepted, target_next
+
+    first = _target_forward(target, prompt)[0][-1].argmax()
+    return _online_loop(prompt, first, max_new_tokens, stop_token_ids, draft.block_size, step)
 
 
 @torch.inference_mode()
@@ -112,35 +122,20 @@ def online_tree_sampled(
     drafter's untempered log-probs; the target samples (temperature only) at the root and at
     every node it reaches, and verification goes on while the sampled token is a child. The
     first token is sampled at prefill. Returns (output_ids, acceptance_lengths)."""
-    P = prompt.numel()
-    max_length = P + max_new_tokens
 
     def sample_next(ids):
         probs = torch.softmax(_target_forward(target, ids)[0][-1].float() / temperature, dim=-1)
         return torch.multinomial(probs, 1, generator=generator)
 
-    seq = torch.cat([prompt, sample_next(prompt)])
-    produced_list, start = [], P
-    stopped = int(seq[start]) in stop_token_ids
-    while start + 1 < max_length and not stopped:
-        verify = min(draft.block_size, max_length - start)
+    def step(seq, start, verify):
         dl = _block_logits(draft, target, target_embed, lm_head, seq, start, verify)
         tree = brute_force_tree(torch.log_softmax(dl.float(), -1), tree_budget)
-        cont = seq[: start + 1].clone()
-        accepted = 0
+        cont, accepted = seq[: start + 1].clone(), 0
         while True:
             cont = torch.cat([cont, sample_next(cont)])
             if accepted < verify - 1 and tuple(cont[start + 1 :].tolist()) in tree:
                 accepted += 1
             else:
-                break
-        new_tokens = cont[start + 1 :]
-        produced = min(accepted + 1, max_length - start - 1)
-        stops = [i for i, t in enumerate(new_tokens[:produced].tolist()) if t in stop_token_ids]
-        if stops:
-            produced = stops[0] + 1
-            stopped = True
-        seq = torch.cat([seq[: start + 1], new_tokens[:produced]])
-        start += produced
-        produced_list.append(produced)
-    return seq[: min(start + 1, max_length)], produced_list
+                return accepted, cont[start + 1 :]
+
+    return _online_loop(prompt, sample_next(prompt), max_new_tokens, stop_token_ids, draft.block_size, step)
