@@ -11,6 +11,7 @@ recorded in run.json (`selection`, with a hash of the chosen sample ids), which 
 from __future__ import annotations
 
 import hashlib
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,9 +28,19 @@ class Selection:
     datasets: tuple[str, ...] | None = None  # only these datasets
 
 
+_INDEX: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # ShardSet -> its sample index
+
+
 def sample_index(shardset: ShardSet) -> list[tuple[str, str]]:
     """(sample_id, dataset) of every sample in manifest order. From the shard entries when they
-    list datasets (extracts since specreplay 0.4); older ones are read (no tensor is decoded)."""
+    list datasets (extracts since specreplay 0.4); older ones are read once per ShardSet (no
+    tensor is decoded), not once per checkpoint scored against it."""
+    if shardset not in _INDEX:
+        _INDEX[shardset] = _read_index(shardset)
+    return _INDEX[shardset]
+
+
+def _read_index(shardset: ShardSet) -> list[tuple[str, str]]:
     index = []
     for entry in shardset.entries:
         datasets = entry.get("datasets")

@@ -73,10 +73,9 @@ def walk_end(prompt_len: int, is_stop: torch.Tensor) -> int:
     """Where every walk over this response ends, whatever its steps: the first stop token at or
     after prompt_len, else the last position (a step never jumps past either: `produced` is
     capped by the response and cut just after the first stop)."""
-    for position in range(prompt_len, is_stop.numel() - 1):
-        if bool(is_stop[position]):
-            return position
-    return max(prompt_len, is_stop.numel() - 1)
+    last = is_stop.numel() - 1
+    stops = torch.nonzero(is_stop[prompt_len:last]).flatten()
+    return prompt_len + int(stops[0]) if stops.numel() else max(prompt_len, last)
 
 
 def steps_distribution(produced_probs: torch.Tensor, prompt_len: int, end: int) -> torch.Tensor:
