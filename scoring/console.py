@@ -37,7 +37,7 @@ def headline(name: str, summary: pa.Table) -> str:
     chain = pooled[results.CHAIN]
     exact = chain["samples"] - chain["inexact_samples"]
     line = f"{name}: tau chain {fmt(chain['tau'])} (all, {chain['samples']} samples, exact {exact}/{chain['samples']})"
-    if sampling_of_row(chain) is not None:
+    if results.sampling_of_row(chain) is not None:
         line = f"{name}: expected tau chain {fmt(chain['tau'])} ({sampled_words(chain)})"
     tree = best_tree(pooled)
     if tree is not None:
@@ -48,19 +48,10 @@ def headline(name: str, summary: pa.Table) -> str:
     return line
 
 
-def sampling_of_row(row: dict):
-    """The Sampling of a summary row scored on sampled shards; None for greedy (or older results)."""
-    from pipeline.sampling import Sampling
-
-    if not row.get("temperature"):
-        return None
-    return Sampling(row["temperature"], row["top_p"], row["top_k"])
-
-
 def sampled_words(row: dict) -> str:
     """'sampled at T=0.6, top-p 0.95, top-k 20: expected tau, exact in distribution; ± 0.012 over 64 responses'."""
     return (
-        f"sampled at {sampling_of_row(row).describe()}: expected tau, exact in distribution; "
+        f"sampled at {results.sampling_of_row(row).describe()}: expected tau, exact in distribution; "
         f"± {fmt(row.get('tau_se'))} over {row['samples'] - row['samples_without_steps']} responses"
     )
 
@@ -74,7 +65,7 @@ def print_table(summary: pa.Table, record: dict, out_dir: str) -> None:
     )
     methods = list(dict.fromkeys(r["method"] for r in rows))
     pooled_chain = pooled_rows(summary)[results.CHAIN]
-    if sampling_of_row(pooled_chain) is not None:
+    if results.sampling_of_row(pooled_chain) is not None:
         print(f"  {sampled_words(pooled_chain)}; DDTree walks follow the sampled responses")
     print("  tau (mean accepted + bonus per step, simulated walk)")
     print(f"  {'dataset':<16}" + "".join(f"{m:>12}" for m in methods) + f"{'streak':>10}")

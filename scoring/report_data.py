@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import polars as pl
 
 from pipeline.errors import UserError
-from scoring.results import ALL_DATASETS as ALL, CHAIN, FILES, results_dirs_below, tree_nodes_of
+from scoring.results import ALL_DATASETS as ALL, CHAIN, FILES, results_dirs_below, sampling_of_row, tree_nodes_of
 
 TAU_UNIT = "tokens per step, bonus-inclusive"
 SAMPLE_COLUMNS = [
@@ -167,11 +167,8 @@ def _labels(summaries: list[tuple[str, pl.DataFrame]]) -> dict[str, str]:
 
 def _decoding(summary: pl.DataFrame) -> str:
     """' (T=0.6, top-p 0.95, top-k 20)' for results scored on sampled shards, '' for greedy."""
-    from pipeline.sampling import Sampling
-
-    if "temperature" not in summary.columns or not summary.height or not summary["temperature"][0]:
-        return ""
-    return f" ({Sampling(summary['temperature'][0], summary['top_p'][0], summary['top_k'][0]).describe()})"
+    sampling = sampling_of_row(summary.row(0, named=True)) if summary.height else None
+    return "" if sampling is None else f" ({sampling.describe()})"
 
 
 def position_reach(directory: str, positions: int) -> tuple[list[int], list[int]] | None:

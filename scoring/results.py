@@ -119,6 +119,16 @@ def accepted_column(method: str, sampled: bool = False) -> str:
     return tree_column(nodes)
 
 
+def sampling_of_row(row: dict):
+    """The pipeline.sampling.Sampling a summary row was scored at (its temperature/top_p/top_k
+    columns); None for greedy shards and for results older than those columns."""
+    if not row.get("temperature"):
+        return None
+    from pipeline.sampling import Sampling  # imports torch: only for sampled results
+
+    return Sampling(row["temperature"], row["top_p"], row["top_k"])
+
+
 def is_sampled(record: dict | None) -> bool:
     """Whether run.json says the shards' responses were sampled (temperature > 0)."""
     return bool(((record or {}).get("shards", {}).get("sampling") or {}).get("temperature"))
