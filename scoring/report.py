@@ -188,6 +188,16 @@ def _plot_sections(results: Results) -> list[str]:
     ]
 
 
+def _sampled_caption(results) -> str:
+    """The words the console uses for results scored on sampled shards (empty when none is)."""
+    if "temperature" not in results.summary.columns or not (results.summary["temperature"].fill_null(0) > 0).any():
+        return ""
+    return (
+        " Rows labelled “sampled at T=…” (shown as “(T=…, top-p …, top-k …)”) are expected τ, exact in "
+        "distribution, ± its standard error over the responses; DDTree walks follow the sampled responses."
+    )
+
+
 def render_report(
     results: Results,
     title: str | None = None,
@@ -204,7 +214,7 @@ def render_report(
     body += [
         "<h2>Summary</h2>",
         f'<p class="caption">One row per dataset and checkpoint; τ in {TAU_UNIT}. Hover a column title for its '
-        f"definition. “(all)” pools every sample.</p>",
+        f"definition. “(all)” pools every sample.{_sampled_caption(results)}</p>",
         summary_table(results),
         *_plot_sections(results),
         "<h2>Worst prompts</h2>",

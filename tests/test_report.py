@@ -522,3 +522,14 @@ def test_staging_directories_are_not_results(tmp_path):
     write_results(tmp_path / "r" / "run_step_1", "run/step_1", 1, 1.2, 4)
     write_results(tmp_path / "r" / ".run_step_2.partial-123", "run/step_2", 2, 1.3, 4)
     assert find_results_dirs([str(tmp_path / "r")]) == [str(tmp_path / "r" / "run_step_1")]
+
+
+def test_sampled_results_get_the_exact_in_distribution_caption():
+    from types import SimpleNamespace
+
+    from scoring.report import _sampled_caption
+
+    greedy = SimpleNamespace(summary=pl.DataFrame({"temperature": [0.0, None]}))
+    sampled = SimpleNamespace(summary=pl.DataFrame({"temperature": [0.0, 0.6]}))
+    assert _sampled_caption(greedy) == "" and _sampled_caption(SimpleNamespace(summary=pl.DataFrame({"x": [1]}))) == ""
+    assert "expected τ, exact in distribution, ± its standard error" in _sampled_caption(sampled)
