@@ -131,6 +131,13 @@ def resolve_layer_ids(config: ExtractConfig, num_target_layers: int) -> list[int
     return ids
 
 
+def with_neighbours(ids: list[int], num_target_layers: int) -> list[int]:
+    """`--neighbour-layers`: the requested ids in their order, then every i - 1 and i + 1 that
+    is a decoder layer and not already there, ascending (drafters select their ids by value)."""
+    extra = {j for i in ids for j in (i - 1, i + 1) if 0 <= j < num_target_layers} - set(ids)
+    return list(ids) + sorted(extra)
+
+
 def parse_feature_dtype(name: str | None, model_dtype: str) -> str:
     """Storage dtype name of the features: the model dtype (lossless) unless `--feature-dtype`."""
     if name is None:
@@ -298,7 +305,13 @@ TARGET_IDENTITY = (
 
 
 def settings_identity(
-    config: ExtractConfig, info, fingerprint: str, layer_ids: list[int], feature_dtype: str, prompts: dict
+    config: ExtractConfig,
+    info,
+    fingerprint: str,
+    layer_ids: list[int],
+    feature_dtype: str,
+    prompts: dict,
+    requested: list[int] | None = None,
 ) -> dict:
     """What must not change between a run and its resume (compared key by key on resume)."""
     target = {key: getattr(info, key) for key in TARGET_IDENTITY}
@@ -317,6 +330,8 @@ def settings_identity(
     sampling = sampling_settings(config)
     if sampling is not None:  # absent for greedy, so a greedy identity is what it always was
         identity.update(decoding="sampled", sampling=sampling)
+    if config.neighbour_layers:  # likewise absent unless asked for; the drafter's own ids
+        identity["neighbour_layers"] = {"requested": list(requested or layer_ids)}
     return identity
 
 
@@ -509,7 +524,8 @@ def plan_extract(config: ExtractConfig, records, tokenizer, info, fingerprint: s
     from pipeline.prompts import prompt_set_hash
 
     items = prepare_items(records, tokenizer, config.enable_thinking)
-    layer_ids = resolve_layer_ids(config, info.num_layers)
+    requested = resolve_layer_ids(config, info.num_layers)
+    layer_ids = with_neighbours(requested, info.num_layers) if config.neighbour_layers else requested
     if config.top_k > info.vocab_size:
         raise UserError(
             f"--top-k {config.top_k} exceeds the target's vocabulary ({info.vocab_size}); pass a smaller --top-k"
@@ -537,7 +553,7 @@ def plan_extract(config: ExtractConfig, records, tokenizer, info, fingerprint: s
         chunk_tokens=chunk_tokens,
         raw_bytes_per_token=len(layer_ids) * info.hidden_size * 2,
         prompts=prompts,
-        settings=settings_identity(config, info, fingerprint, layer_ids, feature_dtype, prompts),
+        settings=settings_identity(config, info, fingerprint, layer_ids, feature_dtype, prompts, requested),
         sampling=sampling,
     )
 

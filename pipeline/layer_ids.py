@@ -41,3 +41,10 @@ def check_layer_ids(layer_ids: list[int], num_target_layers: int, where: str = "
             f"{where}: layer ids {bad} out of range; the target has {num_target_layers} decoder layers "
             f"(valid ids 0..{num_target_layers - 1}; id i is the output of decoder layer i)"
         )
+
+
+def requested_layer_ids(settings: dict) -> list[int]:
+    """The feature layers an extract was asked for: its stored `layer_ids` without the
+    neighbours `extract --neighbour-layers` added (manifest settings.neighbour_layers)."""
+    neighbours = settings.get("neighbour_layers") or {}
+    return [int(i) for i in neighbours.get("requested", settings["layer_ids"])]

@@ -41,3 +41,24 @@ class FitOptions:
     init_std: float = 0.02
     layers: int = 1  # drafter decoder layers
     block_size: int = 8
+
+
+@dataclass
+class DiagnoseConfig:
+    ckpt: str
+    shards: str
+    out: str = "data/diagnose"  # writes --out/<parent>_<name>/diagnose.parquet
+    limit: int | None = None  # samples; None = DEFAULT_DIAGNOSE_SAMPLES drawn with `seed`
+    variants: list[str] | None = None  # None = every variant that applies
+    seed: int = 0
+    device: str = "auto"
+    dtype: str = "fp32"  # the as-configured run; the bf16 variant is the precision probe
+    memory_bytes: int = DEFAULT_MEMORY_BYTES
+    attention: str = "auto"
+    resamples: int = 2000  # paired bootstrap resamples per interval
+    force: bool = False  # replace a diagnose.parquet already there
+
+
+# `diagnose` default: samples (stratified by dataset, seeded) that take about a minute for every
+# variant at SmolLM2-135M shapes and 128-token responses on two CPU cores (bench/README.md).
+DEFAULT_DIAGNOSE_SAMPLES = 12

@@ -29,6 +29,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwe
 from pipeline import timing
 from pipeline.errors import UserError
 from pipeline.layer_ids import build_target_layer_ids
+from scoring.conventions import REFERENCE, Conventions
 
 # Fields the DFlash family uses that this implementation does not; a config carrying any of
 # them is a variant we refuse by name rather than score wrong.
@@ -78,6 +79,22 @@ class DrafterConfig:
 
     def layer_window(self, index: int) -> int | None:
         return self.sliding_window if self.layer_types[index] == "sliding_attention" else None
+
+    def layer_mask_kind(self, index: int, conventions: Conventions = REFERENCE) -> tuple[bool, int | None]:
+        """(causal inside the block, sliding window or None) of layer `index` under `conventions`."""
+        window = {"configured": self.layer_window(index), "none": None, "everywhere": self.sliding_window}
+        return self.layer_is_causal(index) or conventions.causal_block, window[conventions.window]
+
+    def scales(self, conventions: Conventions = REFERENCE) -> tuple[float, float, float | None]:
+        """(input_embedding_scale, output_multiplier, final_logit_softcapping) under `conventions`."""
+        if conventions.neutral_scales:
+            return 1.0, 1.0, None
+        return self.input_embedding_scale, self.output_multiplier, self.final_logit_softcapping
+
+    @property
+    def has_scales(self) -> bool:
+        """Whether any scale differs from its neutral value (the `scales` diagnose variant)."""
+        return self.scales() != (1.0, 1.0, None)
 
 
 def _dflash_value(raw: dict, name: str, default=None):
@@ -276,6 +293,7 @@ def block_masks(
     is_causal: bool,
     window: int | None,
     ctx_starts: torch.Tensor | None = None,
+    context_offset: int = 0,
 ) -> DenseMask:
     """Visibility for blocks starting at `anchors` (positions within their sample) over a
     context of ctx_len keys, in which each anchor's sample starts at `ctx_starts` (0 when the
@@ -285,15 +303,17 @@ def block_masks(
     position p is visible to the query at q = anchor + i iff p < anchor (the drafter only sees
     context before its block) and, for sliding layers, q - p < window. Inside the block,
     full-attention layers are bidirectional; causal layers see k <= i; windowed layers
-    |i - k| < window (or i - k when causal).
+    |i - k| < window (or i - k when causal). `context_offset` (Conventions) moves the context's
+    end, and so the queries' place in the key sequence, to anchor + context_offset.
     """
     device = anchors.device
     i = torch.arange(block_len, device=device)
     starts = torch.zeros_like(anchors) if ctx_starts is None else ctx_starts
+    ends = anchors + context_offset  # [A] first invisible context position
     pos = torch.arange(ctx_len, device=device)[None, None, :] - starts[:, None, None]  # key's sample position
-    ctx_visible = (pos >= 0) & (pos < anchors[:, None, None])
+    ctx_visible = (pos >= 0) & (pos < ends[:, None, None])
     if window is not None:
-        query_pos = anchors[:, None] + i[None, :]
+        query_pos = ends[:, None] + i[None, :]
         ctx_visible = ctx_visible & ((query_pos[:, :, None] - pos) < window)
     else:
         ctx_visible = ctx_visible.expand(len(anchors), block_len, ctx_len)
@@ -315,6 +335,7 @@ def flex_block_mask(
     is_causal: bool,
     window: int | None,
     ctx_starts: torch.Tensor | None = None,
+    context_offset: int = 0,
 ):
     """The same visibility as `block_masks` as one block-sparse flex_attention mask.
 
@@ -330,7 +351,7 @@ def flex_block_mask(
 
     def visible(_batch, _head, q_idx, kv_idx):
         a, i = q_idx // b, q_idx % b
-        t = anchors[a]
+        t = anchors[a] + context_offset
         p = kv_idx - starts[a]  # the key's position within the anchor's sample
         ctx_ok = (p >= 0) & (p < t) & (t + i - p < W)
         j = kv_idx - T
@@ -429,6 +450,7 @@ class DFlashDrafter(nn.Module):
         context: list,
         attention: str = "dense",
         ctx_starts: torch.Tensor | None = None,
+        conventions: Conventions = REFERENCE,
     ) -> torch.Tensor:
         """Drafter hidden states [A, b, H] (after the final norm) for blocks at `anchors`.
 
@@ -436,37 +458,39 @@ class DFlashDrafter(nn.Module):
         `context` is `context_kv(features)`; each anchor sees only context before it.
         attention: "dense" (explicit boolean masks; CPU) or "flex" (block-sparse flex_attention).
         ctx_starts: where each anchor's sample starts in a packed multi-sample context.
+        conventions: the reference's (score) or one changed on purpose (diagnose).
         """
         with timing.stage("drafter layers", anchors=block_embeds.shape[0]):
-            return self._layers(block_embeds, anchors, context, attention, ctx_starts)
+            return self._layers(block_embeds, anchors, context, attention, ctx_starts, conventions)
 
-    def _layers(self, block_embeds, anchors, context, attention, ctx_starts) -> torch.Tensor:
+    def _layers(self, block_embeds, anchors, context, attention, ctx_starts, conventions) -> torch.Tensor:
         make_mask = {"dense": block_masks, "flex": flex_block_mask}[attention]
         A, b, _ = block_embeds.shape
-        positions = anchors[:, None] + torch.arange(b, device=anchors.device)[None, :]
+        first = anchors + conventions.block_position_offset  # [A] the block's first position id
+        positions = first[:, None] + torch.arange(b, device=anchors.device)[None, :]  # [A, b]
         cos, sin = self.rope(block_embeds, positions)
         ctx_len = context[0][0].shape[-2]
         masks = {}
         h = block_embeds
         for index, layer in enumerate(self.layers):
-            kind = (self.config.layer_is_causal(index), self.config.layer_window(index))
+            kind = self.config.layer_mask_kind(index, conventions)
             if kind not in masks:
                 with timing.stage("masks"):
-                    masks[kind] = make_mask(anchors, b, ctx_len, *kind, ctx_starts)
+                    masks[kind] = make_mask(anchors, b, ctx_len, *kind, ctx_starts, conventions.context_offset)
             ctx_k, ctx_v = context[index]
             h = layer(h, cos, sin, ctx_k, ctx_v, masks[kind])
         return self.norm(h)
 
-    def logits(self, hidden: torch.Tensor, lm_head: torch.Tensor) -> torch.Tensor:
+    def logits(self, hidden: torch.Tensor, lm_head: torch.Tensor, conventions: Conventions = REFERENCE) -> torch.Tensor:
         """Target lm_head on drafter states, then output_multiplier and optional soft-capping."""
         # One [rows, H] x [H, V] GEMM: F.linear on a non-contiguous [a, L, H] view (the block
         # minus its first position) falls back to a slower batched matmul on CPU (bench/README.md).
         with timing.stage("lm_head", rows=hidden.shape[0] * hidden.shape[1]):
             logits = torch.nn.functional.linear(hidden.reshape(-1, hidden.shape[-1]), lm_head)
         logits = logits.view(*hidden.shape[:-1], -1)
-        if self.config.output_multiplier != 1.0:
-            logits = logits * self.config.output_multiplier
-        cap = self.config.final_logit_softcapping
+        _, multiplier, cap = self.config.scales(conventions)
+        if multiplier != 1.0:
+            logits = logits * multiplier
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
         return logits

@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import save_file
 
 from pipeline.errors import UserError
-from pipeline.layer_ids import build_target_layer_ids
+from pipeline.layer_ids import build_target_layer_ids, requested_layer_ids
 from pipeline.shards import Sample, ShardSet
 from scoring.config import FitOptions
 from scoring.drafter import DFlashDrafter, parse_drafter_config
@@ -180,10 +180,11 @@ def fit_from_shards(
     shards: str, out_dir: str, options: FitOptions, layer_ids: list[int] | None = None, progress=None
 ) -> list[str]:
     """`specreplay fit`: a new drafter config for the shards' target, fitted to every stored
-    sample; returns the checkpoint directories written. layer_ids default: every stored layer."""
+    sample; returns the checkpoint directories written. layer_ids default: every stored layer
+    (without the neighbours of `extract --neighbour-layers`)."""
     shardset = ShardSet(shards)
     settings = shardset.settings
-    ids = list(layer_ids) if layer_ids else list(settings["layer_ids"])
+    ids = list(layer_ids) if layer_ids else requested_layer_ids(settings)
     raw = new_drafter_config(
         settings["target"], num_layers=options.layers, block_size=options.block_size, layer_ids=ids
     )

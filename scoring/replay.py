@@ -20,6 +20,7 @@ from pipeline import timing
 from pipeline.sampling import Sampling, token_logprob
 from pipeline.shards import Sample
 from scoring import metrics
+from scoring.conventions import REFERENCE, Conventions
 from scoring.ddtree import NOT_IN_TREE, path_pop_indices, top_log_probs
 from scoring.drafter import DFlashDrafter
 from scoring.walk import next_stop_positions, walk_finished, walk_in_rounds
@@ -33,6 +34,7 @@ class ReplayOptions:
     device: str = "cpu"
     attention: str = "auto"  # auto: flex_attention on CUDA, dense explicit masks on CPU
     sampling: Sampling = Sampling()  # the shards' settings: q_j for rejection sampling at T > 0
+    conventions: Conventions = REFERENCE  # score: always the reference; diagnose changes one switch
 
     @property
     def attention_backend(self) -> str:
@@ -300,25 +302,38 @@ def replay_walks(
     return results
 
 
-def _score_chunk(drafter, embed, lm_head, packed: PackedSamples, sample_idx, anchors, block_len, options) -> dict:
-    """Drafter pass over a chunk of anchors (each in its sample of `packed`); per-anchor
-    draft tokens, target tokens, log q(target), KL on the stored top-k, DDTree pop indices."""
-    cfg = drafter.config
-    device = anchors.device
-    depth = block_len - 1
-    starts, lengths = packed.starts[sample_idx], packed.lengths[sample_idx]
-    # Block inputs: [x_t, mask, ..., mask] through the target's input embedding.
-    block_ids = torch.full((anchors.numel(), block_len), cfg.mask_token_id, dtype=torch.long, device=device)
+def chunk_logits(drafter, embed, lm_head, packed: PackedSamples, sample_idx, anchors, block_len, options):
+    """The drafter's logits [a, block_len - 1, V] for blocks [x_t, mask, ...] at `anchors` (each
+    in its sample `sample_idx` of `packed`), under `options.conventions`."""
+    cfg, conventions = drafter.config, options.conventions
+    starts = packed.starts[sample_idx]
+    block_ids = torch.full((anchors.numel(), block_len), cfg.mask_token_id, dtype=torch.long, device=anchors.device)
     block_ids[:, 0] = packed.ids[starts + anchors]
     # The embedding may be kept in a narrower stored dtype (prepare_target_head): cast the
     # gathered rows, which gives the values of a cast table.
-    block_embeds = torch.nn.functional.embedding(block_ids, embed).to(options.dtype) * cfg.input_embedding_scale
-    visible_ctx = int((starts + anchors).max())  # no anchor here sees context at or past this key
+    embed_scale = cfg.scales(conventions)[0]
+    block_embeds = torch.nn.functional.embedding(block_ids, embed).to(options.dtype) * embed_scale  # [a, b, H]
+    # no anchor here sees context at or past this key
+    visible_ctx = int((starts + anchors).max()) + conventions.context_offset
     chunk_context = [(k[:, :visible_ctx], v[:, :visible_ctx]) for k, v in packed.context]
-    hidden = drafter(block_embeds, anchors, chunk_context, attention=options.attention_backend, ctx_starts=starts)[
-        :, 1:
-    ]
-    logits = drafter.logits(hidden, lm_head)  # [a, depth, V]
+    hidden = drafter(
+        block_embeds,
+        anchors,
+        chunk_context,
+        attention=options.attention_backend,
+        ctx_starts=starts,
+        conventions=conventions,
+    )[:, 1:]
+    return drafter.logits(hidden, lm_head, conventions)  # [a, depth, V]
+
+
+def _score_chunk(drafter, embed, lm_head, packed: PackedSamples, sample_idx, anchors, block_len, options) -> dict:
+    """Drafter pass over a chunk of anchors (each in its sample of `packed`); per-anchor
+    draft tokens, target tokens, log q(target), KL on the stored top-k, DDTree pop indices."""
+    device = anchors.device
+    depth = block_len - 1
+    starts, lengths = packed.starts[sample_idx], packed.lengths[sample_idx]
+    logits = chunk_logits(drafter, embed, lm_head, packed, sample_idx, anchors, block_len, options)
     draft = logits.argmax(dim=-1)
 
     positions = anchors[:, None] + torch.arange(1, depth + 1, device=device)[None, :]  # within the sample

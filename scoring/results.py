@@ -30,6 +30,8 @@ FILES = {
     "samples": "samples.parquet",
     "summary": "summary.parquet",
     "run": "run.json",
+    "diagnose": "diagnose.parquet",  # `specreplay diagnose`, in a directory of its own
+    "diagnose_run": "diagnose.json",
 }
 
 
@@ -213,6 +215,26 @@ SUMMARY = [pa.field(f.name, _LARGE.get(f.type, f.type)) for f in IDENTITY] + [
     pa.field("top_k", pa.int64()),
     pa.field("tau_se", pa.float64()),
 ]
+
+# `specreplay diagnose`: one row per (variant, metric), plus the configured run's acceptance by
+# block position (metric "accept_by_position", `position` 1..L, no delta). delta / ci_* are the
+# variant minus "as-configured", paired over the same samples (bootstrap 95% CI); null on
+# "as-configured" itself and on variants not measured (`note` says why).
+DIAGNOSE = IDENTITY + [
+    pa.field("variant", pa.string()),
+    pa.field("metric", pa.string()),  # tau | streak | accept_pos1 | accept_by_position
+    pa.field("position", pa.int64()),  # block position of accept_by_position rows, else null
+    pa.field("value", pa.float64()),
+    pa.field("delta", pa.float64()),
+    pa.field("ci_low", pa.float64()),
+    pa.field("ci_high", pa.float64()),
+    pa.field("samples", pa.int64()),
+    pa.field("note", pa.string()),
+]
+
+
+def diagnose_schema() -> pa.Schema:
+    return pa.schema(DIAGNOSE)
 
 
 def walk_schema() -> pa.Schema:

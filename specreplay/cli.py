@@ -21,6 +21,7 @@ COMMANDS = {
     "score": "score",
     "fit": "fit",
     "compare": "compare",
+    "diagnose": "diagnose",
     "report": "report",
     "log": "log",
     "watch": "watch",
@@ -72,6 +73,7 @@ def main():
       specreplay score --ckpt path/to/drafter --shards data/shards/smollm2 --out data/results
       specreplay inspect data/shards/smollm2
       specreplay compare data/results/run7_step_1000 data/results/run7_step_2000
+      specreplay diagnose --ckpt runs/run7/step_2000 --shards data/shards/smollm2   # tau looks wrong?
       specreplay report data/results --out report.html
       specreplay watch --ckpt 'runs/run7/step_*' --shards data/shards/smollm2 --out data/results \\
           --tensorboard runs/run7/logs      # beside a training run

@@ -77,6 +77,12 @@ def next_steps(out: str, manifest: dict) -> str:
     help="Drafter config.json (or its dir): take dflash_config.target_layer_ids from it.",
 )
 @click.option(
+    "--neighbour-layers",
+    is_flag=True,
+    help="Also store layer ids i - 1 and i + 1 of every feature layer i (where they exist), so "
+    "`specreplay diagnose` can test the layers-1 / layers+1 conventions. Features take up to 3x the space.",
+)
+@click.option(
     "--num-draft-layers",
     type=int,
     default=d("num_draft_layers"),

@@ -1,0 +1,52 @@
+"""The conventions a replay follows, as explicit switches: the reference's, or one changed on purpose.
+
+A drafter trained under a convention that differs from the reference's (block position ids one
+too high, the wrong feature layer, one context position too many, ...) scores badly under the
+reference, although its weights are fine. `specreplay diagnose` replays a checkpoint with one
+switch changed at a time to find which. `score` always uses `REFERENCE`, the reference's
+semantics (SPEC §1), so nothing here changes what `score` computes.
+
+Every switch is stated relative to an anchor t, whose block [x_t, mask, ...] drafts t + 1 ...:
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+WINDOW_MODES = ("configured", "none", "everywhere")
+
+
+@dataclass(frozen=True)
+class Conventions:
+    # Block position ids start at t + block_position_offset (reference: t). Context keys keep
+    # positions 0..; only the block's RoPE positions move.
+    block_position_offset: int = 0
+    # The drafter sees context positions 0 .. t - 1 + context_offset (reference: 0 .. t - 1).
+    # +1 lets it see the anchor's own feature, which an online step does not have yet.
+    # Sliding windows count distances in the [context ; block] key sequence, as the
+    # reference's _attention_mask does, so the block's queries sit at t + context_offset + i.
+    context_offset: int = 0
+    # Every feature layer id shifted by this (the hidden_states[i] vs [i + 1] confusion).
+    # Applied where feature columns are selected; the shards must store the shifted layers.
+    layer_offset: int = 0
+    # "configured": sliding layers use the config's window (reference); "none": the window is
+    # dropped (each layer keeps its causality), as the DDTree code's SDPA path does on CPU;
+    # "everywhere": every layer gets the config's window.
+    window: str = "configured"
+    # True: the block attends causally inside itself in every layer (reference: bidirectional
+    # in full-attention layers, causal in sliding ones).
+    causal_block: bool = False
+    # True: input_embedding_scale, output_multiplier and final_logit_softcapping at their
+    # neutral values (1, 1, none) instead of the config's.
+    neutral_scales: bool = False
+
+    def __post_init__(self):
+        if self.window not in WINDOW_MODES:
+            raise ValueError(f"window must be one of {WINDOW_MODES}, got {self.window!r}")
+
+    @property
+    def is_reference(self) -> bool:
+        return self == REFERENCE
+
+
+REFERENCE = Conventions()

@@ -1,0 +1,151 @@
+"""`specreplay diagnose` finds the convention a drafter was trained under.
+
+Drafters are fitted with the public reference model under a wrong convention (inputs built in
+tests/convention_fits.py from transformers' hidden states, never with specreplay's switches),
+on a target and data where that convention matters. Each test first shows the gap with the
+test's own evaluation (streak under the training convention vs under the reference), then runs
+the CLI on shards extracted with --neighbour-layers and checks the ranking, the interval and
+the verdict. A drafter fitted under the reference convention must be called consistent.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pyarrow.parquet as pq
+import pytest
+from click.testing import CliRunner
+
+import convention_fits as cf
+from conftest import write_prompts
+from scoring import results
+from scoring.variants import CONFIGURED, VARIANTS
+from specreplay.cli import main
+
+pytest.importorskip("dflash")
+
+HELD_OUT = 48  # samples diagnosed (every one: --limit covers them all)
+GAP = 0.5  # streak (of at most BLOCK - 1 = 3) lost under the reference convention, at least
+
+
+@pytest.fixture(scope="module")
+def layered(tmp_path_factory):
+    """The layered target, training and held-out sequences with their hidden states, and the
+    held-out set extracted through the CLI with --neighbour-layers (layers 1, 3 + 0, 2, 4)."""
+    tmp = tmp_path_factory.mktemp("diagnose")
+    model_dir = cf.build_layered_target(tmp / "target")
+    train, held = cf.periodic(100, 512), cf.periodic(200, HELD_OUT)
+    assert cf.stop_free(train) and cf.stop_free(held)
+    target, train_states = cf.target_and_states(model_dir, train)
+    _, held_states = cf.target_and_states(model_dir, held)
+    prompts = write_prompts(tmp / "held.jsonl", cf.prompt_records(held))
+    shards = str(tmp / "shards")
+    args = ["extract", "--model", model_dir, "--prompts", prompts, "--out", shards, "--layer-ids", "1,3"]
+    run = CliRunner().invoke(main, [*args, "--neighbour-layers", "--top-k", "4", "--dtype", "fp32", "--quiet"])
+    assert run.exit_code == 0, run.output
+    return {
+        "tmp": tmp,
+        "model_dir": model_dir,
+        "target": target,
+        "train": (train, train_states),
+        "held": (held, held_states),
+        "shards": shards,
+    }
+
+
+def fitted(layered, convention: str) -> tuple[str, float, float]:
+    """Fit under `convention`, save in z-lab format; (checkpoint dir, held-out streak under the
+    training convention, under the reference)."""
+    tokens, states = layered["train"]
+    drafter = cf.fit(convention, states, tokens, layered["target"])
+    path = layered["tmp"] / "runs" / convention
+    drafter.save_pretrained(str(path))
+    held, held_states = layered["held"]
+    own = cf.streak(drafter, convention, held_states, held, layered["target"])
+    reference = cf.streak(drafter, "reference", held_states, held, layered["target"])
+    return str(path), own, reference
+
+
+def diagnose(layered, ckpt: str, *extra: str):
+    out = str(layered["tmp"] / "diagnose")
+    args = ["diagnose", "--ckpt", ckpt, "--shards", layered["shards"], "--out", out, "--limit", str(HELD_OUT)]
+    run = CliRunner().invoke(main, [*args, "--no-progress", "--force", *extra])
+    assert run.exit_code == 0, run.output
+    directory = os.path.join(out, results.result_dir_name(ckpt))
+    rows = pq.read_table(os.path.join(directory, results.FILES["diagnose"])).to_pylist()
+    with open(os.path.join(directory, results.FILES["diagnose_run"])) as f:
+        return run.output, rows, json.load(f)
+
+
+def tau_rows(rows: list[dict]) -> dict[str, dict]:
+    return {r["variant"]: r for r in rows if r["metric"] == "tau"}
+
+
+@pytest.mark.parametrize("convention", ["positions+1", "layers-1"])
+def test_diagnose_names_the_convention_a_drafter_was_trained_under(layered, convention):
+    ckpt, own, reference = fitted(layered, convention)
+    assert own - reference >= GAP, f"the test target does not make {convention} matter: {own:.2f} vs {reference:.2f}"
+
+    output, rows, record = diagnose(layered, ckpt)
+    tau = tau_rows(rows)
+    conventions = [v for v in tau if v != CONFIGURED and VARIANTS[v].convention and tau[v]["delta"] is not None]
+    best = max(conventions, key=lambda v: tau[v]["delta"])
+    assert best == convention, {v: round(tau[v]["delta"], 3) for v in conventions}
+    assert tau[best]["ci_low"] > 0
+    assert tau[best]["samples"] == HELD_OUT
+    assert record["verdict"][0].startswith(f"tau {tau[CONFIGURED]['value']:.2f} as configured")
+    assert VARIANTS[convention].finding in record["verdict"][0]
+    assert record["verdict"][0] in output.replace("\n         ", " ")  # the console says it, first
+
+
+def test_drafter_trained_under_the_reference_is_called_consistent(layered):
+    ckpt, own, reference = fitted(layered, "reference")
+    assert own == reference and own > 1.5  # a good drafter, nothing to find
+
+    output, rows, record = diagnose(layered, ckpt)
+    tau = tau_rows(rows)
+    assert all(tau[v]["ci_low"] is None or tau[v]["ci_low"] <= 0 for v in tau if VARIANTS[v].convention)
+    assert max(tau, key=lambda v: tau[v]["value"] or 0) == CONFIGURED
+    assert record["verdict"][0].startswith("the configuration is consistent")
+    by_position = [r for r in rows if r["metric"] == "accept_by_position"]
+    assert [r["position"] for r in by_position] == list(range(1, cf.BLOCK))
+    assert f"1: {by_position[0]['value']:.2f}" in record["verdict"][0]  # where acceptance dies
+    assert "verdict: the configuration is consistent" in output
+
+
+def test_diagnose_output_schema_and_no_silent_overwrite(layered):
+    ckpt = fitted(layered, "positions+1")[0]
+    _, rows, _ = diagnose(layered, ckpt, "--variants", "positions+1,context-1")
+    directory = os.path.join(str(layered["tmp"] / "diagnose"), results.result_dir_name(ckpt))
+    table = pq.read_table(os.path.join(directory, results.FILES["diagnose"]))
+    assert table.schema.equals(results.diagnose_schema())
+    assert sorted({r["variant"] for r in rows}) == sorted([CONFIGURED, "positions+1", "context-1"])
+    before = os.path.getmtime(os.path.join(directory, results.FILES["diagnose_run"]))
+    args = ["diagnose", "--ckpt", ckpt, "--shards", layered["shards"], "--out", str(layered["tmp"] / "diagnose")]
+    again = CliRunner().invoke(main, [*args, "--no-progress"])
+    assert again.exit_code == 2 and "--force" in again.output and "Traceback" not in again.output
+    assert os.path.getmtime(os.path.join(directory, results.FILES["diagnose_run"])) == before
+
+
+def test_missing_neighbour_layers_say_which_extract_to_run(layered, tmp_path):
+    """Shards without the neighbouring layers: layers-1 asked for is an error naming the extract
+    command; by default it is listed as not measured, with the same command."""
+    held, _ = layered["held"]
+    prompts = write_prompts(tmp_path / "few.jsonl", cf.prompt_records(held[:3]))
+    shards = str(tmp_path / "plain")
+    extract = ["extract", "--model", layered["model_dir"], "--prompts", prompts, "--out", shards]
+    assert CliRunner().invoke(main, [*extract, "--layer-ids", "1,3", "--dtype", "fp32", "--quiet"]).exit_code == 0
+    ckpt = fitted(layered, "layers-1")[0]
+    base = ["diagnose", "--ckpt", ckpt, "--shards", shards, "--out", str(tmp_path / "d"), "--no-progress"]
+    asked = CliRunner().invoke(main, [*base, "--variants", "layers-1"])
+    assert asked.exit_code == 2, asked.output
+    assert "layers [0, 2] not in the shards" in asked.output
+    assert f"extract --neighbour-layers --out {shards}-neighbours" in asked.output
+    assert "Traceback" not in asked.output
+    default = CliRunner().invoke(main, [*base, "--variants", "positions+1,layers-1,layers+1", "--force"])
+    assert default.exit_code == 2  # named explicitly: still an error
+    everything = CliRunner().invoke(main, base)
+    assert everything.exit_code == 0, everything.output
+    assert "not measured: layers-1: layers [0, 2] not in the shards" in everything.output
+    assert "extract --neighbour-layers" in everything.output
