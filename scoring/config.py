@@ -61,4 +61,4 @@ class DiagnoseConfig:
 
 # `diagnose` default: samples (stratified by dataset, seeded) that take about a minute for every
 # variant at SmolLM2-135M shapes and 128-token responses on two CPU cores (bench/README.md).
-DEFAULT_DIAGNOSE_SAMPLES = 12
+DEFAULT_DIAGNOSE_SAMPLES = 8

@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -27,6 +28,7 @@ from scoring.bootstrap import FEW_SAMPLES, paired_bootstrap, paired_ratio_bootst
 from scoring.checkpoint import check_compatibility, load_drafter, read_drafter_config
 from scoring.collect import sampled_chain
 from scoring.config import DEFAULT_DIAGNOSE_SAMPLES, DiagnoseConfig
+from scoring.diagnose_view import format_positions
 from scoring.replay import ReplayOptions, prepare_target_head, replay_sample, select_feature_columns
 from scoring.selection import Selection, sample_index, select_samples
 from scoring.variants import CONFIGURED, VARIANTS, Variant, missing_layers, not_applicable, parse_variants
@@ -56,6 +58,7 @@ class Measured:
     variant: Variant
     stats: list[SampleStats] | None = None
     note: str | None = None
+    seconds: float = 0.0  # replay wall time
 
 
 @dataclass
@@ -82,6 +85,7 @@ class Diagnosis:
     sampling: Sampling
     out_dir: str = ""
     notes: list[str] = field(default_factory=list)
+    seconds: dict = field(default_factory=dict)  # variant -> replay wall time
 
 
 # --------------------------------------------------------------------------- per-sample stats
@@ -297,12 +301,6 @@ def verdict(comparisons: list[Comparison], positions: list[float], samples: int,
     return lines
 
 
-def format_positions(positions: list[float], first: int = 8) -> str:
-    """'1: 0.62, 2: 0.41, ...' for the first `first` block positions ('-' where never reached)."""
-    shown = [f"{k}: {'-' if np.isnan(p) else f'{p:.2f}'}" for k, p in enumerate(positions[:first], start=1)]
-    return ", ".join(shown) + (", ..." if len(positions) > first else "")
-
-
 # --------------------------------------------------------------------------- the run
 
 
@@ -352,8 +350,13 @@ def plan_variants(config: DiagnoseConfig, setup: Setup) -> list[Measured]:
     for name in names:
         variant = VARIANTS[name]
         reason = skip_reason(variant, setup, config.shards)
-        if reason is not None and config.variants and name in config.variants:
+        asked = bool(config.variants) and name in config.variants
+        if reason is not None and asked:
             raise UserError(f"--variants {name}: cannot be measured on {config.shards}: {reason}")
+        if reason is None and not asked and variant.dtype is not None and setup.options.device == "cpu":
+            reason = (
+                f"not run by default on CPU, where {name} is several times slower than fp32; --variants {name} runs it"
+            )
         planned.append(Measured(variant, note=reason))
     return planned
 
@@ -373,7 +376,9 @@ def run_diagnose(config: DiagnoseConfig, progress=None) -> Diagnosis:
     for m in todo:
         if bar is not None:
             bar.update(0, variant=m.variant.name)
+        started = time.perf_counter()
         m.stats = replay_variant(setup, m.variant, bar)
+        m.seconds = time.perf_counter() - started
     if bar is not None:
         bar.close()
     comparisons = compare_all(planned, config.resamples, config.seed)
@@ -388,6 +393,7 @@ def run_diagnose(config: DiagnoseConfig, progress=None) -> Diagnosis:
         sampling=sampling,
         out_dir=out_dir,
         notes=[f"{m.variant.name}: {m.note}" for m in planned if m.note],
+        seconds={m.variant.name: round(m.seconds, 2) for m in todo},
     )
     write_diagnosis(diagnosis, config, shardset)
     return diagnosis
@@ -432,6 +438,7 @@ def write_diagnosis(diagnosis: Diagnosis, config: DiagnoseConfig, shardset: Shar
         "sampling": diagnosis.sampling.as_dict(),
         "verdict": diagnosis.verdict,
         "notes": diagnosis.notes,
+        "seconds": diagnosis.seconds,
         "selection": {"limit": config.limit or DEFAULT_DIAGNOSE_SAMPLES, "seed": config.seed},
     }
     path = existing + ".tmp"

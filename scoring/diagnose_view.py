@@ -9,7 +9,7 @@ import math
 import os
 
 from scoring import results
-from scoring.variants import CONFIGURED, VARIANTS
+from scoring.results import CONFIGURED_VARIANT as CONFIGURED
 
 METRIC_TITLES = {"tau": "tau (chain walk)", "streak": "streak (all anchors)", "accept_pos1": "accept@1"}
 
@@ -41,13 +41,14 @@ def table_rows(rows: list[dict]) -> list[list[str]]:
     """[variant, tau cell, streak cell, accept@1 cell, note] per variant, in diagnose order,
     a significant change marked '*'."""
     by_key = {(r["variant"], r["metric"]): r for r in rows if r["metric"] in METRIC_TITLES}
-    order = [v for v in VARIANTS if any(key[0] == v for key in by_key)]
+    order = list(dict.fromkeys(variant for variant, _ in by_key))  # as diagnose wrote them
     out = []
     for variant in order:
         cells = [_cell(by_key.get((variant, metric))) for metric in METRIC_TITLES]
         tau = by_key.get((variant, "tau"))
         mark = "*" if tau and tau["ci_low"] is not None and (tau["ci_low"] > 0 or tau["ci_high"] < 0) else ""
-        out.append([variant + mark, *cells, (tau or {}).get("note") or ""])
+        note = ((tau or {}).get("note") or "").split(";")[0]  # the reason; the fix is printed below the table
+        out.append([variant + mark, *cells, note])
     return out
 
 
@@ -66,6 +67,7 @@ def console_lines(rows: list[dict], record: dict, directory: str) -> list[str]:
     ]
     lines += format_table(header, table_rows(rows))
     lines.append("* = the tau interval excludes zero. streak: mean accepted draft tokens per anchor (bonus-exclusive).")
+    lines += [f"not measured: {note}" for note in record.get("notes", []) if ";" in note]
     lines.append("")
     lines += [f"verdict: {line}" if i == 0 else f"         {line}" for i, line in enumerate(record["verdict"])]
     lines.append(f"saved: {os.path.join(directory, results.FILES['diagnose'])}")
@@ -76,3 +78,12 @@ def acceptance_by_position(rows: list[dict]) -> list[float]:
     """As-configured acceptance by block position (NaN where never reached)."""
     points = sorted((r["position"], r["value"]) for r in rows if r["metric"] == "accept_by_position")
     return [math.nan if v is None else v for _, v in points]
+
+
+def format_positions(positions: list[float]) -> str:
+    """'1: 0.62, 2: 0.41, ...' ('-' where never reached)."""
+    return ", ".join(f"{k}: {'-' if math.isnan(p) else f'{p:.2f}'}" for k, p in enumerate(positions, start=1))
+
+
+def format_positions_row(rows: list[dict]) -> str:
+    return format_positions(acceptance_by_position(rows))

@@ -33,6 +33,7 @@ from scoring.report_data import (
     find_results_dirs,
     load_results,
 )
+from scoring.report_diagnose import diagnose_section, load_diagnoses
 from scoring.report_plots import (
     MIN_ANCHORS,
     plot_acceptance_by_position,
@@ -198,24 +199,42 @@ def _sampled_caption(results) -> str:
     )
 
 
+def _diagnoses_only(diagnoses: list, title: str, inputs: list[str] | None, generated: dt.datetime) -> list[str]:
+    """The page when the inputs hold diagnoses but no score results."""
+    return [
+        f"<h1>{html.escape(title)}</h1>",
+        f'<p class="meta">{len(diagnoses)} diagnosis(es) · generated {generated.strftime("%Y-%m-%d %H:%M UTC")} '
+        f"by specreplay {html.escape(specreplay_version())} · inputs: {html.escape(', '.join(inputs or []))}</p>",
+        diagnose_section(diagnoses),
+    ]
+
+
 def render_report(
-    results: Results,
+    results: Results | None,
     title: str | None = None,
     worst: int = 10,
     inputs: list[str] | None = None,
     generated: dt.datetime | None = None,
     views: SampleViews | None = None,
+    diagnoses: list | None = None,
 ) -> str:
-    """The complete HTML document as a string. An unknown --sample id raises ReportError."""
+    """The complete HTML document as a string. An unknown --sample id raises ReportError.
+    `diagnoses` (report_diagnose.load_diagnoses) add a Diagnose section after the summary;
+    with no results they are the whole page."""
     views = views or SampleViews()
+    title = title or "specreplay report"
+    generated = generated or dt.datetime.now(dt.timezone.utc)
+    if results is None:
+        return _document(title, _diagnoses_only(diagnoses or [], title, inputs, generated))
     chosen = choose_samples(results, views)  # first: an unknown --sample id fails before any work
     worst_intro, worst_table = worst_prompts_table(results, worst)
-    body = _header(results, title or "specreplay report", inputs, generated or dt.datetime.now(dt.timezone.utc))
+    body = _header(results, title, inputs, generated)
     body += [
         "<h2>Summary</h2>",
         f'<p class="caption">One row per dataset and checkpoint; τ in {TAU_UNIT}. Hover a column title for its '
         f"definition. “(all)” pools every sample.{_sampled_caption(results)}</p>",
         summary_table(results),
+        diagnose_section(diagnoses or []),
         *_plot_sections(results),
         "<h2>Worst prompts</h2>",
         worst_intro,
@@ -225,10 +244,14 @@ def render_report(
         '<h2 id="inputs">Inputs</h2>',
         inputs_table(results),
     ]
+    return _document(title, body)
+
+
+def _document(title: str, body: list[str]) -> str:
     return (
         '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
         '<meta name="viewport" content="width=device-width, initial-scale=1">'
-        f"<title>{html.escape(title or 'specreplay report')}</title><style>{CSS}</style></head>"
+        f"<title>{html.escape(title)}</title><style>{CSS}</style></head>"
         f"<body><main>{''.join(body)}</main></body></html>\n"
     )
 
@@ -246,9 +269,15 @@ def write_report(
     paths: list[str], out: str, title: str | None = None, worst: int = 10, views: SampleViews | None = None
 ) -> Written:
     """Find, load, render and write atomically (nothing is written when rendering fails)."""
-    results = load_results(find_results_dirs(paths))
+    diagnoses = load_diagnoses(paths)
+    try:
+        results = load_results(find_results_dirs(paths))
+    except ReportError:
+        if not diagnoses:
+            raise
+        results = None  # diagnoses only
     views = views or SampleViews()
-    text = render_report(results, title=title, worst=worst, inputs=list(paths), views=views)
+    text = render_report(results, title=title, worst=worst, inputs=list(paths), views=views, diagnoses=diagnoses)
     out = os.path.abspath(out)
     os.makedirs(os.path.dirname(out), exist_ok=True)
     tmp = out + ".tmp"
@@ -256,6 +285,7 @@ def write_report(
         f.write(text)
     os.replace(tmp, out)
     anchors = {}
-    for row, _ in choose_samples(results, SampleViews(count=0, ids=views.ids)):
+    for row, _ in choose_samples(results, SampleViews(count=0, ids=views.ids)) if results is not None else []:
         anchors.setdefault(str(row["sample_id"]), "#" + anchor_id(str(row["dataset"]), str(row["sample_id"])))
-    return Written(path=out, duplicates=results.duplicates, sample_anchors=anchors)
+    duplicates = results.duplicates if results is not None else []
+    return Written(path=out, duplicates=duplicates, sample_anchors=anchors)

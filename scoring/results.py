@@ -220,6 +220,7 @@ SUMMARY = [pa.field(f.name, _LARGE.get(f.type, f.type)) for f in IDENTITY] + [
 # block position (metric "accept_by_position", `position` 1..L, no delta). delta / ci_* are the
 # variant minus "as-configured", paired over the same samples (bootstrap 95% CI); null on
 # "as-configured" itself and on variants not measured (`note` says why).
+CONFIGURED_VARIANT = "as-configured"  # the diagnose row every variant is compared with
 DIAGNOSE = IDENTITY + [
     pa.field("variant", pa.string()),
     pa.field("metric", pa.string()),  # tau | streak | accept_pos1 | accept_by_position

@@ -12,8 +12,7 @@ import torch
 
 from scoring.conventions import Conventions
 from scoring.drafter import DrafterConfig
-
-CONFIGURED = "as-configured"
+from scoring.results import CONFIGURED_VARIANT as CONFIGURED
 
 
 @dataclass(frozen=True)

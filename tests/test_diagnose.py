@@ -10,6 +10,7 @@ the verdict. A drafter fitted under the reference convention must be called cons
 
 from __future__ import annotations
 
+import html
 import json
 import os
 
@@ -149,3 +150,22 @@ def test_missing_neighbour_layers_say_which_extract_to_run(layered, tmp_path):
     assert everything.exit_code == 0, everything.output
     assert "not measured: layers-1: layers [0, 2] not in the shards" in everything.output
     assert "extract --neighbour-layers" in everything.output
+
+
+def test_report_shows_the_diagnosis(layered, tmp_path):
+    """A Diagnose section (verdict first, the variant table) in the report, with score results
+    or from diagnoses alone."""
+    from scoring.report import write_report
+
+    ckpt = fitted(layered, "positions+1")[0]
+    _, rows, record = diagnose(layered, ckpt)
+    score = CliRunner().invoke(
+        main, ["score", "--ckpt", ckpt, "--shards", layered["shards"], "--out", str(tmp_path / "results"), "--quiet"]
+    )
+    assert score.exit_code == 0, score.output
+    for inputs in ([str(tmp_path / "results"), str(layered["tmp"] / "diagnose")], [str(layered["tmp"] / "diagnose")]):
+        page = open(write_report(inputs, str(tmp_path / "report.html")).path, encoding="utf-8").read()
+        section = page[page.index('<h2 id="diagnose">') :]
+        assert html.escape(record["verdict"][0]) in section
+        assert "positions+1*" in section  # the significant variant marked, as on the console
+        assert ("<h2>Summary</h2>" in page) == (len(inputs) == 2)

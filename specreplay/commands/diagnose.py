@@ -24,9 +24,7 @@ VARIANT_HELP = (
 @click.command(context_settings={"max_content_width": 100})
 @click.option("--ckpt", required=True, help="The drafter checkpoint whose acceptance looks wrong.")
 @click.option("--shards", required=True, help="Extract output directory the checkpoint is scored on.")
-@click.option(
-    "--out", default=d("out"), show_default=True, help="Parent of the output: writes --out/<parent>_<name>/."
-)
+@click.option("--out", default=d("out"), show_default=True, help="Parent of the output: writes --out/<parent>_<name>/.")
 @click.option(
     "--limit",
     type=int,
@@ -79,6 +77,7 @@ def diagnose(no_progress, **options):
     diagnosis = run_diagnose(config, progress=bars(no_progress))
     rows, record = load(diagnosis.out_dir)
     click.echo("\n".join(console_lines(rows, record, diagnosis.out_dir)))
-    for note in record["notes"]:
-        click.echo(f"not measured: {note}")
-    click.echo(f"next: {program()} report {config.out} --out report.html   # the diagnosis beside your results")
+    click.echo(
+        f"next: {program()} report data/results {config.out} --out report.html   "
+        "# the diagnosis beside your score results (use your score --out)"
+    )

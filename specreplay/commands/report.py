@@ -55,12 +55,15 @@ def report(results, out, title, worst, sample_views, samples, shards, tokenizer)
     histogram, acceptance per block position, tau against DDTree budget, tau against training
     step, the worst prompts, and the worst and best responses token by token (accepted draft
     tokens, the target's bonus tokens, the drafter's rejected guesses), read from the shards.
+    Diagnoses (`specreplay diagnose`) found below RESULTS get a Diagnose section; RESULTS may
+    hold diagnoses only.
 
     \b
     Example:
       specreplay report data/results --out report.html --title "tiny drafter, steps 150-300"
       specreplay report data/results/runs_step_150 data/results/runs_step_300 --worst 20
       specreplay report data/results --sample gsm8k-17 --shards /new/place/of/shards
+      specreplay report data/results data/diagnose       # with the diagnoses beside the results
     """
     from scoring.report import SampleViews, write_report
 
