@@ -65,6 +65,7 @@ def inspect_extract(uri: str, verify: bool = True) -> dict:  # 50 lines: mostly 
             key: target.get(key) for key in ("name", "architecture", "num_layers", "hidden_size", "vocab_size", "dtype")
         },
         "layer_ids": layer_ids,
+        "neighbour_layers": bool(settings.get("neighbour_layers")),
         "feature_dtype": settings.get("feature_dtype"),
         "top_k": settings.get("top_k"),
         "tensors": manifest.get("tensors", {}),
@@ -151,7 +152,8 @@ def format_report(report: dict) -> str:
         f"{report['dir']}: {status}",
         f"  target          {target['name']} ({target['architecture']}, {target['num_layers']} layers, "
         f"hidden {target['hidden_size']}, vocab {target['vocab_size']}, {target['dtype']})",
-        f"  layer ids       {report['layer_ids']}  features {report['feature_dtype']}, top-k {report['top_k']}, "
+        f"  layer ids       {report['layer_ids']}{' (with neighbours, for diagnose)' if report['neighbour_layers'] else ''}"
+        f"  features {report['feature_dtype']}, top-k {report['top_k']}, "
         f"tensors {', '.join(report['tensors'])}",
         f"  prompts         {prompts.get('name')} ({prompts.get('count')} prompts), max_new_tokens {report['max_new_tokens']}",
         f"  samples         {report['samples']} in {report['shards']} shards, {report['chunks']} chunks of "

@@ -21,6 +21,7 @@ from click.testing import CliRunner
 import convention_fits as cf
 from conftest import write_prompts
 from scoring import results
+from scoring.diagnose_view import acceptance_by_position
 from scoring.variants import CONFIGURED, VARIANTS
 from specreplay.cli import main
 
@@ -131,30 +132,48 @@ def test_diagnose_output_schema_and_no_silent_overwrite(layered):
 
 def test_missing_neighbour_layers_say_which_extract_to_run(layered, tmp_path):
     """Shards without the neighbouring layers: layers-1 asked for is an error naming the extract
-    command; by default it is listed as not measured, with the same command."""
+    command, which run as printed makes shards on which layers-1 is measured; by default the
+    variant is listed as not measured, with the same command."""
     held, _ = layered["held"]
     prompts = write_prompts(tmp_path / "few.jsonl", cf.prompt_records(held[:3]))
     shards = str(tmp_path / "plain")
     extract = ["extract", "--model", layered["model_dir"], "--prompts", prompts, "--out", shards]
-    assert CliRunner().invoke(main, [*extract, "--layer-ids", "1,3", "--dtype", "fp32", "--quiet"]).exit_code == 0
+    assert CliRunner().invoke(main, [*extract, "--layer-ids", "1,3", "--top-k", "4", "--quiet"]).exit_code == 0
     ckpt = fitted(layered, "layers-1")[0]
-    base = ["diagnose", "--ckpt", ckpt, "--shards", shards, "--out", str(tmp_path / "d"), "--no-progress"]
-    asked = CliRunner().invoke(main, [*base, "--variants", "layers-1"])
+    base = ["diagnose", "--ckpt", ckpt, "--out", str(tmp_path / "d"), "--no-progress", "--force"]
+    asked = CliRunner().invoke(main, [*base, "--shards", shards, "--variants", "layers-1"])
     assert asked.exit_code == 2, asked.output
-    assert "layers [0, 2] not in the shards" in asked.output
-    assert f"extract --neighbour-layers --out {shards}-neighbours" in asked.output
-    assert "Traceback" not in asked.output
-    default = CliRunner().invoke(main, [*base, "--variants", "positions+1,layers-1,layers+1", "--force"])
-    assert default.exit_code == 2  # named explicitly: still an error
-    everything = CliRunner().invoke(main, base)
+    assert "layers [0, 2] not in the shards" in asked.output and "Traceback" not in asked.output
+    command = asked.output.split("`")[1].split()  # <program> extract --neighbour-layers ...
+    args = command[command.index("extract") :]
+    assert args[1] == "--neighbour-layers" and f"{shards}-neighbours" in args
+    everything = CliRunner().invoke(main, [*base, "--shards", shards])
     assert everything.exit_code == 0, everything.output
-    assert "not measured: layers-1: layers [0, 2] not in the shards" in everything.output
-    assert "extract --neighbour-layers" in everything.output
+    assert f"not measured: layers-1: layers [0, 2] not in the shards; store them with `{' '.join(command)}`" in (
+        everything.output
+    )
+    assert CliRunner().invoke(main, [*args, "--quiet"]).exit_code == 0  # as printed
+    now = CliRunner().invoke(main, [*base, "--shards", f"{shards}-neighbours", "--variants", "layers-1"])
+    assert now.exit_code == 0, now.output
+    assert "layers-1*" in now.output
 
 
-def test_report_shows_the_diagnosis(layered, tmp_path):
+def assert_as_configured_equals_score(rows: list[dict], results_dir: str, sampled: bool) -> None:
+    """diagnose's as-configured numbers are score's, on the same samples: pooled chain tau,
+    the all-anchor streak and acceptance by block position."""
+    summary = pq.read_table(os.path.join(results_dir, results.FILES["summary"])).to_pylist()
+    chain = next(r for r in summary if r["dataset"] == results.ALL_DATASETS and r["method"] == results.CHAIN)
+    mine = {r["metric"]: r["value"] for r in rows if r["variant"] == CONFIGURED and r["position"] is None}
+    assert mine["tau"] == pytest.approx(chain["tau"], abs=1e-9)
+    streak = chain["anchor_expected_accepted_len_mean" if sampled else "anchor_accepted_len_mean"]
+    assert mine["streak"] == pytest.approx(streak, abs=1e-6)
+    positions = acceptance_by_position(rows)  # null (never reached) read as NaN
+    assert positions == pytest.approx(chain["accept_rate_by_position"], abs=1e-9, nan_ok=True)
+
+
+def test_report_shows_the_diagnosis_and_it_agrees_with_score(layered, tmp_path):
     """A Diagnose section (verdict first, the variant table) in the report, with score results
-    or from diagnoses alone."""
+    or from diagnoses alone; as-configured equals what `score` reports on the same samples."""
     from scoring.report import write_report
 
     ckpt = fitted(layered, "positions+1")[0]
@@ -163,9 +182,53 @@ def test_report_shows_the_diagnosis(layered, tmp_path):
         main, ["score", "--ckpt", ckpt, "--shards", layered["shards"], "--out", str(tmp_path / "results"), "--quiet"]
     )
     assert score.exit_code == 0, score.output
+    assert_as_configured_equals_score(rows, str(tmp_path / "results" / results.result_dir_name(ckpt)), sampled=False)
     for inputs in ([str(tmp_path / "results"), str(layered["tmp"] / "diagnose")], [str(layered["tmp"] / "diagnose")]):
         page = open(write_report(inputs, str(tmp_path / "report.html")).path, encoding="utf-8").read()
         section = page[page.index('<h2 id="diagnose">') :]
         assert html.escape(record["verdict"][0]) in section
         assert "positions+1*" in section  # the significant variant marked, as on the console
         assert ("<h2>Summary</h2>" in page) == (len(inputs) == 2)
+
+
+def test_sampled_shards_use_expected_tau(tmp_path, tiny_qwen3_dir):
+    """On shards sampled at T > 0 the numbers are expectations under rejection sampling, equal to
+    score's, and the console says "expected tau"."""
+    from conftest import random_drafter
+    from scoring.fit import save_drafter
+
+    prompts = write_prompts(tmp_path / "p.jsonl", [{"id": f"q{i}", "prompt": f"Count to {i}."} for i in range(3)])
+    shards = str(tmp_path / "sampled")
+    extract = ["extract", "--model", tiny_qwen3_dir, "--prompts", prompts, "--out", shards, "--layer-ids", "1,3"]
+    sampling = ["--temperature", "0.8", "--num-samples", "3", "--max-new-tokens", "12", "--top-k", "8"]
+    assert CliRunner().invoke(main, [*extract, *sampling, "--dtype", "fp32", "--quiet"]).exit_code == 0
+    ckpt = save_drafter(random_drafter(seed=4), str(tmp_path / "runs" / "random"))
+    out = str(tmp_path / "d")
+    run = CliRunner().invoke(main, ["diagnose", "--ckpt", ckpt, "--shards", shards, "--out", out, "--no-progress"])
+    assert run.exit_code == 0, run.output
+    assert "expected tau" in run.output.splitlines()[1]
+    rows = pq.read_table(os.path.join(out, results.result_dir_name(ckpt), results.FILES["diagnose"])).to_pylist()
+    score = ["score", "--ckpt", ckpt, "--shards", shards, "--out", str(tmp_path / "r"), "--quiet", "--sample", "8"]
+    assert CliRunner().invoke(main, score).exit_code == 0
+    assert_as_configured_equals_score(rows, str(tmp_path / "r" / results.result_dir_name(ckpt)), sampled=True)
+
+
+def test_neighbour_layers_extract(layered):
+    """--neighbour-layers stores ids - 1 and + 1 after the requested ones, records which were
+    requested (fit's default), and stores each layer's real hidden states."""
+    from pipeline.layer_ids import requested_layer_ids
+    from pipeline.shards import ShardSet
+
+    shardset = ShardSet(layered["shards"])
+    settings = shardset.settings
+    assert settings["layer_ids"] == [1, 3, 0, 2, 4]
+    assert requested_layer_ids(settings) == [1, 3]
+    held, held_states = layered["held"]
+    sample = next(iter(shardset.samples(tensors=["features"])))
+    row = int(sample.sample_id.removeprefix("p"))
+    stored = sample.features.view(sample.features.shape[0], 5, -1)
+    for column, layer in enumerate(settings["layer_ids"]):
+        expected = held_states[layer + 1][row, : stored.shape[0]]
+        assert (stored[:, column] - expected).abs().max() <= 1e-3 * expected.abs().max()
+    inspect = CliRunner().invoke(main, ["inspect", layered["shards"]])
+    assert "[1, 3, 0, 2, 4] (with neighbours, for diagnose)" in inspect.output
