@@ -18,7 +18,7 @@ from scoring.results import CONFIGURED_VARIANT as CONFIGURED
 @dataclass(frozen=True)
 class Variant:
     name: str
-    change: str  # what is replayed differently, in words
+    change: str  # what is replayed differently, as the verdict says it: "tau 2.87 with <change>"
     finding: str  # what it means when this variant scores better: the action to take
     conventions: Conventions = field(default_factory=Conventions)
     dtype: torch.dtype | None = None  # compute dtype instead of the run's (bf16); None = the run's
@@ -31,46 +31,46 @@ def _variants() -> list[Variant]:
         Variant(CONFIGURED, "the checkpoint's config, the reference conventions", ""),
         Variant(
             "positions+1",
-            "block position ids start at t + 1",
+            "block position ids starting at t + 1",
             f"the checkpoint was trained with block position ids one higher than the reference uses — {fix}",
             Conventions(block_position_offset=1),
         ),
         Variant(
             "positions-1",
-            "block position ids start at t - 1",
+            "block position ids starting at t - 1",
             f"the checkpoint was trained with block position ids one lower than the reference uses — {fix}",
             Conventions(block_position_offset=-1),
         ),
         Variant(
             "context+1",
-            "context covers positions 0..t (the anchor's own feature too)",
+            "the context covering positions 0..t (the anchor's own feature too)",
             "the checkpoint was trained seeing the anchor's own target feature, which an online step does not "
             f"have yet (context one position too long) — {fix}",
             Conventions(context_offset=1),
         ),
         Variant(
             "context-1",
-            "context covers positions 0..t-2",
+            "the context covering positions 0..t-2",
             f"the checkpoint was trained with the context one position shorter than the reference's — {fix}",
             Conventions(context_offset=-1),
         ),
         Variant(
             "layers-1",
-            "every feature layer id minus 1 (hidden_states[i] instead of [i + 1])",
+            "every feature layer id one lower (hidden_states[i] instead of [i + 1])",
             "the checkpoint was trained on features one layer lower (hidden_states[i] instead of hidden_states[i + 1]) "
             f"— {fix}, or set target_layer_ids one lower in its config",
             Conventions(layer_offset=-1),
         ),
         Variant(
             "layers+1",
-            "every feature layer id plus 1 (hidden_states[i + 2])",
+            "every feature layer id one higher (hidden_states[i + 2])",
             f"the checkpoint was trained on features one layer higher — {fix}, or set target_layer_ids one higher "
             "in its config",
             Conventions(layer_offset=1),
         ),
         Variant(
             "no-window",
-            "sliding-attention layers without their window",
+            "the sliding-attention layers' window dropped",
             "the checkpoint was trained without the sliding window its config declares (a backend that ignores "
             "sliding_window, such as the SDPA path on CPU) — fix the training attention or drop the window from "
             "the config",
@@ -78,14 +78,14 @@ def _variants() -> list[Variant]:
         ),
         Variant(
             "window-everywhere",
-            "every layer with the config's sliding window",
+            "the config's sliding window on every layer",
             "the checkpoint was trained with the sliding window on every layer — fix layer_types in the config "
             "or the training attention",
             Conventions(window="everywhere"),
         ),
         Variant(
             "causal-block",
-            "the block attends causally inside itself",
+            "the block attending causally inside itself",
             "the checkpoint was trained with a causal mask inside the block, where the reference drafter is "
             "bidirectional (a flex_attention / SDPA mask mismatch) — fix the training mask, or set is_causal in "
             "the config if causal is intended",
@@ -93,7 +93,7 @@ def _variants() -> list[Variant]:
         ),
         Variant(
             "scales",
-            "input_embedding_scale / output_multiplier / softcapping at 1 (none)",
+            "input_embedding_scale, output_multiplier and softcapping at 1 (none)",
             "the checkpoint was trained without the embedding/output scales its config declares — fix the config "
             "or the training code",
             Conventions(neutral_scales=True),

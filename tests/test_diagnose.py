@@ -31,22 +31,26 @@ HELD_OUT = 48  # samples diagnosed (every one: --limit covers them all)
 GAP = 0.5  # streak (of at most BLOCK - 1 = 3) lost under the reference convention, at least
 
 
-@pytest.fixture(scope="module")
-def layered(tmp_path_factory):
-    """The layered target, training and held-out sequences with their hidden states, and the
-    held-out set extracted through the CLI with --neighbour-layers (layers 1, 3 + 0, 2, 4)."""
-    tmp = tmp_path_factory.mktemp("diagnose")
-    model_dir = cf.build_layered_target(tmp / "target")
-    train, held = cf.periodic(100, 512), cf.periodic(200, HELD_OUT)
+def build_world(tmp, recipe: cf.Recipe) -> dict:
+    """A recipe's target, training and held-out sequences with their hidden states, and the
+    held-out set extracted through the CLI with --neighbour-layers."""
+    table = cf.order2_table() if recipe.name == "order2" else None
+    if recipe.name == "order2":
+        model_dir = cf.build_lookahead_target(tmp / "target", table)
+    else:
+        model_dir = cf.build_layered_target(tmp / "target")
+    train, held = cf.sequences(recipe, 100, 512, table), cf.sequences(recipe, 200, HELD_OUT, table)
     assert cf.stop_free(train) and cf.stop_free(held)
     target, train_states = cf.target_and_states(model_dir, train)
     _, held_states = cf.target_and_states(model_dir, held)
-    prompts = write_prompts(tmp / "held.jsonl", cf.prompt_records(held))
+    prompts = write_prompts(tmp / "held.jsonl", cf.prompt_records(held, recipe.prompt_len))
     shards = str(tmp / "shards")
-    args = ["extract", "--model", model_dir, "--prompts", prompts, "--out", shards, "--layer-ids", "1,3"]
+    layers = ",".join(map(str, recipe.layer_ids))
+    args = ["extract", "--model", model_dir, "--prompts", prompts, "--out", shards, "--layer-ids", layers]
     run = CliRunner().invoke(main, [*args, "--neighbour-layers", "--top-k", "4", "--dtype", "fp32", "--quiet"])
     assert run.exit_code == 0, run.output
     return {
+        "recipe": recipe,
         "tmp": tmp,
         "model_dir": model_dir,
         "target": target,
@@ -56,16 +60,35 @@ def layered(tmp_path_factory):
     }
 
 
-def fitted(layered, convention: str) -> tuple[str, float, float]:
+@pytest.fixture(scope="module")
+def worlds(tmp_path_factory):
+    """recipe name -> its world, built on first use and shared by the module's tests."""
+    built: dict[str, dict] = {}
+
+    def world(name: str) -> dict:
+        if name not in built:
+            built[name] = build_world(tmp_path_factory.mktemp(name), cf.RECIPES[name])
+        return built[name]
+
+    return world
+
+
+@pytest.fixture(scope="module")
+def layered(worlds):
+    return worlds("periodic")
+
+
+def fitted(world, convention: str) -> tuple[str, float, float]:
     """Fit under `convention`, save in z-lab format; (checkpoint dir, held-out streak under the
     training convention, under the reference)."""
-    tokens, states = layered["train"]
-    drafter = cf.fit(convention, states, tokens, layered["target"])
-    path = layered["tmp"] / "runs" / convention
+    recipe, target = world["recipe"], world["target"]
+    tokens, states = world["train"]
+    drafter = cf.fit(recipe, convention, states, tokens, target)
+    path = world["tmp"] / "runs" / convention
     drafter.save_pretrained(str(path))
-    held, held_states = layered["held"]
-    own = cf.streak(drafter, convention, held_states, held, layered["target"])
-    reference = cf.streak(drafter, "reference", held_states, held, layered["target"])
+    held, held_states = world["held"]
+    own = cf.streak(recipe, drafter, convention, held_states, held, target)
+    reference = cf.streak(recipe, drafter, "reference", held_states, held, target)
     return str(path), own, reference
 
 
@@ -84,12 +107,13 @@ def tau_rows(rows: list[dict]) -> dict[str, dict]:
     return {r["variant"]: r for r in rows if r["metric"] == "tau"}
 
 
-@pytest.mark.parametrize("convention", ["positions+1", "layers-1"])
-def test_diagnose_names_the_convention_a_drafter_was_trained_under(layered, convention):
-    ckpt, own, reference = fitted(layered, convention)
+@pytest.mark.parametrize("convention", ["positions+1", "layers-1", "context+1", "causal-block"])
+def test_diagnose_names_the_convention_a_drafter_was_trained_under(worlds, convention):
+    world = worlds(cf.RECIPE_OF[convention])
+    ckpt, own, reference = fitted(world, convention)
     assert own - reference >= GAP, f"the test target does not make {convention} matter: {own:.2f} vs {reference:.2f}"
 
-    output, rows, record = diagnose(layered, ckpt)
+    output, rows, record = diagnose(world, ckpt)
     tau = tau_rows(rows)
     conventions = [v for v in tau if v != CONFIGURED and VARIANTS[v].convention and tau[v]["delta"] is not None]
     best = max(conventions, key=lambda v: tau[v]["delta"])
@@ -111,7 +135,7 @@ def test_drafter_trained_under_the_reference_is_called_consistent(layered):
     assert max(tau, key=lambda v: tau[v]["value"] or 0) == CONFIGURED
     assert record["verdict"][0].startswith("the configuration is consistent")
     by_position = [r for r in rows if r["metric"] == "accept_by_position"]
-    assert [r["position"] for r in by_position] == list(range(1, cf.BLOCK))
+    assert [r["position"] for r in by_position] == list(range(1, layered["recipe"].block))
     assert f"1: {by_position[0]['value']:.2f}" in record["verdict"][0]  # where acceptance dies
     assert "verdict: the configuration is consistent" in output
 
@@ -135,7 +159,7 @@ def test_missing_neighbour_layers_say_which_extract_to_run(layered, tmp_path):
     command, which run as printed makes shards on which layers-1 is measured; by default the
     variant is listed as not measured, with the same command."""
     held, _ = layered["held"]
-    prompts = write_prompts(tmp_path / "few.jsonl", cf.prompt_records(held[:3]))
+    prompts = write_prompts(tmp_path / "few.jsonl", cf.prompt_records(held[:3], layered["recipe"].prompt_len))
     shards = str(tmp_path / "plain")
     extract = ["extract", "--model", layered["model_dir"], "--prompts", prompts, "--out", shards]
     assert CliRunner().invoke(main, [*extract, "--layer-ids", "1,3", "--top-k", "4", "--quiet"]).exit_code == 0
