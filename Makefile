@@ -20,7 +20,7 @@ help:
 	@echo "make extract   extract SmolLM2-135M over the bundled default prompts into $(SHARDS)"
 	@echo "make score CKPT=path/to/drafter   score a drafter checkpoint against $(SHARDS)"
 	@echo "make bench     print benchmark figures (writes bench/results/*.json)"
-	@echo "make demo      extract SmolLM2, fit a tiny drafter, score two checkpoints, compare, report"
+	@echo "make demo      extract SmolLM2, fit a tiny drafter, score two checkpoints, compare, diagnose, report"
 
 .venv/bin/python:
 	python3 -m venv .venv
@@ -69,13 +69,14 @@ bench:
 DEMO    ?= data/demo
 DEMO_STEPS ?= 600
 
-# End to end on CPU in minutes: extract -> fit (two checkpoints) -> score -> compare -> report.
+# End to end on CPU in minutes: extract -> fit (two checkpoints) -> score -> compare -> diagnose -> report.
 demo:
 	$(CLI) extract --model smollm2 --prompts default --out $(DEMO)/shards
 	$(CLI) fit --shards $(DEMO)/shards --out $(DEMO)/runs/tiny --steps $(DEMO_STEPS) --save-every $$(( $(DEMO_STEPS) / 2 )) --block-size 16
 	$(CLI) score --ckpt '$(DEMO)/runs/tiny/step_*' --shards $(DEMO)/shards --out $(DEMO)/results
 	$(CLI) compare $(DEMO)/results/tiny_step_$$(( $(DEMO_STEPS) / 2 )) $(DEMO)/results/tiny_step_$(DEMO_STEPS)
-	$(CLI) report $(DEMO)/results --out $(DEMO)/report.html --title "specreplay demo: SmolLM2-135M-Instruct and a tiny fitted drafter"
+	$(CLI) diagnose --ckpt $(DEMO)/runs/tiny/step_$(DEMO_STEPS) --shards $(DEMO)/shards --out $(DEMO)/diagnose --force
+	$(CLI) report $(DEMO)/results $(DEMO)/diagnose --out $(DEMO)/report.html --title "specreplay demo: SmolLM2-135M-Instruct and a tiny fitted drafter"
 	@echo "Done. Open $(DEMO)/report.html in a browser."
 
 clean:

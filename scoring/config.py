@@ -60,5 +60,5 @@ class DiagnoseConfig:
 
 
 # `diagnose` default: samples (stratified by dataset, seeded) that take about a minute for every
-# variant at SmolLM2-135M shapes and 128-token responses on two CPU cores (bench/README.md).
+# variant at SmolLM2-135M shapes and 128-token responses on two CPU cores (README, My tau is low).
 DEFAULT_DIAGNOSE_SAMPLES = 8

@@ -87,6 +87,7 @@ def replay_variant(setup: Setup, variant: Variant, progress=None) -> list[Sample
         attention=options.attention,
         sampling=options.sampling,
         conventions=variant.conventions,
+        distribution_metrics=False,
     )
     columns = feature_selector(
         setup.stored_layer_ids, setup.info.config.target_layer_ids, variant.conventions.layer_offset

@@ -35,6 +35,7 @@ class ReplayOptions:
     attention: str = "auto"  # auto: flex_attention on CUDA, dense explicit masks on CPU
     sampling: Sampling = Sampling()  # the shards' settings: q_j for rejection sampling at T > 0
     conventions: Conventions = REFERENCE  # score: always the reference; diagnose changes one switch
+    distribution_metrics: bool = True  # log q(target) and KL on the top-k; diagnose needs only the drafts
 
     @property
     def attention_backend(self) -> str:
@@ -340,17 +341,11 @@ def _score_chunk(drafter, embed, lm_head, packed: PackedSamples, sample_idx, anc
     known = positions < lengths[:, None]
     flat = (starts[:, None] + positions).clamp(max=packed.ids.numel() - 1)
     targets = torch.where(known, packed.ids[flat], torch.full_like(positions, -1))
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
-    target_logprob = logprobs.gather(-1, targets.clamp(min=0)[..., None])[..., 0]
-    target_logprob = torch.where(known, target_logprob, torch.full_like(target_logprob, float("nan")))
-    # Stored target distribution for the token at sample position p is row p - prompt_len.
-    topk_rows = packed.topk_starts[sample_idx][:, None] + positions - packed.prompt_lens[sample_idx][:, None]
-    topk_rows = topk_rows.clamp(max=packed.topk_ids.shape[0] - 1)
-    support = packed.topk_ids[topk_rows].long()  # [a, depth, k]
-    kl = metrics.kl_on_topk(packed.topk_logprobs[topk_rows], logprobs.gather(-1, support))
-    kl = torch.where(known, kl, torch.full_like(kl, float("nan")))
-    del logprobs
-    sampled = torch.full_like(target_logprob, float("nan"))
+    unknown = torch.full(targets.shape, float("nan"), device=device)
+    target_logprob, kl = unknown, unknown
+    if options.distribution_metrics:
+        target_logprob, kl = _distribution_metrics(logits, targets, known, packed, sample_idx, positions)
+    sampled = unknown
     if not options.sampling.greedy:  # the drafter samples with the target's settings (SPEC §1)
         sampled = torch.where(known, token_logprob(logits, targets, options.sampling), sampled)
 
@@ -366,6 +361,19 @@ def _score_chunk(drafter, embed, lm_head, packed: PackedSamples, sample_idx, anc
         "kl": kl.cpu(),
         "pops": pops,
     }
+
+
+def _distribution_metrics(logits, targets, known, packed: PackedSamples, sample_idx, positions):
+    """(log q(target), KL on the stored top-k) [a, depth] each, NaN where the target is unknown."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    target_logprob = logprobs.gather(-1, targets.clamp(min=0)[..., None])[..., 0]
+    target_logprob = torch.where(known, target_logprob, torch.full_like(target_logprob, float("nan")))
+    # Stored target distribution for the token at sample position p is row p - prompt_len.
+    topk_rows = packed.topk_starts[sample_idx][:, None] + positions - packed.prompt_lens[sample_idx][:, None]
+    topk_rows = topk_rows.clamp(max=packed.topk_ids.shape[0] - 1)
+    support = packed.topk_ids[topk_rows].long()  # [a, depth, k]
+    kl = metrics.kl_on_topk(packed.topk_logprobs[topk_rows], logprobs.gather(-1, support))
+    return target_logprob, torch.where(known, kl, torch.full_like(kl, float("nan")))
 
 
 def _tree_pops(logits: torch.Tensor, targets: torch.Tensor, known: torch.Tensor, max_tree_nodes: int) -> torch.Tensor:

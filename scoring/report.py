@@ -79,6 +79,7 @@ table.reach td:nth-child(n+2){text-align:right;font-variant-numeric:tabular-nums
 table.reach td.few{color:#a8b0bd;background:#f6f7f9}
 table.worst td:nth-child(-n+7){white-space:nowrap}
 table.inputs td{word-break:keep-all}
+table.diagnose td:nth-child(-n+4){white-space:nowrap;font-variant-numeric:tabular-nums}
 td.path,span.path{overflow-wrap:anywhere}
 td.hash{font-family:ui-monospace,"DejaVu Sans Mono",monospace;white-space:nowrap}
 img{max-width:100%;height:auto;display:block;margin:6px 0}

@@ -28,10 +28,16 @@ def _one(directory: str, rows: list[dict], record: dict) -> str:
         f"<p><b>{html.escape(verdict[0])}</b></p>{f'<ul>{rest}</ul>' if rest else ''}"
         f'<p class="caption">{record["samples"]} samples, every anchor, chain; each cell is the value and, for a '
         f"variant, its change from as-configured with a paired-bootstrap 95% interval over samples; * marks a tau "
-        f"interval that excludes zero. As configured, acceptance by block position: "
-        f'{html.escape(format_positions_row(rows))}. From <span class="path">{html.escape(directory)}</span>.</p>'
+        f"interval that excludes zero.{_positions(rows, verdict)} From "
+        f'<span class="path">{html.escape(directory)}</span>.</p>'
         f'<div class="scroll"><table class="diagnose"><tr>{head}</tr>{body}</table></div>'
     )
+
+
+def _positions(rows: list[dict], verdict: list[str]) -> str:
+    """As-configured acceptance by block position, unless the verdict already shows it."""
+    text = format_positions_row(rows)
+    return "" if text in verdict[0] else f" As configured, acceptance by block position: {html.escape(text)}."
 
 
 def diagnose_section(diagnoses: list[tuple[str, list[dict], dict]]) -> str:
@@ -39,7 +45,7 @@ def diagnose_section(diagnoses: list[tuple[str, list[dict], dict]]) -> str:
     if not diagnoses:
         return ""
     intro = (
-        '<p class="caption">`specreplay diagnose` replayed each checkpoint under its own configuration and '
+        '<p class="caption"><code>specreplay diagnose</code> replayed each checkpoint under its own configuration and '
         "under variants that change one convention (block position ids, context length, feature layer, "
         "windows, block mask, scales, precision). A variant that scores clearly better names the convention "
         "the checkpoint was trained under.</p>"
