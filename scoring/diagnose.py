@@ -108,7 +108,7 @@ def feature_selector(stored: list[int], drafter_ids: list[int], layer_offset: in
     return lambda features: select_feature_columns(features, stored, ids)
 
 
-def skip_reason(variant: Variant, setup: Setup, shardset: ShardSet) -> str | None:
+def skip_reason(variant: Variant, setup: Setup, shardset: ShardSet, program: str) -> str | None:
     """Why a variant is not measured: it changes nothing here, or its layers are not stored."""
     reason = not_applicable(variant, setup.info.config)
     if reason is not None:
@@ -118,13 +118,13 @@ def skip_reason(variant: Variant, setup: Setup, shardset: ShardSet) -> str | Non
         return None
     if any(i < 0 for i in missing):
         return "layer id -1 (the embedding output) is not a decoder layer's output; specreplay does not store it"
-    return f"layers {missing} not in the shards; {neighbour_hint(shardset)}"
+    return f"layers {missing} not in the shards; {neighbour_hint(shardset, program)}"
 
 
-def neighbour_hint(shardset: ShardSet) -> str:
-    """The extract command that stores the neighbouring layers, with the shards' own settings."""
+def neighbour_hint(shardset: ShardSet, program: str) -> str:
+    """The extract command that stores the neighbouring layers, with the shards' own settings;
+    `program` is how the user runs specreplay (the CLI's specreplay.hints.program())."""
     from pipeline.layer_ids import requested_layer_ids
-    from specreplay.hints import program
 
     manifest, settings = shardset.manifest, shardset.settings
     target, prompts = manifest.get("target", {}), manifest.get("prompts", {})
@@ -148,7 +148,7 @@ def neighbour_hint(shardset: ShardSet) -> str:
     thinking = settings.get("enable_thinking")
     if thinking is not None:
         words += " --enable-thinking" if thinking else " --disable-thinking"
-    return f"store them with `{program()} extract --neighbour-layers {words}`"
+    return f"store them with `{program} extract --neighbour-layers {words}`"
 
 
 # --------------------------------------------------------------------------- the run
@@ -192,14 +192,14 @@ def prepare(config: DiagnoseConfig, shardset: ShardSet, progress=None) -> Setup:
     )
 
 
-def plan_variants(config: DiagnoseConfig, setup: Setup, shardset: ShardSet) -> list[Measured]:
+def plan_variants(config: DiagnoseConfig, setup: Setup, shardset: ShardSet, program: str) -> list[Measured]:
     """The variants to replay, each with its reason when it cannot be. A variant named in
     --variants that cannot be measured is an error (saying what to do), not a silent skip."""
     names = parse_variants(",".join(config.variants) if config.variants else None)
     planned = []
     for name in names:
         variant = VARIANTS[name]
-        reason = skip_reason(variant, setup, shardset)
+        reason = skip_reason(variant, setup, shardset, program)
         asked = bool(config.variants) and name in config.variants
         if reason is not None and asked:
             raise UserError(f"--variants {name}: cannot be measured on {config.shards}: {reason}")
@@ -211,16 +211,17 @@ def plan_variants(config: DiagnoseConfig, setup: Setup, shardset: ShardSet) -> l
     return planned
 
 
-def run_diagnose(config: DiagnoseConfig, progress=None) -> Diagnosis:
+def run_diagnose(config: DiagnoseConfig, progress=None, program: str = "specreplay") -> Diagnosis:
     """Replay every planned variant on the same samples, compare, decide, write
-    --out/<parent>_<name>/diagnose.parquet and diagnose.json. `progress(total, desc)` makes a bar."""
+    --out/<parent>_<name>/diagnose.parquet and diagnose.json. `progress(total, desc)` makes a bar;
+    `program` is how hints name the console script."""
     shardset = ShardSet(config.shards)
     out_dir = os.path.join(config.out, results.result_dir_name(config.ckpt))
     check_out_dir(out_dir, config.force)  # before a minute of replay, not after
     setup = prepare(config, shardset)
     if not setup.samples:
         raise UserError(f"{config.shards}: no samples to replay")
-    planned = plan_variants(config, setup, shardset)
+    planned = plan_variants(config, setup, shardset, program)
     todo = [m for m in planned if m.note is None]
     bar = progress(len(todo) * len(setup.samples), f"diagnose {setup.info.name}") if progress else None
     for m in todo:
