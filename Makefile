@@ -9,7 +9,7 @@ RESULTS ?= data/results
 CKPT    ?=
 ARGS    ?=
 
-.PHONY: setup setup-browser test test-fast lint extract score inspect bench demo clean help
+.PHONY: setup setup-browser test test-fast lint extract score inspect bench fuzz demo clean help
 
 help:
 	@echo "make setup     create .venv and install specreplay (CPU torch 2.13.0 first)"
@@ -20,6 +20,7 @@ help:
 	@echo "make extract   extract SmolLM2-135M over the bundled default prompts into $(SHARDS)"
 	@echo "make score CKPT=path/to/drafter   score a drafter checkpoint against $(SHARDS)"
 	@echo "make bench     print benchmark figures (writes bench/results/*.json)"
+	@echo "make fuzz      damage extract files 1,000 ways (FUZZ_TRIALS=N), score each, print the tally"
 	@echo "make demo      extract SmolLM2, fit a tiny drafter, score two checkpoints, compare, diagnose, report"
 
 .venv/bin/python:
@@ -65,6 +66,12 @@ inspect:
 
 bench:
 	$(PY) -m bench $(ARGS)
+
+# Flipped bytes, truncations and appended garbage in shards, sidecars, the manifest and the target
+# head: each trial must end in a clear error naming the file or in identical results (tests/fuzz_inputs.py).
+FUZZ_TRIALS ?= 1000
+fuzz:
+	OMP_NUM_THREADS=1 $(PY) tests/fuzz_inputs.py --trials $(FUZZ_TRIALS) $(ARGS)
 
 DEMO    ?= data/demo
 DEMO_STEPS ?= 600

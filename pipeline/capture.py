@@ -208,6 +208,50 @@ def stored_features(parts: list[torch.Tensor], feature_dtype: torch.dtype) -> di
     return {"features": torch.cat([p.to(feature_dtype).cpu() for p in parts], dim=-1)}
 
 
+def _where_bad(what: str, bad: torch.Tensor, first_position: int = 0) -> dict:
+    """{what, position (the first bad row's, offset by first_position), count (bad rows), length
+    (rows checked)} of a [rows, ...] bool tensor holding at least one True."""
+    rows = bad.reshape(bad.shape[0], -1).any(dim=-1)
+    first = int(rows.nonzero()[0, 0])
+    return {"what": what, "position": first_position + first, "count": int(rows.sum()), "length": rows.numel()}
+
+
+def nonfinite_values(tensors: dict[str, torch.Tensor], layer_ids: list[int] | None, prompt_len: int) -> dict | None:
+    """Where a captured sample holds NaN/Inf (fp16 overflow is the usual cause): None when it
+    is finite, else {"what": "layer 3 features" | "logits", "position": the first bad token
+    position, "count": how many positions are bad, "length": of how many}.
+
+    Checked on what would be stored, so an overflow of the storage cast (fp32 model, fp16
+    features) counts too. Features: row = token position, layers in ascending id (`layer_ids` in
+    stored order; None: one block, reported as "features"). Logits: NaN or +inf in the stored
+    top-k log-probs or sample_logprob (-inf there is probability 0, not an error), at the
+    position whose next-token distribution it is, prompt_len - 1 + row. A NaN computed at one
+    position usually reaches every position (attention multiplies it by zero weights), so
+    `count` tells one overflowing token from a poisoned sample. The common, finite case costs
+    one reduction per tensor."""
+    features = tensors["features"]
+    scale = tensors.get("features_scale")
+    values = features.float() if features.dtype == torch.float8_e4m3fn else features  # e4m3fn: NaN only
+    if not (bool(torch.isfinite(values).all()) and (scale is None or bool(torch.isfinite(scale).all()))):
+        groups = [None] if layer_ids is None else layer_ids
+        width = values.shape[-1] // len(groups)
+        for column, layer_id in sorted(enumerate(groups), key=lambda pair: pair[1] or 0):
+            bad = ~torch.isfinite(values[:, column * width : (column + 1) * width])
+            if scale is not None:
+                mine = scale if layer_id is None else scale[:, column : column + 1]
+                bad = bad | ~torch.isfinite(mine).all(dim=-1, keepdim=True)
+            if bool(bad.any()):
+                return _where_bad("features" if layer_id is None else f"layer {layer_id} features", bad)
+    for name in ("topk_logprobs", "sample_logprob"):
+        logprobs = tensors.get(name)
+        if logprobs is None:
+            continue
+        bad = torch.isnan(logprobs) | torch.isposinf(logprobs)
+        if bool(bad.any()):
+            return _where_bad("logits", bad, prompt_len - 1)
+    return None
+
+
 @torch.inference_mode()
 def capture_sample(model, input_ids: list[int], prompt_len: int, config: CaptureConfig) -> dict[str, torch.Tensor]:
     """All stored tensors of one sample (see the module docstring for shapes and meaning)."""

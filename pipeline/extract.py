@@ -18,6 +18,12 @@ Resume is exact because a sample is either in a finished shard (never touched ag
 from scratch: shards land atomically (see pipeline/shards.py) and settings cannot change
 between runs without `--overwrite`.
 
+A sample whose features or logits hold NaN/Inf (fp16 overflow, usually) is never written: the
+entry of the next shard to land lists it under `excluded` (sample id, dataset, what, first bad
+position, how many), so resume counts it as done, and the manifest's totals carry
+`excluded_samples` and `excluded` (keys absent when nothing was excluded). `inspect` and
+`score` report them.
+
 Sampling (temperature > 0): each prompt without a given response becomes `num_samples` items
 with ids `<id>#<k>`, k = 0..K-1 (every sampled id carries its draw, also when K = 1); a record
 with a given response stays one item under its own id. A draw's generator is seeded from (seed,
@@ -43,6 +49,7 @@ Manifest layout (manifest.json):
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -60,6 +67,7 @@ from pipeline.dtypes import COMPUTE_DTYPES
 from pipeline.errors import UserError
 from pipeline.layer_ids import build_target_layer_ids, check_layer_ids
 from pipeline.sampling import Sampling
+from pipeline.shards.writer import excluded_records
 from pipeline.versions import specreplay_version
 
 # Feature storage dtypes beyond the compute dtypes: e4m3 with one scale per token and layer (lossy).
@@ -472,14 +480,19 @@ def totals(entries: list[dict], raw_feature_bytes_per_token: int) -> dict:
     for key in ("sampled_response_tokens", "zero_prob_tokens"):  # sampled extracts only
         if any(key in entry for entry in entries):
             out[key] = sum(entry.get(key, 0) for entry in entries)
+    excluded = excluded_records(entries)
+    if excluded:  # samples with NaN/Inf, never written; keys absent when there are none
+        out["excluded_samples"] = len(excluded)
+        out["excluded"] = excluded
     return out
 
 
 def check_entries(entries: list[dict], wanted: set[str] | None = None) -> set[str]:
-    """Sample ids of finished shards; a duplicate or an id outside the prompt set is an error."""
+    """Sample ids finished shards account for, written or excluded (non-finite values, never
+    written, not redone on resume); a duplicate or an id outside the prompt set is an error."""
     ids: dict[str, str] = {}
     for entry in entries:
-        for sample_id in entry["sample_ids"]:
+        for sample_id in entry["sample_ids"] + [r["sample_id"] for r in entry.get("excluded", [])]:
             if sample_id in ids:
                 raise shards.ShardError(
                     f"sample {sample_id!r} is in both {ids[sample_id]} and {entry['file']}; the output is "
@@ -786,11 +799,16 @@ def run_items(
 
 
 def capture_and_write(model, item: Item, response, capture_config, writer: shards.ShardWriter) -> None:
-    """One capture forward over prompt + response, written as one sample."""
-    from pipeline.capture import capture_sample
+    """One capture forward over prompt + response, written as one sample; a sample with NaN/Inf
+    in a feature layer or its logits is never written, only recorded as excluded (where first)."""
+    from pipeline.capture import capture_sample, nonfinite_values
 
     input_ids = item.prompt_ids + response.token_ids
     tensors = capture_sample(model, input_ids, len(item.prompt_ids), capture_config)
+    bad = nonfinite_values(tensors, getattr(capture_config, "layer_ids", None), len(item.prompt_ids))
+    if bad is not None:
+        writer.exclude({"sample_id": item.sample_id, "dataset": item.dataset, **bad})
+        return
     writer.write(
         shards.Sample(
             sample_id=item.sample_id,
@@ -814,8 +832,7 @@ def capture_and_write(model, item: Item, response, capture_config, writer: shard
 def finish_manifest(out: str, manifest: dict, items: list[Item], raw_per_token: int) -> None:
     """Merge every finished shard (all ranks, all runs) into the manifest and mark it complete."""
     entries = shards.finished_shard_entries(out)  # sorted by file name
-    check_entries(entries)
-    missing = {item.sample_id for item in items} - {s for e in entries for s in e["sample_ids"]}
+    missing = {item.sample_id for item in items} - check_entries(entries)  # excluded samples are done too
     if missing:
         raise shards.ShardError(
             f"{out}: {len(missing)} samples were not written (e.g. {sorted(missing)[:3]}); "
@@ -844,11 +861,23 @@ def run_extract(config: ExtractConfig, progress=None, loaded=None) -> dict:
     validate_numbers(config)
     records = load_prompts(config.prompts, limit=config.limit)  # parse errors surface before any load
     init_dist(dist)
+    lock = output_lock(config.out) if dist.main else None  # ranks of one job share rank 0's lock
     try:
-        return _run(config, dist, records, progress, loaded)
+        with lock or contextlib.nullcontext():
+            return _run(config, dist, records, progress, loaded)
     finally:
         if dist.world > 1 and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+
+
+LOCK_NAME = ".specreplay.lock"
+
+
+def output_lock(out: str):
+    """The lock that keeps a second extract out of OUT while this one writes (pipeline/lock.py)."""
+    from pipeline.lock import local_lock
+
+    return local_lock(out, os.path.join(out, LOCK_NAME), f"extract --out {out}")
 
 
 def load_model_once(config: ExtractConfig, dist: Dist, device: str):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pipeline import shards
 from pipeline.sampling import sampling_of
+from pipeline.shards.writer import describe_excluded
 
 
 def verify_checksums(uri: str, entries: list[dict]) -> dict:
@@ -89,6 +90,9 @@ def inspect_extract(uri: str, verify: bool = True) -> dict:  # 50 lines: mostly 
         "argmax_mismatches": t["greedy_argmax_mismatches"],
         "greedy_consistency": 1 - t["greedy_argmax_mismatches"] / greedy_tokens if greedy_tokens else None,
         **sampling_report(settings, t),
+        # samples with NaN/Inf in a feature layer or the logits: never written, never scored
+        "excluded_samples": t.get("excluded_samples", 0),
+        "excluded": t.get("excluded", []),
     }
     if verify:
         report["checksums"] = verify_checksums(uri, entries)
@@ -168,6 +172,8 @@ def format_report(report: dict) -> str:
         f"  finish reasons  {reasons}",
         *consistency_lines(report),
     ]
+    if report.get("excluded"):
+        lines.append(f"  excluded        {describe_excluded(report['excluded'])}; not stored, never scored")
     if "checksums" in report:
         sums = report["checksums"]
         lines.append(f"  checksums       {sums['ok']}/{sums['checked']} shards ok; target head {report['target_head']}")

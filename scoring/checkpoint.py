@@ -56,6 +56,10 @@ class CheckpointError(UserError):
     """A checkpoint that cannot be loaded exactly as its config describes."""
 
 
+class NonFiniteWeightsError(CheckpointError):
+    """A checkpoint holding NaN/Inf weights (or weights the compute dtype cannot hold)."""
+
+
 class CompatibilityError(UserError):
     """A drafter that does not fit the target whose features the shards hold."""
 
@@ -248,12 +252,35 @@ def read_state_dict(files: list[str]) -> tuple[dict[str, torch.Tensor], dict]:
                 ) from error
             part, found = _unwrap_state_dict(obj, path)
             metadata.update(found)
+        check_finite(part, path)
         for name, tensor in part.items():
             if name in state:
                 raise CheckpointError(f"tensor {name!r} appears in both {origin[name]} and {path}")
             state[name] = tensor
             origin[name] = path
     return state, metadata
+
+
+def nonfinite_counts(tensors: dict[str, torch.Tensor]) -> dict[str, int]:
+    """{name: NaN/Inf values} of the floating-point tensors holding any (one reduction each)."""
+    counts = {}
+    for name, tensor in tensors.items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            counts[name] = int((~torch.isfinite(tensor)).sum())
+    return counts
+
+
+def check_finite(tensors: dict[str, torch.Tensor], path: str) -> None:
+    """Refuse a weight file with NaN/Inf: scored, it would give NaN drafts, not a bad tau."""
+    bad = nonfinite_counts(tensors)
+    if not bad:
+        return
+    first, count = next(iter(bad.items()))
+    others = f" (and {len(bad) - 1} more tensors: {_listing(list(bad)[1:])})" if len(bad) > 1 else ""
+    raise NonFiniteWeightsError(
+        f"{path}: tensor {first} has {count} NaN/Inf values{others}; the checkpoint is damaged "
+        f"(fp16 overflow in training?); use another checkpoint"
+    )
 
 
 def _is_ignored(name: str) -> bool:
@@ -410,14 +437,24 @@ def _expected_shapes(config: DrafterConfig) -> tuple[DFlashDrafter, dict[str, to
     return skeleton, {name: tensor.shape for name, tensor in skeleton.state_dict().items()}
 
 
-def _materialize(skeleton: DFlashDrafter, state: dict, dtype, device) -> DFlashDrafter:
+def _materialize(skeleton: DFlashDrafter, state: dict, dtype, device, source: str = "checkpoint") -> DFlashDrafter:
     """Give the meta skeleton the checkpoint's tensors, and rebuild the rotary buffers.
 
     The rotary inverse frequencies are not in the state dict (non-persistent) and a meta
     skeleton has none, so they are recomputed on `device`, in float32 whatever `dtype` is,
     as the reference keeps them (transformers casts only cos/sin to the activation dtype).
     """
+    stored = state
     state = {name: tensor.to(device=device, dtype=dtype).contiguous() for name, tensor in state.items()}
+    overflow = nonfinite_counts({name: t for name, t in state.items() if stored[name].dtype != dtype})
+    if overflow:  # finite as stored (check_finite), so the cast to the compute dtype overflowed
+        name, count = next(iter(overflow.items()))
+        largest = float(stored[name].abs().max())
+        raise NonFiniteWeightsError(
+            f"{source}: tensor {name} has {count} values beyond the range of {str(dtype).replace('torch.', '')} "
+            f"(largest |value| {largest:.3g}, stored as {str(stored[name].dtype).replace('torch.', '')}); "
+            f"score with --dtype fp32"
+        )
     skeleton.load_state_dict(state, strict=True, assign=True)
     for module_name, module in list(skeleton.named_modules()):
         if isinstance(module, Qwen3RotaryEmbedding):
@@ -457,7 +494,8 @@ def load_drafter(
 ) -> tuple[DFlashDrafter, CheckpointInfo]:
     """Load a drafter checkpoint strictly; see the module docstring for accepted layouts.
 
-    Raises CheckpointError (files, names, shapes) or DrafterConfigError (the config describes a
+    Raises CheckpointError (files, names, shapes; NonFiniteWeightsError for NaN/Inf weights, or
+    weights the compute `dtype` cannot hold) or DrafterConfigError (the config describes a
     variant or field specreplay cannot score exactly), both before any compute; a partly
     written checkpoint (checkpoint_problem) before any tensor is read.
     """
@@ -469,7 +507,7 @@ def load_drafter(
     raw_state, metadata = read_state_dict(weight_files)
     state, stripped = normalize_keys(raw_state, set(expected), source)
     check_state_dict(state, expected, config, source, config_file)
-    drafter = _materialize(skeleton, state, dtype, device)
+    drafter = _materialize(skeleton, state, dtype, device, source)
     info = CheckpointInfo(
         path=os.path.abspath(path),
         content_hash=content_hash(weight_files, config_raw),

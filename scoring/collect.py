@@ -166,10 +166,14 @@ class Collector:
         self.stop_token_ids = stop_token_ids
         self.positions = block_size - 1
         self.parts: dict[int, tuple] = {}  # sample index -> (anchor columns or None, walk columns, sample rows)
+        # sample index -> {sample_id, dataset, anchors}: the drafter's logits held NaN/Inf at those
+        # anchors; such a sample is in no table and no summary, only in run.json's nonfinite_drafter
+        self.nonfinite: dict[int, dict] = {}
         self.counts: dict[str, dict[str, np.ndarray]] = {}  # dataset -> per-position counts (integer sums)
 
     def merge(self, other: Collector) -> None:
         self.parts.update(other.parts)
+        self.nonfinite.update(other.nonfinite)
         for dataset, counts in other.counts.items():
             mine = self.counts.setdefault(dataset, self.zero_counts())
             for key in mine:
@@ -188,7 +192,16 @@ class Collector:
             for m in self.methods
         }
 
+    def nonfinite_samples(self) -> list[dict]:
+        """The samples left out for NaN/Inf drafter logits, in sample index order."""
+        return [self.nonfinite[i] for i in sorted(self.nonfinite)]
+
     def add(self, index: int, sample, result: AnchorTensors) -> None:
+        bad = result.nonfinite & result.computed
+        if bool(bad.any()):  # never averaged into anything: reported with its anchors instead
+            anchors = result.anchors[bad].tolist()
+            self.nonfinite[index] = {"sample_id": sample.sample_id, "dataset": sample.dataset, "anchors": anchors}
+            return
         is_stop = stop_mask(sample.input_ids, self.stop_token_ids)
         next_stop = next_stop_positions(is_stop)
         accepted = self.accepted(result)

@@ -82,6 +82,8 @@ def print_table(summary: pa.Table, record: dict, out_dir: str) -> None:
         print("    " + " ".join(f"{k + 1}:{fmt(r, 2)}" for k, r in enumerate(rates)))
     for note in notes(overall, record):
         print(f"  note: {note}")
+    for line in warning_lines(record):
+        print(f"  {line}")
 
 
 def notes(overall: dict, record: dict) -> list[str]:
@@ -99,6 +101,47 @@ def notes(overall: dict, record: dict) -> list[str]:
             "a lossless extract (bench/README.md measures the tau change)"
         )
     return found
+
+
+def anchor_ranges(anchors: list[int]) -> str:
+    """'5, 6, 9-40' from sorted anchor positions (consecutive runs of three or more as a range)."""
+    runs: list[list[int]] = []
+    for anchor in anchors:
+        if runs and anchor == runs[-1][-1] + 1:
+            runs[-1].append(anchor)
+        else:
+            runs.append([anchor])
+    parts = [f"{r[0]}-{r[-1]}" if len(r) > 2 else ", ".join(map(str, r)) for r in runs]
+    return ", ".join(parts)
+
+
+def describe_nonfinite(records: list[dict], listed: int = 5) -> str:
+    """'2 samples excluded: the drafter produced NaN/Inf logits (q1 anchors 5, 6; q4 anchors 9-40)'."""
+    where = [f"{r['sample_id']} anchors {anchor_ranges(r['anchors'])}" for r in records[:listed]]
+    if len(records) > listed:
+        where.append(f"{len(records) - listed} more")
+    noun = "sample" if len(records) == 1 else "samples"
+    return f"{len(records)} {noun} excluded: the drafter produced NaN/Inf logits ({'; '.join(where)})"
+
+
+def warning_lines(record: dict) -> list[str]:
+    """Samples left out of every number: NaN/Inf drafter logits (run.json nonfinite_drafter),
+    and samples the extract never stored for NaN/Inf target values (shards.excluded_samples)."""
+    lines = []
+    bad = record.get("nonfinite_drafter") or []
+    if bad:
+        lines.append(
+            f"warning: {describe_nonfinite(bad)}; not in any table or tau "
+            f"(run.json nonfinite_drafter lists every anchor)"
+        )
+    excluded = (record.get("shards") or {}).get("excluded_samples") or 0
+    if excluded:
+        noun = "sample" if excluded == 1 else "samples"
+        lines.append(
+            f"note: the extract excluded {excluded} {noun} with NaN/Inf target values; they are not in the "
+            f"shards and not scored (`specreplay inspect {record['shards'].get('uri')}` lists them)"
+        )
+    return lines
 
 
 def across_table(outcomes: list) -> list[str]:
@@ -161,4 +204,6 @@ def outcome_json(outcome) -> dict:
         )
     if outcome.record is not None:
         item["wall_time_s"] = outcome.record.get("wall_time_s")
+        item["nonfinite_drafter_samples"] = len(outcome.record.get("nonfinite_drafter") or [])
+        item["extract_excluded_samples"] = (outcome.record.get("shards") or {}).get("excluded_samples") or 0
     return item

@@ -27,6 +27,7 @@ from scoring.checkpoint import check_compatibility, load_drafter, read_drafter_c
 from scoring.config import DEFAULT_DIAGNOSE_SAMPLES, DiagnoseConfig
 from scoring.diagnose_stats import Comparison, SampleStats, by_position, compare_all, sample_stats, verdict
 from scoring.replay import ReplayOptions, prepare_target_head, replay_sample, select_feature_columns
+from scoring.score import resolve_device_dtype, results_lock, shards_identity
 from scoring.selection import Selection, sample_index, select_samples
 from scoring.variants import CONFIGURED, VARIANTS, Variant, missing_layers, not_applicable, parse_variants
 
@@ -163,8 +164,6 @@ def choose(shardset: ShardSet, config: DiagnoseConfig) -> list[int]:
 
 def prepare(config: DiagnoseConfig, shardset: ShardSet, progress=None) -> Setup:
     """Load the checkpoint (compatibility checked first), the target head and the samples."""
-    from scoring.score import resolve_device_dtype
-
     device, dtype = resolve_device_dtype(config.device, config.dtype)
     manifest, settings = shardset.manifest, shardset.settings
     check_compatibility(read_drafter_config(config.ckpt), manifest, config.ckpt)
@@ -215,8 +214,13 @@ def run_diagnose(config: DiagnoseConfig, progress=None, program: str = "specrepl
     """Replay every planned variant on the same samples, compare, decide, write
     --out/<parent>_<name>/diagnose.parquet and diagnose.json. `progress(total, desc)` makes a bar;
     `program` is how hints name the console script."""
-    shardset = ShardSet(config.shards)
     out_dir = os.path.join(config.out, results.result_dir_name(config.ckpt))
+    with results_lock(out_dir):
+        return _run_diagnose(config, out_dir, progress, program)
+
+
+def _run_diagnose(config: DiagnoseConfig, out_dir: str, progress, program: str) -> Diagnosis:
+    shardset = ShardSet(config.shards)
     check_out_dir(out_dir, config.force)  # before a minute of replay, not after
     setup = prepare(config, shardset)
     if not setup.samples:
@@ -277,8 +281,6 @@ def diagnosis_table(diagnosis: Diagnosis):
 
 def write_diagnosis(diagnosis: Diagnosis, config: DiagnoseConfig, shardset: ShardSet) -> None:
     """diagnose.parquet, then diagnose.json (each written to a temporary name and renamed)."""
-    from scoring.score import shards_identity
-
     existing = os.path.join(diagnosis.out_dir, results.FILES["diagnose_run"])
     os.makedirs(diagnosis.out_dir, exist_ok=True)
     results.write_table(diagnosis_table(diagnosis), diagnosis.out_dir, "diagnose")

@@ -59,6 +59,7 @@ class AnchorTensors:
     kl_topk: torch.Tensor  # [A, L] KL(target || draft) on the stored top-k support
     tree_pop_index: torch.Tensor  # [A, L] DDTree pop index of the target-path prefix of depth k
     computed: torch.Tensor  # [A] bool: scored (all True in all-anchor mode; walk mode scores visited anchors)
+    nonfinite: torch.Tensor  # [A] bool: the drafter's logits held NaN/Inf there (the sample is not scored)
 
 
 def prepare_target_head(head: dict[str, torch.Tensor], device: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -117,6 +118,9 @@ class PackedSamples:
     topk_logprobs: torch.Tensor  # [sum (R + 1), k]
     topk_starts: torch.Tensor  # [S]
     context: list  # per drafter layer (k, v) [kv_heads, sum N, d]
+    # [S] first position of each sample whose context keys/values held NaN/Inf (then zeroed, see
+    # finite_context); N when none. An anchor that sees it is reported as non-finite.
+    nonfinite_from: torch.Tensor | None = None
 
 
 MIN_CONTEXT_ROWS = 512
@@ -141,12 +145,14 @@ def pack_samples(
     """Context keys/values of every layer, computed once per sample (RoPE on positions within
     the sample) and concatenated."""
     device, dtype = options.device, options.dtype
-    contexts = []
+    contexts, nonfinite_from = [], []
     for s in samples:
         features = feature_columns(s.features)
         rows = context_rows(drafter, features.shape[-1], dtype, options.memory_bytes)
         with timing.stage("context keys/values", tokens=features.shape[0]):
-            contexts.append(drafter.context_kv(features, dtype=dtype, chunk_rows=rows))
+            context, first_bad = finite_context(drafter.context_kv(features, dtype=dtype, chunk_rows=rows))
+        contexts.append(context)
+        nonfinite_from.append(s.input_ids.numel() if first_bad is None else first_bad)
     context = []
     for layer in range(len(drafter.layers)):  # contiguous [kv_heads, sum N, d]; each input freed once used
         parts = [c[layer] for c in contexts]
@@ -169,7 +175,27 @@ def pack_samples(
         topk_logprobs=torch.cat([s.topk_logprobs for s in samples]).to(device, non_blocking=True),
         topk_starts=torch.cumsum(rows, 0) - rows,
         context=context,
+        nonfinite_from=torch.tensor(nonfinite_from, device=device),
     )
+
+
+def finite_context(context: list) -> tuple[list, int | None]:
+    """(context, first bad position or None): one sample's per-layer (k, v) [kv_heads, N, d] with
+    the positions holding NaN/Inf (a drafter whose fc or norms overflow on these features)
+    zeroed. Attention weighs a masked NaN value by zero, which is NaN, so left in place they
+    would spoil anchors that never see them, other samples' too when samples are packed
+    together (walk mode); zeroed, only the anchors that see them are reported (their logits are
+    NaN in any exact computation). One reduction per layer; a copy only when something is bad."""
+    bad = None
+    for pair in context:
+        for t in pair:
+            rows = ~torch.isfinite(t.sum(dim=(0, 2), dtype=torch.float32))  # [N]; NaN/Inf anywhere in the row
+            bad = rows if bad is None else bad | rows
+    if bad is None or not bool(bad.any()):
+        return context, None
+    keep = bad[None, :, None]
+    zeroed = [tuple(t.masked_fill(keep, 0) for t in pair) for pair in context]
+    return zeroed, int(bad.nonzero()[0, 0])
 
 
 def empty_anchor_tensors(sample: Sample, max_new_tokens: int, block_size: int) -> AnchorTensors:
@@ -186,6 +212,7 @@ def empty_anchor_tensors(sample: Sample, max_new_tokens: int, block_size: int) -
         kl_topk=torch.full((A, L), float("nan")),
         tree_pop_index=torch.full((A, L), NOT_IN_TREE, dtype=torch.long),
         computed=torch.zeros(A, dtype=torch.bool),
+        nonfinite=torch.zeros(A, dtype=torch.bool),
     )
 
 
@@ -240,6 +267,7 @@ def _replay_anchors(drafter, embed, lm_head, packed, results, wanted, options) -
                 out.sampled_logprob[r, :depth] = scored["sampled_logprob"][mine]
                 out.kl_topk[r, :depth] = scored["kl"][mine]
                 out.tree_pop_index[r, :depth] = scored["pops"][mine]
+                out.nonfinite[r] = scored["nonfinite"][mine]
                 out.computed[r] = True
 
 
@@ -335,6 +363,10 @@ def _score_chunk(drafter, embed, lm_head, packed: PackedSamples, sample_idx, anc
     depth = block_len - 1
     starts, lengths = packed.starts[sample_idx], packed.lengths[sample_idx]
     logits = chunk_logits(drafter, embed, lm_head, packed, sample_idx, anchors, block_len, options)
+    logits, nonfinite = finite_logits(logits)
+    if packed.nonfinite_from is not None:  # anchor t sees context 0 .. t - 1 + context_offset
+        sees_bad = anchors + options.conventions.context_offset > packed.nonfinite_from[sample_idx]
+        nonfinite = nonfinite | sees_bad
     draft = logits.argmax(dim=-1)
 
     positions = anchors[:, None] + torch.arange(1, depth + 1, device=device)[None, :]  # within the sample
@@ -360,7 +392,22 @@ def _score_chunk(drafter, embed, lm_head, packed: PackedSamples, sample_idx, anc
         "sampled_logprob": sampled.cpu(),
         "kl": kl.cpu(),
         "pops": pops,
+        "nonfinite": nonfinite.cpu(),
     }
+
+
+def finite_logits(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits, nonfinite [a] bool): anchors whose drafter logits [a, L, V] hold NaN/Inf (a
+    damaged or overflowing drafter), their logits zeroed so that nothing after this (argmax,
+    DDTree, KL) runs on NaN; Collector leaves their samples out and reports them.
+
+    One reduction over the chunk, allocating [a, L] only: a row's float32 sum is non-finite when
+    the row holds NaN/Inf (also when finite logits sum past 3.4e38, ~2e33 each over 150k tokens:
+    a drafter that far gone is worth the same report)."""
+    nonfinite = ~torch.isfinite(logits.sum(dim=-1, dtype=torch.float32)).all(dim=-1)
+    if bool(nonfinite.any()):  # rare: the copy is made only then
+        logits = logits.masked_fill(nonfinite[:, None, None], 0.0)
+    return logits, nonfinite
 
 
 def _distribution_metrics(logits, targets, known, packed: PackedSamples, sample_idx, positions):

@@ -287,7 +287,10 @@ def rows_table(rows: list[dict], schema: pa.Schema) -> pa.Table:
 
 def write_table(data: pa.Table, directory: str, kind: str) -> str:
     """Write one results file atomically (temporary name, then rename); returns its path."""
+    from pipeline.space import writing
+
     path = os.path.join(directory, FILES[kind])
-    pq.write_table(data, path + ".tmp", compression="zstd")
+    with writing(path, data.nbytes, resume="results are kept only once whole, so it redoes them"):
+        pq.write_table(data, path + ".tmp", compression="zstd")
     os.replace(path + ".tmp", path)
     return path

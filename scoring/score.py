@@ -7,6 +7,7 @@ rank 0 gathers every rank's), write the files scoring/results.py declares, then 
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import hashlib
 import json
@@ -289,9 +290,18 @@ def gather(collector: Collector, anchors_done: int, dist: Dist) -> tuple[Collect
 
 
 def run_record(
-    ckpt: str, job: Job, shardset: ShardSet, config: ScoreConfig, dist: Dist, anchors_done: int, wall: float
+    ckpt: str,
+    job: Job,
+    shardset: ShardSet,
+    config: ScoreConfig,
+    dist: Dist,
+    anchors_done: int,
+    wall: float,
+    nonfinite: list[dict] | None = None,
 ) -> dict:
-    """run.json: what was scored, on what, how, and how long it took."""
+    """run.json: what was scored, on what, how, and how long it took; the samples left out of
+    every number (`nonfinite_drafter`: NaN/Inf drafter logits, with their anchors; and
+    shards.excluded_samples: NaN/Inf target values the extract never stored)."""
     manifest = shardset.manifest
     return {
         "checkpoint": {
@@ -308,6 +318,7 @@ def run_record(
             "samples": job.total,
             "feature_dtype": manifest.get("tensors", {}).get("features"),
             "sampling": job.options.sampling.as_dict(),
+            "excluded_samples": int(manifest.get("totals", {}).get("excluded_samples", 0)),
         },
         "ddtree_budgets": list(config.tree_nodes),
         "anchor_set": config.anchors,
@@ -318,6 +329,7 @@ def run_record(
         "attention": job.options.attention_backend,
         "world_size": dist.world,
         "anchors": anchors_done,
+        "nonfinite_drafter": list(nonfinite or []),
         "wall_time_s": round(wall, 3),
         "versions": {
             "specreplay": specreplay_version(),
@@ -334,14 +346,14 @@ def write_results(out_dir: str, tables: dict, record: dict) -> None:
     dies. Results being replaced (--force) are moved aside first and deleted after."""
     parent, name = os.path.split(os.path.normpath(out_dir))
     staging = results.staging_dir(out_dir, os.getpid())
+    remove_dead_staging(out_dir)
     shutil.rmtree(staging, ignore_errors=True)
     os.makedirs(staging)
-    for kind in ("anchors", "walk", "samples", "summary"):
-        if tables[kind] is not None:
-            results.write_table(tables[kind], staging, kind)
-    run_path = os.path.join(staging, results.FILES["run"])
-    with open(run_path, "w") as f:
-        json.dump(record, f, indent=1)
+    try:
+        _write_staged(staging, tables, record)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)  # a disk-full or killed write leaves no half directory
+        raise
     if os.path.exists(out_dir):
         replaced = os.path.join(parent, f".{name}.replaced-{os.getpid()}")
         os.replace(out_dir, replaced)
@@ -349,6 +361,39 @@ def write_results(out_dir: str, tables: dict, record: dict) -> None:
         shutil.rmtree(replaced)
     else:
         os.replace(staging, out_dir)
+
+
+def _write_staged(staging: str, tables: dict, record: dict) -> None:
+    from pipeline.space import writing
+
+    for kind in ("anchors", "walk", "samples", "summary"):
+        if tables[kind] is not None:
+            results.write_table(tables[kind], staging, kind)
+    run_path = os.path.join(staging, results.FILES["run"])
+    with writing(run_path, resume="results are kept only once whole, so it redoes them"), open(run_path, "w") as f:
+        json.dump(record, f, indent=1)
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` exists on this machine (signal 0 checks without sending one)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
+
+
+def remove_dead_staging(out_dir: str) -> list[str]:
+    """Remove the staging directories of out_dir whose process is gone (killed mid-write): they
+    will never be renamed into place. A live process's (ours included) is left alone."""
+    removed = []
+    for path, pid in results.staging_dirs(out_dir):
+        if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
 
 
 def identity_of(info: CheckpointInfo) -> dict:
@@ -368,7 +413,23 @@ def score_checkpoint(
     """Score one checkpoint into out_dir (None on ranks other than 0). `progress(total, desc)`
     makes a progress bar (the CLI's)."""
     dist = dist or Dist()
+    lock = results_lock(out_dir) if dist.main else None  # one writer per results directory
+    with lock or contextlib.nullcontext():
+        return _score_checkpoint(ckpt, shardset, head, out_dir, config, dist, progress)
+
+
+def results_lock(out_dir: str):
+    """The lock file beside a results directory (`.<name>.lock`), held while it is scored."""
+    from pipeline.lock import OutputLock
+
+    parent, name = os.path.split(os.path.normpath(out_dir))
+    return OutputLock(os.path.join(parent, f".{name}.lock"), f"results directory {out_dir}")
+
+
+def _score_checkpoint(ckpt, shardset, head, out_dir, config, dist, progress) -> Outcome | None:
     started = time.time()
+    if dist.main:
+        remove_dead_staging(out_dir)  # a killed run's half-written copy, whether or not we redo it
     job = prepare_job(ckpt, shardset, out_dir, config, dist)
     if job is None:
         return skipped(ckpt, out_dir) if dist.main else None
@@ -380,10 +441,25 @@ def score_checkpoint(
     if merged is None:
         return None
     collector, anchors_done = merged
+    nonfinite = collector.nonfinite_samples()
+    if nonfinite and not collector.parts:
+        raise NonFiniteLogitsError(nonfinite)
     tables = collector.tables(identity_of(job.info), config.anchors)
-    record = run_record(ckpt, job, shardset, config, dist, anchors_done, time.time() - started)
+    record = run_record(ckpt, job, shardset, config, dist, anchors_done, time.time() - started, nonfinite)
     write_results(out_dir, tables, record)
     return Outcome(ckpt, out_dir, "scored", record, tables["summary"], name=job.info.name)
+
+
+class NonFiniteLogitsError(UserError):
+    """The drafter produced NaN/Inf logits on every sample scored: there is nothing to average."""
+
+    def __init__(self, records: list[dict]):
+        from scoring.console import describe_nonfinite
+
+        super().__init__(
+            f"no sample left to score: {describe_nonfinite(records)}; the checkpoint is damaged or "
+            f"overflows (fp16 overflow in training?): score another checkpoint, or try --dtype fp32"
+        )
 
 
 def skipped(ckpt: str, out_dir: str) -> Outcome:

@@ -49,7 +49,14 @@ from scoring.config import ScoreConfig
 from scoring.console import headline
 from scoring.replay import prepare_target_head
 from scoring.report import write_report
-from scoring.score import Outcome, check_anchor_set, read_record, resolve_device_dtype, score_checkpoint
+from scoring.score import (
+    Outcome,
+    check_anchor_set,
+    read_record,
+    remove_dead_staging,
+    resolve_device_dtype,
+    score_checkpoint,
+)
 
 # --once looks twice, this far apart (or --interval when shorter): long enough to see a writer
 # that is still appending, short enough for cron and CI.
@@ -193,28 +200,6 @@ class Tracker:
 
 
 # --------------------------------------------------------------------------- staging and signals
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether process `pid` exists on this machine (signal 0 checks without sending one)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's live process
-        return True
-    return True
-
-
-def remove_dead_staging(out_dir: str) -> list[str]:
-    """Remove the staging directories of out_dir whose process is gone (killed mid-write): they
-    will never be renamed into place. A live process's (ours included) is left alone."""
-    removed = []
-    for path, pid in results.staging_dirs(out_dir):
-        if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
-            shutil.rmtree(path, ignore_errors=True)
-            removed.append(path)
-    return removed
 
 
 def remove_own_staging(out_dir: str) -> None:

@@ -13,7 +13,8 @@ Layout of an extract directory (any URI pyarrow.fs opens: a local path, s3://, g
                              before the .arrow is renamed into place, so a shard counts as
                              finished exactly when both exist
 
-Format version 2. A record batch is a *chunk*: consecutive whole samples (one row each) holding
+Format version 3: format 2's shard files, plus a `checksum` in manifest.json and in every sidecar
+(files.py). Format 2 extracts (no JSON checksums) are still read. A record batch is a *chunk*: consecutive whole samples (one row each) holding
 about `chunk_tokens` tokens together (a longer sample is a chunk by itself). Each tensor of a
 chunk is stored once for the whole chunk: the rows' tensors concatenated along their first
 (token) axis, [N, *trailing], then stored losslessly as channel-major byte planes — the bytes
@@ -37,6 +38,13 @@ Checksums: each record batch's bytes are checked (xxh3_64 from the sidecar) befo
 them, so the reader touches only the chunks it needs, never decodes a corrupt one, and holds one
 chunk in memory at a time; `inspect` also checks the whole file's crc32 (streamed, `file_crc32`).
 xxh3 on the read path because zlib's crc32 is several times slower, a large share of decoding.
+The JSON files carry `"checksum": "xxh3_64:<hex>"` of their canonical JSON (sorted keys, no
+whitespace), so a flipped digit of a row count or letter of a sample id is an error naming the
+file, not another extract; shard entries are also checked for consistency (row counts, byte ranges
+back to back), all a format 2 file gets. The target head is checked against the manifest's size
+and crc32, its header against the file before anything is allocated. Whatever the damage, reading
+ends in a ShardError naming the file and what to do, or reads exactly what was written
+(tests/fuzz_inputs.py, `make fuzz`).
 
 Row schema (one row = one prompt + response):
     sample_id, dataset, prompt_text: string   prompt_len: int32   finish_reason: string
@@ -70,6 +78,7 @@ from pipeline.shards.files import (
     exists,
     file_crc32,
     join,
+    json_checksum,
     open_fs,
     read_bytes,
     read_json,
@@ -77,6 +86,8 @@ from pipeline.shards.files import (
     write_json_atomic,
 )
 from pipeline.shards.manifest import (
+    check_entry,
+    check_manifest,
     finished_shard_entries,
     read_manifest,
     remove_unfinished,
@@ -88,6 +99,7 @@ from pipeline.shards.schema import (
     DEFAULT_CHUNK_TOKENS,
     FORMAT_VERSION,
     MANIFEST_NAME,
+    READABLE_FORMAT_VERSIONS,
     SCALAR_FIELDS,
     SHARD_DIR,
     TARGET_HEAD_NAME,
@@ -119,6 +131,7 @@ __all__ = [
     "FORMAT_VERSION",
     "FP8_MAX",
     "MANIFEST_NAME",
+    "READABLE_FORMAT_VERSIONS",
     "SCALAR_FIELDS",
     "SHARD_DIR",
     "TARGET_HEAD_NAME",
@@ -130,6 +143,8 @@ __all__ = [
     "ShardWriter",
     "add_sample_stats",
     "block_checksums",
+    "check_entry",
+    "check_manifest",
     "chunk_frame",
     "chunk_record_batch",
     "chunk_tokens_for",
@@ -141,6 +156,7 @@ __all__ = [
     "file_crc32",
     "finished_shard_entries",
     "join",
+    "json_checksum",
     "open_fs",
     "quantize_fp8",
     "read_bytes",

@@ -1,14 +1,31 @@
 """manifest.json (settings identity + every finished shard) and the finished-shard listing it is
-merged from. Loading checks the format version, so a directory of another format is refused."""
+merged from. Loading checks the format version, so a directory of another format is refused, and
+the checksum every JSON file carries since format 3, so a damaged manifest or sidecar is an error
+naming it, never a different extract. Shard entries (in the manifest and in each sidecar) are also
+checked for consistency (row counts, contiguous byte ranges), which is what a format 2 file gets."""
 
 from __future__ import annotations
 
-import json
+import re
 
 import pyarrow.fs as pafs
 
-from pipeline.shards.files import exists, join, open_fs, read_json, write_json_atomic
-from pipeline.shards.schema import FORMAT_VERSION, MANIFEST_NAME, SHARD_DIR, ShardError
+from pipeline.shards.encodings import TENSOR_DTYPES
+from pipeline.shards.files import exists, join, json_checksum, load_json, open_fs, read_json, write_json_atomic
+from pipeline.shards.schema import (
+    JSON_CHECKSUM_SINCE,
+    MANIFEST_NAME,
+    READABLE_FORMAT_VERSIONS,
+    SHARD_DIR,
+    ShardError,
+)
+
+MANIFEST_FIX = (
+    "restore it from a copy, or re-run the extract with --overwrite to rewrite the directory "
+    "(a shard's .json sidecar holds its entry, but the settings are only here)"
+)
+SIDECAR_FIX = "delete it and its .arrow shard and re-run the same extract command to rewrite just that shard"
+_SHARD_FILE = re.compile(rf"{SHARD_DIR}/r\d+-\d+\.arrow")
 
 
 def read_manifest(uri: str) -> dict:
@@ -19,17 +36,92 @@ def read_manifest(uri: str) -> dict:
         raise ShardError(
             f"{path}: no manifest. Is this an extract output directory? Run `specreplay extract --out {uri}` first."
         )
-    try:
-        manifest = read_json(fs, path)
-    except json.JSONDecodeError as error:
-        raise ShardError(f"{path}: manifest is not valid JSON ({error}); re-run the extract to rewrite it") from error
+    manifest, stored = load_json(fs, path, MANIFEST_FIX)
+    if stored is not None and stored != json_checksum(manifest) and not _reopened(manifest, stored):
+        raise ShardError(f"{path} is damaged (checksum mismatch); {MANIFEST_FIX}")
     version = manifest.get("format_version")
-    if version != FORMAT_VERSION:
+    if version not in READABLE_FORMAT_VERSIONS:
+        readable = " and ".join(map(str, READABLE_FORMAT_VERSIONS))
         raise ShardError(
-            f"{path}: format_version {version}, this specreplay reads {FORMAT_VERSION}; re-extract with this "
+            f"{path}: format_version {version}, this specreplay reads {readable}; re-extract with this "
             f"specreplay (`specreplay extract ... --overwrite`) or use the version that wrote it"
         )
+    if version >= JSON_CHECKSUM_SINCE and stored is None:
+        raise ShardError(f"{path} is damaged (its checksum is missing); {MANIFEST_FIX}")
+    if not isinstance(manifest.get("complete", False), bool):
+        raise ShardError(f"{path} is damaged ('complete' is not true or false); {MANIFEST_FIX}")
     return manifest
+
+
+def _reopened(manifest: dict, stored) -> bool:
+    """A finished manifest whose one change is `"complete": false`: an extract reopened (by hand,
+    or a test simulating an interrupted run). Safe to accept, everything else is verified as it
+    was written: `score` refuses an unfinished extract, and the resume (and `inspect`) take its
+    shard entries from their sidecars again."""
+    return manifest.get("complete") is False and stored == json_checksum({**manifest, "complete": True})
+
+
+def check_manifest(manifest: dict, uri: str) -> None:
+    """A finished manifest holds what reading shards relies on: the tensor dtypes, the settings,
+    self-consistent shard entries naming distinct files. Cheap (no I/O); a format 2 manifest
+    (no checksum) gets no other check."""
+    path = join(open_fs(uri)[1], MANIFEST_NAME)
+    tensors = manifest.get("tensors")
+    if not isinstance(tensors, dict) or any(dtype not in TENSOR_DTYPES for dtype in tensors.values()):
+        raise ShardError(f"{path} is damaged (its 'tensors' are not tensor names and dtypes); {MANIFEST_FIX}")
+    for key in ("settings", "target_head"):
+        if not isinstance(manifest.get(key, {}), dict):
+            raise ShardError(f"{path} is damaged (its '{key}' is not an object); {MANIFEST_FIX}")
+    entries = manifest.get("shards", [])  # absent: ShardSet.entries says so when asked
+    if not isinstance(entries, list):
+        raise ShardError(f"{path} is damaged (its 'shards' are not a list); {MANIFEST_FIX}")
+    for number, entry in enumerate(entries):
+        check_entry(entry, f"{path}: shard entry {number}", MANIFEST_FIX)
+    files = [entry["file"] for entry in entries]
+    if len(set(files)) != len(files):
+        raise ShardError(f"{path} is damaged (a shard is listed twice); {MANIFEST_FIX}")
+
+
+def _count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def check_entry(entry, where: str, fix: str) -> None:
+    """A shard entry's facts agree with each other: its file name, row counts (per batch, sample
+    ids, datasets), and byte ranges (the schema after the 8-byte magic, then every record batch
+    back to back, all inside the file). `where` names the file holding the entry."""
+
+    def bad(why: str):
+        raise ShardError(f"{where} is damaged ({why}); {fix}")
+
+    if not isinstance(entry, dict):
+        bad("a shard entry is not an object")
+    if not isinstance(entry.get("file"), str) or not _SHARD_FILE.fullmatch(entry["file"]):
+        bad(f"shard file name {entry.get('file')!r}")
+    for key in ("rows", "tokens", "bytes"):
+        if not _count(entry.get(key)):
+            bad(f"{key!r} of {entry['file']} is not a count")
+    schema, batches = entry.get("schema_block"), entry.get("batches")
+    if not isinstance(schema, list) or len(schema) != 3 or not all(map(_count, schema)) or schema[0] != 8:
+        bad(f"the schema block of {entry['file']}")
+    if not isinstance(batches, list):  # empty in a shard that only records excluded samples
+        bad(f"the record batches of {entry['file']}")
+    end = schema[0] + schema[1]
+    for block in batches:
+        if not isinstance(block, list) or len(block) != 4 or not all(map(_count, block)) or block[0] != end:
+            bad(f"the record batch ranges of {entry['file']}")
+        end = block[0] + block[1]
+    if end > entry["bytes"]:
+        bad(f"the record batches of {entry['file']} end past its {entry['bytes']} bytes")
+    if sum(block[2] for block in batches) != entry["rows"]:
+        bad(f"the record batches of {entry['file']} do not hold its {entry['rows']} rows")
+    for key in ("sample_ids", "datasets"):
+        values = entry.get(key) if key == "sample_ids" or key in entry else [""] * entry["rows"]
+        if not isinstance(values, list) or len(values) != entry["rows"] or not all(isinstance(v, str) for v in values):
+            bad(f"the {key} of {entry['file']} are not its {entry['rows']} rows")
+    excluded = entry.get("excluded", [])
+    if not isinstance(excluded, list) or not all(isinstance(r, dict) and "sample_id" in r for r in excluded):
+        bad(f"the excluded samples of {entry['file']}")
 
 
 def check_directory(fs: pafs.FileSystem, root: str, uri: str) -> None:
@@ -42,6 +134,7 @@ def check_directory(fs: pafs.FileSystem, root: str, uri: str) -> None:
 
 
 def write_manifest(uri: str, manifest: dict) -> None:
+    """manifest.json, with its checksum (write_json_atomic)."""
     fs, root = open_fs(uri)
     write_json_atomic(fs, join(root, MANIFEST_NAME), manifest)
 
@@ -55,13 +148,30 @@ def _shard_names(out_uri: str) -> tuple[pafs.FileSystem, str, set[str]]:
     return fs, shard_dir, {info.base_name for info in fs.get_file_info(pafs.FileSelector(shard_dir))}
 
 
+def _legacy(out_uri: str) -> bool:
+    """Whether OUT's manifest says a format before sidecars were checksummed (then a sidecar
+    without a checksum is as written, not damaged)."""
+    fs, root = open_fs(out_uri)
+    if not exists(fs, join(root, MANIFEST_NAME)):
+        return False
+    version = read_manifest(out_uri).get("format_version")
+    return version < JSON_CHECKSUM_SINCE
+
+
 def finished_shard_entries(out_uri: str) -> list[dict]:
-    """Entries of every finished shard in a directory (both .json and .arrow present)."""
+    """Entries of every finished shard in a directory (both .json and .arrow present), each
+    sidecar's checksum verified and its entry checked for consistency (it names its own shard)."""
     fs, shard_dir, names = _shard_names(out_uri)
+    sidecars = sorted(name for name in names if name.endswith(".json") and name[:-5] + ".arrow" in names)
+    required = bool(sidecars) and not _legacy(out_uri)
     entries = []
-    for name in sorted(names):
-        if name.endswith(".json") and name[:-5] + ".arrow" in names:
-            entries.append(read_json(fs, join(shard_dir, name)))
+    for name in sidecars:
+        path = join(shard_dir, name)
+        entry = read_json(fs, path, SIDECAR_FIX, required=required)
+        check_entry(entry, path, SIDECAR_FIX)
+        if entry["file"] != f"{SHARD_DIR}/{name[:-5]}.arrow":
+            raise ShardError(f"{path} is damaged (it describes {entry['file']}); {SIDECAR_FIX}")
+        entries.append(entry)
     return entries
 
 

@@ -24,8 +24,8 @@ from pipeline.shards.encodings import (
     frame_codec,
 )
 from pipeline.shards.files import block_hash, exists, join, open_fs
-from pipeline.shards.manifest import read_manifest
-from pipeline.shards.schema import CODEC_KEY, Sample, ShardError
+from pipeline.shards.manifest import MANIFEST_FIX, check_manifest, read_manifest
+from pipeline.shards.schema import CODEC_KEY, MANIFEST_NAME, SCALAR_FIELDS, Sample, ShardError
 from pipeline.shards.target_head import load_target_head
 
 
@@ -86,11 +86,18 @@ def _decode_chunk(
         )
 
 
+# What Arrow, zstd and the decoding raise on bytes that are not what the sidecar describes.
+_DECODE_ERRORS = (pa.ArrowException, OSError, ValueError, KeyError, IndexError, TypeError, RuntimeError)
+_REWRITE = "delete it and its .json sidecar and re-run the same extract command to rewrite just that shard"
+
+
 def read_shard(
     uri: str, entry: dict, tensor_dtypes: dict[str, str], tensors: list[str] | None = None, rows=None
 ) -> Iterator[Sample]:
     """Yield the samples of one shard (only the row indices in `rows`, if given). Chunks holding
-    none of them are not read; every chunk read is checksummed before Arrow decodes it."""
+    none of them are not read; every chunk read is checksummed before Arrow decodes it. Bytes
+    that do not decode as the entry says (a shard replaced with its sidecar) are a ShardError
+    naming the file, never a traceback."""
     fs, root = open_fs(uri)
     path = join(root, entry["file"])
     if not exists(fs, path):
@@ -101,14 +108,26 @@ def read_shard(
     wanted = None if rows is None else set(rows)
     # Local shards are memory-mapped: a chunk's bytes are hashed and decompressed in place, no copy.
     local = isinstance(fs, pafs.LocalFileSystem)
-    with pa.memory_map(path) if local else fs.open_input_file(path) as file:
+    try:
+        file = pa.memory_map(path) if local else fs.open_input_file(path)
+    except (pa.ArrowException, OSError) as error:
+        raise ShardError(f"{path}: cannot be opened ({error})") from error
+    with file:
         if file.size() != entry["bytes"]:
             raise ShardError(
                 f"{path}: {file.size()} bytes, the sidecar says {entry['bytes']}; the shard is "
                 f"truncated or was replaced: delete it and its .json sidecar and re-run the extract"
             )
-        schema = ipc.read_schema(ipc.read_message(_checked_block(file, path, entry["schema_block"], "the schema")))
-        codec = frame_codec((schema.metadata or {}).get(CODEC_KEY, b"zstd").decode())
+        schema_bytes = _checked_block(file, path, entry["schema_block"], "the schema")
+        try:
+            schema = ipc.read_schema(ipc.read_message(schema_bytes))
+            codec = frame_codec((schema.metadata or {}).get(CODEC_KEY, b"zstd").decode())
+            columns = [f.name for f in SCALAR_FIELDS] + names + [n + "_shape" for n in names]
+            missing = [n for n in columns if n not in schema.names]
+            if missing:
+                raise ValueError(f"no column {missing[0]!r}")
+        except _DECODE_ERRORS as error:
+            raise ShardError(f"{path}: its schema does not decode ({error}); {_REWRITE}") from error
         first = 0
         for number, block in enumerate(entry["batches"]):
             count = block[2]
@@ -117,8 +136,14 @@ def read_shard(
             if not chunk_rows:
                 continue
             data = _checked_block(file, path, block, f"record batch {number}")
-            batch = ipc.read_record_batch(ipc.read_message(data), schema)
-            yield from _decode_chunk(batch, tensor_dtypes, names, chunk_rows, codec)
+            try:  # decoded whole before the first sample is handed out: the rows are views into it
+                batch = ipc.read_record_batch(ipc.read_message(data), schema)
+                if batch.num_rows != count:
+                    raise ValueError(f"{batch.num_rows} rows, the entry says {count}")
+                samples = list(_decode_chunk(batch, tensor_dtypes, names, chunk_rows, codec))
+            except _DECODE_ERRORS as error:
+                raise ShardError(f"{path}: record batch {number} does not decode ({error}); {_REWRITE}") from error
+            yield from samples
 
 
 class ShardSet:
@@ -132,14 +157,23 @@ class ShardSet:
                 f"{uri}: the extract that writes here has not finished; run the same `specreplay extract` "
                 f"command again to resume it"
             )
+        check_manifest(self.manifest, uri)
         self.tensor_dtypes: dict[str, str] = self.manifest["tensors"]
+
+    def _missing(self, key: str) -> ShardError:
+        path = join(open_fs(self.uri)[1], MANIFEST_NAME)
+        return ShardError(f"{path} is damaged (it has no {key!r}); {MANIFEST_FIX}")
 
     @property
     def settings(self) -> dict:
+        if "settings" not in self.manifest:
+            raise self._missing("settings")
         return self.manifest["settings"]
 
     @property
     def entries(self) -> list[dict]:
+        if "shards" not in self.manifest:
+            raise self._missing("shards")
         return self.manifest["shards"]
 
     @property
@@ -176,7 +210,7 @@ class ShardSet:
         """{'embed_tokens': [V, H], 'lm_head': [V, H]} as stored by extract (lm_head may be the
         same tensor). Streamed into the tensors, so the file never sits in memory beside them."""
         with timing.stage("read target head"):
-            return load_target_head(self.uri, self.manifest.get("target_head", {}).get("crc32"))
+            return load_target_head(self.uri, self.manifest.get("target_head", {}))
 
 
 _DONE = object()

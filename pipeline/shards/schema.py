@@ -10,7 +10,11 @@ import torch
 
 from pipeline.errors import UserError
 
-FORMAT_VERSION = 2
+# Format 3 = format 2's shard files, with a checksum in every JSON file (manifest.json, the
+# sidecars); format 2 extracts are still read (their JSON unchecked, only checked for consistency).
+FORMAT_VERSION = 3
+READABLE_FORMAT_VERSIONS = (2, 3)
+JSON_CHECKSUM_SINCE = 3  # the first format whose manifest and sidecars must carry a checksum
 MANIFEST_NAME = "manifest.json"
 TARGET_HEAD_NAME = "target_head.safetensors"
 TOKENIZER_DIR = "tokenizer"  # the target tokenizer (save_pretrained), for reports that show text

@@ -26,6 +26,7 @@ from pipeline.shards.files import (
     write_json_atomic,
 )
 from pipeline.shards.schema import DEFAULT_CHUNK_TOKENS, SHARD_DIR, Sample, shard_schema
+from pipeline.space import writing
 
 
 def chunk_record_batch(
@@ -146,6 +147,7 @@ class ShardWriter:
         self.chunk_tokens = chunk_tokens
         self.next_index = first_index
         self.entries: list[dict] = []
+        self._excluded: list[dict] = []  # samples left out (non-finite values), for the next shard's entry
         self._pending: list[Sample] = []
         self._pending_tokens = self._pending_bytes = 0
         self._stream = None
@@ -154,8 +156,9 @@ class ShardWriter:
     def _open(self) -> None:
         self._name = f"r{self.rank:03d}-{self.next_index:05d}"
         self._tmp = join(self.root, SHARD_DIR, self._name + ".arrow.tmp")
-        self._stream = self.fs.open_output_stream(self._tmp)
-        self._writer = ipc.new_file(self._stream, self.schema)  # our frames, no Arrow buffer compression
+        with writing(self._tmp, self._pending_bytes):
+            self._stream = self.fs.open_output_stream(self._tmp)
+            self._writer = ipc.new_file(self._stream, self.schema)  # our frames, no Arrow buffer compression
         self._ids: list[str] = []
         self._datasets: list[str] = []  # beside sample_ids: selecting samples by dataset reads no shard
         self._tokens = 0
@@ -184,12 +187,20 @@ class ShardWriter:
             if self._pending_tokens >= self.chunk_tokens or written + self._pending_bytes >= self.shard_bytes:
                 self._write_chunk()
 
+    def exclude(self, record: dict) -> None:
+        """Record a sample that is not written (e.g. non-finite values: {"sample_id", "dataset",
+        "what", "position", "count", "length"}, see pipeline/capture.py nonfinite_values). It goes into the `excluded` list of the next shard entry to land,
+        so resume counts it as done exactly when that shard is finished, like a written sample."""
+        self._excluded.append(record)
+
     def _write_chunk(self) -> None:
         if not self._pending:
             return
         if self._writer is None:
             self._open()
-        self._writer.write_batch(chunk_record_batch(self._pending, self.tensor_names, self.schema, self.codec))
+        batch = chunk_record_batch(self._pending, self.tensor_names, self.schema, self.codec)
+        with writing(self._tmp, batch.nbytes):
+            self._writer.write_batch(batch)
         self._batch_ends.append(self._stream.tell())
         self._batch_rows.append(len(self._pending))
         for sample in self._pending:
@@ -205,6 +216,8 @@ class ShardWriter:
         """Write what is buffered and land the current shard (no-op when nothing is open)."""
         if self._pending:
             self._write_chunk()  # may land the shard itself when it reaches shard_bytes
+        if self._writer is None and self._excluded:
+            self._open()  # only excluded samples since the last shard: an empty shard carries them
         if self._writer is None:
             return None
         with timing.stage("shard finish"):
@@ -212,8 +225,9 @@ class ShardWriter:
 
     def _land(self) -> dict:
         """Close the open shard, checksum it, write its sidecar entry, then rename it into place."""
-        self._writer.close()
-        self._stream.close()
+        with writing(self._tmp):
+            self._writer.close()  # the Arrow footer
+            self._stream.close()
         self._writer = self._stream = None
         entry = {
             "file": f"{SHARD_DIR}/{self._name}.arrow",
@@ -225,6 +239,8 @@ class ShardWriter:
             "datasets": self._datasets,
             **self._stats,
         }
+        if self._excluded:  # absent when nothing was excluded, so such entries are what they always were
+            entry["excluded"], self._excluded = self._excluded, []
         write_json_atomic(self.fs, join(self.root, SHARD_DIR, self._name + ".json"), entry)
         self.fs.move(self._tmp, join(self.root, SHARD_DIR, self._name + ".arrow"))
         self.entries.append(entry)
@@ -235,3 +251,29 @@ class ShardWriter:
         with timing.stage("shard close"):
             self.finish_shard()
         return self.entries
+
+
+def excluded_records(entries: list[dict]) -> list[dict]:
+    """Every sample the shard entries record as excluded (never written), in entry order."""
+    return [record for entry in entries for record in entry.get("excluded", [])]
+
+
+def _where(record: dict) -> str:
+    """'layer 3 features at position 17', '... at position 17 and 4 more', 'logits at every position (40)'."""
+    count, length = record.get("count", 1), record.get("length")
+    if count > 1 and count == length:
+        return f"{record['what']} at every position ({length})"
+    more = f" and {count - 1} more" if count > 1 else ""
+    return f"{record['what']} at position {record['position']}{more}"
+
+
+def describe_excluded(records: list[dict], listed: int = 5) -> str:
+    """'2 samples excluded: non-finite values (q3: layer 3 features at position 17; q5: logits at
+    every position (40))' for the console; the first `listed` samples by name, then how many more."""
+    if not records:
+        return ""
+    where = [f"{r['sample_id']}: {_where(r)}" for r in records[:listed]]
+    if len(records) > listed:
+        where.append(f"{len(records) - listed} more")
+    noun = "sample" if len(records) == 1 else "samples"
+    return f"{len(records)} {noun} excluded: non-finite values ({'; '.join(where)})"

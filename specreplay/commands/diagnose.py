@@ -65,6 +65,7 @@ def diagnose(no_progress, **options):
       specreplay diagnose --ckpt runs/tiny/step_600 --shards data/shards/smollm2-default
       specreplay diagnose --ckpt runs/tiny/step_600 --shards data/shards/smollm2-neighbours --variants layers-1,layers+1
     """
+    from pipeline.paths import check_input_path, check_output_dir
     from scoring.diagnose import run_diagnose
     from scoring.diagnose_view import console_lines, load
     from scoring.variants import parse_variants
@@ -74,6 +75,8 @@ def diagnose(no_progress, **options):
     variants = parse_variants(options["variants"])[1:] if options["variants"] else None
     options.update(variants=variants, memory_bytes=parse_size(options["memory_bytes"], "--memory-budget"))
     config = DiagnoseConfig(**options)
+    check_input_path(config.shards, "--shards", "directory")
+    check_output_dir(config.out, "--out")
     diagnosis = run_diagnose(config, progress=bars(no_progress), program=program())
     rows, record = load(diagnosis.out_dir)
     click.echo("\n".join(console_lines(rows, record, diagnosis.out_dir)))

@@ -11,6 +11,7 @@ from pathlib import Path
 import click
 
 from pipeline.config import ExtractConfig
+from pipeline.errors import UserError
 from pipeline.sizes import format_size, parse_size
 from specreplay.commands.defaults import default
 
@@ -38,13 +39,37 @@ def next_steps(out: str, manifest: dict) -> str:
 
     t = manifest.get("totals", {})
     prog = program()
+    excluded = ""
+    if t.get("excluded"):  # NaN/Inf samples (pipeline/capture.py nonfinite_values): not stored
+        from pipeline.shards.writer import describe_excluded
+
+        excluded = (
+            f"warning: {describe_excluded(t['excluded'])}; they are not stored and never scored "
+            f"(fp16 overflow? use bf16 or fp32 for --dtype and --feature-dtype)\n"
+        )
     return (
         f"{out}: {t.get('samples', 0)} samples, {t.get('tokens', 0)} tokens, {t.get('bytes', 0) / 2**20:.1f} MiB\n"
-        f"next:\n"
+        + excluded
+        + f"next:\n"
         f"  {prog} inspect {out}\n"
         f"  make score CKPT=path/to/drafter SHARDS={out}    # results in data/results/<parent>_<name>\n"
         f"  (or: {prog} score --ckpt path/to/drafter --shards {out} --out data/results)"
     )
+
+
+def check_paths(config: ExtractConfig) -> None:
+    """Typed paths, before anything is loaded or written (pipeline/paths.py)."""
+    from pipeline.paths import check_input_path, check_output_dir
+    from pipeline.prompts import BUNDLED_NAMES
+
+    check_output_dir(config.out, "--out")
+    check_input_path(config.model, "--model", "any")
+    if os.path.isdir(config.prompts):
+        raise UserError(
+            f"--prompts {config.prompts} is a directory; give a JSONL file (one JSON object per line) or a "
+            f"bundled set name: {', '.join(BUNDLED_NAMES)}"
+        )
+    check_input_path(config.prompts, "--prompts", "file")
 
 
 @click.command(context_settings={"max_content_width": 100})
@@ -203,6 +228,7 @@ def extract(**options):
         memory_bytes=parse_size(options["memory_bytes"], "--memory-budget"),
     )
     config = ExtractConfig(**options)
+    check_paths(config)
     main_rank = int(os.environ.get("RANK", "0")) == 0
     show = main_rank and not config.quiet
     if not show:

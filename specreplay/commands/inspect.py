@@ -39,7 +39,9 @@ def inspect(directory, as_json, no_verify):
       specreplay inspect data/shards/smollm2-default --json | jq .greedy_consistency
     """
     from pipeline.inspect import format_report, inspect_extract, report_problems
+    from pipeline.paths import check_input_path
 
+    check_input_path(directory, "inspect", "directory")
     report = inspect_extract(directory, verify=not no_verify)
     report["tokenizer"] = stored_tokenizer(directory)
     text = format_report(report) + "\n" + tokenizer_line(report["tokenizer"])

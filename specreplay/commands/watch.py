@@ -100,6 +100,10 @@ def score_config(ckpts: list[str], shards: str, out: str, options: dict) -> Scor
         memory_bytes=parse_size(options["memory_bytes"], "--memory-budget"),
         datasets=datasets or None,
     )
+    from pipeline.paths import check_input_path, check_output_dir
+
+    check_input_path(shards, "--shards", "directory")
+    check_output_dir(out, "--out")
     return ScoreConfig(ckpts=ckpts, shards=shards, out=out, **options)
 
 
