@@ -870,6 +870,13 @@ def run_extract(config: ExtractConfig, progress=None, loaded=None) -> dict:
             torch.distributed.destroy_process_group()
 
 
+def missing_shards(out: str, manifest: dict) -> list[str]:
+    """Shards a finished manifest lists that are gone (deleted after damage, as the reader's
+    errors advise): the same extract command then resumes and writes their samples again."""
+    fs, root = shards.open_fs(out)
+    return [e["file"] for e in manifest.get("shards", []) if not shards.exists(fs, shards.join(root, e["file"]))]
+
+
 LOCK_NAME = ".specreplay.lock"
 
 
@@ -901,7 +908,7 @@ def _run(config: ExtractConfig, dist: Dist, records, progress, loaded) -> dict:
     # Planning and check_out_dir only read: a bad input leaves OUT untouched.
     plan = plan_extract(config, records, tokenizer, info, fingerprint)
     existing = check_out_dir(config.out, plan.settings, config.overwrite)  # every rank, so all refuse together
-    if existing is not None and existing.get("complete"):
+    if existing is not None and existing.get("complete") and not missing_shards(config.out, existing):
         return existing  # already done with these settings: touch nothing
 
     manifest = new_manifest(plan, info, run_facts(config, dist, device))

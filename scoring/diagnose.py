@@ -247,11 +247,21 @@ def _run_diagnose(config: DiagnoseConfig, out_dir: str, progress, program: str) 
         samples=len(setup.samples),
         sampling=sampling,
         out_dir=out_dir,
-        notes=[f"{m.variant.name}: {m.note}" for m in planned if m.note],
+        notes=[f"{m.variant.name}: {m.note}" for m in planned if m.note] + nonfinite_notes(todo),
         seconds={m.variant.name: round(m.seconds, 2) for m in todo},
     )
     write_diagnosis(diagnosis, config, shardset)
     return diagnosis
+
+
+def nonfinite_notes(measured: list[Measured]) -> list[str]:
+    """'<variant>: 2 samples left out: the drafter produced NaN/Inf logits' per variant with any."""
+    notes = []
+    for m in measured:
+        bad = sum(s.nonfinite for s in m.stats or [])
+        if bad:
+            notes.append(f"{m.variant.name}: {bad} samples left out: the drafter produced NaN/Inf logits on them")
+    return notes
 
 
 def check_out_dir(out_dir: str, force: bool) -> None:

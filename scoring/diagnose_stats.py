@@ -36,6 +36,7 @@ class SampleStats:
     pos1_known: int
     reached: np.ndarray  # [L] per block position: anchors that verified it (expected at T > 0)
     accepted_at: np.ndarray  # [L] ... and accepted it
+    nonfinite: bool = False  # the drafter produced NaN/Inf logits here: left out (left_out)
 
 
 @dataclass
@@ -52,8 +53,17 @@ class Comparison:
     note: str | None = None
 
 
+def left_out(positions: int) -> SampleStats:
+    """A sample the drafter produced NaN/Inf logits on: counted nowhere (no tau, no anchors),
+    so every comparison pairs only the samples both sides measured."""
+    zeros = np.zeros(positions)
+    return SampleStats(None, 0.0, 0, 0.0, 0, zeros, zeros.copy(), nonfinite=True)
+
+
 def sample_stats(sample, result, stop_ids: list[int], sampling: Sampling) -> SampleStats:
     """SampleStats of one sample's all-anchor replay (chain only)."""
+    if bool(result.nonfinite.any()):
+        return left_out(result.draft_tokens.shape[1])
     is_stop = stop_mask(sample.input_ids, stop_ids)
     next_stop = next_stop_positions(is_stop)
     match, known = metrics.position_match(result.draft_tokens, result.target_tokens)
@@ -103,9 +113,9 @@ def pooled(stats: list[SampleStats], metric: str) -> tuple[float, int]:
 def compare_metric(base: list[SampleStats], other: list[SampleStats], metric: str, name: str, **boot) -> Comparison:
     """`other` against `base` on one metric, paired over samples (bootstrap interval)."""
     a, counts = _metric_arrays(base, metric)
-    b, _ = _metric_arrays(other, metric)
+    b, other_counts = _metric_arrays(other, metric)
     value, _ = pooled(other, metric)
-    keep = ~(np.isnan(a) | np.isnan(b)) if counts is None else counts > 0
+    keep = ~(np.isnan(a) | np.isnan(b)) if counts is None else (counts > 0) & (other_counts > 0)
     n = int(keep.sum())
     if n < 2:
         return Comparison(name, metric, value, samples=n, note="fewer than 2 samples to compare")

@@ -68,6 +68,7 @@ def console_lines(rows: list[dict], record: dict, directory: str) -> list[str]:
     lines += format_table(header, table_rows(rows))
     lines.append("* = the tau interval excludes zero. streak: mean accepted draft tokens per anchor (bonus-exclusive).")
     lines += [f"not measured: {note}" for note in record.get("notes", []) if ";" in note]
+    lines += [f"warning: {note}" for note in record.get("notes", []) if "NaN/Inf" in note]
     lines.append("")
     lines += [f"verdict: {line}" if i == 0 else f"         {line}" for i, line in enumerate(record["verdict"])]
     lines.append(f"saved: {os.path.join(directory, results.FILES['diagnose'])}")

@@ -430,3 +430,20 @@ def test_drafter_nan_context_spoils_only_the_anchors_that_see_it(extracted):
         torch.testing.assert_close(
             getattr(spoiled, name)[keep], getattr(clean, name)[keep], rtol=0, atol=0, equal_nan=True
         )
+
+
+def test_diagnose_leaves_out_samples_with_nonfinite_logits(extracted, tmp_path):
+    """diagnose pairs only samples both sides measured: the overflowing samples are counted in
+    no variant's numbers, and a warning names how many."""
+    import pyarrow.parquet as pq
+
+    tmp, _, _, out, _ = extracted
+    overflow, hits = overflowing_drafter(str(out), tmp_path / "ckpts" / "overflow")
+    samples = ShardSet(str(out)).num_samples
+    result = invoke("diagnose", "--ckpt", overflow, "--shards", str(out), "--out", str(tmp_path / "d"), "--no-progress")
+    assert result.exit_code == 0, result.output
+    assert f"as-configured: {len(hits)} samples left out: the drafter produced NaN/Inf logits" in result.output
+    rows = pq.read_table(tmp_path / "d" / "ckpts_overflow" / "diagnose.parquet").to_pylist()
+    tau = {r["variant"]: r for r in rows if r["metric"] == "tau"}
+    assert tau["as-configured"]["samples"] == samples - len(hits)
+    assert all(r["value"] is None or math.isfinite(r["value"]) for r in rows)

@@ -25,7 +25,7 @@ from pipeline.shards.encodings import (
 )
 from pipeline.shards.files import block_hash, exists, join, open_fs
 from pipeline.shards.manifest import MANIFEST_FIX, check_manifest, read_manifest
-from pipeline.shards.schema import CODEC_KEY, MANIFEST_NAME, SCALAR_FIELDS, Sample, ShardError
+from pipeline.shards.schema import CODEC_KEY, MANIFEST_NAME, SCALAR_FIELDS, SHARD_DIR, Sample, ShardError
 from pipeline.shards.target_head import load_target_head
 
 
@@ -37,8 +37,7 @@ def _checked_block(file, path: str, block: list[int], what: str) -> pa.Buffer:
     if data.size != length or got != expected:
         raise ShardError(
             f"{path}: checksum mismatch in {what} (bytes {offset}..{offset + length}: xxh3_64 {got:#018x}, "
-            f"sidecar says {expected:#018x}). The shard is corrupt: delete it and its .json sidecar and re-run the "
-            f"same extract command to rewrite just that shard."
+            f"the manifest says {expected:#018x}): the shard is damaged or comes from another extract; {_REWRITE}"
         )
     return data
 
@@ -88,7 +87,19 @@ def _decode_chunk(
 
 # What Arrow, zstd and the decoding raise on bytes that are not what the sidecar describes.
 _DECODE_ERRORS = (pa.ArrowException, OSError, ValueError, KeyError, IndexError, TypeError, RuntimeError)
-_REWRITE = "delete it and its .json sidecar and re-run the same extract command to rewrite just that shard"
+_REWRITE = (
+    "restore the extract's own files, or delete the shard and its .json sidecar and run the same extract "
+    "command again: it rewrites just those samples"
+)
+
+
+def _unlisted(fs, root: str, uri: str) -> str:
+    """', and shards/x.arrow is there, which it does not list (renamed?)' when such files exist."""
+    listed = {entry["file"] for entry in read_manifest(uri).get("shards", [])}
+    present = fs.get_file_info(pafs.FileSelector(join(root, SHARD_DIR), allow_not_found=True))
+    extra = sorted(f"{SHARD_DIR}/{i.base_name}" for i in present if i.base_name.endswith(".arrow"))
+    extra = [name for name in extra if name not in listed]
+    return f", and {', '.join(extra)} is there, which it does not list (renamed?)" if extra else ""
 
 
 def read_shard(
@@ -101,7 +112,9 @@ def read_shard(
     fs, root = open_fs(uri)
     path = join(root, entry["file"])
     if not exists(fs, path):
-        raise ShardError(f"{path}: shard listed in the manifest is missing")
+        raise ShardError(
+            f"{path}: listed in {join(root, MANIFEST_NAME)} but missing{_unlisted(fs, root, uri)}; {_REWRITE}"
+        )
     names = [n for n in (tensors if tensors is not None else tensor_dtypes) if n in tensor_dtypes]
     if "features" in names and "features_scale" in tensor_dtypes and "features_scale" not in names:
         names.append("features_scale")  # fp8 features are dequantized with their scales
@@ -115,8 +128,8 @@ def read_shard(
     with file:
         if file.size() != entry["bytes"]:
             raise ShardError(
-                f"{path}: {file.size()} bytes, the sidecar says {entry['bytes']}; the shard is "
-                f"truncated or was replaced: delete it and its .json sidecar and re-run the extract"
+                f"{path}: {file.size()} bytes, but {join(root, MANIFEST_NAME)} lists {entry['bytes']}: the shard "
+                f"and the manifest come from different extracts, or the shard was truncated; {_REWRITE}"
             )
         schema_bytes = _checked_block(file, path, entry["schema_block"], "the schema")
         try:

@@ -146,7 +146,7 @@ class OutcomePrinter:
         self.quiet = quiet
 
     def __call__(self, outcome) -> None:
-        from scoring.console import headline, print_table
+        from scoring.console import headline, print_table, warning_lines
 
         if outcome.status == "failed":
             click.echo(f"error: {outcome.ckpt}: {outcome.error}", err=True)
@@ -155,8 +155,11 @@ class OutcomePrinter:
             click.echo(f"{outcome.name}: already scored with these settings in {outcome.out_dir} (--force to redo)")
         elif not self.quiet:
             click.echo("")
-            print_table(outcome.summary, outcome.record, outcome.out_dir)
+            print_table(outcome.summary, outcome.record, outcome.out_dir)  # its warnings included
         click.echo(headline(outcome.name, outcome.summary))
+        if self.quiet and outcome.status == "scored":
+            for line in warning_lines(outcome.record):  # left-out samples are never silent
+                click.echo(f"  {line}", err=True)
 
     def finish(self, outcomes: list, out: str) -> None:
         from scoring.console import across_table, failure_lines, next_lines
