@@ -9,7 +9,7 @@ RESULTS ?= data/results
 CKPT    ?=
 ARGS    ?=
 
-.PHONY: setup setup-browser test test-fast lint extract score inspect bench fuzz demo clean help
+.PHONY: setup setup-browser test test-fast lint extract score inspect bench fuzz faults demo clean help
 
 help:
 	@echo "make setup     create .venv and install specreplay (CPU torch 2.13.0 first)"
@@ -21,6 +21,7 @@ help:
 	@echo "make score CKPT=path/to/drafter   score a drafter checkpoint against $(SHARDS)"
 	@echo "make bench     print benchmark figures (writes bench/results/*.json)"
 	@echo "make fuzz      damage extract files 1,000 ways (FUZZ_TRIALS=N), score each, print the tally"
+	@echo "make faults    disks filling up, scores killed -9, two writers at once (root: mounts tmpfs)"
 	@echo "make demo      extract SmolLM2, fit a tiny drafter, score two checkpoints, compare, diagnose, report"
 
 .venv/bin/python:
@@ -72,6 +73,10 @@ bench:
 FUZZ_TRIALS ?= 1000
 fuzz:
 	OMP_NUM_THREADS=1 $(PY) tests/fuzz_inputs.py --trials $(FUZZ_TRIALS) $(ARGS)
+
+# The longer runs behind bench/README.md's Faults table (tests/fault_sweeps.py; ~10 minutes).
+faults:
+	$(PY) tests/fault_sweeps.py $(ARGS)
 
 DEMO    ?= data/demo
 DEMO_STEPS ?= 600

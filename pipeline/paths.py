@@ -54,4 +54,4 @@ def check_input_path(value: str, option: str, want: str) -> None:
     if want == "file" and os.path.isdir(value):
         raise UserError(f"{option} {value} is a directory; give a file")
     if want == "directory" and not os.path.isdir(value):
-        raise UserError(f"{option} {value} is a file; give the directory")
+        raise UserError(f"{option} {value}: not a directory; give the directory")
