@@ -1,6 +1,6 @@
 """`make faults`: the longer runs behind bench/README.md's Faults table, beyond the CI tests.
 
-    .venv/bin/python tests/fault_sweeps.py [--disk-full 16] [--score-disk-full 8] [--kills 40] [--races 8]
+    .venv/bin/python tests/fault_sweeps.py [--disk-full 8] [--score-disk-full 4] [--kills 16] [--races 4]
 
 - disk-full: extract onto a tmpfs of N sizes spread from 64 KiB to a whole extract; each run
   must stop with one error naming a file under --out (which file is tallied), then, with the
@@ -154,10 +154,10 @@ def races(env: dict, trials: int) -> tuple[int, collections.Counter]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--disk-full", type=int, default=16)
-    parser.add_argument("--score-disk-full", type=int, default=8)
-    parser.add_argument("--kills", type=int, default=40)
-    parser.add_argument("--races", type=int, default=8)
+    parser.add_argument("--disk-full", type=int, default=8)
+    parser.add_argument("--score-disk-full", type=int, default=4)
+    parser.add_argument("--kills", type=int, default=16)
+    parser.add_argument("--races", type=int, default=4)
     options = parser.parse_args()
     if not can_mount():
         sys.exit("fault_sweeps needs root: it mounts small tmpfs filesystems")

@@ -16,7 +16,7 @@ import fuzz_inputs
 from pipeline import shards
 from pipeline.shards import ShardError, ShardSet
 
-CI_TRIALS = 120
+CI_TRIALS = 80
 CI_SEED = 0
 
 
