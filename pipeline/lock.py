@@ -50,16 +50,23 @@ def process_start(pid: int) -> float | None:
         return None
 
 
+def pid_exists(pid: int) -> bool:
+    """Whether process `pid` exists on this machine (signal 0 checks without sending one)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
+
+
 def is_alive(holder: Holder) -> bool:
     """Whether the holder still runs: same host, the pid exists and started when the holder did."""
     if holder.host != socket.gethostname():
         return True  # cannot tell from here: assume it runs
-    try:
-        os.kill(holder.pid, 0)
-    except ProcessLookupError:
+    if not pid_exists(holder.pid):
         return False
-    except PermissionError:
-        pass  # exists, another user's
     started = process_start(holder.pid)
     return holder.started is None or started is None or abs(started - holder.started) < 1e-6
 

@@ -20,6 +20,18 @@ def fmt(value, digits: int = 3) -> str:
     return f"{value:.{digits}f}"
 
 
+def aligned(headers: list[str], cells: list[list[str]], left: set[str] | None = None) -> list[str]:
+    """Text columns two spaces apart, each as wide as its widest cell; columns named in `left`
+    (every column when None) left-aligned, the others right-aligned."""
+    widths = [max([len(h)] + [len(row[i]) for row in cells]) for i, h in enumerate(headers)]
+
+    def line(values):
+        parts = [v.ljust(w) if left is None or h in left else v.rjust(w) for h, v, w in zip(headers, values, widths)]
+        return "  ".join(parts).rstrip()
+
+    return [line(headers)] + [line(row) for row in cells]
+
+
 def pooled_rows(summary: pa.Table) -> dict[str, dict]:
     """method -> its summary row for dataset ALL_DATASETS."""
     return {row["method"]: row for row in summary.to_pylist() if row["dataset"] == results.ALL_DATASETS}

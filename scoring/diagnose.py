@@ -27,11 +27,9 @@ from scoring.checkpoint import check_compatibility, load_drafter, read_drafter_c
 from scoring.config import DEFAULT_DIAGNOSE_SAMPLES, DiagnoseConfig
 from scoring.diagnose_stats import Comparison, SampleStats, by_position, compare_all, sample_stats, verdict
 from scoring.replay import ReplayOptions, prepare_target_head, replay_sample, select_feature_columns
-from scoring.score import resolve_device_dtype, results_lock, shards_identity
+from scoring.score import SAMPLE_TENSORS, resolve_device_dtype, results_lock, shards_identity
 from scoring.selection import Selection, sample_index, select_samples
 from scoring.variants import CONFIGURED, VARIANTS, Variant, missing_layers, not_applicable, parse_variants
-
-SAMPLE_TENSORS = ["features", "topk_ids", "topk_logprobs", "sample_logprob"]
 
 
 @dataclass
@@ -169,8 +167,7 @@ def prepare(config: DiagnoseConfig, shardset: ShardSet, progress=None) -> Setup:
     check_compatibility(read_drafter_config(config.ckpt), manifest, config.ckpt)
     drafter, info = load_drafter(config.ckpt, dtype=dtype, device=device)
     chosen = set(choose(shardset, config))
-    tensors = [t for t in SAMPLE_TENSORS if t != "sample_logprob" or not sampling_of(settings).greedy]
-    samples = list(shardset.samples(tensors=tensors, keep=chosen.__contains__))
+    samples = list(shardset.samples(tensors=SAMPLE_TENSORS, keep=chosen.__contains__))  # as score reads them
     options = ReplayOptions(
         max_tree_nodes=0,
         memory_bytes=config.memory_bytes,

@@ -9,6 +9,7 @@ import math
 import os
 
 from scoring import results
+from scoring.console import aligned
 from scoring.results import CONFIGURED_VARIANT as CONFIGURED
 
 METRIC_TITLES = {"tau": "tau (chain walk)", "streak": "streak (all anchors)", "accept_pos1": "accept@1"}
@@ -52,11 +53,6 @@ def table_rows(rows: list[dict]) -> list[list[str]]:
     return out
 
 
-def format_table(header: list[str], body: list[list[str]]) -> list[str]:
-    widths = [max(len(r[i]) for r in [header, *body]) for i in range(len(header))]
-    return ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in [header, *body]]
-
-
 def console_lines(rows: list[dict], record: dict, directory: str) -> list[str]:
     """The table, the verdict (actionable line first) and where the files are."""
     sampled = bool((record.get("sampling") or {}).get("temperature"))
@@ -65,7 +61,7 @@ def console_lines(rows: list[dict], record: dict, directory: str) -> list[str]:
     lines = [
         f"diagnose {name}: {record['samples']} samples, every anchor, chain; value (delta [95% CI]) vs {CONFIGURED}"
     ]
-    lines += format_table(header, table_rows(rows))
+    lines += aligned(header, table_rows(rows))
     lines.append("* = the tau interval excludes zero. streak: mean accepted draft tokens per anchor (bonus-exclusive).")
     lines += [f"not measured: {note}" for note in record.get("notes", []) if ";" in note]
     lines += [f"warning: {note}" for note in record.get("notes", []) if "NaN/Inf" in note]

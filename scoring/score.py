@@ -24,6 +24,7 @@ from pipeline import timing
 from pipeline.distributed import Dist, barrier, dist_from_env, init_dist, resolve_device
 from pipeline.dtypes import resolve_dtype
 from pipeline.errors import UserError
+from pipeline.lock import OutputLock, pid_exists
 from pipeline.sampling import sampling_of
 from pipeline.shards import ShardSet
 from pipeline.versions import specreplay_version
@@ -374,23 +375,12 @@ def _write_staged(staging: str, tables: dict, record: dict) -> None:
         json.dump(record, f, indent=1)
 
 
-def pid_alive(pid: int) -> bool:
-    """Whether process `pid` exists on this machine (signal 0 checks without sending one)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's live process
-        return True
-    return True
-
-
 def remove_dead_staging(out_dir: str) -> list[str]:
     """Remove the staging directories of out_dir whose process is gone (killed mid-write): they
     will never be renamed into place. A live process's (ours included) is left alone."""
     removed = []
     for path, pid in results.staging_dirs(out_dir):
-        if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
+        if pid.isdigit() and int(pid) != os.getpid() and not pid_exists(int(pid)):
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
     return removed
@@ -420,8 +410,6 @@ def score_checkpoint(
 
 def results_lock(out_dir: str):
     """The lock file beside a results directory (`.<name>.lock`), held while it is scored."""
-    from pipeline.lock import OutputLock
-
     parent, name = os.path.split(os.path.normpath(out_dir))
     return OutputLock(os.path.join(parent, f".{name}.lock"), f"results directory {out_dir}")
 

@@ -38,14 +38,9 @@ def _cell(value) -> str:
 
 
 def _render(headers: list[str], cells: list[list[str]]) -> str:
-    widths = [max([len(h)] + [len(row[i]) for row in cells]) for i, h in enumerate(headers)]
-    left = {"dataset", "method", "verdict"}
+    from scoring.console import aligned
 
-    def line(values):
-        parts = [v.ljust(w) if h in left else v.rjust(w) for h, v, w in zip(headers, values, widths)]
-        return "  ".join(parts).rstrip()
-
-    return "\n".join([line(headers)] + [line(row) for row in cells])
+    return "\n".join(aligned(headers, cells, left={"dataset", "method", "verdict"}))
 
 
 def format_table(rows: list[dict]) -> str:
