@@ -9,7 +9,7 @@ RESULTS ?= data/results
 CKPT    ?=
 ARGS    ?=
 
-.PHONY: setup setup-browser test test-fast lint extract score inspect bench fuzz faults demo clean help
+.PHONY: setup setup-browser test test-fast lint extract score inspect bench bench-gpu fuzz faults demo clean help
 
 help:
 	@echo "make setup     create .venv and install specreplay (CPU torch 2.13.0 first)"
@@ -20,6 +20,7 @@ help:
 	@echo "make extract   extract SmolLM2-135M over the bundled default prompts into $(SHARDS)"
 	@echo "make score CKPT=path/to/drafter   score a drafter checkpoint against $(SHARDS)"
 	@echo "make bench     print benchmark figures (writes bench/results/*.json)"
+	@echo "make bench-gpu the GPU figures, < 8 min on one H200 (no CUDA: a ~3 min CPU run of the same parts)"
 	@echo "make fuzz      damage extract files 1,000 ways (FUZZ_TRIALS=N), score each, print the tally"
 	@echo "make faults    disks filling up, scores killed -9, two writers at once (root: mounts tmpfs)"
 	@echo "make demo      extract SmolLM2, fit a tiny drafter, score two checkpoints, compare, diagnose, report"
@@ -67,6 +68,10 @@ inspect:
 
 bench:
 	$(PY) -m bench $(ARGS)
+
+# flex vs dense parity, 27B-shape throughput vs the bf16 matmul peak, DDTree share, extract overhead (bench/gpu.py).
+bench-gpu:
+	$(PY) -m bench.gpu $(ARGS)
 
 # Flipped bytes, truncations and appended garbage in shards, sidecars, the manifest and the target
 # head: each trial must end in a clear error naming the file or in identical results (tests/fuzz_inputs.py).

@@ -324,7 +324,7 @@ class StageClock:
 
     def stop(self, name: str, info: dict, seconds: float) -> None:
         nested = self._nested.pop() if self._nested else 0.0
-        if self._nested:
+        if self._nested and not info.get("elsewhere"):  # another thread's time is not nested here
             self._nested[-1] += seconds
         self.seconds[name] = self.seconds.get(name, 0.0) + seconds
         self.own_seconds[name] = self.own_seconds.get(name, 0.0) + seconds - nested

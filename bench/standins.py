@@ -262,3 +262,30 @@ def write_synthetic_shards(
         )
     writer.close()
     finish_manifest(str(out), manifest, plan.items, plan.raw_bytes_per_token)
+
+
+def tree_cases(seed: int, anchors: int, depth: int, vocab: int, kind: str):
+    """Drafter logits [anchors, depth, vocab] and target paths for DDTree exactness checks.
+    kind: "plain" (N(0, 2) logits), "ties" (rounded to integers: many equal logits, so many
+    prefixes tie), "near" (pairs of logits 1 ulp apart: weights that differ in the last bits).
+    Targets follow one of the 6 likeliest tokens (rank 0 most often), a random token 1 time in
+    5; each anchor knows a random prefix of its path (half of them all of it).
+    -> (logits float32, targets [anchors, depth] int64 (-1 unknown), known [anchors, depth] bool)."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(anchors, depth, vocab, generator=g) * 2
+    if kind == "ties":
+        logits = logits.round()
+    elif kind == "near":
+        half = logits[..., ::2]
+        logits[..., 1::2] = torch.nextafter(half[..., : vocab // 2], torch.tensor(float("inf")))
+    order = torch.sort(logits, dim=-1, descending=True, stable=True).indices[..., :6]
+    pick = torch.where(
+        torch.rand(anchors, depth, generator=g) < 0.5, 0, torch.randint(0, 6, (anchors, depth), generator=g)
+    )
+    targets = order.gather(-1, pick.clamp(max=order.shape[-1] - 1)[..., None])[..., 0]
+    targets = torch.where(
+        torch.rand(anchors, depth, generator=g) < 0.2, torch.randint(0, vocab, (anchors, depth), generator=g), targets
+    )
+    known = torch.arange(depth)[None] < torch.randint(0, depth + 1, (anchors, 1), generator=g)
+    known[: anchors // 2] = True
+    return logits, torch.where(known, targets, -1), known

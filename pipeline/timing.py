@@ -13,7 +13,9 @@ Stage names marked by the product:
   extract: load target, weights fingerprint, store target head, generate, capture,
            next-token distribution (inside capture), shard write, shard finish, shard close
   score:   read target head, prepare target head, load drafter, context keys/values,
-           replay anchors, drafter layers, attention, masks, lm_head, ddtree
+           replay anchors, drafter layers, attention, masks, lm_head, logsumexp,
+           ddtree (its worker thread's busy time, reported by `elapsed`), ddtree wait (the
+           main thread waiting for that worker: the part not overlapped with the drafter)
 """
 
 from __future__ import annotations
@@ -55,6 +57,16 @@ def stage(name: str, **info):
         yield
     finally:
         recorder.stop(name, info, time.perf_counter() - started)
+
+
+def elapsed(name: str, seconds: float, **info) -> None:
+    """Report `seconds` spent in stage `name` elsewhere (another thread); info carries
+    elsewhere=True, so a recorder does not count that time inside the stage open here."""
+    recorder = _recorder
+    if recorder is not None:
+        info = {**info, "elsewhere": True}
+        recorder.start(name, info)
+        recorder.stop(name, info, seconds)
 
 
 @contextmanager

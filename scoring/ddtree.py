@@ -13,6 +13,14 @@ Key fact used here: the heap's pop sequence does not depend on N (a node whose l
 of one run with K = max budget. We therefore run the heap once per anchor and record when each
 prefix of the target's path is popped; the accepted depth for every budget follows
 (metrics.tree_accepted).
+
+Ties. Tokens with equal logits are ranked by token id (lower first). `torch.topk` leaves their
+order unspecified and it changes with k (measured: the first 16 ids of topk(16) and topk(1024)
+differ on quantised logits), which would make a tree depend on the largest budget scored; a
+fixed order makes the top-K of budget N the first N of the top-K of any larger budget.
+
+This module is the definition (Python heap, torch top-K); scoring/ddtree_kernels.py computes
+the same pop indices compiled, and tests/test_ddtree_kernels.py holds the two equal.
 """
 
 from __future__ import annotations
@@ -25,12 +33,31 @@ import torch
 NOT_IN_TREE = np.iinfo(np.int64).max
 
 
+def top_k_ids(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """Ids of the k largest logits per row, largest first, equal logits by lower id.
+    [..., V] float32 -> [..., k] int64. Each (logit, id) pair becomes one int64 whose order is
+    that order (float bits made monotone in the high half, V - 1 - id in the low half), so
+    torch.topk over distinct keys has one answer on every device."""
+    vocab = logits.shape[-1]
+    bits = (logits.float() + 0.0).view(torch.int32).long()  # [..., V]; + 0.0 makes -0.0 equal 0.0
+    monotone = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # float order as signed int order
+    keys = (monotone << 32) | (vocab - 1 - torch.arange(vocab, device=logits.device))
+    return vocab - 1 - (torch.topk(keys, k=min(k, vocab), dim=-1).values & 0xFFFFFFFF)
+
+
 def top_log_probs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k log-probabilities and token ids per depth, float32, as the reference computes them
-    (top-k of the logits minus their logsumexp). logits [..., L, V] -> ([..., L, k], [..., L, k])."""
+    (top-k of the logits minus their logsumexp; ties by token id, see above).
+    logits [..., L, V] -> ([..., L, k], [..., L, k])."""
     logits = logits.float()
-    top_logits, top_ids = torch.topk(logits, k=min(k, logits.shape[-1]), dim=-1)
-    return top_logits - torch.logsumexp(logits, dim=-1, keepdim=True), top_ids
+    top_ids = top_k_ids(logits, k)
+    return logits.gather(-1, top_ids) - torch.logsumexp(logits, dim=-1, keepdim=True), top_ids
+
+
+def path_ranks(top_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Rank of each target token among the top-K of its depth, -1 if absent. [a, L, K], [a, L] -> [a, L]."""
+    hit = top_ids == targets[..., None]
+    return torch.where(hit.any(-1), hit.float().argmax(-1), torch.full_like(targets, -1))
 
 
 def best_first(top_logp: np.ndarray, topk: int):
@@ -77,3 +104,20 @@ def path_pop_indices(top_logp: np.ndarray, path_ranks: np.ndarray, max_budget: i
                 break
             wanted = wanted + (int(path_ranks[found]),)
     return result
+
+
+def tree_pops_reference(
+    logits: torch.Tensor, targets: torch.Tensor, known: torch.Tensor, max_nodes: int
+) -> torch.Tensor:
+    """DDTree pop index of every target-path prefix per anchor, one Python heap per anchor (the
+    definition; the scorer runs ddtree_kernels.tree_pops). logits [a, L, V], targets/known
+    [a, L] -> [a, L] int64 on CPU."""
+    pops = torch.full(targets.shape, NOT_IN_TREE, dtype=torch.long)
+    top_logp, top_ids = top_log_probs(logits, max_nodes)
+    ranks = path_ranks(top_ids, targets).cpu().numpy()
+    top_logp = top_logp.cpu().numpy()
+    known_depth = known.sum(dim=1).cpu().numpy()
+    for i in range(targets.shape[0]):
+        found = path_pop_indices(top_logp[i], ranks[i, : known_depth[i]], max_nodes)
+        pops[i, : found.size] = torch.from_numpy(found)
+    return pops

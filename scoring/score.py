@@ -1,13 +1,15 @@
 """`specreplay score`: replay shards through drafter checkpoints and write the results.
 
-Per checkpoint: load it (compatibility checked before any weight is read), replay every
-sample (scoring/replay.py), gather the per-sample results (scoring/collect.py; under torchrun
-rank 0 gathers every rank's), write the files scoring/results.py declares, then print.
+The steps of one checkpoint live here: load it (compatibility checked before any weight is
+read; skipped when its results directory already holds these settings), replay a group of
+samples (scoring/replay.py), collect (scoring/collect.py), record and write the files
+scoring/results.py declares. scoring/score_pass.py strings them together: several checkpoints
+per pass over the shards, each sample decoded once for all of them (under torchrun rank 0
+gathers every rank's results).
 """
 
 from __future__ import annotations
 
-import contextlib
 import glob
 import hashlib
 import json
@@ -15,13 +17,12 @@ import os
 import platform
 import shutil
 import sys
-import time
 from dataclasses import dataclass, field
 
 import torch
 
 from pipeline import timing
-from pipeline.distributed import Dist, barrier, dist_from_env, init_dist, resolve_device
+from pipeline.distributed import Dist, dist_from_env, init_dist, resolve_device
 from pipeline.dtypes import resolve_dtype
 from pipeline.errors import UserError
 from pipeline.lock import OutputLock, pid_exists
@@ -256,40 +257,6 @@ def replay_group(job: Job, head: dict, group: list, config: ScoreConfig, collect
     return replay_walks(job.drafter, embed, lm_head, samples, columns, max_new, tree_nodes, is_stop, job.options)
 
 
-def replay_all(job: Job, shardset: ShardSet, head: dict, config: ScoreConfig, progress=None) -> tuple[Collector, int]:
-    """Replay this rank's samples; returns the collected results and the anchors scored."""
-    stop_ids = list(shardset.settings["target"]["stop_token_ids"])
-    collector = Collector(
-        job.tree_nodes, stop_ids, job.info.config.block_size, config.anchor_drafts, job.options.sampling
-    )
-    samples = shardset.samples(
-        tensors=SAMPLE_TENSORS, keep=set(job.mine).__contains__, pin_memory=job.options.device.startswith("cuda")
-    )
-    anchors_done, started = 0, time.time()
-    for group in sample_groups(zip(job.mine, samples), config.anchors, config.walk_group_tokens):
-        for (index, sample), result in zip(group, replay_group(job, head, group, config, collector)):
-            collector.add(index, sample, result)
-            anchors_done += int(result.computed.sum())
-        if progress is not None:
-            progress.update(len(group), anchors_per_s=f"{anchors_done / max(time.time() - started, 1e-9):.0f}")
-        del group, sample, result  # the next sample's replay must not keep this one's tensors alive
-    return collector, anchors_done
-
-
-def gather(collector: Collector, anchors_done: int, dist: Dist) -> tuple[Collector, int] | None:
-    """Rank 0 merges every rank's results; other ranks get None."""
-    if dist.world == 1:
-        return collector, anchors_done
-    gathered = [None] * dist.world if dist.main else None
-    torch.distributed.gather_object((collector, anchors_done), gathered, dst=0)
-    if not dist.main:
-        return None
-    for other, count in gathered[1:]:
-        collector.merge(other)
-        anchors_done += count
-    return collector, anchors_done
-
-
 def run_record(
     ckpt: str,
     job: Job,
@@ -400,42 +367,21 @@ def score_checkpoint(
     dist: Dist | None = None,
     progress=None,
 ) -> Outcome | None:
-    """Score one checkpoint into out_dir (None on ranks other than 0). `progress(total, desc)`
-    makes a progress bar (the CLI's)."""
-    dist = dist or Dist()
-    lock = results_lock(out_dir) if dist.main else None  # one writer per results directory
-    with lock or contextlib.nullcontext():
-        return _score_checkpoint(ckpt, shardset, head, out_dir, config, dist, progress)
+    """Score one checkpoint into out_dir (None on ranks other than 0): a pass of one
+    (scoring/score_pass.py). What made it fail is raised. `progress(total, desc)` makes a
+    progress bar (the CLI's)."""
+    from scoring.score_pass import scored_lanes  # it builds on this module: imported on use
+
+    [lane] = scored_lanes([ckpt], {ckpt: out_dir}, shardset, head, config, dist or Dist(), progress)
+    if lane.error is not None:
+        raise lane.error
+    return lane.outcome
 
 
 def results_lock(out_dir: str):
     """The lock file beside a results directory (`.<name>.lock`), held while it is scored."""
     parent, name = os.path.split(os.path.normpath(out_dir))
     return OutputLock(os.path.join(parent, f".{name}.lock"), f"results directory {out_dir}")
-
-
-def _score_checkpoint(ckpt, shardset, head, out_dir, config, dist, progress) -> Outcome | None:
-    started = time.time()
-    if dist.main:
-        remove_dead_staging(out_dir)  # a killed run's half-written copy, whether or not we redo it
-    job = prepare_job(ckpt, shardset, out_dir, config, dist)
-    if job is None:
-        return skipped(ckpt, out_dir) if dist.main else None
-    bar = progress(len(job.mine), f"score {job.info.name}") if progress is not None and dist.main else None
-    collector, anchors_done = replay_all(job, shardset, head, config, bar)
-    if bar is not None:
-        bar.close()
-    merged = gather(collector, anchors_done, dist)
-    if merged is None:
-        return None
-    collector, anchors_done = merged
-    nonfinite = collector.nonfinite_samples()
-    if nonfinite and not collector.parts:
-        raise NonFiniteLogitsError(nonfinite)
-    tables = collector.tables(identity_of(job.info), config.anchors)
-    record = run_record(ckpt, job, shardset, config, dist, anchors_done, time.time() - started, nonfinite)
-    write_results(out_dir, tables, record)
-    return Outcome(ckpt, out_dir, "scored", record, tables["summary"], name=job.info.name)
 
 
 class NonFiniteLogitsError(UserError):
@@ -460,10 +406,13 @@ def skipped(ckpt: str, out_dir: str) -> Outcome:
 
 
 def run_score(config: ScoreConfig, progress=None, on_outcome=None) -> list[Outcome]:
-    """Score every checkpoint, each into --out/<parent>_<name>/ (result_dir_name). A checkpoint
-    that cannot be scored (truncated, incompatible, results of other settings in the way) is
-    a 'failed' outcome and the others go on. `on_outcome(outcome)` is called as each finishes
-    (rank 0 only); returns the outcomes in checkpoint order."""
+    """Score every checkpoint, each into --out/<parent>_<name>/ (result_dir_name), several per
+    pass over the shards (scoring/score_pass.py). A checkpoint that cannot be scored (truncated,
+    incompatible, results of other settings in the way) is a 'failed' outcome and the others go
+    on. `on_outcome(outcome)` is called as each finishes (rank 0 only); returns the outcomes in
+    checkpoint order."""
+    from scoring.score_pass import scored_lanes  # it builds on this module: imported on use
+
     paths = expand_checkpoints(config.ckpts)
     dirs = output_dirs(paths, config.out)
     shardset = ShardSet(config.shards)
@@ -474,15 +423,9 @@ def run_score(config: ScoreConfig, progress=None, on_outcome=None) -> list[Outco
         head = prepare_target_head(shardset.target_head(), device, dtype)  # the stored-dtype copy is dropped here
     init_dist(dist)
     outcomes = []
-    for path in paths:
-        try:
-            outcome = score_checkpoint(path, shardset, head, dirs[path], config, dist, progress)
-        except (UserError, FileNotFoundError, NotADirectoryError, PermissionError) as error:
-            # every rank fails the same checks, before any collective
-            outcome = Outcome(path, dirs[path], "failed", error=str(error), name=path) if dist.main else None
-        barrier(dist)  # every rank sees run.json before the next checkpoint's skip check
-        if outcome is not None:
-            outcomes.append(outcome)
+    for lane in scored_lanes(paths, dirs, shardset, head, config, dist, progress):
+        if lane.outcome is not None:  # rank 0
+            outcomes.append(lane.outcome)
             if on_outcome is not None:
-                on_outcome(outcome)
+                on_outcome(lane.outcome)
     return outcomes

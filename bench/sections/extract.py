@@ -40,12 +40,14 @@ def bare_model_work(model, info, items, layer_ids, max_new_tokens, batch_size) -
         )
         gen += time.perf_counter() - start
         for item, response in zip(batch, out):
-            ids = torch.tensor([item.prompt_ids + response.token_ids])
+            ids = torch.tensor([item.prompt_ids + response.token_ids], device=model.device)
             for keep in (None, len(response.token_ids) + 1):
                 start = time.perf_counter()
                 extra = {} if keep is None else {"logits_to_keep": keep}
                 result = model(input_ids=ids, output_hidden_states=True, use_cache=False, **extra)
                 features = [result.hidden_states[i + 1] for i in layer_ids]  # selected, not kept
+                if ids.is_cuda:  # a CUDA forward returns before the GPU has finished it
+                    torch.cuda.synchronize()
                 elapsed = time.perf_counter() - start
                 if keep is None:
                     fwd_full += elapsed
