@@ -237,7 +237,8 @@ class DrafterAttention(nn.Module):
         """Block queries attend to [context ; block].
 
         x [A, b, H]; cos/sin [A, b, d]; ctx_k/ctx_v [kv_heads, T, d] shared by all anchors;
-        mask is a `DenseMask` (explicit boolean masks, CPU) or a flex_attention BlockMask.
+        mask is a `DenseMask` (explicit boolean masks, the reference path), a `BlockwisePlan`
+        (context keys in chunks, CPU) or a flex_attention BlockMask (CUDA).
         """
         A, b, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(A, b, self.heads, self.head_dim)).transpose(1, 2)
@@ -246,6 +247,8 @@ class DrafterAttention(nn.Module):
         with timing.stage("attention"):
             if isinstance(mask, DenseMask):
                 out = self._dense(q, k, v, ctx_k, ctx_v, mask)
+            elif isinstance(mask, BlockwisePlan):
+                out = blockwise_attention(q, k, v, ctx_k, ctx_v, mask, self.head_dim**-0.5)
             else:
                 out = flex_block_attention(q, k, v, ctx_k, ctx_v, mask, self.head_dim**-0.5)
         return self.o_proj(out.transpose(1, 2).reshape(A, b, -1))
@@ -317,6 +320,12 @@ def block_masks(
         ctx_visible = ctx_visible & ((query_pos[:, :, None] - pos) < window)
     else:
         ctx_visible = ctx_visible.expand(len(anchors), block_len, ctx_len)
+    return DenseMask(ctx_visible, block_visibility(block_len, is_causal, window, device))
+
+
+def block_visibility(block_len: int, is_causal: bool, window: int | None, device=None) -> torch.Tensor:
+    """[b, b] bool: block query i sees block key k (see `block_masks`); the diagonal always."""
+    i = torch.arange(block_len, device=device)
     block_visible = torch.ones(block_len, block_len, dtype=torch.bool, device=device)
     rel = i[:, None] - i[None, :]  # query index - key index
     if is_causal:
@@ -325,7 +334,7 @@ def block_masks(
         block_visible &= rel < window
         if not is_causal:
             block_visible &= -rel < window
-    return DenseMask(ctx_visible, block_visible)
+    return block_visible
 
 
 def flex_block_mask(
@@ -392,6 +401,221 @@ def flex_block_attention(q, k, v, ctx_k, ctx_v, block_mask, scale):
     return out[0].view(h, A, b, d).transpose(0, 1)
 
 
+# Blockwise attention (the CPU path): the context part of the blocks' attention is computed in
+# tiles of neighbouring anchors of one sample, over chunks of only the keys they see, with a
+# running softmax, then merged with each block's own keys. The dense path's masked fp32 scores
+# [A, heads, b, T] over every key (and their copies) make its cost grow faster than its FLOPs
+# with the context length T; here one step's scores are [kv, rows, KEY_CHUNK], a few MB.
+# Sizes (bench section `length`, SmolLM2 shapes): smaller tiles and chunks keep the scores in
+# cache but each chunk is a dozen tensor ops, and on a busy 2-core machine every op waits at an
+# OpenMP barrier; these were the fastest of the sizes tried there, within its noise.
+
+KEY_CHUNK = 1024  # at most this many context keys per step
+TILE_ANCHORS = 32  # anchors per tile: rows = TILE_ANCHORS x (heads / kv_heads) x b per kv head
+
+
+class KeyChunk(NamedTuple):
+    c0: int  # keys [c0, c1) in sample positions
+    c1: int
+    hidden: torch.Tensor | None  # [a, 1, b or 1, c1 - c0] bool: keys a query does not see; None: it sees all
+
+
+class ContextTile(NamedTuple):
+    """The context attention of a few anchors of one sample (see `blockwise_plan`)."""
+
+    rows: torch.Tensor  # [a] the anchors' indices in the chunk
+    start: int  # the sample's first key in the (packed) context
+    chunks: list[KeyChunk]
+
+
+class BlockwisePlan(NamedTuple):
+    tiles: list[ContextTile]  # anchors that see no context key are in none
+    block_visible: torch.Tensor  # [b, b] bool
+
+
+def blockwise_plan(
+    anchors: torch.Tensor,
+    block_len: int,
+    ctx_len: int,
+    is_causal: bool,
+    window: int | None,
+    ctx_starts: torch.Tensor | None = None,
+    context_offset: int = 0,
+    *,
+    key_chunk: int = KEY_CHUNK,
+    tile_anchors: int = TILE_ANCHORS,
+) -> BlockwisePlan:
+    """The same visibility as `block_masks` as work for `blockwise_attention`: the anchors,
+    grouped by sample and sorted, in tiles of `tile_anchors`; per tile the chunks of at most
+    `key_chunk` keys of its sample that some query of the tile sees (windowed layers: only the
+    window's), each with its mask unless every query of the tile sees all of it. Masks are made
+    here once per layer kind, not in every layer's attention."""
+    starts = [0] * anchors.numel() if ctx_starts is None else ctx_starts.tolist()
+    ends = (anchors + context_offset).tolist()  # first invisible context position per anchor
+    tiles = []
+    for rows in _anchor_runs(starts, ends, tile_anchors):
+        start = starts[rows[0]]
+        span = _TileSpan([ends[r] for r in rows], block_len, window, ctx_len - start)
+        chunks = span.key_chunks(key_chunk)
+        if chunks:
+            tiles.append(_context_tile(rows, start, span, chunks, anchors.device))
+    return BlockwisePlan(tiles, block_visibility(block_len, is_causal, window, anchors.device))
+
+
+def _anchor_runs(starts: list[int], ends: list[int], size: int) -> list[list[int]]:
+    """Chunk rows grouped by sample and sorted by position, cut into runs of at most `size`:
+    neighbouring anchors of one sample see nearly the same keys."""
+    order = sorted(range(len(starts)), key=lambda r: (starts[r], ends[r]))
+    runs: list[list[int]] = []
+    for r in order:
+        if runs and len(runs[-1]) < size and starts[runs[-1][0]] == starts[r]:
+            runs[-1].append(r)
+        else:
+            runs.append([r])
+    return runs
+
+
+@dataclass
+class _TileSpan:
+    """The context keys (sample positions) the queries of one tile see: query i of an anchor
+    ending at e sees e + i - window < p < e, and p >= 0 (`block_masks`)."""
+
+    ends: list[int]
+    block_len: int
+    window: int | None
+    limit: int  # keys of the sample in the context
+
+    def first(self, end: int) -> int:
+        """The lowest position any query of the anchor sees (its query 0's)."""
+        return 0 if self.window is None else max(0, end - self.window + 1)
+
+    def seen(self, c0: int, c1: int) -> bool:
+        return any(self.first(e) < c1 and c0 < e for e in self.ends)
+
+    def key_chunks(self, key_chunk: int) -> list[tuple[int, int, bool]]:
+        """The keys some query sees in as few chunks of at most `key_chunk` as they need, of
+        equal length (each chunk is a dozen tensor ops whatever its length), the unseen skipped;
+        a chunk needs the mask unless every query of the tile sees all of it."""
+        lo, hi = min(self.first(e) for e in self.ends), min(max(self.ends), self.limit)
+        if hi <= lo:
+            return []
+        every_lo = 0 if self.window is None else max(self.ends) + self.block_len - self.window
+        every_hi = min(self.ends)
+        size = -(-(hi - lo) // -(-(hi - lo) // key_chunk))  # ceil(keys / ceil(keys / key_chunk))
+        chunks = []
+        for c0 in range(lo, hi, size):
+            c1 = min(hi, c0 + size)
+            if self.seen(c0, c1):
+                chunks.append((c0, c1, not every_lo <= c0 < c1 <= every_hi))
+        return chunks
+
+
+def _context_tile(rows: list[int], start: int, span: _TileSpan, chunks, device) -> ContextTile:
+    ends = torch.tensor(span.ends, device=device)
+    keys = [KeyChunk(c0, c1, _hidden_keys(span, ends, c0, c1) if partial else None) for c0, c1, partial in chunks]
+    return ContextTile(torch.tensor(rows, device=device), start, keys)
+
+
+def _hidden_keys(span: _TileSpan, ends: torch.Tensor, c0: int, c1: int) -> torch.Tensor:
+    """[a, 1, b or 1, c]: key p of [c0, c1) is hidden from query i of the anchor ending at e
+    unless e + i - window < p < e (as `block_masks`); the 1 broadcasts over grouped heads."""
+    p = torch.arange(c0, c1, device=ends.device)[None, None, :]  # the keys' sample positions
+    visible = p < ends[:, None, None]  # [a, 1, c]
+    if span.window is not None:
+        i = torch.arange(span.block_len, device=ends.device)[None, :, None]
+        visible = visible & (ends[:, None, None] + i - p < span.window)  # [a, b, c]
+    return ~visible[:, None]
+
+
+def blockwise_attention(q, k, v, ctx_k, ctx_v, plan: BlockwisePlan, scale: float) -> torch.Tensor:
+    """Attention of every block of a chunk to [its visible context ; its own block], as `_dense`
+    computes it, planned by `blockwise_plan`.
+    q [A, h, b, d]; k/v [A, kv, b, d]; ctx_k/ctx_v [kv, T, d] -> [A, h, b, d]."""
+    A, h, b, d = q.shape
+    kv = k.shape[1]
+    # Grouped-query attention as in `_dense`: the query heads of one kv group stacked along the
+    # query axis (n = groups x b rows per kv head), no repeated keys.
+    q = q.contiguous().view(A, kv, h // kv * b, d) * scale
+    state = _context_state(q, ctx_k, ctx_v, plan, b)
+    block_scores = (q @ k.transpose(-1, -2)).float()  # [A, kv, n, b]
+    block_scores.view(A, kv, h // kv, b, b).masked_fill_(~plan.block_visible, float("-inf"))
+    # every query sees its own block position, so the total is > 0
+    state = state.add(block_scores, v)
+    return (state.acc / state.total[..., None]).to(q.dtype).view(A, h, b, d)
+
+
+class _RunningSoftmax(NamedTuple):
+    """A softmax per query over the keys added so far, in fp32: the highest score, the sum of
+    exp(score - highest) and the values weighted by it; (-inf, 0, 0) before any key."""
+
+    peak: torch.Tensor  # [..., rows]
+    total: torch.Tensor  # [..., rows]
+    acc: torch.Tensor  # [..., rows, d]
+
+    @classmethod
+    def empty(cls, rows: tuple[int, ...], d: int, device) -> _RunningSoftmax:
+        like = {"dtype": torch.float32, "device": device}
+        return cls(torch.full(rows, float("-inf"), **like), torch.zeros(rows, **like), torch.zeros(*rows, d, **like))
+
+    @classmethod
+    def of(cls, scores: torch.Tensor, values: torch.Tensor) -> _RunningSoftmax:
+        """The state of keys with `scores` [..., rows, c] (fp32, overwritten) and `values` [..., c, d]
+        alone: `empty().add(...)` in fewer tensor ops."""
+        peak = scores.amax(-1)
+        probs = _exp_below(scores, peak)
+        return cls(peak, probs.sum(-1), _weighted(probs, values))
+
+    def add(self, scores: torch.Tensor, values: torch.Tensor) -> _RunningSoftmax:
+        """The state after more keys, as in `of`."""
+        peak = torch.maximum(self.peak, scores.amax(-1))
+        probs = _exp_below(scores, peak)
+        decay = torch.exp(self.peak - _finite(peak))
+        return _RunningSoftmax(
+            peak, self.total * decay + probs.sum(-1), self.acc * decay[..., None] + _weighted(probs, values)
+        )
+
+
+def _finite(peak: torch.Tensor) -> torch.Tensor:
+    """The shift of a row's scores: its peak, or the lowest finite float for a row that has seen
+    no key yet (peak -inf), so that its exp() stay 0 rather than NaN (-inf - -inf)."""
+    return peak.clamp(min=torch.finfo(peak.dtype).min)
+
+
+def _exp_below(scores: torch.Tensor, peak: torch.Tensor) -> torch.Tensor:
+    """exp(scores - peak) in place (scores [..., rows, c], peak [..., rows])."""
+    return scores.sub_(_finite(peak)[..., None]).exp_()
+
+
+def _weighted(probs: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    return (probs.to(values.dtype) @ values).float()
+
+
+def _context_state(q, ctx_k, ctx_v, plan: BlockwisePlan, b: int) -> _RunningSoftmax:
+    """The running softmax of every query q [A, kv, n, d] over its visible context keys, tile
+    by tile; empty for a query that sees none."""
+    A, kv, n, d = q.shape
+    state = _RunningSoftmax.empty((A, kv, n), d, q.device)
+    for tile in plan.tiles:
+        for whole, part in zip(state, _tile_softmax(q[tile.rows], ctx_k, ctx_v, tile, b)):
+            whole[tile.rows] = part
+    return state
+
+
+def _tile_softmax(q, ctx_k, ctx_v, tile: ContextTile, b: int) -> _RunningSoftmax:
+    """`_context_state` of one tile's queries q [a, kv, n, d], chunk by chunk of its keys."""
+    a, kv, n, d = q.shape
+    rows = q.transpose(0, 1).reshape(kv, a * n, d)  # one query matrix per kv head
+    state = None
+    for c0, c1, hidden in tile.chunks:
+        keys = slice(tile.start + c0, tile.start + c1)
+        scores = (rows @ ctx_k[:, keys].transpose(-1, -2)).float()  # [kv, a * n, c]
+        if hidden is not None:  # [kv, a * n, c] -> [kv, a, groups, b, c], broadcast with hidden
+            scores.view(kv, a, n // b, b, c1 - c0).masked_fill_(hidden, float("-inf"))
+        state = _RunningSoftmax.of(scores, ctx_v[:, keys]) if state is None else state.add(scores, ctx_v[:, keys])
+    # [kv, a * n, ...] -> [a, kv, n, ...]
+    return _RunningSoftmax(*(x.view(kv, a, n, *x.shape[2:]).transpose(0, 1) for x in state))
+
+
 class DFlashDrafter(nn.Module):
     def __init__(self, config: DrafterConfig):
         super().__init__()
@@ -456,7 +680,8 @@ class DFlashDrafter(nn.Module):
 
         block_embeds [A, b, H] are the (scaled) target embeddings of [x_anchor, mask, ...];
         `context` is `context_kv(features)`; each anchor sees only context before it.
-        attention: "dense" (explicit boolean masks; CPU) or "flex" (block-sparse flex_attention).
+        attention: "dense" (explicit boolean masks, the reference path), "blockwise" (context keys
+        in chunks with a running softmax; CPU) or "flex" (block-sparse flex_attention; CUDA).
         ctx_starts: where each anchor's sample starts in a packed multi-sample context.
         conventions: the reference's (score) or one changed on purpose (diagnose).
         """
@@ -464,7 +689,7 @@ class DFlashDrafter(nn.Module):
             return self._layers(block_embeds, anchors, context, attention, ctx_starts, conventions)
 
     def _layers(self, block_embeds, anchors, context, attention, ctx_starts, conventions) -> torch.Tensor:
-        make_mask = {"dense": block_masks, "flex": flex_block_mask}[attention]
+        make_mask = {"dense": block_masks, "flex": flex_block_mask, "blockwise": blockwise_plan}[attention]
         A, b, _ = block_embeds.shape
         first = anchors + conventions.block_position_offset  # [A] the block's first position id
         positions = first[:, None] + torch.arange(b, device=anchors.device)[None, :]  # [A, b]

@@ -12,6 +12,8 @@ The output is per-anchor tensors (`AnchorTensors`); metrics.py turns them into n
 
 from __future__ import annotations
 
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -21,8 +23,9 @@ from pipeline.sampling import Sampling, token_logprob
 from pipeline.shards import Sample
 from scoring import metrics
 from scoring.conventions import REFERENCE, Conventions
-from scoring.ddtree import NOT_IN_TREE, path_pop_indices, top_log_probs
-from scoring.drafter import DFlashDrafter
+from scoring.ddtree import NOT_IN_TREE
+from scoring.ddtree_kernels import tree_pops
+from scoring.drafter import KEY_CHUNK, DFlashDrafter
 from scoring.walk import next_stop_positions, walk_finished, walk_in_rounds
 
 
@@ -32,7 +35,7 @@ class ReplayOptions:
     memory_bytes: int = 2 << 30  # working-memory budget for one anchor chunk
     dtype: torch.dtype = torch.float32
     device: str = "cpu"
-    attention: str = "auto"  # auto: flex_attention on CUDA, dense explicit masks on CPU
+    attention: str = "auto"  # auto: flex_attention on CUDA, blockwise (chunked context keys) on CPU
     sampling: Sampling = Sampling()  # the shards' settings: q_j for rejection sampling at T > 0
     conventions: Conventions = REFERENCE  # score: always the reference; diagnose changes one switch
     distribution_metrics: bool = True  # log q(target) and KL on the top-k; diagnose needs only the drafts
@@ -40,7 +43,7 @@ class ReplayOptions:
     @property
     def attention_backend(self) -> str:
         if self.attention == "auto":
-            return "flex" if str(self.device).startswith("cuda") else "dense"
+            return "flex" if str(self.device).startswith("cuda") else "blockwise"
         return self.attention
 
 
@@ -98,10 +101,10 @@ def anchors_per_chunk(drafter: DFlashDrafter, block_len: int, ctx_len: int, voca
     return max(1, int(memory_bytes // per_anchor))
 
 
-def _path_ranks(top_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Rank of each target token among the top-K of its depth, -1 if absent. [a, L, K], [a, L] -> [a, L]."""
-    hit = top_ids == targets[..., None]
-    return torch.where(hit.any(-1), hit.float().argmax(-1), torch.full_like(targets, -1))
+def attended_keys(options: ReplayOptions, ctx_len: int) -> int:
+    """Context keys one anchor's attention holds scores for at once: all of them on the dense
+    path, one key chunk on the blockwise path (the flex kernel tiles them too)."""
+    return ctx_len if options.attention_backend == "dense" else min(ctx_len, KEY_CHUNK)
 
 
 @dataclass
@@ -234,6 +237,9 @@ def replay_anchors(
         _replay_anchors(drafter, embed, lm_head, packed, results, wanted, options)
 
 
+SMALL_CHUNK_ROWS = 256  # chunks of fewer block rows share one lm_head GEMM (see _replay_anchors)
+
+
 def _replay_anchors(drafter, embed, lm_head, packed, results, wanted, options) -> None:
     sample_idx = torch.tensor([s for s, _ in wanted])
     rows = torch.tensor([r for _, r in wanted])
@@ -241,34 +247,71 @@ def _replay_anchors(drafter, embed, lm_head, packed, results, wanted, options) -
     block_lens = torch.stack([results[s].block_len[r] for s, r in wanted])
     vocab = lm_head.shape[0]
     ctx_len = int(packed.lengths.sum())
+    chunks = []  # (positions in `wanted`, block length)
     for block_len in block_lens.unique().tolist():
         group = torch.nonzero(block_lens == block_len).flatten()
-        chunk = anchors_per_chunk(drafter, block_len, ctx_len, vocab, options.memory_bytes)
-        for begin in range(0, group.numel(), chunk):
-            part = group[begin : begin + chunk]
-            scored = _score_chunk(
-                drafter,
-                embed,
-                lm_head,
-                packed,
-                sample_idx[part].to(options.device),
-                anchors[part].to(options.device),
-                block_len,
-                options,
-            )
-            depth = block_len - 1
-            # one indexed write per sample in the chunk, not per anchor
-            for s in sample_idx[part].unique().tolist():
-                mine = sample_idx[part] == s
-                r, out = rows[part][mine], results[s]
-                out.draft_tokens[r, :depth] = scored["draft"][mine]
-                out.target_tokens[r, :depth] = scored["targets"][mine]
-                out.target_logprob[r, :depth] = scored["target_logprob"][mine]
-                out.sampled_logprob[r, :depth] = scored["sampled_logprob"][mine]
-                out.kl_topk[r, :depth] = scored["kl"][mine]
-                out.tree_pop_index[r, :depth] = scored["pops"][mine]
-                out.nonfinite[r] = scored["nonfinite"][mine]
-                out.computed[r] = True
+        size = anchors_per_chunk(drafter, block_len, attended_keys(options, ctx_len), vocab, options.memory_bytes)
+        chunks += [(group[begin : begin + size], block_len) for begin in range(0, group.numel(), size)]
+    # A sample's tail (the last block_size - 1 anchors, one block length each) makes chunks of
+    # a few rows; alone, each would read the whole lm_head for them. They share one GEMM.
+    is_small = [part.numel() * (block_len - 1) < SMALL_CHUNK_ROWS for part, block_len in chunks]
+    batches = [[c] for c, small in zip(chunks, is_small) if not small]
+    batches += _batches_of([c for c, small in zip(chunks, is_small) if small], SMALL_CHUNK_ROWS * 4)
+    previous = None  # the last chunk, written once its DDTree pops are in (computed meanwhile)
+    for batch in batches:
+        on_device = [(sample_idx[p].to(options.device), anchors[p].to(options.device), b) for p, b in batch]
+        logits = _batch_logits(drafter, embed, lm_head, packed, on_device, options)
+        for (part, block_len), (idx, at, _), chunk_logits_ in zip(batch, on_device, logits):
+            scored = _score_chunk(packed, idx, at, block_len, options, chunk_logits_)
+            if previous is not None:
+                _write_chunk(results, *previous)
+            previous = (sample_idx[part], rows[part], block_len - 1, scored)
+    if previous is not None:
+        _write_chunk(results, *previous)
+
+
+def _batches_of(chunks: list, rows: int) -> list[list]:
+    """Consecutive runs of `chunks` holding about `rows` block rows each."""
+    batches, current, count = [], [], 0
+    for part, block_len in chunks:
+        current.append((part, block_len))
+        count += part.numel() * (block_len - 1)
+        if count >= rows:
+            batches, current, count = batches + [current], [], 0
+    return batches + ([current] if current else [])
+
+
+def _batch_logits(drafter, embed, lm_head, packed, chunks, options) -> list[torch.Tensor]:
+    """Logits [a, block_len - 1, V] of each chunk (sample_idx, anchors, block_len): the drafter
+    per chunk, then one lm_head GEMM over all their rows."""
+    hidden = [chunk_hidden(drafter, embed, packed, idx, at, b, options) for idx, at, b in chunks]  # [a, d, H] each
+    if len(hidden) == 1:
+        return [drafter.logits(hidden[0], lm_head, options.conventions)]
+    flat = torch.cat([h.reshape(-1, h.shape[-1]) for h in hidden])  # [sum a*d, H]
+    logits = drafter.logits(flat[None], lm_head, options.conventions)[0]  # [sum a*d, V]
+    sizes = [h.shape[0] * h.shape[1] for h in hidden]
+    return [part.view(h.shape[0], h.shape[1], -1) for part, h in zip(logits.split(sizes), hidden)]
+
+
+def _write_chunk(results: list[AnchorTensors], sample_idx, rows, depth: int, scored: dict) -> None:
+    """Store a chunk's per-anchor results, one indexed write per sample in it, not per anchor.
+    Waits for the chunk's DDTree pop indices when they are still being computed."""
+    if isinstance(scored["pops"], Future):
+        with timing.stage("ddtree wait"):
+            pops, seconds, anchors = scored["pops"].result()
+        timing.elapsed("ddtree", seconds, anchors=anchors)
+        scored = {**scored, "pops": pops}
+    for s in sample_idx.unique().tolist():
+        mine = sample_idx == s
+        r, out = rows[mine], results[s]
+        out.draft_tokens[r, :depth] = scored["draft"][mine]
+        out.target_tokens[r, :depth] = scored["targets"][mine]
+        out.target_logprob[r, :depth] = scored["target_logprob"][mine]
+        out.sampled_logprob[r, :depth] = scored["sampled_logprob"][mine]
+        out.kl_topk[r, :depth] = scored["kl"][mine]
+        out.tree_pop_index[r, :depth] = scored["pops"][mine]
+        out.nonfinite[r] = scored["nonfinite"][mine]
+        out.computed[r] = True
 
 
 def replay_sample(
@@ -334,6 +377,12 @@ def replay_walks(
 def chunk_logits(drafter, embed, lm_head, packed: PackedSamples, sample_idx, anchors, block_len, options):
     """The drafter's logits [a, block_len - 1, V] for blocks [x_t, mask, ...] at `anchors` (each
     in its sample `sample_idx` of `packed`), under `options.conventions`."""
+    hidden = chunk_hidden(drafter, embed, packed, sample_idx, anchors, block_len, options)
+    return drafter.logits(hidden, lm_head, options.conventions)  # [a, depth, V]
+
+
+def chunk_hidden(drafter, embed, packed: PackedSamples, sample_idx, anchors, block_len, options):
+    """The drafter's final hidden states [a, block_len - 1, H] at the draft positions."""
     cfg, conventions = drafter.config, options.conventions
     starts = packed.starts[sample_idx]
     block_ids = torch.full((anchors.numel(), block_len), cfg.mask_token_id, dtype=torch.long, device=anchors.device)
@@ -352,17 +401,17 @@ def chunk_logits(drafter, embed, lm_head, packed: PackedSamples, sample_idx, anc
         attention=options.attention_backend,
         ctx_starts=starts,
         conventions=conventions,
-    )[:, 1:]
-    return drafter.logits(hidden, lm_head, conventions)  # [a, depth, V]
+    )
+    return hidden[:, 1:]
 
 
-def _score_chunk(drafter, embed, lm_head, packed: PackedSamples, sample_idx, anchors, block_len, options) -> dict:
-    """Drafter pass over a chunk of anchors (each in its sample of `packed`); per-anchor
-    draft tokens, target tokens, log q(target), KL on the stored top-k, DDTree pop indices."""
+def _score_chunk(packed: PackedSamples, sample_idx, anchors, block_len, options, logits) -> dict:
+    """From the drafter's logits [a, depth, V] of a chunk of anchors (each in its sample of
+    `packed`): per-anchor draft tokens, target tokens, log q(target), KL on the stored top-k,
+    DDTree pop indices (a Future: computed in the worker thread)."""
     device = anchors.device
     depth = block_len - 1
     starts, lengths = packed.starts[sample_idx], packed.lengths[sample_idx]
-    logits = chunk_logits(drafter, embed, lm_head, packed, sample_idx, anchors, block_len, options)
     logits, nonfinite = finite_logits(logits)
     if packed.nonfinite_from is not None:  # anchor t sees context 0 .. t - 1 + context_offset
         sees_bad = anchors + options.conventions.context_offset > packed.nonfinite_from[sample_idx]
@@ -375,16 +424,19 @@ def _score_chunk(drafter, embed, lm_head, packed: PackedSamples, sample_idx, anc
     targets = torch.where(known, packed.ids[flat], torch.full_like(positions, -1))
     unknown = torch.full(targets.shape, float("nan"), device=device)
     target_logprob, kl = unknown, unknown
+    lse = None
+    if options.distribution_metrics or options.max_tree_nodes > 0:
+        with timing.stage("logsumexp"):  # once, for log q(target), KL and DDTree's log-probs
+            lse = torch.logsumexp(logits.float(), dim=-1)  # [a, depth]
     if options.distribution_metrics:
-        target_logprob, kl = _distribution_metrics(logits, targets, known, packed, sample_idx, positions)
+        target_logprob, kl = _distribution_metrics(logits, lse, targets, known, packed, sample_idx, positions)
     sampled = unknown
     if not options.sampling.greedy:  # the drafter samples with the target's settings (SPEC §1)
         sampled = torch.where(known, token_logprob(logits, targets, options.sampling), sampled)
 
     pops = torch.full((anchors.numel(), depth), NOT_IN_TREE, dtype=torch.long)
     if options.max_tree_nodes > 0:
-        with timing.stage("ddtree", anchors=anchors.numel()):
-            pops = _tree_pops(logits, targets, known, options.max_tree_nodes)
+        pops = _tree_worker().submit(_timed_tree_pops, logits, lse, targets.cpu(), known.cpu(), options.max_tree_nodes)
     return {
         "draft": draft.cpu(),
         "targets": targets.cpu(),
@@ -410,28 +462,35 @@ def finite_logits(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return logits, nonfinite
 
 
-def _distribution_metrics(logits, targets, known, packed: PackedSamples, sample_idx, positions):
-    """(log q(target), KL on the stored top-k) [a, depth] each, NaN where the target is unknown."""
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
-    target_logprob = logprobs.gather(-1, targets.clamp(min=0)[..., None])[..., 0]
+def _distribution_metrics(logits, lse, targets, known, packed: PackedSamples, sample_idx, positions):
+    """(log q(target), KL on the stored top-k) [a, depth] each, NaN where the target is unknown.
+    log q(v) = logit(v) - logsumexp(logits), gathered where needed: no [a, depth, V] copy."""
+    logits = logits.float()  # [a, depth, V]; no copy in fp32
+    target_logprob = logits.gather(-1, targets.clamp(min=0)[..., None])[..., 0] - lse
     target_logprob = torch.where(known, target_logprob, torch.full_like(target_logprob, float("nan")))
     # Stored target distribution for the token at sample position p is row p - prompt_len.
     topk_rows = packed.topk_starts[sample_idx][:, None] + positions - packed.prompt_lens[sample_idx][:, None]
     topk_rows = topk_rows.clamp(max=packed.topk_ids.shape[0] - 1)
     support = packed.topk_ids[topk_rows].long()  # [a, depth, k]
-    kl = metrics.kl_on_topk(packed.topk_logprobs[topk_rows], logprobs.gather(-1, support))
+    kl = metrics.kl_on_topk(packed.topk_logprobs[topk_rows], logits.gather(-1, support) - lse[..., None])
     return target_logprob, torch.where(known, kl, torch.full_like(kl, float("nan")))
 
 
-def _tree_pops(logits: torch.Tensor, targets: torch.Tensor, known: torch.Tensor, max_tree_nodes: int) -> torch.Tensor:
-    """DDTree pop index of every target-path prefix, per anchor (see ddtree.path_pop_indices).
-    logits [a, L, V], targets/known [a, L] -> [a, L] int64 on CPU."""
-    pops = torch.full(targets.shape, NOT_IN_TREE, dtype=torch.long)
-    top_logp, top_ids = top_log_probs(logits, max_tree_nodes)
-    ranks = _path_ranks(top_ids, targets).cpu().numpy()
-    top_logp = top_logp.cpu().numpy()
-    known_depth = known.sum(dim=1).cpu().numpy()
-    for i in range(targets.shape[0]):
-        found = path_pop_indices(top_logp[i], ranks[i, : known_depth[i]], max_tree_nodes)
-        pops[i, : found.size] = torch.from_numpy(found)
-    return pops
+_TREE_WORKER: ThreadPoolExecutor | None = None
+
+
+def _tree_worker() -> ThreadPoolExecutor:
+    """One thread for DDTree: the compiled heap releases the GIL, so it runs while the main
+    thread computes the next chunk's drafter pass (its time shows as the "ddtree wait" stage
+    only where it is not hidden)."""
+    global _TREE_WORKER
+    if _TREE_WORKER is None:
+        _TREE_WORKER = ThreadPoolExecutor(1, thread_name_prefix="specreplay-ddtree")
+    return _TREE_WORKER
+
+
+def _timed_tree_pops(logits, lse, targets, known, max_nodes) -> tuple[torch.Tensor, float, int]:
+    """(pop indices [a, L], seconds spent, anchors): ddtree_kernels.tree_pops in the worker."""
+    started = time.perf_counter()
+    pops = tree_pops(logits, lse, targets, known, max_nodes)
+    return pops, time.perf_counter() - started, int(targets.shape[0])

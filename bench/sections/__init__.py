@@ -9,11 +9,30 @@ from pathlib import Path
 
 # Run (and print) order of the default run. length runs before memory because memory writes
 # ~16 GiB of stand-in weights and shards, which evicts the page cache.
-DEFAULT = ("extract", "codecs", "reader", "fp32", "score", "ddtree", "checkpoints", "gemm", "fp8", "sampling", "length", "memory")
+DEFAULT = (
+    "extract",
+    "codecs",
+    "reader",
+    "fp32",
+    "score",
+    "ddtree",
+    "checkpoints",
+    "gemm",
+    "fp8",
+    "sampling",
+    "length",
+    "memory",
+)
 # Experiments that explain a design choice but are no figure of the product: only with --research.
 RESEARCH = ("research",)
 # A section needs the figures of these; skipping one skips its dependents, --only pulls them in.
-REQUIRES = {"codecs": ("extract",), "reader": ("extract",), "research": ("extract",), "fp8": ("score",), "ddtree": ("score",)}
+REQUIRES = {
+    "codecs": ("extract",),
+    "reader": ("extract",),
+    "research": ("extract",),
+    "fp8": ("score",),
+    "ddtree": ("score",),
+}
 ALIASES = {"big": "memory"}  # the name `--skip` used before the sections were split
 
 

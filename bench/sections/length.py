@@ -2,15 +2,19 @@
 49152, 5 feature layers).
 
 Synthetic shards (one sample per length 512..8192, bench/standins.py), a random one-layer
-drafter, block 16, all-anchor chain replay (no DDTree, fp32) in this process after a warm-up.
-Per sample the product's two replay steps are called and timed apart: the context pass
+drafter, block 16, all-anchor chain replay (no DDTree, fp32) in this process after a warm-up,
+once per CPU attention backend, side by side: "dense" (explicit masked scores over every
+context key, the reference path: before) and "blockwise" (context keys in chunks with a
+running softmax, what `--attention auto` runs on CPU: after); each length runs both, one after
+the other. Per sample the product's two replay steps are called and timed apart: the context pass
 (`scoring.replay.pack_samples`) and the anchor chunks (`replay_anchors`); the checkpoint load and
 shard decoding are outside. The time inside the drafter's attention, masks, other layer work and
 the lm_head comes from the product's stage events. A sample with more than 4 x 512 anchors
 replays 4 windows of 512 contiguous anchors centred at 1/8, 3/8, 5/8 and 7/8 of its anchors and
 scales that time to all anchors (midpoint rule: an anchor's cost is affine in its context
 length; the check against full replays is in bench/README.md). Fitted exponent b of time =
-a T^b over all lengths and the longer half, next to the exponent of the FLOP count.
+a T^b over all lengths and the longer half per backend, next to the exponent of the FLOP count;
+target (issue 13): the blockwise backend's exponents within TARGET_RATIO x the FLOP count's.
 """
 
 from __future__ import annotations
@@ -43,6 +47,9 @@ PROMPT_TOKENS = 32
 BLOCK_SIZE = 16
 # Stage names the product marks inside an anchor chunk (pipeline/timing.py), reported as shares.
 PARTS = ("attention", "masks", "drafter layers", "lm_head")
+# Before and after: the reference's dense masks, and the CPU default (`ReplayOptions.attention_backend`).
+BACKENDS = ("dense", "blockwise")
+TARGET_RATIO = 1.15  # issue 13: time exponent <= 1.15 x the FLOP count's
 
 
 def anchor_windows(count: int, windows: int, width: int) -> list[int]:
@@ -118,7 +125,7 @@ def replay_length(sample, length, drafter, embed, lm_head, columns, options, win
         "others_cpu": others_cpu(began, time.perf_counter()),
     }
     log(
-        f"length:   {length:5d} tokens: {seconds:6.1f} s{' (est.)' if entry['estimated'] else ''}, "
+        f"length:   {length:5d} tokens, {options.attention:9s}: {seconds:6.1f} s{' (est.)' if entry['estimated'] else ''}, "
         f"{entry['anchors_per_s']:5.0f} anchors/s, time: attention {pct(share['attention'])} + masks "
         f"{pct(share['masks'])}, lm_head {pct(share['lm_head'])}; attention "
         f"{100 * entry['flop_share']['attention']:.1f}% of FLOPs; peak RSS +{fmt_mib(entry['rss_growth_bytes'])}"
@@ -130,20 +137,37 @@ def pct(share) -> str:
     return num(None if share is None else 100 * share, ".0f", "%")
 
 
-def dominant(result: dict, lengths: list[int]) -> str | None:
-    first, last = result["per_length"][str(lengths[0])], result["per_length"][str(lengths[-1])]
+def dominant(side: dict, lengths: list[int], flop_exponent: float) -> str | None:
+    """Where one backend's time goes at the shortest and the longest length."""
+    first, last = side["per_length"][str(lengths[0])], side["per_length"][str(lengths[-1])]
     if any(e["time_share"][k] is None for e in (first, last) for k in ("lm_head", "attention", "masks")):
         return None
     att = lambda e: e["time_share"]["attention"] + e["time_share"]["masks"]  # noqa: E731
     return (
         f"At {lengths[0]} tokens the lm_head takes {100 * first['time_share']['lm_head']:.0f}% of the time "
         f"and attention (with its masks) {100 * att(first):.0f}%; at {lengths[-1]} tokens "
-        f"{100 * last['time_share']['lm_head']:.0f}% and {100 * att(last):.0f}%. Attention to the context is "
-        f"{100 * last['flop_share']['attention']:.0f}% of the FLOPs at {lengths[-1]} tokens but takes far more of "
-        f"the time: on CPU it runs as dense masked scores over every earlier position, so its cost per anchor "
-        f"grows with T while the lm_head's does not; the FLOP count grows as T^{result['flop_exponent']:.2f}, "
-        f"the time as T^{result['fit_all']['b']:.2f}."
+        f"{100 * last['time_share']['lm_head']:.0f}% and {100 * att(last):.0f}%, for "
+        f"{100 * last['flop_share']['attention']:.0f}% of the FLOPs. The FLOP count grows as "
+        f"T^{flop_exponent:.2f}, the time as T^{side['fit_all']['b']:.2f}."
     )
+
+
+def fits(per_length: dict, lengths: list[int], key: str) -> dict:
+    """Fitted exponents of per_length[...][key] over all lengths and the longer half."""
+    values = [per_length[str(t)][key] for t in lengths]
+    half = len(lengths) // 2
+    return {"fit_all": fit_exponent(lengths, values), "fit_top_half": fit_exponent(lengths[half:], values[half:])}
+
+
+def target_check(result: dict) -> dict:
+    """The blockwise backend's time exponents against TARGET_RATIO x the FLOP count's, all
+    lengths and the longer half."""
+    side, flops = result["backends"]["blockwise"], result["flop_fits"]
+    checks = {}
+    for fit in ("fit_all", "fit_top_half"):
+        limit = TARGET_RATIO * flops[fit]["b"]
+        checks[fit] = {"b": side[fit]["b"], "limit": limit, "met": side[fit]["b"] <= limit}
+    return {"ratio": TARGET_RATIO, **checks, "met": all(c["met"] for c in checks.values())}
 
 
 def run(ctx) -> tuple[dict, Rows]:
@@ -181,7 +205,7 @@ def run(ctx) -> tuple[dict, Rows]:
             "rule": "samples with more anchors than windows x width replay those "
             "windows (midpoint rule) and scale the replay time to all anchors",
         },
-        "per_length": {},
+        "backends": {name: {"per_length": {}} for name in BACKENDS},
     }
     try:
         log(f"length: synthetic shards at SmolLM2 shapes, one sample per length {lengths} ...")
@@ -196,23 +220,27 @@ def run(ctx) -> tuple[dict, Rows]:
         drafter, info = load_drafter(ckpt, dtype=dtype, device=device)
         head = prepare_target_head(shardset.target_head(), device, dtype)
         embed, lm_head = head["embed_tokens"], head["lm_head"]
-        options = ReplayOptions(max_tree_nodes=0, dtype=dtype, device=device)  # chain only
-        result.update(device=device, dtype=str(dtype).removeprefix("torch."), memory_budget=options.memory_bytes)
+        options = {  # chain only
+            name: ReplayOptions(max_tree_nodes=0, dtype=dtype, device=device, attention=name) for name in BACKENDS
+        }
+        budget = options["dense"].memory_bytes
+        result.update(device=device, dtype=str(dtype).removeprefix("torch."), memory_budget=budget)
         columns = lambda f: select_feature_columns(f, layer_ids, info.config.target_layer_ids)  # noqa: E731
         samples = {s.response_len: s for s in shardset.samples(prefetch=0)}
-        log(f"length: all-anchor chain replay, {result['dtype']}, block {BLOCK_SIZE}, 1-layer drafter ...")
-        replay_sample(drafter, embed, lm_head, samples[warmup], columns, warmup, options)  # warm-up
-        for length in lengths:
-            result["per_length"][str(length)] = replay_length(
-                samples[length], length, drafter, embed, lm_head, columns, options, windows, width, vocab
-            )
-        times = [result["per_length"][str(t)]["seconds"] for t in lengths]
-        result["fit_all"] = fit_exponent(lengths, times)
-        half = len(lengths) // 2
-        result["fit_top_half"] = fit_exponent(lengths[half:], times[half:])
-        flops_fit = fit_exponent(lengths, [result["per_length"][str(t)]["gflop"] for t in lengths])
-        result["flop_exponent"] = flops_fit["b"] if flops_fit else None
-        result["dominant"] = dominant(result, lengths)
+        log(f"length: all-anchor chain replay, {result['dtype']}, block {BLOCK_SIZE}, 1-layer drafter, {BACKENDS} ...")
+        for name in BACKENDS:  # warm-up
+            replay_sample(drafter, embed, lm_head, samples[warmup], columns, warmup, options[name])
+        for length in lengths:  # both backends at each length, so that drift in load hits both
+            for name in BACKENDS:
+                result["backends"][name]["per_length"][str(length)] = replay_length(
+                    samples[length], length, drafter, embed, lm_head, columns, options[name], windows, width, vocab
+                )
+        result["flop_fits"] = fits(result["backends"]["dense"]["per_length"], lengths, "gflop")
+        result["flop_exponent"] = result["flop_fits"]["fit_all"]["b"]
+        for side in result["backends"].values():
+            side.update(fits(side["per_length"], lengths, "seconds"))
+            side["dominant"] = dominant(side, lengths, result["flop_exponent"])
+        result["target"] = target_check(result)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return result, rows(result)
@@ -222,24 +250,50 @@ def rows(ls: dict) -> Rows:
     out = Rows()
     out.add(
         f"scoring cost vs response length (SmolLM2 shapes, {ls.get('dtype')}, all anchors, chain, block "
-        f"{ls['block_size']}, 1-layer drafter)"
+        f"{ls['block_size']}, 1-layer drafter), per CPU attention backend"
     )
-    for length, p in ls["per_length"].items():
-        share = p["time_share"]
-        how = f"est. from {p['anchors_replayed']} of {p['anchors']} anchors" if p["estimated"] else "all anchors"
+    for name, when in zip(BACKENDS, ("before", "after")):
+        side = ls["backends"][name]
+        out.add(f'  attention "{name}" ({when})')
+        for length, p in side["per_length"].items():
+            out.add(f"    {int(length):5d} tokens", length_value(p), others=p.get("others_cpu"))
+        fa, ft = side.get("fit_all"), side.get("fit_top_half")
+        if fa:
+            out.add(
+                "    fitted exponent b (time = a T^b), all lengths / longer half",
+                f"{fa['b']:.2f} / {ft['b']:.2f}" if ft else f"{fa['b']:.2f}",
+            )
+    flops = ls.get("flop_fits")
+    if flops:
         out.add(
-            f"  {int(length):5d} tokens",
-            f"{p['seconds']:.1f} s ({how}), {p['anchors_per_s']:.0f} anchors/s, "
-            f"{p['ms_per_anchor']:.1f} ms/anchor; time in attention {pct(share['attention'])}, "
-            f"lm_head {pct(share['lm_head'])}; attention {100 * p['flop_share']['attention']:.1f}% of "
-            f"FLOPs; peak RSS +{fmt_mib(p['rss_growth_bytes'])}",
-            others=p.get("others_cpu"),
+            "  exponent of the FLOP count, all lengths / longer half (for comparison)",
+            f"{flops['fit_all']['b']:.2f} / {flops['fit_top_half']['b']:.2f}",
         )
-    fa, ft = ls.get("fit_all"), ls.get("fit_top_half")
-    if fa:
+        out.add("  speed-up blockwise over dense, per length", speedups(ls))
+    check = ls.get("target")
+    if check:
+        blockwise = ls["backends"]["blockwise"]["per_length"].values()
         out.add(
-            "  fitted exponent b (time = a T^b), all lengths / longer half",
-            f"{fa['b']:.2f} / {ft['b']:.2f}" if ft else f"{fa['b']:.2f}",
+            f"  blockwise: time exponent <= {check['ratio']} x FLOP exponent, all lengths / longer half",
+            f"{check['fit_all']['b']:.2f} / {check['fit_top_half']['b']:.2f}",
+            f"<= {check['fit_all']['limit']:.2f} / {check['fit_top_half']['limit']:.2f}",
+            met=check["met"],
+            sides=[p.get("others_cpu") for p in blockwise],
         )
-        out.add("  exponent of the FLOP count (for comparison)", f"{ls['flop_exponent']:.2f}")
     return out
+
+
+def length_value(p: dict) -> str:
+    share = p["time_share"]
+    how = f"est. from {p['anchors_replayed']} of {p['anchors']} anchors" if p["estimated"] else "all anchors"
+    return (
+        f"{p['seconds']:.1f} s ({how}), {p['anchors_per_s']:.0f} anchors/s, "
+        f"{p['ms_per_anchor']:.1f} ms/anchor; time in attention {pct(share['attention'])}, "
+        f"lm_head {pct(share['lm_head'])}; attention {100 * p['flop_share']['attention']:.1f}% of "
+        f"FLOPs; peak RSS +{fmt_mib(p['rss_growth_bytes'])}"
+    )
+
+
+def speedups(ls: dict) -> str:
+    dense, blockwise = (ls["backends"][name]["per_length"] for name in BACKENDS)
+    return ", ".join(f"{t}: {dense[t]['seconds'] / blockwise[t]['seconds']:.1f}x" for t in blockwise)

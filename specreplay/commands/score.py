@@ -56,14 +56,16 @@ def d(name: str):
     "memory_bytes",
     default=format_size(d("memory_bytes")),
     show_default=True,
-    help="Working memory for one batch of anchors; sets the chunk sizes.",
+    help="Working memory for one batch of anchors; sets the chunk sizes, and how many checkpoints' "
+    "drafters share one pass over the shards (as many as their weights fit).",
 )
 @click.option(
     "--attention",
-    type=click.Choice(["auto", "dense", "flex"]),
+    type=click.Choice(["auto", "dense", "blockwise", "flex"]),
     default=d("attention"),
     show_default=True,
-    help="auto = block-sparse flex_attention on CUDA, dense explicit masks on CPU.",
+    help="auto = block-sparse flex_attention on CUDA, blockwise (context keys in chunks) on CPU; "
+    "dense = explicit masks over every key (the reference path).",
 )
 @click.option(
     "--anchors",
