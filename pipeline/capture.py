@@ -19,8 +19,11 @@ transformers 5 replaces `hidden_states[L]` with the final-norm output (`tie_last
 so that id is taken from the decoder's `last_hidden_state`, not from the layer's raw output.
 
 The batch is always one unpadded sequence, so stored values equal a plain single-sequence forward
-bit for bit (a padded batch would differ in the last bits). The lm_head runs over fixed-size
-windows of positions, never over [N, V]; see `head_windows` for why the windows all have the same size.
+bit for bit (a padded batch would differ in the last bits). On the CPU that forward runs its
+layers over fixed-size windows of positions (pipeline.chunked_forward: same bits, a working set
+that does not grow with N), and each feature layer goes straight into the stored features
+(FeatureSink). The lm_head runs over fixed-size windows of positions, never over [N, V]; see
+`head_windows` for why the windows all have the same size.
 """
 
 from __future__ import annotations
@@ -31,14 +34,17 @@ from dataclasses import dataclass
 import torch
 
 from pipeline import shards, timing
+from pipeline.chunked_forward import MIN_WINDOW_ROWS, forward_rows, row_windows, windowed_forward
 from pipeline.errors import UserError
 from pipeline.generate import model_device
 from pipeline.sampling import Sampling, token_logprob
 from pipeline.target import decoder_layers, text_config
 
-# The lm_head runs over windows of at least this many rows: CPU BLAS switches to a different
-# kernel for GEMMs with few rows, whose float rounding then differs from a full forward's.
-MIN_HEAD_ROWS = 64
+# The lm_head's windows follow the forward's rules (pipeline.chunked_forward): all of one size,
+# never fewer rows than CPU BLAS needs to round like the full forward.
+MIN_HEAD_ROWS = MIN_WINDOW_ROWS
+head_windows = row_windows
+
 MAX_HEAD_ROWS = 8192
 # Bytes per logit row element while a window is live: model-dtype logits, a float32 copy,
 # its log_softmax and topk's scratch.
@@ -55,8 +61,9 @@ class CaptureConfig:
     layer_ids: list[int]
     feature_dtype: torch.dtype
     top_k: int = 32
-    head_budget_bytes: int = 1 << 30  # memory for one lm_head window; sets the window rows
+    head_budget_bytes: int = 1 << 30  # memory for one lm_head window or one forward window; sets their rows
     sampling: Sampling | None = None  # temperature > 0: also store sample_logprob
+    windowed: bool = True  # the forward over windows of positions (pipeline.chunked_forward); False: one pass
 
 
 def head_rows(vocab_size: int, budget_bytes: int, bytes_per_logit: int = _BYTES_PER_LOGIT) -> int:
@@ -73,25 +80,6 @@ def window_bytes_per_logit(sampling: Sampling | None, vocab_size: int) -> int:
         return _BYTES_PER_LOGIT
     sorts_rows = not 0 < sampling.top_k < vocab_size and sampling.top_p < 1
     return _BYTES_PER_LOGIT + (_SORTED_SAMPLING_BYTES_PER_LOGIT if sorts_rows else _SAMPLING_BYTES_PER_LOGIT)
-
-
-def head_windows(lo: int, hi: int, total: int, rows: int) -> list[tuple[int, int, int]]:
-    """(start, end, keep_from) windows that cover rows lo..hi-1 of a sequence of `total` rows.
-
-    Every window has exactly `rows` rows (or all `total` rows when the sequence is shorter):
-    the last window is shifted back to overlap its neighbour, and a short range is widened into
-    the prompt. Matmuls of one fixed shape round exactly like the full forward's on CPU BLAS,
-    while a 3-row tail GEMM does not; the overlap costs at most one extra window per sample.
-    Rows below `keep_from` in a window were already produced and are dropped.
-    """
-    size = min(rows, total)
-    windows, start = [], lo
-    while start < hi:
-        end = min(start + size, hi)
-        begin = max(0, end - size) if end - start < size else start
-        windows.append((begin, end, start))
-        start = end
-    return windows
 
 
 def postprocess_logits(logits: torch.Tensor, config) -> torch.Tensor:
@@ -128,21 +116,21 @@ def ties_last_hidden_state(decoder) -> bool:
 
 
 @contextmanager
-def layer_outputs(layers: torch.nn.ModuleList, layer_ids: list[int]):
-    """Forward hooks on just the layers in `layer_ids`; yields {layer id: output [B, T, H]}."""
-    captured: dict[int, torch.Tensor] = {}
+def layer_outputs(layers: torch.nn.ModuleList, layer_ids: list[int], put):
+    """Forward hooks on just the layers in `layer_ids`, each handing its output [T, H] to
+    `put(layer id, output)` at once (the windowed forward overwrites it with the next layer's)."""
     handles = []
 
     def hook_for(layer_id):
         def hook(module, args, output):
-            captured[layer_id] = output[0] if isinstance(output, (tuple, list)) else output
+            put(layer_id, (output[0] if isinstance(output, (tuple, list)) else output)[0])
 
         return hook
 
     try:
         for layer_id in sorted(set(layer_ids)):
             handles.append(layers[layer_id].register_forward_hook(hook_for(layer_id)))
-        yield captured
+        yield
     finally:
         for handle in handles:
             handle.remove()
@@ -197,15 +185,37 @@ def next_token_distribution(
     return out
 
 
-def stored_features(parts: list[torch.Tensor], feature_dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The feature layers [N, H] each, concatenated in storage form on the CPU."""
-    if feature_dtype == torch.float8_e4m3fn:  # lossy opt-in: one scale per token and layer
-        quantized = [shards.quantize_fp8(p) for p in parts]
-        return {
-            "features": torch.cat([q.cpu() for q, _ in quantized], dim=-1),
-            "features_scale": torch.cat([s.cpu() for _, s in quantized], dim=-1),
-        }
-    return {"features": torch.cat([p.to(feature_dtype).cpu() for p in parts], dim=-1)}
+class FeatureSink:
+    """The stored features [N, n*H] (and with fp8 the scales [N, n]) on the CPU, each layer
+    written in storage form as soon as the forward produces it, `rows` positions at a time, so
+    neither a [N, H] copy per layer nor a full-size cast is ever held beside them."""
+
+    def __init__(self, tokens: int, hidden: int, layer_ids: list[int], feature_dtype: torch.dtype, rows: int):
+        self.layer_ids, self.hidden, self.rows = layer_ids, hidden, rows
+        self.features = torch.empty(tokens, len(layer_ids) * hidden, dtype=feature_dtype)
+        fp8 = feature_dtype == torch.float8_e4m3fn  # lossy opt-in: one scale per token and layer
+        self.scale = torch.empty(tokens, len(layer_ids), dtype=torch.float32) if fp8 else None
+
+    def put(self, layer_id: int, hidden: torch.Tensor) -> None:
+        """Store `hidden` [N, H] as every column group of `layer_id`."""
+        for column, wanted in enumerate(self.layer_ids):
+            if wanted == layer_id:
+                for begin in range(0, hidden.shape[0], self.rows):
+                    self._write(column, begin, hidden[begin : begin + self.rows])
+
+    def _write(self, column: int, begin: int, part: torch.Tensor) -> None:
+        rows, columns = slice(begin, begin + part.shape[0]), slice(column * self.hidden, (column + 1) * self.hidden)
+        if self.scale is None:
+            self.features[rows, columns] = part  # the cast and the copy to the CPU, per element
+            return
+        values, scale = shards.quantize_fp8(part)  # per token: a window equals the whole
+        self.features[rows, columns] = values
+        self.scale[rows, column] = scale[:, 0]
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        if self.scale is None:
+            return {"features": self.features}
+        return {"features": self.features, "features_scale": self.scale}
 
 
 def _where_bad(what: str, bad: torch.Tensor, first_position: int = 0) -> dict:
@@ -253,23 +263,35 @@ def nonfinite_values(tensors: dict[str, torch.Tensor], layer_ids: list[int] | No
 
 
 @torch.inference_mode()
-def capture_sample(model, input_ids: list[int], prompt_len: int, config: CaptureConfig) -> dict[str, torch.Tensor]:
-    """All stored tensors of one sample (see the module docstring for shapes and meaning)."""
-    if not 1 <= prompt_len <= len(input_ids):
-        raise ValueError(f"prompt_len {prompt_len} outside 1..{len(input_ids)}")
+def capture_features(model, input_ids: list[int], config: CaptureConfig) -> tuple[dict, torch.Tensor]:
+    """The stored features of one sequence ({"features"[, "features_scale"]}, see the module
+    docstring) and the final-norm output [N, H] the lm_head reads."""
     decoder = text_decoder(model)
     layers = decoder_layers(model)
     last = len(layers) - 1
     from_norm = ties_last_hidden_state(decoder)
     hooked = [i for i in config.layer_ids if not (i == last and from_norm)]
+    ids = torch.tensor([input_ids], dtype=torch.long, device=model_device(model))
+    text, itemsize = text_config(model), next(decoder.parameters()).element_size()
+    rows = forward_rows(text, config.head_budget_bytes, itemsize, len(input_ids))
+    sink = FeatureSink(len(input_ids), text.hidden_size, config.layer_ids, config.feature_dtype, rows)
+    with (
+        layer_outputs(layers, hooked, sink.put),
+        windowed_forward(decoder, layers, rows if config.windowed else 0, ids.device),
+    ):
+        final = decoder(input_ids=ids, use_cache=False).last_hidden_state[0]  # [N, H], final-norm output
+    if from_norm and last in config.layer_ids:
+        sink.put(last, final)
+    return sink.tensors(), final
 
+
+@torch.inference_mode()
+def capture_sample(model, input_ids: list[int], prompt_len: int, config: CaptureConfig) -> dict[str, torch.Tensor]:
+    """All stored tensors of one sample (see the module docstring for shapes and meaning)."""
+    if not 1 <= prompt_len <= len(input_ids):
+        raise ValueError(f"prompt_len {prompt_len} outside 1..{len(input_ids)}")
     with timing.stage("capture", tokens=len(input_ids), response_tokens=len(input_ids) - prompt_len):
-        ids = torch.tensor([input_ids], dtype=torch.long, device=model_device(model))
-        with layer_outputs(layers, hooked) as captured:
-            final = decoder(input_ids=ids, use_cache=False).last_hidden_state[0]  # [N, H], final-norm output
-        tensors = stored_features(
-            [final if (i == last and from_norm) else captured[i][0] for i in config.layer_ids], config.feature_dtype
-        )
+        tensors, final = capture_features(model, input_ids, config)
         head = model.get_output_embeddings()
         vocab = head.weight.shape[0]
         tensors.update(
@@ -278,7 +300,7 @@ def capture_sample(model, input_ids: list[int], prompt_len: int, config: Capture
                 head,
                 text_config(model),
                 prompt_len - 1,
-                ids[0, prompt_len:],
+                torch.tensor(input_ids[prompt_len:], dtype=torch.long, device=final.device),
                 min(config.top_k, vocab),
                 head_rows(vocab, config.head_budget_bytes, window_bytes_per_logit(config.sampling, vocab)),
                 config.sampling,

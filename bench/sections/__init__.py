@@ -31,7 +31,6 @@ REQUIRES = {
     "reader": ("extract",),
     "research": ("extract",),
     "fp8": ("score",),
-    "ddtree": ("score",),
 }
 ALIASES = {"big": "memory"}  # the name `--skip` used before the sections were split
 

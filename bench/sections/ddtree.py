@@ -1,6 +1,7 @@
 """Section `ddtree`: DDTree's cost, before and after the compiled heap, and what it adds to a score.
 
 1. Per core (one torch thread), on the same anchors: the score section's fitted drafter's logits
+   (fitted here the same way when that section does not run)
    for the first anchors of its samples. before = what the scorer ran until issue 13:
    torch.topk(K) of the logits, their logsumexp, the target's rank, one Python heap per anchor;
    after = scoring.ddtree_kernels.tree_pops (compiled, lazy top-K) given the logsumexp, which the
@@ -171,9 +172,19 @@ def score_overlap(ckpt: str, shard_dir: str, work) -> dict:
     }
 
 
+def checkpoint(ctx, shard_dir: str) -> str:
+    """The score section's fitted drafter, or one fitted the same way now."""
+    if "checkpoint" in ctx.figures.get("score", {}):
+        return ctx.figures["score"]["checkpoint"]
+    from bench.sections.score import fit
+
+    return fit(ctx.args, shard_dir, ctx.work)[0]
+
+
 def run(ctx):
     args = ctx.args
-    ckpt, shard_dir = ctx.figures["score"]["checkpoint"], fp32.shards(ctx)
+    shard_dir = fp32.shards(ctx)
+    ckpt = checkpoint(ctx, shard_dir)
     log("ddtree: drafter logits of the score samples ...")
     logits, targets, known = drafter_logits(ckpt, shard_dir, 96 if args.quick else 256)
     log(f"ddtree: per core, before / after, {logits.shape[0]} anchors, budgets {BUDGETS} ...")
