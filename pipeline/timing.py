@@ -12,7 +12,7 @@ memory sampler is one. Stages may nest. Per process, main thread only.
 Stage names marked by the product:
   extract: load target, weights fingerprint, store target head, generate, capture,
            next-token distribution (inside capture), shard write, shard finish, shard close
-  score:   read target head, prepare target head, load drafter, context keys/values,
+  score:   read target head, prepare target head, load drafter, shard pass, context keys/values,
            replay anchors, drafter layers, attention, masks, lm_head, logsumexp,
            ddtree (its worker thread's busy time, reported by `elapsed`), ddtree wait (the
            main thread waiting for that worker: the part not overlapped with the drafter)

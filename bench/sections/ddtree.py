@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 
 import torch
@@ -129,7 +130,7 @@ def exactness(total: int) -> dict:
     checked = differing = 0
     for kind in ("plain", "ties", "near"):
         for seed, (depth, vocab, budget, share) in enumerate(EXACT_SHAPES):
-            anchors = max(1, int(total * share / 3))
+            anchors = math.ceil(total * share / 3)
             logits, targets, known = tree_cases(seed, anchors, depth, vocab, kind)
             found = tree_pops(logits, torch.logsumexp(logits, -1), targets, known, budget)
             differing += int((found != tree_pops_reference(logits, targets, known, budget)).any(dim=1).sum())
