@@ -424,19 +424,20 @@ def _score_chunk(packed: PackedSamples, sample_idx, anchors, block_len, options,
     targets = torch.where(known, packed.ids[flat], torch.full_like(positions, -1))
     unknown = torch.full(targets.shape, float("nan"), device=device)
     target_logprob, kl = unknown, unknown
-    lse = None
+    lse = scores = None
     if options.distribution_metrics or options.max_tree_nodes > 0:
+        scores = logits.float()  # [a, depth, V]: one fp32 copy for the metrics and DDTree (none in fp32)
         with timing.stage("logsumexp"):  # once, for log q(target), KL and DDTree's log-probs
-            lse = torch.logsumexp(logits.float(), dim=-1)  # [a, depth]
+            lse = torch.logsumexp(scores, dim=-1)  # [a, depth]
     if options.distribution_metrics:
-        target_logprob, kl = _distribution_metrics(logits, lse, targets, known, packed, sample_idx, positions)
+        target_logprob, kl = _distribution_metrics(scores, lse, targets, known, packed, sample_idx, positions)
     sampled = unknown
     if not options.sampling.greedy:  # the drafter samples with the target's settings (SPEC §1)
         sampled = torch.where(known, token_logprob(logits, targets, options.sampling), sampled)
 
     pops = torch.full((anchors.numel(), depth), NOT_IN_TREE, dtype=torch.long)
     if options.max_tree_nodes > 0:
-        pops = _tree_worker().submit(_timed_tree_pops, logits, lse, targets.cpu(), known.cpu(), options.max_tree_nodes)
+        pops = _tree_worker().submit(_timed_tree_pops, scores, lse, targets.cpu(), known.cpu(), options.max_tree_nodes)
     return {
         "draft": draft.cpu(),
         "targets": targets.cpu(),
@@ -464,8 +465,8 @@ def finite_logits(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _distribution_metrics(logits, lse, targets, known, packed: PackedSamples, sample_idx, positions):
     """(log q(target), KL on the stored top-k) [a, depth] each, NaN where the target is unknown.
-    log q(v) = logit(v) - logsumexp(logits), gathered where needed: no [a, depth, V] copy."""
-    logits = logits.float()  # [a, depth, V]; no copy in fp32
+    logits [a, depth, V] float32; log q(v) = logit(v) - logsumexp(logits), gathered where needed:
+    no [a, depth, V] log-probabilities."""
     target_logprob = logits.gather(-1, targets.clamp(min=0)[..., None])[..., 0] - lse
     target_logprob = torch.where(known, target_logprob, torch.full_like(target_logprob, float("nan")))
     # Stored target distribution for the token at sample position p is row p - prompt_len.
