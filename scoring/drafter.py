@@ -685,7 +685,7 @@ class DFlashDrafter(nn.Module):
         ctx_starts: where each anchor's sample starts in a packed multi-sample context.
         conventions: the reference's (score) or one changed on purpose (diagnose).
         """
-        with timing.stage("drafter layers", anchors=block_embeds.shape[0]):
+        with timing.stage("drafter layers", anchors=block_embeds.shape[0], block=block_embeds.shape[1]):
             return self._layers(block_embeds, anchors, context, attention, ctx_starts, conventions)
 
     def _layers(self, block_embeds, anchors, context, attention, ctx_starts, conventions) -> torch.Tensor:

@@ -428,7 +428,7 @@ def _score_chunk(packed: PackedSamples, sample_idx, anchors, block_len, options,
     if options.distribution_metrics or options.max_tree_nodes > 0:
         scores = logits.float()  # [a, depth, V]: one fp32 copy for the metrics and DDTree (none in fp32)
         with timing.stage("logsumexp"):  # once, for log q(target), KL and DDTree's log-probs
-            lse = torch.logsumexp(scores, dim=-1)  # [a, depth]
+            lse = logsumexp_rows(scores)  # [a, depth]
     if options.distribution_metrics:
         target_logprob, kl = _distribution_metrics(scores, lse, targets, known, packed, sample_idx, positions)
     sampled = unknown
@@ -447,6 +447,23 @@ def _score_chunk(packed: PackedSamples, sample_idx, anchors, block_len, options,
         "pops": pops,
         "nonfinite": nonfinite.cpu(),
     }
+
+
+LSE_ROWS = 16  # rows of the vocabulary per logsumexp call on CPU (see logsumexp_rows)
+
+
+def logsumexp_rows(scores: torch.Tensor) -> torch.Tensor:
+    """torch.logsumexp over the last dim of [..., V], on CPU LSE_ROWS rows at a time: whole, it
+    makes a temporary as large as the logits (fresh pages, several passes through memory); a
+    few rows' temporary stays in cache. Each row's computation is the same, so the values are
+    equal bit for bit. On a GPU one call is faster (one kernel)."""
+    if scores.device.type != "cpu":
+        return torch.logsumexp(scores, dim=-1)
+    flat = scores.reshape(-1, scores.shape[-1])  # [rows, V]; a view of contiguous logits
+    out = torch.empty(flat.shape[0], dtype=scores.dtype, device=scores.device)
+    for begin in range(0, flat.shape[0], LSE_ROWS):
+        torch.logsumexp(flat[begin : begin + LSE_ROWS], dim=-1, out=out[begin : begin + LSE_ROWS])
+    return out.view(scores.shape[:-1])
 
 
 def finite_logits(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

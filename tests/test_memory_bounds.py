@@ -12,6 +12,7 @@ The changes these tests pin down keep values identical while holding less:
 from __future__ import annotations
 
 import gc
+import math
 import json
 import weakref
 from pathlib import Path
@@ -273,3 +274,37 @@ def test_extract_does_not_keep_the_previous_sample_alive(tmp_path, monkeypatch):
     run_items(None, Info(), items, writer, None, 8, 8, Progress())
     writer.close()
     assert alive_at_next == [[], [False], [False, False]]
+
+
+# ---------------------------------------------------------------------------------------------
+# the vocabulary's logsumexp
+
+
+def test_logsumexp_rows_equals_one_call_and_never_holds_the_whole_temporary():
+    g = torch.Generator().manual_seed(3)
+    scores = torch.randn(7, 5, 300, generator=g) * 30  # 35 rows: two full groups of 16 and a remainder
+    scores[0, 0] = float("-inf")  # a row with nothing allowed: -inf, as torch.logsumexp
+    scores[1, 2, :7] = 1e30  # large values: the max is subtracted first
+    scores[2, 1, :] = 4.0  # all equal
+    with _Calls() as spy:
+        got = replay.logsumexp_rows(scores)
+    want = torch.logsumexp(scores, dim=-1)
+    assert got.shape == want.shape == (7, 5)
+    assert torch.equal(got.nan_to_num(-7.0), want.nan_to_num(-7.0))  # bit for bit, -inf included
+    # each logsumexp sees at most LSE_ROWS rows of the vocabulary, so its internal temporary
+    # (max-shifted exponentials) is that small; one call would see all 35
+    rows = [math.prod(shape[:-1]) for name, shape in spy.calls if "logsumexp" in name and shape[-1] == 300]
+    assert len(rows) == 3 and max(rows) == replay.LSE_ROWS, spy.calls
+
+
+class _Calls(TorchDispatchMode):
+    """Records (op name, first input's shape) of every aten op run while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[tuple[str, tuple[int, ...]]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        first = next((t for t in tree_leaves(args) if isinstance(t, torch.Tensor)), None)
+        self.calls.append((str(func), tuple(first.shape) if first is not None else ()))
+        return func(*args, **(kwargs or {}))

@@ -63,17 +63,22 @@ class StageCalls(StageClock):
         self.log.append((name, dict(info), seconds))
 
 
-def chunks(calls: list[tuple[str, dict, float]]) -> list[dict]:
-    """Per anchor chunk the replay ran: anchors, block length, lm_head rows and lm_head seconds
-    (the drafter-layers event of a chunk precedes its lm_head event)."""
-    out, anchors = [], None
+def drafter_calls(calls: list[tuple[str, dict, float]]) -> list[tuple[int, int]]:
+    """(anchors, block length) of every drafter call the replay made."""
+    return [(int(info["anchors"]), int(info["block"])) for name, info, _ in calls if name == "drafter layers"]
+
+
+def head_calls(calls: list[tuple[str, dict, float]]) -> list[dict]:
+    """Per lm_head GEMM: its rows, seconds and the block lengths of the drafter calls it served
+    (one for a full chunk; several when a sample's tail chunks share one GEMM, see
+    replay.SMALL_CHUNK_ROWS)."""
+    out, blocks = [], []
     for name, info, seconds in calls:
         if name == "drafter layers":
-            anchors = int(info["anchors"])
-        elif name == "lm_head" and anchors:
-            rows = int(info["rows"])
-            out.append({"anchors": anchors, "block": rows // anchors + 1, "head_rows": rows, "head_s": seconds})
-            anchors = None
+            blocks.append(int(info["block"]))
+        elif name == "lm_head" and blocks:
+            out.append({"rows": int(info["rows"]), "seconds": seconds, "blocks": blocks})
+            blocks = []
     return out
 
 
@@ -105,9 +110,8 @@ def replay_gemms(ckpt: str, lm_head_shape: tuple[int, int], calls) -> list[dict]
     flops (the run's total through that weight)}. lm_head_shape is the target's [V, H]."""
     config, linears = drafter_linears(ckpt)
     layers = config.num_hidden_layers
-    ran = chunks(calls)
-    layer_rows = [c["anchors"] * c["block"] for c in ran]
-    head_rows = [c["head_rows"] for c in ran]
+    layer_rows = [anchors * block for anchors, block in drafter_calls(calls)]
+    head_rows = [c["rows"] for c in head_calls(calls)]
     ctx_rows = [int(info["tokens"]) for name, info, _ in calls if name == "context keys/values"]
     vocab, hidden = lm_head_shape
     out = []
@@ -284,19 +288,20 @@ def part(seconds: float, work: float, ideal: float | None, wall: float) -> dict:
 
 
 def lm_head_split(calls, block_size: int, peak: dict) -> dict:
-    """lm_head time and rate in full-block chunks vs the tail chunks (truncated blocks at the
-    end of every response, one chunk per block length: few rows each)."""
+    """lm_head time and rate for full-block chunks vs the tail chunks (truncated blocks at the
+    end of every response, one chunk per block length, few rows each, sharing GEMMs)."""
     rate = next(g for g in peak["gemms"] if g["name"] == "lm_head")
     flop_per_row = 2.0 * rate["K"] * rate["N"]
     out = {}
     for label, tail in (("full blocks", False), ("tail blocks", True)):
-        mine = [c for c in chunks(calls) if (c["block"] < block_size) == tail]
-        rows = sum(c["head_rows"] for c in mine)
-        seconds = sum(c["head_s"] for c in mine)
+        mine = [c for c in head_calls(calls) if (max(c["blocks"]) < block_size) == tail]
+        rows = sum(c["rows"] for c in mine)
+        seconds = sum(c["seconds"] for c in mine)
         out[label] = {
-            "chunks": len(mine),
+            "gemms": len(mine),
+            "chunks": sum(len(c["blocks"]) for c in mine),
             "rows": rows,
-            "median_rows": int(np.median([c["head_rows"] for c in mine])) if mine else 0,
+            "median_rows": int(np.median([c["rows"] for c in mine])) if mine else 0,
             "seconds": seconds,
             "gflop_s": rows * flop_per_row / seconds / 1e9 if seconds else None,
             "seconds_at_peak": rows * flop_per_row / (rate["gflop_s"] * 1e9),
@@ -432,7 +437,7 @@ def breakdown_rows(g: dict) -> Rows:
     for label, s in g["lm_head_split"].items():
         out.add(
             f"    lm_head, {label}",
-            f"{s['chunks']} chunks, {s['rows']} rows (median {s['median_rows']}), {s['seconds']:.2f} s, "
+            f"{s['chunks']} chunks in {s['gemms']} GEMMs, {s['rows']} rows (median {s['median_rows']}), {s['seconds']:.2f} s, "
             f"{num(s['gflop_s'], '.1f')} GFLOP/s; {s['seconds_at_peak']:.2f} s at peak",
         )
     return out
