@@ -12,8 +12,8 @@ The changes these tests pin down keep values identical while holding less:
 from __future__ import annotations
 
 import gc
-import math
 import json
+import math
 import weakref
 from pathlib import Path
 
