@@ -72,6 +72,13 @@ def parse_args(argv=None):
         action="store_true",
         help=f"also run the research experiments ({', '.join(RESEARCH)}: format v1, entropy bounds)",
     )
+    parser.add_argument(
+        "--memory-parts",
+        type=lambda s: [x for x in s.split(",") if x],
+        default=None,
+        help="children of the memory section to run, comma-separated: extract, score (needs extract), "
+        "forward-before, forward-after (default: all; a bf16 forward at 27B widths takes ~30 min on 2 cores)",
+    )
     parser.add_argument("--profile", action="store_true", help="profile the offline score even when targets are met")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results"), help="results directory")
     parser.add_argument("--keep", action="store_true", help="keep the work directory (shards, drafter, results)")

@@ -111,6 +111,16 @@ DISK_NEEDED = {"27b": 16 * GiB, "mid": 3 * GiB}  # stand-in weights, target head
 # Per child: a bf16 27B-width forward of 8192 tokens takes hours on a CPU without native bf16.
 CHILD_TIMEOUT_S = {"27b": 12 * 3600, "mid": 3600}
 FORWARD_SIDES = {"before (one pass)": False, "after (windows)": True}  # CaptureConfig.windowed
+PARTS = {"extract": None, "score": None, "forward-before": "before (one pass)", "forward-after": "after (windows)"}
+
+
+def chosen_parts(names: list[str] | None) -> set[str]:
+    """The children to run (bench --memory-parts; default all); score reads extract's shards."""
+    parts = set(names or PARTS)
+    unknown = parts - set(PARTS)
+    if unknown:
+        raise SystemExit(f"bench: --memory-parts: unknown {sorted(unknown)}; choose from {', '.join(PARTS)}")
+    return parts | ({"extract"} if "score" in parts else set())
 
 
 def tag(tokens: int) -> str:
@@ -511,6 +521,7 @@ def run(ctx) -> tuple[dict, Rows]:
 
     work = Path(ctx.work) / "memory"
     work.mkdir(parents=True, exist_ok=True)
+    parts = chosen_parts(getattr(ctx.args, "memory_parts", None))
     shape_name = "mid" if ctx.args.quick else "27b"
     shape = SHAPES[shape_name]
     target_shape = shape["target"]
@@ -524,6 +535,7 @@ def run(ctx) -> tuple[dict, Rows]:
         "top_k": TOP_K,
         "threads": threads,
         "score_anchors": "per sample, its last anchors: one full anchor chunk + 1",
+        "parts": sorted(parts),
         "peak_limit_bytes": PEAK_LIMIT,
         "machine_memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
     }
@@ -557,70 +569,80 @@ def run(ctx) -> tuple[dict, Rows]:
         prompts = work / "prompts.jsonl"
         write_long_prompts(prompts, lengths, target_shape["vocab_size"])
         shards_dir = work / "shards"
-        log(f"memory: specreplay extract, bf16, teacher-forced responses of {lengths} tokens (one fresh process) ...")
-        ex = run_child(
-            "extract",
-            {
-                "model": str(work / "target"),
-                "prompts": str(prompts),
-                "out": str(shards_dir),
-                "layer_ids": LAYER_IDS,
-                "top_k": TOP_K,
-                "threads": threads,
-                "lengths": lengths,
-            },
-            work,
-            CHILD_TIMEOUT_S[shape_name],
-        )
-        result["extract"] = summarize_extract(ex, result, lengths, per_token)
-        log(
-            f"memory:   peak RSS {fmt_mib(result['extract']['peak_rss_bytes'])} "
-            f"({result['extract']['highest']['phase']}), {ex['run_s']:.0f} s, "
-            f"shards {ex['totals']['bytes'] / MiB:.0f} MiB"
-        )
+        if "extract" in parts:
+            result["extract"] = extract_part(work, prompts, shards_dir, threads, lengths, result, per_token, shape_name)
         result["forward"] = {}
-        for side, windowed in FORWARD_SIDES.items():
-            log(f"memory: extract's forward alone, {side} (one fresh process) ...")
-            fw = run_child(
-                "forward",
-                {
-                    "model": str(work / "target"),
-                    "prompts": str(prompts),
-                    "layer_ids": LAYER_IDS,
-                    "threads": threads,
-                    "lengths": lengths,
-                    "windowed": windowed,
-                },
-                work,
-                CHILD_TIMEOUT_S[shape_name],
-            )
-            result["forward"][side] = summarize_forward(fw, lengths, per_token, side)
-            log(f"memory:   {fw['run_s']:.0f} s")
-        log("memory: scoring, the last anchor chunk of each sample (one fresh process) ...")
-        sc = run_child(
-            "score",
-            {
-                "ckpt": str(work / "drafter"),
-                "shards": str(shards_dir),
-                "out": str(work / "results"),
-                "threads": threads,
-            },
-            work,
-            CHILD_TIMEOUT_S[shape_name],
-        )
-        result["score"] = summarize_score(sc, result, lengths, per_token)
-        log(
-            f"memory:   peak RSS {fmt_mib(result['score']['peak_rss_bytes'])} ({result['score']['highest']['phase']}), "
-            f"{sc['run_s']:.0f} s ({sc['dtype']})"
-        )
-        result["peak_rss_bytes"] = max(result["extract"]["peak_rss_bytes"], result["score"]["peak_rss_bytes"])
-        result["under_peak_limit"] = result["peak_rss_bytes"] <= PEAK_LIMIT
+        for part_name in ("forward-before", "forward-after"):
+            if part_name in parts:
+                side = PARTS[part_name]
+                result["forward"][side] = forward_part(work, prompts, threads, lengths, per_token, side, shape_name)
+        if "score" in parts:
+            result["score"] = score_part(work, shards_dir, threads, result, lengths, per_token, shape_name)
+        peaks = [result[p]["peak_rss_bytes"] for p in ("extract", "score") if p in result]
+        if peaks:
+            result["peak_rss_bytes"] = max(peaks)
+            result["under_peak_limit"] = result["peak_rss_bytes"] <= PEAK_LIMIT
     except ChildFailed as error:  # e.g. killed before the machine ran out of memory: a result, not a crash
         result["error"] = str(error)
         log(f"memory: {error}")
     finally:
         shutil.rmtree(work, ignore_errors=True)  # ~8 GiB of stand-in weights and 5 GiB of target head
     return result, rows(result)
+
+
+def extract_part(work, prompts, shards_dir, threads, lengths, result, per_token, shape_name) -> dict:
+    """`specreplay extract` of both samples in one fresh process, summarized."""
+    log(f"memory: specreplay extract, bf16, teacher-forced responses of {lengths} tokens (one fresh process) ...")
+    payload = {
+        "model": str(work / "target"),
+        "prompts": str(prompts),
+        "out": str(shards_dir),
+        "layer_ids": LAYER_IDS,
+        "top_k": TOP_K,
+        "threads": threads,
+        "lengths": lengths,
+    }
+    ex = run_child("extract", payload, work, CHILD_TIMEOUT_S[shape_name])
+    summary = summarize_extract(ex, result, lengths, per_token)
+    log(
+        f"memory:   peak RSS {fmt_mib(summary['peak_rss_bytes'])} ({summary['highest']['phase']}), "
+        f"{ex['run_s']:.0f} s, shards {ex['totals']['bytes'] / MiB:.0f} MiB"
+    )
+    return summary
+
+
+def forward_part(work, prompts, threads, lengths, per_token, side, shape_name) -> dict:
+    """Extract's forward alone, one side (FORWARD_SIDES), in one fresh process, summarized."""
+    log(f"memory: extract's forward alone, {side} (one fresh process) ...")
+    payload = {
+        "model": str(work / "target"),
+        "prompts": str(prompts),
+        "layer_ids": LAYER_IDS,
+        "threads": threads,
+        "lengths": lengths,
+        "windowed": FORWARD_SIDES[side],
+    }
+    fw = run_child("forward", payload, work, CHILD_TIMEOUT_S[shape_name])
+    log(f"memory:   {fw['run_s']:.0f} s")
+    return summarize_forward(fw, lengths, per_token, side)
+
+
+def score_part(work, shards_dir, threads, result, lengths, per_token, shape_name) -> dict:
+    """The scorer over the last anchor chunk of each sample, in one fresh process, summarized."""
+    log("memory: scoring, the last anchor chunk of each sample (one fresh process) ...")
+    payload = {
+        "ckpt": str(work / "drafter"),
+        "shards": str(shards_dir),
+        "out": str(work / "results"),
+        "threads": threads,
+    }
+    sc = run_child("score", payload, work, CHILD_TIMEOUT_S[shape_name])
+    summary = summarize_score(sc, result, lengths, per_token)
+    log(
+        f"memory:   peak RSS {fmt_mib(summary['peak_rss_bytes'])} ({summary['highest']['phase']}), "
+        f"{sc['run_s']:.0f} s ({sc['dtype']})"
+    )
+    return summary
 
 
 def rows(big: dict) -> Rows:
@@ -631,16 +653,34 @@ def rows(big: dict) -> Rows:
             "skipped: " + big["skipped"] if "skipped" in big else "FAILED: " + big["error"].splitlines()[0],
             met=False if "error" in big else None,
         )
-    if "extract" not in big or "score" not in big:
+    if "target" not in big:
         return out
     t, cfg = big["target"], big["target"]["config"]
     out.add(
         f"memory at {big['shapes']} shapes: target {t['params'] / 1e9:.2f}B params (hidden {cfg['hidden_size']}, "
         f"vocab {cfg['vocab_size']}, {cfg['num_hidden_layers']} layers, bf16), "
-        f"{big['drafter']['params'] / 1e6:.0f}M "
-        f"drafter, one process per stage"
+        f"{big['drafter']['params'] / 1e6:.0f}M drafter, one process per stage; parts run: {', '.join(big['parts'])}"
     )
-    ex = big["extract"]
+    if "extract" in big:
+        extract_rows(out, big["extract"])
+    if "score" in big:
+        score_rows(out, big["score"])
+    growth_rows(out, big)
+    for side in ("extract", "score"):
+        if side not in big:
+            continue
+        v = big[side]["flat"]
+        ratio = "-" if v["growth_over_stored"] is None else f"{v['growth_over_stored']:.2f}x"
+        out.add(
+            f"  {side}: growth {v['from_tokens']} -> {v['to_tokens']} tokens of {v['phases']} vs stored tensors",
+            f"{fmt_mib(v['rss_growth_bytes'])} vs {fmt_mib(v['stored_growth_bytes'])} ({ratio})",
+            f"<= {FLAT_FACTOR}x + {FLAT_SLACK // MiB} MiB",
+            v["flat_apart_from_stored"],
+        )
+    return out
+
+
+def extract_rows(out: Rows, ex: dict) -> None:
     out.add(
         "  extract (bf16): peak RSS",
         f"{fmt_mib(ex['peak_rss_bytes'])} in '{ex['highest']['phase']}' ({ex['wall_s']:.0f} s)",
@@ -660,7 +700,9 @@ def rows(big: dict) -> Rows:
             f"{fmt_mib(p['forward_rest_bytes'])}; shard {fmt_mib(p['shard_bytes'])}",
         )
         budget_rows(out, p, ex["memory_budget"])
-    sc = big["score"]
+
+
+def score_rows(out: Rows, sc: dict) -> None:
     out.add(
         f"  score ({sc['dtype']}, last anchor chunk per sample): peak RSS",
         f"{fmt_mib(sc['peak_rss_bytes'])} in '{sc['highest']['phase']}' ({sc['wall_s']:.0f} s)",
@@ -689,39 +731,34 @@ def rows(big: dict) -> Rows:
             sc["memory_budget"],
             f" ({p.get('anchors', '-')} anchors, {p.get('anchors_per_chunk', '-')} per chunk)",
         )
-    growth_rows(out, big)
-    for side in ("extract", "score"):
-        v = big[side]["flat"]
-        ratio = "-" if v["growth_over_stored"] is None else f"{v['growth_over_stored']:.2f}x"
-        out.add(
-            f"  {side}: growth {v['from_tokens']} -> {v['to_tokens']} tokens of {v['phases']} vs stored tensors",
-            f"{fmt_mib(v['rss_growth_bytes'])} vs {fmt_mib(v['stored_growth_bytes'])} ({ratio})",
-            f"<= {FLAT_FACTOR}x + {FLAT_SLACK // MiB} MiB",
-            v["flat_apart_from_stored"],
-        )
-    return out
 
 
 def growth_rows(out: Rows, big: dict) -> None:
-    """Extract's forward alone, before (one pass) and after (windows): peaks and their growth."""
-    before, after = (big.get("forward", {}).get(side) for side in FORWARD_SIDES)
-    if before is None or after is None:
+    """Extract's forward alone, before (one pass) and after (windows), as many sides as ran:
+    peaks and their growth; the verdict is the after side's."""
+    ran = {side: big.get("forward", {}).get(side) for side in FORWARD_SIDES}
+    ran = {side: v for side, v in ran.items() if v is not None}
+    if not ran:
         return
-    out.add("  extract's forward (+ features) alone, one process per side: peak RSS before / after")
-    for length in after["peak_rss_bytes"]:
+    names = " / ".join(side.split(" ")[0] for side in ran)
+    out.add(f"  extract's forward (+ features) alone, one process per side: peak RSS {names}")
+    for length in next(iter(ran.values()))["peak_rss_bytes"]:
         out.add(
             f"    {length} tokens",
-            f"{fmt_mib(before['peak_rss_bytes'][length])} / {fmt_mib(after['peak_rss_bytes'][length])} "
-            f"({before['wall_s']:.0f} / {after['wall_s']:.0f} s both lengths)",
+            " / ".join(fmt_mib(v["peak_rss_bytes"][length]) for v in ran.values())
+            + " ("
+            + " / ".join(f"{v['wall_s']:.0f}" for v in ran.values())
+            + " s both lengths)",
         )
-    b, a = before["growth"], after["growth"]
     ratio = lambda v: "-" if v["growth_over_stored"] is None else f"{v['growth_over_stored']:.2f}x"  # noqa: E731
+    growth = [v["growth"] for v in ran.values()]
+    after = ran.get("after (windows)")
     out.add(
-        f"  extract peak growth {a['from_tokens']} -> {a['to_tokens']} vs stored tensors' growth "
-        f"({fmt_mib(a['stored_growth_bytes'])}), forward alone: before / after",
-        f"{fmt_mib(b['rss_growth_bytes'])} ({ratio(b)}) / {fmt_mib(a['rss_growth_bytes'])} ({ratio(a)})",
+        f"  extract peak growth {growth[0]['from_tokens']} -> {growth[0]['to_tokens']} vs stored tensors' growth "
+        f"({fmt_mib(growth[0]['stored_growth_bytes'])}), forward alone: {names}",
+        " / ".join(f"{fmt_mib(g['rss_growth_bytes'])} ({ratio(g)})" for g in growth),
         f"<= {FORWARD_FACTOR}x",
-        a["flat_apart_from_stored"],
+        after["growth"]["flat_apart_from_stored"] if after else None,
     )
 
 
