@@ -268,6 +268,7 @@ def child_score(payload: dict) -> dict:
     from scoring.config import ScoreConfig
     from scoring.replay import (
         anchors_per_chunk,
+        attended_keys,
         empty_anchor_tensors,
         pack_samples,
         prepare_target_head,
@@ -301,9 +302,8 @@ def child_score(payload: dict) -> dict:
         count = result.anchors.numel()
         with memory.phase(f"context keys/values, {t}"):
             packed = pack_samples(drafter, [sample], columns, options)
-        chunk = anchors_per_chunk(
-            drafter, drafter.config.block_size, sample.input_ids.numel(), lm_head.shape[0], options.memory_bytes
-        )
+        keys = attended_keys(options, sample.input_ids.numel())  # as replay_anchors sizes its chunks
+        chunk = anchors_per_chunk(drafter, drafter.config.block_size, keys, lm_head.shape[0], options.memory_bytes)
         last = min(count, chunk + 1)
         chunks[t] = {"anchors_per_chunk": chunk, "anchors": last}
         with memory.phase(f"replay the last {last} anchors, {t}"):
