@@ -127,6 +127,10 @@ class PackedSamples:
 
 
 MIN_CONTEXT_ROWS = 512
+# Beyond ~1k positions a step the context GEMMs gain nothing, while a budget-sized step (~2.7k
+# positions at 27B widths in fp32) made the pass's working set depend on T below that size: a
+# 2048-token sample ran in one step, an 8192-token one in steps of 2.7k (bench section `memory`).
+MAX_CONTEXT_ROWS = 1024
 
 
 def context_rows(drafter: DFlashDrafter, feature_width: int, dtype: torch.dtype, memory_bytes: int) -> int:
@@ -135,11 +139,11 @@ def context_rows(drafter: DFlashDrafter, feature_width: int, dtype: torch.dtype,
     before RoPE (~feature_width + 4 x hidden + 4 x kv width values a position) take at most a
     quarter of the memory budget: a long sample never holds a compute-dtype copy of all its
     features (at 27B shapes in fp32, 100 KiB a token, twice the bf16 features themselves). At
-    least MIN_CONTEXT_ROWS, so the GEMMs keep large shapes."""
+    least MIN_CONTEXT_ROWS, so the GEMMs keep large shapes, and at most MAX_CONTEXT_ROWS."""
     cfg = drafter.config
     values = feature_width + 4 * cfg.hidden_size + 4 * cfg.num_key_value_heads * cfg.head_dim
     per_row = torch.empty((), dtype=dtype).element_size() * values
-    return max(MIN_CONTEXT_ROWS, int(memory_bytes // 4 // per_row))
+    return min(MAX_CONTEXT_ROWS, max(MIN_CONTEXT_ROWS, int(memory_bytes // 4 // per_row)))
 
 
 def pack_samples(

@@ -184,12 +184,16 @@ def test_context_kv_casts_chunks_and_never_holds_a_cast_copy():
 def test_context_rows_follow_the_memory_budget():
     drafter = _drafter()
     width = len(LAYER_IDS) * HIDDEN
-    small = context_rows(drafter, width, torch.float32, 1 << 20)
-    large = context_rows(drafter, width, torch.float32, 1 << 30)
-    assert small == replay.MIN_CONTEXT_ROWS < large
-    assert context_rows(drafter, width, torch.bfloat16, 1 << 30) > large  # narrower values, more rows
-    # 27B shapes, fp32, the default 2 GiB budget: ~2.7k positions a step, so an 8k-token sample never
-    # holds an fp32 copy of all its features (8192 x 25600 x 4 bytes = 840 MB)
+    per_row = 4 * (width + 4 * HIDDEN + 4 * drafter.config.num_key_value_heads * drafter.config.head_dim)  # fp32
+    assert context_rows(drafter, width, torch.float32, 1 << 10) == replay.MIN_CONTEXT_ROWS
+    middle = 4 * per_row * (replay.MIN_CONTEXT_ROWS + replay.MAX_CONTEXT_ROWS) // 2  # between both bounds
+    fp32 = context_rows(drafter, width, torch.float32, middle)
+    assert replay.MIN_CONTEXT_ROWS < fp32 < replay.MAX_CONTEXT_ROWS
+    assert context_rows(drafter, width, torch.bfloat16, middle) > fp32  # narrower values, more rows
+    assert context_rows(drafter, width, torch.float32, 1 << 30) == replay.MAX_CONTEXT_ROWS
+    # 27B shapes, fp32, the default 2 GiB budget: the budget would allow ~2.7k positions a step;
+    # capped, a 2048- and an 8192-token sample run steps of the same size (flat in T), and an
+    # 8k-token sample never holds an fp32 copy of all its features (8192 x 25600 x 4 = 840 MB)
     big = parse_drafter_config(
         new_drafter_config(
             {"hidden_size": 5120, "num_layers": 64, "vocab_size": 248320}, layer_ids=[1, 16, 31, 46, 61], num_heads=32
@@ -197,8 +201,8 @@ def test_context_rows_follow_the_memory_budget():
         "27b",
     )
     with torch.device("meta"):
-        rows = context_rows(DFlashDrafter(big), 5 * 5120, torch.float32, 2 << 30)
-    assert 2000 < rows < 4000
+        assert context_rows(DFlashDrafter(big), 5 * 5120, torch.float32, 2 << 30) == replay.MAX_CONTEXT_ROWS
+        assert context_rows(DFlashDrafter(big), 5 * 5120, torch.float32, 1 << 29) < replay.MAX_CONTEXT_ROWS
 
 
 def test_replay_with_chunked_context_equals_one_pass(monkeypatch):
