@@ -107,6 +107,11 @@ def attended_keys(options: ReplayOptions, ctx_len: int) -> int:
     return ctx_len if options.attention_backend == "dense" else min(ctx_len, KEY_CHUNK)
 
 
+def chunk_anchors(drafter: DFlashDrafter, block_len: int, ctx_len: int, vocab: int, options: ReplayOptions) -> int:
+    """Anchors per chunk as `replay_anchors` runs them over a context of ctx_len keys."""
+    return anchors_per_chunk(drafter, block_len, attended_keys(options, ctx_len), vocab, options.memory_bytes)
+
+
 @dataclass
 class PackedSamples:
     """Samples laid end to end, so one drafter call can serve anchors of several samples
@@ -127,9 +132,9 @@ class PackedSamples:
 
 
 MIN_CONTEXT_ROWS = 512
-# Beyond ~1k positions a step the context GEMMs gain nothing, while a budget-sized step (~2.7k
-# positions at 27B widths in fp32) made the pass's working set depend on T below that size: a
-# 2048-token sample ran in one step, an 8192-token one in steps of 2.7k (bench section `memory`).
+# A budget-sized step (~2.7k positions at 27B widths in fp32) made the pass's working set depend
+# on T below that size: a 2048-token sample ran in one step, an 8192-token one in steps of 2.7k
+# (bench section `memory`); smaller steps cost little, the pass being ~1% of scoring (section `gemm`).
 MAX_CONTEXT_ROWS = 1024
 
 
@@ -254,7 +259,7 @@ def _replay_anchors(drafter, embed, lm_head, packed, results, wanted, options) -
     chunks = []  # (positions in `wanted`, block length)
     for block_len in block_lens.unique().tolist():
         group = torch.nonzero(block_lens == block_len).flatten()
-        size = anchors_per_chunk(drafter, block_len, attended_keys(options, ctx_len), vocab, options.memory_bytes)
+        size = chunk_anchors(drafter, block_len, ctx_len, vocab, options)
         chunks += [(group[begin : begin + size], block_len) for begin in range(0, group.numel(), size)]
     # A sample's tail (the last block_size - 1 anchors, one block length each) makes chunks of
     # a few rows; alone, each would read the whole lm_head for them. They share one GEMM.

@@ -207,12 +207,11 @@ def _beyond(stat: tuple[float, float], sigmas: float = 3.0) -> bool:
     return abs(stat[0]) > sigmas * stat[1]
 
 
-# Each wrong formula shows only where what it gets wrong matters, so each is checked where it does
-# (measured, z of its per-step residual, 2026-12-01): leaving out top-p changes the drafter's q
-# only where its top-1 mass passes p, i.e. on a sharp target at T = 1 (z 7.3 at top-p 0.8, top-k
-# 2; 0.2 at T = 2, where top-k 2 always cuts first); leaving out top-k, and a_j = q_j(y_j), only
-# where the filtered distributions keep several tokens, i.e. at T = 2 (z 8.6 and 8.2 there; -2.3
-# and 0.3 at T = 1 with the drafter fitted on this machine).
+# A wrong formula shows only where what it gets wrong binds, so each is checked where it does:
+# leaving out top-p changes the drafter's q only where its top-1 mass passes p, i.e. on a sharp
+# target at T = 1 (at T = 2 top-k 2 always cuts first); leaving out top-k, and a_j = q_j(y_j),
+# only where the filtered distributions keep several tokens, i.e. at T = 2 (at T = 1 a sharply
+# fitted drafter leaves them too little to show). `pytest -s` prints each one's residual.
 PAIRED_CASES = {
     "T1-topp0.8-topk2": (Sampling(1.0, 0.8, 2), 250, ["drafter without top-p"]),
     "T2-topp0.9-topk2": (Sampling(2.0, 0.9, 2), 150, ["a_j = q_j(y_j)", "drafter without top-k"]),

@@ -4,7 +4,8 @@ SmolLM2-135M in bf16 (so stored bytes compare with raw bf16 honestly): `run_extr
 loaded target handed to it, alternated with what any extractor must compute (the same batched
 greedy `generate` call, then one full-sequence forward per sample returning hidden states,
 nothing stored); ratio of the minima. The product's stage events (`pipeline.timing`) give
-extract's own generate time, so the pipeline's own time can be told apart from generate's noise.
+extract's own generate time, so the pipeline's own time can be told apart from generate's noise;
+the 5% target is judged on it.
 Then bytes per token of every stored tensor. `measure_extract` and `stored_bytes` are shared
 with the fp32 and fp8 sections.
 """
@@ -17,7 +18,9 @@ import torch
 
 from bench.common import Rows, StageClock, log, num, others_cpu
 
-OVERHEAD_TARGET = 1.05  # issues 2, 4: at most 5% over the bare model work
+# issues 2, 4: at most 5% over the bare model work, judged on the pipeline's own time: both sides
+# run the same `generate` call, whose run-to-run noise would otherwise decide it (bench/README.md)
+OWN_TIME_TARGET = 0.05
 FEATURES_TARGET = 0.67  # issues 2, 4: features at most 0.67 of raw bf16, losslessly
 
 
@@ -246,8 +249,6 @@ def run(ctx) -> tuple[dict, Rows]:
         f"{ex['extract_min_s']:.1f} s (runs " + ", ".join(f"{r:.1f}" for r in ex["extract_runs_s"]) + ")",
         others=ex["extract_runs_others_cpu"],
     )
-    # The verdict is on the pipeline's own time: both sides run the same `generate` call, whose
-    # run-to-run noise (~5-20% here) would otherwise decide a 5% target (bench/README.md).
     rows.add("  extract overhead (extract / bare; moves with generate's noise)", f"{ex['overhead_ratio']:.3f}x")
     b = ex["extract_breakdown_of_min"]
     bare_forward = min(r["forward_full_logits_s"] for r in ex["bare_runs"])
@@ -258,8 +259,8 @@ def run(ctx) -> tuple[dict, Rows]:
         "  pipeline's own time (extract - its generate - bare forward) / bare",
         f"{num(own, '.2f', ' s')} = {num(share, '.3f')} (generate: "
         f"extract {num(b.get('generate'), '.2f', ' s')}, bare {bare_generate:.2f} s)",
-        f"<= {OVERHEAD_TARGET - 1:.2f}",
-        None if share is None else share <= OVERHEAD_TARGET - 1,
+        f"<= {OWN_TIME_TARGET:.2f}",
+        None if share is None else share <= OWN_TIME_TARGET,
         sides=bare_others + list(ex["extract_runs_others_cpu"]),
     )
     rows.add("  ... vs bare with response-only logits", f"{ex['overhead_ratio_vs_response_logits']:.3f}x")

@@ -267,8 +267,7 @@ def child_score(payload: dict) -> dict:
     from pipeline.shards import ShardSet
     from scoring.config import ScoreConfig
     from scoring.replay import (
-        anchors_per_chunk,
-        attended_keys,
+        chunk_anchors,
         empty_anchor_tensors,
         pack_samples,
         prepare_target_head,
@@ -302,8 +301,7 @@ def child_score(payload: dict) -> dict:
         count = result.anchors.numel()
         with memory.phase(f"context keys/values, {t}"):
             packed = pack_samples(drafter, [sample], columns, options)
-        keys = attended_keys(options, sample.input_ids.numel())  # as replay_anchors sizes its chunks
-        chunk = anchors_per_chunk(drafter, drafter.config.block_size, keys, lm_head.shape[0], options.memory_bytes)
+        chunk = chunk_anchors(drafter, drafter.config.block_size, sample.input_ids.numel(), lm_head.shape[0], options)
         last = min(count, chunk + 1)
         chunks[t] = {"anchors_per_chunk": chunk, "anchors": last}
         with memory.phase(f"replay the last {last} anchors, {t}"):
