@@ -3,7 +3,7 @@ helper (RSS readings, per-block phases, the per-stage memory recorder), the samp
 processes' CPU, the FLOP model, and the table printer.
 
 Sections only measure; they never patch the product. Stage times come from the product's own
-hooks (`pipeline.timing`): a recorder here is handed to `timing.recording(...)`.
+hooks (`pipeline.common.timing`): a recorder here is handed to `timing.recording(...)`.
 """
 
 from __future__ import annotations
@@ -304,11 +304,11 @@ class Phase:
 
 
 # ---------------------------------------------------------------------------------------------
-# recorders for the product's stage events (pipeline.timing)
+# recorders for the product's stage events (pipeline.common.timing)
 
 
 class StageClock:
-    """A `pipeline.timing` recorder: per stage name, inclusive seconds, seconds of its own
+    """A `pipeline.common.timing` recorder: per stage name, inclusive seconds, seconds of its own
     (nested stages subtracted, so "attention" inside "drafter layers" is not counted twice) and
     calls. A stage the product does not mark is simply absent: `get` returns None and the table
     prints '-'."""
@@ -347,7 +347,7 @@ class StageClock:
 
 
 class PhaseMemory:
-    """Peak RSS and time per named phase of a process, as a `pipeline.timing` recorder.
+    """Peak RSS and time per named phase of a process, as a `pipeline.common.timing` recorder.
 
     Time is cut into segments at every stage start and stop; a segment belongs to the innermost
     open phase, or, between phases, to a gap recorded as "other (before <next phase>)". Before
@@ -431,7 +431,7 @@ def count_params(module) -> int:
 
 
 def drafter_shape(cfg, vocab: int, hidden: int | None = None) -> dict:
-    """Parameter counts of a DFlash drafter (scoring.drafter.DrafterConfig) that its FLOPs use:
+    """Parameter counts of a DFlash drafter (scoring.drafters.dflash.DrafterConfig) that its FLOPs use:
     P_D the decoder layers' q/k/v/o/MLP (norms ignored), P_C its context path (fc over the stored
     feature layers + every layer's k/v), P_V = V x H the target lm_head it shares."""
     hidden = hidden or cfg.hidden_size
@@ -451,7 +451,7 @@ def drafter_shape(cfg, vocab: int, hidden: int | None = None) -> dict:
 def target_shape(target) -> dict:
     """Parameter counts of a loaded transformers target that the online loop's FLOPs use: P_T its
     decoder layers (+ final norm), L_T and W_T its layers and attention width."""
-    from pipeline.target import decoder_layers, text_config
+    from pipeline.extract.target import decoder_layers, text_config
 
     layers = decoder_layers(target)
     tcfg = text_config(target)

@@ -150,7 +150,7 @@ def stand_in(env: Env, name: str, spec: dict) -> tuple[str, str]:
     """(shard dir, drafter checkpoint): synthetic shards at the spec's target widths and a
     random-weight drafter for them, both written once per run."""
     from bench.standins import build_drafter, write_synthetic_shards
-    from pipeline.layer_ids import build_target_layer_ids
+    from pipeline.common.layer_ids import build_target_layer_ids
 
     shard_dir, ckpt = env.work / f"{name}-shards", env.work / f"{name}-drafter"
     if not shard_dir.exists():
@@ -317,7 +317,7 @@ def rate(gflop_s: float) -> str:
 
 
 def torch_dtype(name: str):
-    from pipeline.dtypes import resolve_dtype
+    from pipeline.common.dtypes import resolve_dtype
 
     return resolve_dtype(name)
 
@@ -419,11 +419,11 @@ def bare_once(loaded, items, layer_ids, spec) -> float:
 def part_extract(env: Env) -> tuple[dict, Rows]:
     from bench.sections.extract import timed_extract
     from bench.standins import build_target
-    from pipeline.config import ExtractConfig
-    from pipeline.extract import prepare_items
-    from pipeline.layer_ids import build_target_layer_ids
-    from pipeline.prompts import load_prompts
-    from pipeline.target import load_target
+    from pipeline.common.layer_ids import build_target_layer_ids
+    from pipeline.extract.config import ExtractConfig
+    from pipeline.extract.prompts import load_prompts
+    from pipeline.extract.run import prepare_items
+    from pipeline.extract.target import load_target
 
     spec = env.size["extract"]
     model_dir, prompts = env.work / "extract-target", env.work / "extract-prompts.jsonl"

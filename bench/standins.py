@@ -117,7 +117,7 @@ def build_target(model_dir: Path, shape: dict) -> dict:
 def build_drafter(ckpt_dir: Path, target: dict, shape: dict, layer_ids: list[int]) -> dict:
     """A z-lab-format drafter (config.json from `scoring.fit.new_drafter_config` +
     model.safetensors, random bf16) for a target of the given widths."""
-    from scoring.drafter import DFlashDrafter, parse_drafter_config
+    from scoring.drafters.dflash import DFlashDrafter, parse_drafter_config
     from scoring.fit import new_drafter_config
 
     facts = {
@@ -185,11 +185,11 @@ def write_synthetic_shards(
     target's forward, written with ShardWriter at the plan's dtypes and chunk size, a random
     bf16 target head, and extract's manifest (`new_manifest`, `finish_manifest`)."""
     from pipeline import shards
-    from pipeline.config import ExtractConfig
-    from pipeline.distributed import Dist
-    from pipeline.extract import finish_manifest, new_manifest, plan_extract, run_facts
-    from pipeline.prompts import PromptRecord
-    from pipeline.target import TargetInfo
+    from pipeline.common.distributed import Dist
+    from pipeline.extract.config import ExtractConfig
+    from pipeline.extract.prompts import PromptRecord
+    from pipeline.extract.run import finish_manifest, new_manifest, plan_extract, run_facts
+    from pipeline.extract.target import TargetInfo
 
     generator = torch.Generator().manual_seed(seed)
     config = ExtractConfig(

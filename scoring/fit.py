@@ -17,12 +17,12 @@ import random
 import torch
 from safetensors.torch import save_file
 
-from pipeline.errors import UserError
-from pipeline.layer_ids import build_target_layer_ids, requested_layer_ids
+from pipeline.common.errors import UserError
+from pipeline.common.layer_ids import build_target_layer_ids, requested_layer_ids
 from pipeline.shards import Sample, ShardSet
 from scoring.config import FitOptions
-from scoring.drafter import DFlashDrafter, parse_drafter_config
-from scoring.replay import select_feature_columns
+from scoring.drafters.dflash import DFlashDrafter, parse_drafter_config
+from scoring.replay.anchors import select_feature_columns
 
 GAMMA_BY_BLOCK = {16: 7.0, 10: 5.0, 8: 4.0}
 

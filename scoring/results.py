@@ -122,11 +122,11 @@ def accepted_column(method: str, sampled: bool = False) -> str:
 
 
 def sampling_of_row(row: dict):
-    """The pipeline.sampling.Sampling a summary row was scored at (its temperature/top_p/top_k
+    """The pipeline.common.sampling.Sampling a summary row was scored at (its temperature/top_p/top_k
     columns); None for greedy shards and for results older than those columns."""
     if not row.get("temperature"):
         return None
-    from pipeline.sampling import Sampling  # imports torch: only for sampled results
+    from pipeline.common.sampling import Sampling  # imports torch: only for sampled results
 
     return Sampling(row["temperature"], row["top_p"], row["top_k"])
 
@@ -287,7 +287,7 @@ def rows_table(rows: list[dict], schema: pa.Schema) -> pa.Table:
 
 def write_table(data: pa.Table, directory: str, kind: str) -> str:
     """Write one results file atomically (temporary name, then rename); returns its path."""
-    from pipeline.space import writing
+    from pipeline.common.space import writing
 
     path = os.path.join(directory, FILES[kind])
     with writing(path, data.nbytes, resume="results are kept only once whole, so it redoes them"):

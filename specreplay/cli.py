@@ -54,7 +54,7 @@ class LazyGroup(click.Group):
         return getattr(module, name)
 
     def invoke(self, ctx):
-        from pipeline.errors import UserError
+        from pipeline.common.errors import UserError
 
         try:
             return super().invoke(ctx)

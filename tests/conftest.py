@@ -307,8 +307,8 @@ def _random_weights(model, seed: int, std: float):
 
 
 def random_drafter(*, seed: int = 0, std: float = 0.2, **config):
-    """Our scoring.drafter.DFlashDrafter with drafter_config(**config) and random weights."""
-    from scoring.drafter import DFlashDrafter, parse_drafter_config
+    """Our scoring.drafters.dflash.DFlashDrafter with drafter_config(**config) and random weights."""
+    from scoring.drafters.dflash import DFlashDrafter, parse_drafter_config
 
     with _seeded(seed):
         drafter = DFlashDrafter(parse_drafter_config(drafter_config(**config), "test drafter"))
@@ -469,8 +469,8 @@ def kill_after_first_shard(command: list[str], out, cwd: str, timeout_s: float =
 def tiny_shards(tmp, model_dir: str, records: list[dict], max_new_tokens: int = 16) -> str:
     """`records` written as tmp/prompts.jsonl and extracted from a tiny target into tmp/shards
     (feature layers 1 and 3, top-8, fp32): the small real extract most score tests start from."""
-    from pipeline.config import ExtractConfig
-    from pipeline.extract import run_extract
+    from pipeline.extract.config import ExtractConfig
+    from pipeline.extract.run import run_extract
 
     prompts = write_prompts(tmp / "prompts.jsonl", records)
     shards = str(tmp / "shards")

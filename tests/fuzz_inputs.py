@@ -102,8 +102,8 @@ def build_pristine(work: Path, prompts: int = 8, max_new_tokens: int = 12) -> Pr
     """Tiny target, several shards of several record batches each, a drafter fitted to them (so
     it accepts tokens and damaged features or tokens would change the numbers), the reference."""
     from conftest import build_tiny_qwen3, fitted_drafters, write_prompts
-    from pipeline.config import ExtractConfig
-    from pipeline.extract import run_extract
+    from pipeline.extract.config import ExtractConfig
+    from pipeline.extract.run import run_extract
     from pipeline.shards import MANIFEST_NAME, TARGET_HEAD_NAME, ShardSet, finished_shard_entries
 
     shutil.rmtree(work, ignore_errors=True)

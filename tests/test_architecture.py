@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-TARGET_SIDE = {"pipeline.target", "pipeline.generate", "pipeline.capture", "pipeline.extract", "pipeline.prompts"}
+TARGET_SIDE = {"pipeline.extract"}  # stage 1: target loading, generation, capture, the extract run
 
 
 def imported_modules(package: str) -> dict[str, set[str]]:
@@ -44,7 +44,7 @@ def test_scoring_never_imports_target_side_code():
 def test_the_rule_checker_sees_function_level_imports():
     # the checker must see imports inside function bodies, where the lazy CLI keeps them
     names = imported_modules("specreplay")["specreplay/commands/score.py"]
-    assert "scoring.score" in names
+    assert "scoring.score.steps" in names
 
 
 def test_help_imports_neither_torch_nor_pyarrow():

@@ -18,10 +18,10 @@ import polars as pl
 import pytest
 import torch
 
-import scoring.drafter as drafter_module
+import scoring.drafters.dflash as drafter_module
 from conftest import TINY_HIDDEN, random_drafter
-from scoring.conventions import Conventions
-from scoring.drafter import block_masks, blockwise_plan
+from scoring.drafters.conventions import Conventions
+from scoring.drafters.dflash import block_masks, blockwise_plan
 
 TARGET = {"hidden_size": 32, "num_layers": 4, "vocab_size": 50}
 KINDS = [
@@ -158,7 +158,7 @@ def test_blockwise_plan_covers_exactly_the_visible_keys(window, offset):
 
 def _score_tables(shards: str, ckpt: str, out: str, attention: str, anchors: str) -> dict[str, pl.DataFrame]:
     from scoring.config import ScoreConfig
-    from scoring.score import run_score
+    from scoring.score.steps import run_score
 
     config = ScoreConfig(
         ckpts=[ckpt],
@@ -209,7 +209,7 @@ def test_score_blockwise_gives_the_dense_walks_and_drafts(tmp_path, anchors, blo
 
 
 def test_auto_is_blockwise_on_cpu_and_flex_on_cuda():
-    from scoring.replay import ReplayOptions
+    from scoring.replay.anchors import ReplayOptions
 
     assert ReplayOptions(device="cpu").attention_backend == "blockwise"
     assert ReplayOptions(device="cuda:0").attention_backend == "flex"

@@ -1,4 +1,4 @@
-"""scoring.checkpoint: every accepted checkpoint layout loads to the same weights, every broken
+"""scoring.drafters.checkpoint: every accepted checkpoint layout loads to the same weights, every broken
 one fails before compute with an error naming the file, the tensors and both values."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import save_file
 
 from conftest import REFERENCE_HIDDEN as HIDDEN, REFERENCE_MASK as MASK, REFERENCE_VOCAB as VOCAB, reference_drafter
-from scoring.checkpoint import (
+from scoring.drafters.checkpoint import (
     CheckpointError,
     CompatibilityError,
     check_compatibility,
@@ -22,8 +22,8 @@ from scoring.checkpoint import (
     parse_step,
     read_drafter_config,
 )
-from scoring.drafter import DrafterConfigError, parse_drafter_config
-from scoring.replay import select_feature_columns
+from scoring.drafters.dflash import DrafterConfigError, parse_drafter_config
+from scoring.replay.anchors import select_feature_columns
 
 # The checkpoints here are written by the public reference's own save_pretrained.
 pytest.importorskip("dflash")
@@ -323,7 +323,7 @@ def test_content_hash_is_stable_and_tracks_weights_and_config(tmp_path, weights,
 
 
 def manifest(layer_ids=(0, 1, 3, 5), num_layers=6, hidden=HIDDEN, vocab=VOCAB) -> dict:
-    """As pipeline/extract.py writes it: the identity subset in settings.target, the full
+    """As pipeline/extract/run.py writes it: the identity subset in settings.target, the full
     TargetInfo (with name and path) at the top level."""
     identity = {
         "architecture": "Qwen3ForCausalLM",

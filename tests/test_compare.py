@@ -14,7 +14,7 @@ from click.testing import CliRunner
 
 from fake_results import write_fake_results
 from scoring import results
-from scoring.compare import (
+from scoring.compare.run import (
     CompareError,
     DifferingSamplesWarning,
     FewSamplesWarning,

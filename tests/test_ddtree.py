@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from conftest import brute_force_tree
-from scoring.ddtree import best_first, path_pop_indices, top_log_probs
-from scoring.metrics import tree_accepted
+from scoring.replay.ddtree import best_first, path_pop_indices, top_log_probs
+from scoring.replay.metrics import tree_accepted
 
 
 def build_tree(top_logp: np.ndarray, top_ids: np.ndarray, budget: int) -> list[tuple[int, ...]]:

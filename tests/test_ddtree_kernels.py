@@ -1,4 +1,4 @@
-"""The compiled DDTree (scoring/ddtree_kernels.py) equals the Python definition (scoring/ddtree.py):
+"""The compiled DDTree (scoring/replay/ddtree_kernels.py) equals the Python definition (scoring/replay/ddtree.py):
 the top-K selection token for token (ties by lower id, as a stable sort), and the pop index of
 every target-path prefix, on random anchors with forced ties and near-ties.
 
@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from bench.standins import tree_cases
-from scoring.ddtree import NOT_IN_TREE, path_ranks, top_k_ids, top_log_probs, tree_pops_reference
-from scoring.ddtree_kernels import target_rank, top_k_row, tree_pops, tree_pops_from_lists
+from scoring.replay.ddtree import NOT_IN_TREE, path_ranks, top_k_ids, top_log_probs, tree_pops_reference
+from scoring.replay.ddtree_kernels import target_rank, top_k_row, tree_pops, tree_pops_from_lists
 
 ANCHORS = int(os.environ.get("SPECREPLAY_DDTREE_ANCHORS", "1500"))
 

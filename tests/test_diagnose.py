@@ -21,8 +21,8 @@ from click.testing import CliRunner
 import convention_fits as cf
 from conftest import write_prompts
 from scoring import results
-from scoring.diagnose_view import acceptance_by_position
-from scoring.variants import CONFIGURED, VARIANTS
+from scoring.diagnose.variants import CONFIGURED, VARIANTS
+from scoring.diagnose.view import acceptance_by_position
 from specreplay.cli import main
 
 pytest.importorskip("dflash")
@@ -198,7 +198,7 @@ def assert_as_configured_equals_score(rows: list[dict], results_dir: str, sample
 def test_report_shows_the_diagnosis_and_it_agrees_with_score(layered, tmp_path):
     """A Diagnose section (verdict first, the variant table) in the report, with score results
     or from diagnoses alone; as-configured equals what `score` reports on the same samples."""
-    from scoring.report import write_report
+    from scoring.report.page import write_report
 
     ckpt = fitted(layered, "positions+1")[0]
     _, rows, record = diagnose(layered, ckpt)
@@ -240,7 +240,7 @@ def test_sampled_shards_use_expected_tau(tmp_path, tiny_qwen3_dir):
 def test_neighbour_layers_extract(layered):
     """--neighbour-layers stores ids - 1 and + 1 after the requested ones, records which were
     requested (fit's default), and stores each layer's real hidden states."""
-    from pipeline.layer_ids import requested_layer_ids
+    from pipeline.common.layer_ids import requested_layer_ids
     from pipeline.shards import ShardSet
 
     shardset = ShardSet(layered["shards"])

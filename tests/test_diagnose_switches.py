@@ -1,4 +1,4 @@
-"""Every convention switch of the replay (scoring/conventions.py) against the same change made by
+"""Every convention switch of the replay (scoring/drafters/conventions.py) against the same change made by
 hand in the public reference drafter's forward (`dflash.model.DFlashDraftModel`).
 
 The replay path is the one `score` and `diagnose` use (pack_samples -> chunk_logits); the
@@ -15,9 +15,9 @@ import torch
 
 from conftest import REFERENCE_HIDDEN as HIDDEN, REFERENCE_VOCAB as VOCAB, reference_drafter
 from pipeline.shards import Sample
-from scoring.checkpoint import load_drafter
-from scoring.conventions import REFERENCE, Conventions
-from scoring.replay import ReplayOptions, chunk_logits, pack_samples
+from scoring.drafters.checkpoint import load_drafter
+from scoring.drafters.conventions import REFERENCE, Conventions
+from scoring.replay.anchors import ReplayOptions, chunk_logits, pack_samples
 
 pytest.importorskip("dflash")
 from dflash.model import extract_context_feature  # noqa: E402
@@ -153,7 +153,7 @@ def test_context_switch_keeps_windows_in_key_sequence_positions(tmp_path):
 def test_layer_offset_reads_hidden_states_i(tmp_path):
     """layers-1 selects, from shards storing neighbours, exactly extract_context_feature's
     columns for ids - 1 (hidden_states[i] instead of [i + 1])."""
-    from scoring.diagnose import feature_selector
+    from scoring.diagnose.run import feature_selector
 
     ref, ours = drafters(tmp_path)
     g = torch.Generator().manual_seed(5)

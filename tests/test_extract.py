@@ -13,12 +13,12 @@ import pytest
 import torch
 
 from conftest import write_prompts
-from pipeline.extract import ExtractConfig, run_extract
-from pipeline.generate import cut_at_stop, left_pad
-from pipeline.layer_ids import build_target_layer_ids
-from pipeline.prompts import load_prompts, render_prompt, render_response
+from pipeline.common.layer_ids import build_target_layer_ids
+from pipeline.extract.generate import cut_at_stop, left_pad
+from pipeline.extract.prompts import load_prompts, render_prompt, render_response
+from pipeline.extract.run import ExtractConfig, run_extract
+from pipeline.extract.target import load_target
 from pipeline.shards import ShardSet
-from pipeline.target import load_target
 
 MAX_NEW = 12
 
@@ -64,8 +64,8 @@ def single_greedy(model, prompt_ids: list[int], stop_ids: list[int], max_new: in
 
 def capture_logits(model, ids: list[int], prompt_len: int) -> torch.Tensor:
     """The full next-token logits [R+1, V] along extract's own path (decoder, then lm_head windows)."""
-    from pipeline.capture import MIN_HEAD_ROWS, head_rows, text_decoder, window_logits
-    from pipeline.target import text_config
+    from pipeline.extract.capture import MIN_HEAD_ROWS, head_rows, text_decoder, window_logits
+    from pipeline.extract.target import text_config
 
     head = model.get_output_embeddings()
     with torch.inference_mode():
@@ -147,7 +147,7 @@ def test_formula_default_layer_ids(prompts_file, tmp_path):
 
 
 def test_draft_config_layer_ids(tiny_qwen3_dir, prompts_file, tmp_path):
-    from pipeline.extract import draft_layer_ids
+    from pipeline.extract.run import draft_layer_ids
 
     explicit = tmp_path / "explicit"
     explicit.mkdir()
@@ -164,7 +164,7 @@ def test_draft_config_layer_ids(tiny_qwen3_dir, prompts_file, tmp_path):
 
 def test_batched_generation_matches_one_at_a_time(tiny_qwen35_hybrid_dir):
     """The left-padded batch path itself, independent of the shard plumbing."""
-    from pipeline.generate import generate_batch
+    from pipeline.extract.generate import generate_batch
 
     model, _, info = load_target(tiny_qwen35_hybrid_dir, dtype="float32")
     prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14], [15]]
@@ -176,7 +176,7 @@ def test_batched_generation_matches_one_at_a_time(tiny_qwen35_hybrid_dir):
 
 
 def test_head_windows_cover_each_row_once():
-    from pipeline.capture import head_windows
+    from pipeline.extract.capture import head_windows
 
     for lo, total, rows in [(0, 10, 64), (5, 200, 64), (63, 64, 64), (100, 129, 64), (3, 300, 100)]:
         covered = []
@@ -221,7 +221,7 @@ def test_feature_dtype_fp8(tiny_qwen3_dir, prompts_file, tmp_path):
 
 def test_memory_budget_sets_chunk_and_window(tiny_qwen3_dir, prompts_file, tmp_path):
     """A smaller --memory-budget gives chunks of fewer tokens (more record batches), same samples."""
-    from pipeline.extract import split_memory_budget
+    from pipeline.extract.run import split_memory_budget
 
     window, tokens = split_memory_budget(2 << 30, 5 * 5120 * 2)
     assert window == 1 << 30 and tokens == min(4096, (1 << 30) // (3 * 5 * 5120 * 2))
@@ -341,7 +341,7 @@ def test_progress_counts_tokens_every_decode_step(tiny_qwen3_dir, prompts_file, 
 def test_token_counter_tops_up_early_stops(tiny_qwen3_dir):
     """A sequence that stops early counts its tokens up to its stop token; the batch then adds the
     budget it did not use, so a batch always adds rows x max_new_tokens."""
-    from pipeline.generate import TokenCounter, generate_batch
+    from pipeline.extract.generate import TokenCounter, generate_batch
 
     seen = []
     counter = TokenCounter(3, [2], seen.append)

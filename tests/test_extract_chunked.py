@@ -1,4 +1,4 @@
-"""The capture forward over windows of positions (pipeline.chunked_forward) stores the same bits
+"""The capture forward over windows of positions (pipeline.extract.chunked_forward) stores the same bits
 as one pass over all positions, really runs in windows, and leaves the model as it found it.
 
 Tiny Qwen3, Qwen3.5 hybrid (Gated DeltaNet layers run whole, their MLP in windows) and Qwen3.5
@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from conftest import TINY_TOKENIZER_VOCAB
-from pipeline import chunked_forward
-from pipeline.capture import CaptureConfig, capture_sample, text_decoder
-from pipeline.chunked_forward import MAX_FORWARD_ROWS, MIN_WINDOW_ROWS, forward_rows, windowed_forward
-from pipeline.target import decoder_layers, load_target
+from pipeline.extract import chunked_forward
+from pipeline.extract.capture import CaptureConfig, capture_sample, text_decoder
+from pipeline.extract.chunked_forward import MAX_FORWARD_ROWS, MIN_WINDOW_ROWS, forward_rows, windowed_forward
+from pipeline.extract.target import decoder_layers, load_target
 
 TARGETS = ["tiny_qwen3_dir", "tiny_qwen35_hybrid_dir", "tiny_qwen35_vlm_dir"]
 TOKENS = 150  # > 2 windows of MIN_WINDOW_ROWS, the last one overlapping its neighbour

@@ -8,7 +8,7 @@ import pytest
 from click.testing import CliRunner
 
 from conftest import write_prompts
-from pipeline.extract import ExtractConfig, run_extract
+from pipeline.extract.run import ExtractConfig, run_extract
 from pipeline.shards import ShardError, read_manifest
 from specreplay.cli import main
 

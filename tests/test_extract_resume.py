@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from conftest import kill_after_first_shard, write_prompts
-from pipeline.extract import ExtractConfig, run_extract
-from pipeline.inspect import inspect_extract
+from pipeline.extract.inspect import inspect_extract
+from pipeline.extract.run import ExtractConfig, run_extract
 from pipeline.shards import ShardSet, finished_shard_entries, read_manifest
 
 REPO = Path(__file__).resolve().parents[1]

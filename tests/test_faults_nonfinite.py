@@ -88,7 +88,7 @@ def extract_args(model: str, prompts: str, out: Path) -> list[str]:
 
 def count_captures(monkeypatch) -> list[str]:
     """Patch capture_sample to record the prompt ids of every capture forward."""
-    import pipeline.capture as capture
+    import pipeline.extract.capture as capture
 
     seen, original = [], capture.capture_sample
 
@@ -356,7 +356,7 @@ def test_score_through_faulty_drafters_and_excluded_extract(extracted, tmp_path)
 
 
 def test_weights_beyond_the_compute_dtype_are_refused(tmp_path):
-    from scoring.checkpoint import NonFiniteWeightsError, load_drafter
+    from scoring.drafters.checkpoint import NonFiniteWeightsError, load_drafter
 
     path = save_drafter(random_drafter(layer_ids=(1, 3), seed=4), str(tmp_path / "big"))
     weights = load_file(os.path.join(path, "model.safetensors"))
@@ -370,7 +370,7 @@ def test_weights_beyond_the_compute_dtype_are_refused(tmp_path):
 def test_nonfinite_values_what_and_where():
     """The unit under the extract check: layers in ascending id, logits at the position whose
     next-token distribution they are; -inf log-probs (probability 0) are not errors."""
-    from pipeline.capture import nonfinite_values
+    from pipeline.extract.capture import nonfinite_values
 
     features = torch.zeros(6, 3 * 4)
     logprobs = torch.full((3, 2), -1.0)
@@ -405,7 +405,7 @@ def test_drafter_nan_context_spoils_only_the_anchors_that_see_it(extracted):
     equal the replay of the untouched sample bit for bit (the NaN was kept out of them)."""
     import dataclasses
 
-    from scoring.replay import ReplayOptions, prepare_target_head, replay_sample
+    from scoring.replay.anchors import ReplayOptions, prepare_target_head, replay_sample
 
     _, _, _, out, _ = extracted
     shardset = ShardSet(str(out))

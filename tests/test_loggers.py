@@ -19,10 +19,10 @@ from click.testing import CliRunner
 
 from conftest import fitted_drafters, tiny_shards
 from fake_results import write_fake_results
-from pipeline.errors import UserError
-from scoring.loggers import LEDGER_NAME, LoggerOptions, log_results, open_loggers, results_dirs_under, scalars_of
-from scoring.loggers_ledger import Ledger
+from pipeline.common.errors import UserError
 from scoring.results import summary_schema
+from scoring.track.ledger import Ledger
+from scoring.track.loggers import LEDGER_NAME, LoggerOptions, log_results, open_loggers, results_dirs_under, scalars_of
 from specreplay.cli import main
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -55,7 +55,7 @@ def scored(tmp_path_factory, tiny_qwen3_dir) -> str:
 
 
 def expected(out: str) -> dict[int, dict[str, float]]:
-    """step -> the scalars summary.parquet holds, read here without scoring.loggers: per dataset
+    """step -> the scalars summary.parquet holds, read here without scoring.track.loggers: per dataset
     ('(all)' as 'all') tau per method, the chain streak and every non-NaN acceptance rate."""
     summary = pl.read_parquet(os.path.join(out, "runs_step_*", "summary.parquet"))
     found: dict[int, dict[str, float]] = {}

@@ -22,15 +22,15 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-import scoring.replay as replay
-import scoring.score as score
+import scoring.replay.anchors as replay
+import scoring.score.steps as score
 from conftest import TINY_HIDDEN as HIDDEN, TINY_TARGET, TINY_VOCAB as VOCAB, random_drafter
 from pipeline import shards
 from scoring.config import ScoreConfig
-from scoring.drafter import DFlashDrafter, parse_drafter_config
+from scoring.drafters.dflash import DFlashDrafter, parse_drafter_config
 from scoring.fit import new_drafter_config, save_drafter
-from scoring.replay import ReplayOptions, context_rows, pack_samples, prepare_target_head, replay_sample
-from scoring.score import run_score
+from scoring.replay.anchors import ReplayOptions, context_rows, pack_samples, prepare_target_head, replay_sample
+from scoring.score.steps import run_score
 
 TARGET_LAYERS, LAYER_IDS = TINY_TARGET["num_layers"], [1, 3]
 
@@ -246,8 +246,8 @@ def test_score_does_not_keep_the_previous_sample_alive(tmp_path, monkeypatch):
 
 
 def test_extract_does_not_keep_the_previous_sample_alive(tmp_path, monkeypatch):
-    import pipeline.capture as capture
-    from pipeline.extract import Item, run_items
+    import pipeline.extract.capture as capture
+    from pipeline.extract.run import Item, run_items
 
     dtypes = {"features": "float32", "topk_ids": "int32", "topk_logprobs": "float32", "argmax_mismatch": "uint8"}
     writer = shards.ShardWriter(str(tmp_path / "out"), 0, dtypes, chunk_tokens=1)  # every sample lands at once

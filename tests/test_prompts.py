@@ -1,4 +1,4 @@
-"""pipeline/prompts.py: bundled sets, the three user JSONL forms, errors, DFlash-exact rendering."""
+"""pipeline/extract/prompts.py: bundled sets, the three user JSONL forms, errors, DFlash-exact rendering."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from conftest import IM_END_ID, make_tokenizer, write_prompts
-from pipeline.prompts import (
+from pipeline.extract.prompts import (
     BUNDLED_NAMES,
     PROMPTS_DIR,
     PromptRecord,

@@ -17,7 +17,7 @@ import pytest
 from click.testing import CliRunner
 
 from conftest import fitted_drafters, write_prompts
-from pipeline.extract import ExtractConfig, run_extract
+from pipeline.extract.run import ExtractConfig, run_extract
 from specreplay.cli import main
 
 README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")

@@ -81,7 +81,7 @@ def _anchor_rows(rng, p: float, dataset: str, sample_id: str, response_len: int)
 
 
 def accept_rates(anchor_rows: list[dict]) -> tuple[list[int], list[float]]:
-    """(reached, rate) per block position 1..BLOCK-1, as scoring/metrics.py counts them."""
+    """(reached, rate) per block position 1..BLOCK-1, as scoring/replay/metrics.py counts them."""
     reached = [
         sum(r["accepted_len"] >= k - 1 and len(r["draft_match"]) >= k for r in anchor_rows) for k in range(1, BLOCK)
     ]
@@ -370,8 +370,8 @@ def test_acceptance_by_position_shows_n_and_greys_thin_points(built, results_roo
 
 
 def test_histogram_legend_names_tau_and_the_per_step_mean(results_root, monkeypatch):
-    from scoring import report_plots
-    from scoring.report import find_results_dirs, load_results
+    from scoring.report import plots as report_plots
+    from scoring.report.page import find_results_dirs, load_results
 
     figures = []
     monkeypatch.setattr(report_plots, "_png", lambda fig: figures.append(fig) or b"")
@@ -396,7 +396,7 @@ def test_layout_scrolls_the_summary_and_wraps_identifiers(built):
 
 
 def test_user_message_is_found_in_chat_templates():
-    from scoring.report_tables import user_message
+    from scoring.report.tables import user_message
 
     system = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
     chatml = (
@@ -503,7 +503,7 @@ def test_headless_chromium_renders_the_report(built, tmp_path):
 def test_sampled_results_are_labelled_by_their_decoding():
     """One checkpoint scored on greedy and on sampled shards: two rows, told apart by the sampling
     settings rather than merged under one label."""
-    from scoring.report_data import _labels
+    from scoring.report.data import _labels
 
     greedy = pl.DataFrame({"checkpoint": ["run/step_1"], "temperature": [0.0], "top_p": [1.0], "top_k": [0]})
     sampled = pl.DataFrame({"checkpoint": ["run/step_1"], "temperature": [0.6], "top_p": [0.95], "top_k": [20]})
@@ -517,7 +517,7 @@ def test_sampled_results_are_labelled_by_their_decoding():
 def test_staging_directories_are_not_results(tmp_path):
     """score writes into a hidden `.<name>.partial-<pid>` directory and renames it when run.json
     is in; the report never takes one of those (summary.parquet already there) as results."""
-    from scoring.report_data import find_results_dirs
+    from scoring.report.data import find_results_dirs
 
     write_results(tmp_path / "r" / "run_step_1", "run/step_1", 1, 1.2, 4)
     write_results(tmp_path / "r" / ".run_step_2.partial-123", "run/step_2", 2, 1.3, 4)
@@ -527,7 +527,7 @@ def test_staging_directories_are_not_results(tmp_path):
 def test_sampled_results_get_the_exact_in_distribution_caption():
     from types import SimpleNamespace
 
-    from scoring.report import _sampled_caption
+    from scoring.report.page import _sampled_caption
 
     greedy = SimpleNamespace(summary=pl.DataFrame({"temperature": [0.0, None]}))
     sampled = SimpleNamespace(summary=pl.DataFrame({"temperature": [0.0, 0.6]}))

@@ -1,7 +1,7 @@
 """`specreplay report` on real scored results (tiny random target -> extract -> fitted drafter ->
 score): the token-by-token view agrees with walk.parquet step by step, `--sample` picks a sample
 and an unknown one is a clear error, missing tokenizers and moved shards become notes, the
-acceptance plot's n per position agrees with scoring/metrics.py, the prompt column shows the
+acceptance plot's n per position agrees with scoring/replay/metrics.py, the prompt column shows the
 user's message, and headless Chromium draws both token colours."""
 
 from __future__ import annotations
@@ -18,16 +18,16 @@ import torch
 from click.testing import CliRunner
 
 from conftest import chromium_screenshot, fitted_drafters, needs_chromium, write_prompts
-from pipeline.extract import ExtractConfig, run_extract
+from pipeline.extract.run import ExtractConfig, run_extract
 from pipeline.shards import TOKENIZER_DIR
-from scoring import metrics
-from scoring.report_sample import visible_text
+from scoring.replay import metrics
+from scoring.report.sample import visible_text
 from scoring.results import ALL_DATASETS, CHAIN, FILES
 from specreplay.cli import main
 from test_report import check_html
 
 SYSTEM = "You are a terse assistant who answers arithmetic questions."
-ACCEPTED_RGB, BONUS_RGB = (0xB7, 0xE4, 0xB0), (0xF8, 0xB2, 0x7A)  # .tok.acc and .tok.bon in scoring/report.py
+ACCEPTED_RGB, BONUS_RGB = (0xB7, 0xE4, 0xB0), (0xF8, 0xB2, 0x7A)  # .tok.acc and .tok.bon in scoring/report/page.py
 
 
 @pytest.fixture(scope="module")

@@ -17,12 +17,12 @@ import torch
 from click.testing import CliRunner
 
 from conftest import kill_after_first_shard, write_prompts
-from pipeline.extract import ExtractConfig, run_extract
-from pipeline.inspect import format_report, inspect_extract
-from pipeline.prompts import PromptRecord, render_prompt
-from pipeline.sampling import Sampling, sampling_probs, token_logprob
+from pipeline.common.sampling import Sampling, sampling_probs, token_logprob
+from pipeline.extract.inspect import format_report, inspect_extract
+from pipeline.extract.prompts import PromptRecord, render_prompt
+from pipeline.extract.run import ExtractConfig, run_extract
+from pipeline.extract.target import load_target
 from pipeline.shards import ShardError, ShardSet, finished_shard_entries, read_manifest
-from pipeline.target import load_target
 from specreplay.cli import main
 
 REPO = Path(__file__).resolve().parents[1]

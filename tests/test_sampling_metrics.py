@@ -1,5 +1,5 @@
-"""The sampled (T > 0) acceptance formulas of scoring/metrics.py and the expected-tau walk of
-scoring/walk.py, against simulation of the reference's rejection sampling and against exhaustive
+"""The sampled (T > 0) acceptance formulas of scoring/replay/metrics.py and the expected-tau walk of
+scoring/replay/walk.py, against simulation of the reference's rejection sampling and against exhaustive
 enumeration of walks."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from scoring import metrics
-from scoring.walk import expected_tau, steps_distribution, walk_end
+from scoring.replay import metrics
+from scoring.replay.walk import expected_tau, steps_distribution, walk_end
 
 
 def _simulate_block(p: np.ndarray, q: np.ndarray, rng) -> tuple[np.ndarray, int]:

@@ -27,16 +27,16 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-import scoring.collect as collect
-import scoring.score as score_module
+import scoring.score.collect as collect
+import scoring.score.steps as score_module
 from conftest import build_tiny_qwen3, fitted_drafters, write_prompts
 from online_reference import online_tree_sampled
-from pipeline.extract import ExtractConfig, run_extract
-from pipeline.sampling import Sampling
+from pipeline.common.sampling import Sampling
+from pipeline.extract.run import ExtractConfig, run_extract
 from pipeline.shards import ShardSet
-from scoring import metrics
 from scoring.config import ScoreConfig
-from scoring.score import run_score
+from scoring.replay import metrics
+from scoring.score.steps import run_score
 from specreplay.cli import main
 
 pytestmark = pytest.mark.slow

@@ -13,7 +13,7 @@ import pytest
 from click.testing import CliRunner
 
 from conftest import fitted_drafters, tiny_shards
-from pipeline.extract import ExtractConfig, run_extract
+from pipeline.extract.run import ExtractConfig, run_extract
 from specreplay.cli import main
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -1,4 +1,4 @@
-"""Several checkpoints in one `score` call (scoring/score_pass.py): each sample is decoded once
+"""Several checkpoints in one `score` call (scoring/score/passes.py): each sample is decoded once
 per pass and replayed through every drafter of the pass, and every checkpoint's results are
 byte for byte those of scoring it alone; failures, skips, memory-budget passes and torchrun
 behave per checkpoint as they do alone."""
@@ -18,21 +18,21 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import random_drafter, tiny_shards
-from pipeline import timing
+from pipeline.common import timing
 from pipeline.shards import ShardSet
-from scoring.checkpoint import CheckpointError
 from scoring.config import ScoreConfig
+from scoring.drafters.checkpoint import CheckpointError
 from scoring.fit import save_drafter
-from scoring.replay import prepare_target_head
-from scoring.score import run_score, score_checkpoint
-from scoring.score_pass import weight_bytes
+from scoring.replay.anchors import prepare_target_head
+from scoring.score.passes import weight_bytes
+from scoring.score.steps import run_score, score_checkpoint
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BUDGETS = [4, 8]
 
 
 class StageLog:
-    """A pipeline.timing recorder that keeps every stage entered, with its facts."""
+    """A pipeline.common.timing recorder that keeps every stage entered, with its facts."""
 
     def __init__(self):
         self.entered = []

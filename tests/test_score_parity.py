@@ -20,10 +20,10 @@ import torch
 
 from conftest import build_tiny_qwen3, build_tiny_qwen35_hybrid, build_tiny_qwen35_vlm, fitted_drafters, write_prompts
 from online_reference import online_generate
-from pipeline.extract import ExtractConfig, run_extract
+from pipeline.extract.run import ExtractConfig, run_extract
 from pipeline.shards import ShardSet
 from scoring.config import ScoreConfig
-from scoring.score import run_score
+from scoring.score.steps import run_score
 
 # dflash_generate(return_stats=True) times itself with torch.cuda.synchronize; on CPU use a plain clock.
 reference._cuda_time = time.perf_counter
@@ -201,7 +201,7 @@ def test_hybrid_and_vlm_targets_match_online_loop_from_scratch(tmp_path, builder
         for (sid,), group in walk_table.filter(pl.col("method") == "chain").group_by("sample_id")
     }
 
-    from pipeline.target import load_target
+    from pipeline.extract.target import load_target
 
     target, _, info = load_target(model_dir, dtype="fp32")
     draft = reference.DFlashDraftModel.from_pretrained(ckpt, dtype=torch.float32).eval()

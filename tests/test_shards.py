@@ -7,7 +7,8 @@ import zlib
 import pytest
 import torch
 
-from pipeline import shards, timing
+from pipeline import shards
+from pipeline.common import timing
 from pipeline.shards import Sample, ShardError, ShardSet, ShardWriter
 
 DTYPES = {"features": "bfloat16", "topk_ids": "int32", "topk_logprobs": "float32", "argmax_mismatch": "uint8"}

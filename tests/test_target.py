@@ -1,4 +1,4 @@
-"""pipeline/target.py: loading tiny targets, the embedded SmolLM2 GGUF, structure helpers, errors."""
+"""pipeline/extract/target.py: loading tiny targets, the embedded SmolLM2 GGUF, structure helpers, errors."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from conftest import IM_END_ID, TINY_HIDDEN, TINY_VOCAB
-from pipeline import target as target_module
-from pipeline.dtypes import resolve_dtype
-from pipeline.target import (
+from pipeline.common.dtypes import resolve_dtype
+from pipeline.extract import target as target_module
+from pipeline.extract.target import (
     TargetInfo,
     decoder_layers,
     input_embedding_weight,
@@ -64,7 +64,7 @@ def test_load_tiny_targets(fixture_name, request):
 @pytest.mark.parametrize("fixture_name", list(TINY_DIRS))
 def test_tiny_greedy_generations_vary(fixture_name, request):
     """Tiny random targets must not collapse to one token, or token-level tests prove nothing."""
-    from pipeline.prompts import load_prompts, render_prompt
+    from pipeline.extract.prompts import load_prompts, render_prompt
 
     model, tokenizer, _ = load_target(request.getfixturevalue(fixture_name))
     outputs = []
@@ -263,7 +263,7 @@ def test_smollm2_gguf_is_cached_and_reloaded(tmp_path, monkeypatch):
     assert info3.config_hash == info.config_hash and info3.name == info.name
 
     # It is the real instruct model: greedy answers a factual question.
-    from pipeline.prompts import PromptRecord, render_prompt
+    from pipeline.extract.prompts import PromptRecord, render_prompt
 
     ids, _ = render_prompt(PromptRecord(id="q", dataset="t", prompt="What is the capital of France?"), tokenizer, None)
     out = model2.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)

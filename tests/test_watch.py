@@ -26,8 +26,8 @@ from safetensors.torch import load_file, save_file
 
 from conftest import fitted_drafters, tiny_shards
 from scoring.config import ScoreConfig
-from scoring.score import run_score
-from scoring.watch import Tracker, candidate_paths
+from scoring.score.steps import run_score
+from scoring.track.watch import Tracker, candidate_paths
 from specreplay.cli import main
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -1,5 +1,5 @@
 """Section `checkpoints`: scoring four checkpoints with one `run_score` call (one pass over the
-shards, every sample decoded once for the four drafters: scoring/score_pass.py) against four
+shards, every sample decoded once for the four drafters: scoring/score/passes.py) against four
 separate calls, side by side on the same samples.
 
 Synthetic shards at SmolLM2 shapes (hidden 576, vocab 49152, 5 feature layers; bench/standins.py)
@@ -36,8 +36,8 @@ HEAD_STAGES = ("read target head", "prepare target head")
 
 def write_inputs(work: Path, lengths: list[int]) -> tuple[str, list[str], list[int]]:
     """Synthetic shards (one sample per response length) and CHECKPOINTS random drafters."""
-    from pipeline.layer_ids import build_target_layer_ids
-    from scoring.drafter import DFlashDrafter, parse_drafter_config
+    from pipeline.common.layer_ids import build_target_layer_ids
+    from scoring.drafters.dflash import DFlashDrafter, parse_drafter_config
     from scoring.fit import new_drafter_config, save_drafter
 
     hidden, vocab, num_layers = SMOLLM2["hidden_size"], SMOLLM2["vocab_size"], SMOLLM2["num_layers"]
@@ -57,7 +57,7 @@ def write_inputs(work: Path, lengths: list[int]) -> tuple[str, list[str], list[i
 def decode_seconds(shard_dir: str) -> float:
     """Every sample decoded as score decodes them (its tensors), nothing replayed: best of 3."""
     from pipeline.shards import ShardSet
-    from scoring.score import SAMPLE_TENSORS
+    from scoring.score.steps import SAMPLE_TENSORS
 
     shardset = ShardSet(shard_dir)
     return best_of(lambda: sum(1 for _ in shardset.samples(tensors=SAMPLE_TENSORS, prefetch=0)), 3)
@@ -65,9 +65,9 @@ def decode_seconds(shard_dir: str) -> float:
 
 def score_side(shard_dir: str, calls: list[list[str]], out: Path) -> dict:
     """run_score once per list of checkpoints in `calls`, timed together, with the product's stages."""
-    from pipeline import timing
+    from pipeline.common import timing
     from scoring.config import ScoreConfig
-    from scoring.score import run_score
+    from scoring.score.steps import run_score
 
     clock, outcomes = StageClock(), []
     with Phase() as phase, timing.recording(clock):
@@ -108,8 +108,8 @@ def identical(separate: dict, one: dict) -> dict:
 
 def run(ctx) -> tuple[dict, Rows]:
     from scoring.config import ScoreConfig
-    from scoring.score import run_score
-    from scoring.score_pass import weight_bytes
+    from scoring.score.passes import weight_bytes
+    from scoring.score.steps import run_score
 
     work = Path(ctx.work) / "checkpoints"
     work.mkdir(parents=True, exist_ok=True)

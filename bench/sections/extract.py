@@ -3,7 +3,7 @@
 SmolLM2-135M in bf16 (so stored bytes compare with raw bf16 honestly): `run_extract` with the
 loaded target handed to it, alternated with what any extractor must compute (the same batched
 greedy `generate` call, then one full-sequence forward per sample returning hidden states,
-nothing stored); ratio of the minima. The product's stage events (`pipeline.timing`) give
+nothing stored); ratio of the minima. The product's stage events (`pipeline.common.timing`) give
 extract's own generate time, so the pipeline's own time can be told apart from generate's noise;
 the 5% target is judged on it.
 Then bytes per token of every stored tensor. `measure_extract` and `stored_bytes` are shared
@@ -27,12 +27,12 @@ FEATURES_TARGET = 0.67  # issues 2, 4: features at most 0.67 of raw bf16, lossle
 @torch.inference_mode()
 def bare_model_work(model, info, items, layer_ids, max_new_tokens, batch_size) -> dict:
     """What any extractor must compute: the product's own batched greedy generate
-    (`pipeline.generate.generate_batch`, the call extract makes), then one full-sequence forward
+    (`pipeline.extract.generate.generate_batch`, the call extract makes), then one full-sequence forward
     per sample with hidden states out; nothing is stored. The forward is timed twice: as the
     plain transformers forward (logits at every position: the same lm_head rows extract
     computes) and with `logits_to_keep=R+1` (only the rows a next-token distribution needs)."""
-    from pipeline.extract import batches
-    from pipeline.generate import generate_batch
+    from pipeline.extract.generate import generate_batch
+    from pipeline.extract.run import batches
 
     gen = fwd_full = fwd_min = 0.0
     tokens, responses = 0, []
@@ -73,8 +73,8 @@ def bare_model_work(model, info, items, layer_ids, max_new_tokens, batch_size) -
 def timed_extract(config, loaded) -> tuple[dict, float, StageClock]:
     """run_extract with the loaded target reused (neither side includes model loading) and the
     product's stage events recorded; returns (manifest, seconds, stages)."""
-    from pipeline import timing
-    from pipeline.extract import run_extract
+    from pipeline.common import timing
+    from pipeline.extract.run import run_extract
 
     clock = StageClock()
     start = time.perf_counter()
@@ -86,12 +86,12 @@ def timed_extract(config, loaded) -> tuple[dict, float, StageClock]:
 def measure_extract(ctx, dtype: str, prompts: int, reps: int, with_bare: bool = True) -> dict:
     """`reps` alternations of bare model work and `specreplay extract` on the first `prompts`
     prompts, in `dtype`; the shards of the last extract stay in the work dir (`out`)."""
-    from pipeline.config import ExtractConfig
-    from pipeline.extract import prepare_items
-    from pipeline.layer_ids import build_target_layer_ids
-    from pipeline.prompts import load_prompts
+    from pipeline.common.layer_ids import build_target_layer_ids
+    from pipeline.extract.config import ExtractConfig
+    from pipeline.extract.prompts import load_prompts
+    from pipeline.extract.run import prepare_items
+    from pipeline.extract.target import load_target
     from pipeline.shards import ShardSet
-    from pipeline.target import load_target
 
     args = ctx.args
     start = time.perf_counter()

@@ -13,10 +13,10 @@ from bench.sections.score import summary_tau, walk_lists
 
 
 def run(ctx) -> tuple[dict, Rows]:
-    from pipeline.config import ExtractConfig
-    from pipeline.extract import run_extract
+    from pipeline.extract.config import ExtractConfig
+    from pipeline.extract.run import run_extract
     from scoring.config import ScoreConfig
-    from scoring.score import run_score
+    from scoring.score.steps import run_score
 
     args, lossless = ctx.args, ctx.figures["score"]
     out = ctx.work / "shards-fp8"

@@ -1,10 +1,10 @@
 """Section `gemm`: the score pass's useful FLOP/s as a fraction of this machine's matmul peak at
 the replay's own GEMM shapes, measured in the same run (issue 13, item 5; target >= 60%).
 
-The scorer (`scoring.score.run_score`, all anchors, chain only, the fp32 score shards, the score
+The scorer (`scoring.score.steps.run_score`, all anchors, chain only, the fp32 score shards, the score
 section's drafter when that section ran, else a random one of the same shape: all-anchor work
 does not depend on the weights) runs twice after a warm-up; its stage events
-(`pipeline.timing`) give the shape of every GEMM it ran: the anchors of each chunk ("drafter
+(`pipeline.common.timing`) give the shape of every GEMM it ran: the anchors of each chunk ("drafter
 layers"), the lm_head rows ("lm_head"), the context positions ("context keys/values").
 The peak is `F.linear` (the call nn.Linear and the lm_head make) at those shapes, contiguous
 inputs, same thread count, best of several reps after a warm-up, measured after each score run
@@ -92,8 +92,8 @@ def weighted_median(values, weights) -> int:
 def drafter_linears(ckpt: str) -> tuple[object, dict[str, tuple[int, int]]]:
     """(config, {name: (in, out)}) of the drafter's fc and first layer's projections, from a
     skeleton on the meta device (no weights read)."""
-    from scoring.checkpoint import read_drafter_config
-    from scoring.drafter import DFlashDrafter
+    from scoring.drafters.checkpoint import read_drafter_config
+    from scoring.drafters.dflash import DFlashDrafter
 
     config = read_drafter_config(ckpt)
     with torch.device("meta"):
@@ -210,9 +210,9 @@ def useful_flops(model: dict, shard_dir: str, results_dir: Path) -> dict:
 
 def timed_score(ckpt: str, shard_dir: str, out: Path, **config) -> dict:
     """One `run_score` with its stage calls recorded: wall, others' CPU, anchors, calls."""
-    from pipeline import timing
+    from pipeline.common import timing
     from scoring.config import ScoreConfig
-    from scoring.score import run_score
+    from scoring.score.steps import run_score
 
     calls = StageCalls()
     with Phase() as phase, timing.recording(calls):
@@ -327,7 +327,7 @@ def inputs(ctx) -> tuple[str, str, str]:
 
 def random_drafter(shard_dir: str, block_size: int, out: Path) -> str:
     from pipeline.shards import ShardSet
-    from scoring.drafter import DFlashDrafter, parse_drafter_config
+    from scoring.drafters.dflash import DFlashDrafter, parse_drafter_config
     from scoring.fit import new_drafter_config, save_drafter
 
     settings = ShardSet(shard_dir).settings

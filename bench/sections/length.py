@@ -7,7 +7,7 @@ once per CPU attention backend, side by side: "dense" (explicit masked scores ov
 context key, the reference path: before) and "blockwise" (context keys in chunks with a
 running softmax, what `--attention auto` runs on CPU: after); each length runs both, one after
 the other. Per sample the product's two replay steps are called and timed apart: the context pass
-(`scoring.replay.pack_samples`) and the anchor chunks (`replay_anchors`); the checkpoint load and
+(`scoring.replay.anchors.pack_samples`) and the anchor chunks (`replay_anchors`); the checkpoint load and
 shard decoding are outside. The time inside the drafter's attention, masks, other layer work and
 the lm_head comes from the product's stage events. A sample with more than 4 x 512 anchors
 replays 4 windows of 512 contiguous anchors centred at 1/8, 3/8, 5/8 and 7/8 of its anchors and
@@ -45,7 +45,7 @@ from bench.standins import write_synthetic_shards
 SMOLLM2 = dict(hidden_size=576, vocab_size=49152, num_layers=30)
 PROMPT_TOKENS = 32
 BLOCK_SIZE = 16
-# Stage names the product marks inside an anchor chunk (pipeline/timing.py), reported as shares.
+# Stage names the product marks inside an anchor chunk (pipeline/common/timing.py), reported as shares.
 PARTS = ("attention", "masks", "drafter layers", "lm_head")
 # Before and after: the reference's dense masks, and the CPU default (`ReplayOptions.attention_backend`).
 BACKENDS = ("dense", "blockwise")
@@ -76,8 +76,8 @@ def sample_flops(cfg, vocab: int, length: int) -> dict:
 def replay_length(sample, length, drafter, embed, lm_head, columns, options, windows, width, vocab) -> dict:
     """One sample replayed in the product's two steps, each timed; the anchor step over
     `anchor_windows` when the sample has more anchors."""
-    from pipeline import timing
-    from scoring.replay import empty_anchor_tensors, pack_samples, replay_anchors
+    from pipeline.common import timing
+    from scoring.replay.anchors import empty_anchor_tensors, pack_samples, replay_anchors
 
     clock = StageClock()
     reset_peak()
@@ -171,14 +171,14 @@ def target_check(result: dict) -> dict:
 
 
 def run(ctx) -> tuple[dict, Rows]:
-    from pipeline.distributed import Dist, resolve_device
-    from pipeline.dtypes import resolve_dtype
-    from pipeline.layer_ids import build_target_layer_ids
+    from pipeline.common.distributed import Dist, resolve_device
+    from pipeline.common.dtypes import resolve_dtype
+    from pipeline.common.layer_ids import build_target_layer_ids
     from pipeline.shards import ShardSet
-    from scoring.checkpoint import load_drafter
-    from scoring.drafter import DFlashDrafter, parse_drafter_config
+    from scoring.drafters.checkpoint import load_drafter
+    from scoring.drafters.dflash import DFlashDrafter, parse_drafter_config
     from scoring.fit import new_drafter_config, save_drafter
-    from scoring.replay import ReplayOptions, prepare_target_head, replay_sample, select_feature_columns
+    from scoring.replay.anchors import ReplayOptions, prepare_target_head, replay_sample, select_feature_columns
 
     quick = ctx.args.quick
     work = Path(ctx.work) / "length"

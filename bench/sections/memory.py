@@ -12,7 +12,7 @@ machine runs out of memory. The longer sample goes first, and the children run w
 glibc mmap threshold (CHILD_MALLOC_ENV), so the shorter sample's phases are not hidden by memory
 the longer one freed.
 
-Extract's phases are the product's own stages (`pipeline.timing`, recorded by
+Extract's phases are the product's own stages (`pipeline.common.timing`, recorded by
 bench.common.PhaseMemory): load, target head, and per sample the forward (+ features), the
 lm_head windows (top-k) and the shard write. Scoring all anchors at vocab 248320 costs 2 x 15 x
 5120 x 248320 FLOP per anchor in the lm_head alone (hundreds of TFLOP for 8192 anchors, far
@@ -25,7 +25,7 @@ Extract's forward is also measured alone, before and after, in two more fresh pr
 load the same target, map all its weights (as extract's target-head and fingerprint phases map
 most of them) and run only `capture_features` on the same two sequences, longest first: with
 `CaptureConfig(windowed=False)` (before: one pass over all positions) and as the product runs it
-(after: the layers over windows of positions, pipeline.chunked_forward). No shard writer runs
+(after: the layers over windows of positions, pipeline.extract.chunked_forward). No shard writer runs
 there: in the extract child the writer still holds the longer sample's compressed bytes while
 the shorter one is captured, which raises the shorter sample's peak and understates the growth.
 
@@ -180,9 +180,9 @@ def extract_phases(lengths: list[int]):
 
 def child_extract(payload: dict) -> dict:
     """`run_extract` exactly as `specreplay extract` runs it, its stages recorded with their peaks."""
-    from pipeline import timing
-    from pipeline.config import ExtractConfig
-    from pipeline.extract import run_extract
+    from pipeline.common import timing
+    from pipeline.extract.config import ExtractConfig
+    from pipeline.extract.run import run_extract
 
     config = ExtractConfig(
         model=payload["model"],
@@ -221,9 +221,9 @@ def map_weights(model) -> None:
 def child_forward(payload: dict) -> dict:
     """Extract's forward (+ features) alone: the target loaded as extract loads it, its weights
     mapped, then `capture_features` per sequence, longest first, windowed or in one pass."""
-    from pipeline.capture import CaptureConfig, capture_features
-    from pipeline.config import ExtractConfig
-    from pipeline.target import load_target
+    from pipeline.extract.capture import CaptureConfig, capture_features
+    from pipeline.extract.config import ExtractConfig
+    from pipeline.extract.target import load_target
 
     budget = ExtractConfig(model="", prompts="", out="").memory_bytes
     records = [json.loads(line) for line in Path(payload["prompts"]).read_text().splitlines()]
@@ -262,11 +262,11 @@ def child_score(payload: dict) -> dict:
     checkpoint checked and loaded, samples decoded in the background, per sample the context pass
     then anchor chunks), each a phase, except that each sample replays only its last anchors
     (see the module docstring)."""
-    from pipeline.distributed import Dist, resolve_device
-    from pipeline.dtypes import resolve_dtype
+    from pipeline.common.distributed import Dist, resolve_device
+    from pipeline.common.dtypes import resolve_dtype
     from pipeline.shards import ShardSet
     from scoring.config import ScoreConfig
-    from scoring.replay import (
+    from scoring.replay.anchors import (
         chunk_anchors,
         empty_anchor_tensors,
         pack_samples,
@@ -274,7 +274,7 @@ def child_score(payload: dict) -> dict:
         replay_anchors,
         select_feature_columns,
     )
-    from scoring.score import SAMPLE_TENSORS, prepare_job
+    from scoring.score.steps import SAMPLE_TENSORS, prepare_job
 
     config = ScoreConfig(
         ckpts=[payload["ckpt"]], shards=payload["shards"], out=payload["out"], tree_nodes=[], force=True
@@ -515,7 +515,7 @@ def summarize_score(sc: dict, result: dict, lengths: list[int], per_token: int) 
 def run(ctx) -> tuple[dict, Rows]:
     """Extract, then score, long responses at 27B shapes (quick: "mid" shapes), each stage in one
     fresh process holding both lengths (the longer first)."""
-    from pipeline.extract import stored_bytes_per_token, tensor_dtypes
+    from pipeline.extract.run import stored_bytes_per_token, tensor_dtypes
 
     work = Path(ctx.work) / "memory"
     work.mkdir(parents=True, exist_ok=True)

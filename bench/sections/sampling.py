@@ -49,7 +49,7 @@ def checkpoint(ctx) -> tuple[str, dict | None]:
 
 
 def mean_se(values: list[float]) -> tuple[float, float | None]:
-    from scoring.metrics import tau_standard_error
+    from scoring.replay.metrics import tau_standard_error
 
     return float(np.mean(values)), tau_standard_error(values)
 
@@ -58,12 +58,12 @@ def run(ctx) -> tuple[dict, Rows]:
     import dflash.model as reference
     import polars as pl
 
-    from pipeline.config import ExtractConfig
-    from pipeline.extract import run_extract
+    from pipeline.extract.config import ExtractConfig
+    from pipeline.extract.run import run_extract
+    from pipeline.extract.target import load_target
     from pipeline.shards import ShardSet
-    from pipeline.target import load_target
     from scoring.config import ScoreConfig
-    from scoring.score import run_score
+    from scoring.score.steps import run_score
 
     args, work = ctx.args, ctx.work
     size = sizes(args)

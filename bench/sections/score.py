@@ -1,4 +1,4 @@
-"""Section `score`: offline replay (`scoring.score.run_score`) against the reference online loop
+"""Section `score`: offline replay (`scoring.score.steps.run_score`) against the reference online loop
 (`dflash.model.dflash_generate`) on the same prompts and checkpoint, CPU, fp32.
 
 A one-layer drafter is fitted to the score samples (`scoring.fit.fit_drafter`); then, alternated
@@ -137,9 +137,9 @@ def online(ckpt: str, shard_dir: str, block_size: int) -> tuple[dict, dict, dict
     sample acceptance_lengths, per sample (prompt_len, [(start, verify size)]), FLOP model)."""
     import dflash.model as reference
 
+    from pipeline.extract.target import load_target
     from pipeline.shards import ShardSet
-    from pipeline.target import load_target
-    from scoring.drafter import parse_drafter_config
+    from scoring.drafters.dflash import parse_drafter_config
 
     # The reference times its stats with CUDA events; on CPU a wall clock does (the reference
     # library is not our product: patching its timer is fine).
@@ -191,7 +191,7 @@ def run(ctx) -> tuple[dict, Rows]:
 
     from pipeline.shards import ShardSet
     from scoring.config import DEFAULT_TREE_NODES, ScoreConfig
-    from scoring.score import run_score
+    from scoring.score.steps import run_score
 
     args, work = ctx.args, ctx.work
     shard_dir = fp32.shards(ctx)
@@ -212,7 +212,7 @@ def run(ctx) -> tuple[dict, Rows]:
         log(
             f"score: offline specreplay score ({label}, budgets {list(tree_nodes) or 'none'}, anchors {anchor_set}) ..."
         )
-        from pipeline import timing
+        from pipeline.common import timing
 
         clock = StageClock()
         with Phase() as phase, timing.recording(clock):
@@ -351,7 +351,7 @@ def profile_offline(work: Path, shard_dir: str, ckpt: str, samples: int = 2, top
     from torch.profiler import ProfilerActivity, profile
 
     from scoring.config import ScoreConfig
-    from scoring.score import run_score
+    from scoring.score.steps import run_score
 
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         run_score(

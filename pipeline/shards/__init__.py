@@ -63,7 +63,7 @@ zstd frames, fp8), files (pyarrow.fs helpers, checksums), writer, reader, manife
 
 from __future__ import annotations
 
-from pipeline.config import DEFAULT_SHARD_BYTES, DEFAULT_ZSTD_LEVEL
+from pipeline.extract.config import DEFAULT_SHARD_BYTES, DEFAULT_ZSTD_LEVEL
 from pipeline.shards.encodings import (
     DTYPE_NAMES,
     FP8_MAX,

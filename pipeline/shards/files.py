@@ -16,8 +16,8 @@ import zlib
 import pyarrow.fs as pafs
 import xxhash
 
+from pipeline.common.space import writing
 from pipeline.shards.schema import ShardError
-from pipeline.space import writing
 
 BLOCK_HASH = "xxh3_64"  # the sidecar's "block_hash": faster than crc32, so cheap on the read path
 CHECKSUM_KEY = "checksum"  # of a JSON file: "xxh3_64:<16 hex digits>" of the canonical JSON of the rest

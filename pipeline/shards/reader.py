@@ -14,7 +14,7 @@ import pyarrow.fs as pafs
 import torch
 from pyarrow import ipc
 
-from pipeline import timing
+from pipeline.common import timing
 from pipeline.shards.encodings import (
     TENSOR_DTYPES,
     chunk_frame,

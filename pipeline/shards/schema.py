@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import pyarrow as pa
 import torch
 
-from pipeline.errors import UserError
+from pipeline.common.errors import UserError
 
 # Format 3 = format 2's shard files, with a checksum in every JSON file (manifest.json, the
 # sidecars); format 2 extracts are still read (their JSON unchecked, only checked for consistency).

@@ -10,10 +10,10 @@ import zlib
 import pyarrow.fs as pafs
 import torch
 
+from pipeline.common.space import writing
 from pipeline.shards.encodings import DTYPE_NAMES
 from pipeline.shards.files import exists, join, open_fs
 from pipeline.shards.schema import TARGET_HEAD_NAME, ShardError
-from pipeline.space import writing
 
 _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 _STREAM_STEP = 64 << 20

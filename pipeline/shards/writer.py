@@ -8,8 +8,9 @@ import pyarrow.fs as pafs
 import torch
 from pyarrow import ipc
 
-from pipeline import timing
-from pipeline.config import DEFAULT_SHARD_BYTES, DEFAULT_ZSTD_LEVEL
+from pipeline.common import timing
+from pipeline.common.space import writing
+from pipeline.extract.config import DEFAULT_SHARD_BYTES, DEFAULT_ZSTD_LEVEL
 from pipeline.shards.encodings import (
     DTYPE_NAMES,
     compress_frame,
@@ -26,7 +27,6 @@ from pipeline.shards.files import (
     write_json_atomic,
 )
 from pipeline.shards.schema import DEFAULT_CHUNK_TOKENS, SHARD_DIR, Sample, shard_schema
-from pipeline.space import writing
 
 
 def chunk_record_batch(
@@ -189,7 +189,7 @@ class ShardWriter:
 
     def exclude(self, record: dict) -> None:
         """Record a sample that is not written (e.g. non-finite values: {"sample_id", "dataset",
-        "what", "position", "count", "length"}, see pipeline/capture.py nonfinite_values). It goes into the `excluded` list of the next shard entry to land,
+        "what", "position", "count", "length"}, see pipeline/extract/capture.py nonfinite_values). It goes into the `excluded` list of the next shard entry to land,
         so resume counts it as done exactly when that shard is finished, like a written sample."""
         self._excluded.append(record)
 

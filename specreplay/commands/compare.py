@@ -1,4 +1,4 @@
-"""`specreplay compare A B`: the console report and files around scoring/compare.py's statistics.
+"""`specreplay compare A B`: the console report and files around scoring/compare/run.py's statistics.
 
 Console order: the headline (pooled chain tau, one sentence) first on stdout; the warnings on
 stderr; then which directories, the definitions, the tau table, the all-anchor streak table,
@@ -38,7 +38,7 @@ def _cell(value) -> str:
 
 
 def _render(headers: list[str], cells: list[list[str]]) -> str:
-    from scoring.console import aligned
+    from scoring.score.console import aligned
 
     return "\n".join(aligned(headers, cells, left={"dataset", "method", "verdict"}))
 
@@ -112,7 +112,7 @@ def compare(a, b, methods, datasets, resamples, seed, confidence, allow_differen
       specreplay compare data/results/runs_step_150 data/results/runs_step_300
       specreplay compare A B --method chain --dataset gsm8k --out compare.csv
     """
-    from scoring.compare import run_comparison
+    from scoring.compare.run import run_comparison
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -160,7 +160,7 @@ def as_payload(comparison, a: str, b: str, resamples: int, seed: int, allow: boo
 
 
 def _print_report(comparison, rows: list[dict], resamples: int, seed: int) -> None:
-    from scoring.compare import chance_note
+    from scoring.compare.run import chance_note
 
     c = comparison
     click.echo(f"A: {c.checkpoint_a} ({c.dir_a}; checkpoint_hash {c.checkpoint_hash_a or 'unknown'})")

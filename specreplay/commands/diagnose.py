@@ -1,11 +1,11 @@
 """`specreplay diagnose`: which convention, if any, makes a checkpoint's acceptance low
-(scoring/diagnose.py)."""
+(scoring/diagnose/run.py)."""
 
 from __future__ import annotations
 
 import click
 
-from pipeline.sizes import format_size, parse_size
+from pipeline.common.sizes import format_size, parse_size
 from scoring.config import DEFAULT_DIAGNOSE_SAMPLES, DiagnoseConfig
 from specreplay.commands.defaults import default
 
@@ -65,10 +65,10 @@ def diagnose(no_progress, **options):
       specreplay diagnose --ckpt runs/tiny/step_600 --shards data/shards/smollm2-default
       specreplay diagnose --ckpt runs/tiny/step_600 --shards data/shards/smollm2-neighbours --variants layers-1,layers+1
     """
-    from pipeline.paths import check_input_path, check_output_dir
-    from scoring.diagnose import run_diagnose
-    from scoring.diagnose_view import console_lines, load
-    from scoring.variants import parse_variants
+    from pipeline.common.paths import check_input_path, check_output_dir
+    from scoring.diagnose.run import run_diagnose
+    from scoring.diagnose.variants import parse_variants
+    from scoring.diagnose.view import console_lines, load
     from specreplay.hints import program
     from specreplay.progress import bars
 

@@ -1,4 +1,4 @@
-"""`specreplay extract`: run the target once over a prompt set (stage 1, pipeline/extract.py).
+"""`specreplay extract`: run the target once over a prompt set (stage 1, pipeline/extract/run.py).
 
 The console side of extract lives here: options, the progress bar, and what to run next.
 """
@@ -10,9 +10,9 @@ from pathlib import Path
 
 import click
 
-from pipeline.config import ExtractConfig
-from pipeline.errors import UserError
-from pipeline.sizes import format_size, parse_size
+from pipeline.common.errors import UserError
+from pipeline.common.sizes import format_size, parse_size
+from pipeline.extract.config import ExtractConfig
 from specreplay.commands.defaults import default
 
 
@@ -40,7 +40,7 @@ def next_steps(out: str, manifest: dict) -> str:
     t = manifest.get("totals", {})
     prog = program()
     excluded = ""
-    if t.get("excluded"):  # NaN/Inf samples (pipeline/capture.py nonfinite_values): not stored
+    if t.get("excluded"):  # NaN/Inf samples (pipeline/extract/capture.py nonfinite_values): not stored
         from pipeline.shards.writer import describe_excluded
 
         excluded = (
@@ -58,9 +58,9 @@ def next_steps(out: str, manifest: dict) -> str:
 
 
 def check_paths(config: ExtractConfig) -> None:
-    """Typed paths, before anything is loaded or written (pipeline/paths.py)."""
-    from pipeline.paths import check_input_path, check_output_dir
-    from pipeline.prompts import BUNDLED_NAMES
+    """Typed paths, before anything is loaded or written (pipeline/common/paths.py)."""
+    from pipeline.common.paths import check_input_path, check_output_dir
+    from pipeline.extract.prompts import BUNDLED_NAMES
 
     check_output_dir(config.out, "--out")
     check_input_path(config.model, "--model", "any")
@@ -217,8 +217,8 @@ def extract(**options):
           --out data/shards/smollm2-sampled
       torchrun --nproc_per_node 8 -m specreplay extract --model path/to/target --prompts my.jsonl --out s3://bucket/x
     """
-    from pipeline.extract import run_extract
-    from pipeline.layer_ids import parse_layer_ids
+    from pipeline.common.layer_ids import parse_layer_ids
+    from pipeline.extract.run import run_extract
     from specreplay.progress import bars
 
     options.update(

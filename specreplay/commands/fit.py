@@ -55,8 +55,8 @@ def fit(shards, out, steps, save_every, layers, block_size, layer_ids, lr, ancho
     """
     from tqdm import tqdm
 
-    from pipeline.layer_ids import parse_layer_ids
-    from pipeline.paths import check_input_path, check_output_dir
+    from pipeline.common.layer_ids import parse_layer_ids
+    from pipeline.common.paths import check_input_path, check_output_dir
     from scoring.fit import fit_from_shards
 
     check_input_path(shards, "--shards", "directory")

@@ -38,8 +38,8 @@ def inspect(directory, as_json, no_verify):
       specreplay inspect data/shards/smollm2-default
       specreplay inspect data/shards/smollm2-default --json | jq .greedy_consistency
     """
-    from pipeline.inspect import format_report, inspect_extract, report_problems
-    from pipeline.paths import check_input_path
+    from pipeline.common.paths import check_input_path
+    from pipeline.extract.inspect import format_report, inspect_extract, report_problems
 
     check_input_path(directory, "inspect", "directory")
     report = inspect_extract(directory, verify=not no_verify)

@@ -1,4 +1,4 @@
-"""`specreplay log`: existing score results into TensorBoard, W&B or MLflow (scoring/loggers.py)."""
+"""`specreplay log`: existing score results into TensorBoard, W&B or MLflow (scoring/track/loggers.py)."""
 
 from __future__ import annotations
 
@@ -64,7 +64,7 @@ def log(results, tensorboard, wandb_project, wandb_run_id, mlflow_uri, mlflow_ru
       WANDB_MODE=offline specreplay log --results data/results --wandb-project drafter --wandb-run-id 3kq9x1
       specreplay log --results data/results --mlflow-uri sqlite:///mlflow.db
     """
-    from scoring.loggers import LoggerOptions, ledger_path_for, log_results, open_loggers, results_dirs_under
+    from scoring.track.loggers import LoggerOptions, ledger_path_for, log_results, open_loggers, results_dirs_under
 
     options = LoggerOptions(
         tensorboard=tensorboard,

@@ -1,4 +1,4 @@
-"""`specreplay report`: results directories in, one self-contained HTML file out (scoring/report.py)."""
+"""`specreplay report`: results directories in, one self-contained HTML file out (scoring/report/page.py)."""
 
 from __future__ import annotations
 
@@ -65,7 +65,7 @@ def report(results, out, title, worst, sample_views, samples, shards, tokenizer)
       specreplay report data/results --sample gsm8k-17 --shards /new/place/of/shards
       specreplay report data/results data/diagnose       # with the diagnoses beside the results
     """
-    from scoring.report import SampleViews, write_report
+    from scoring.report.page import SampleViews, write_report
 
     views = SampleViews(count=sample_views, ids=list(samples), shards=shards, tokenizer=tokenizer)
     written = write_report(list(results), out, title=title, worst=worst, views=views)

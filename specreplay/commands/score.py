@@ -1,4 +1,4 @@
-"""`specreplay score`: replay shards through drafter checkpoints (stage 2, scoring/score.py)."""
+"""`specreplay score`: replay shards through drafter checkpoints (stage 2, scoring/score/steps.py)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import sys
 
 import click
 
-from pipeline.errors import UserError
-from pipeline.sizes import format_size, parse_size
+from pipeline.common.errors import UserError
+from pipeline.common.sizes import format_size, parse_size
 from scoring.config import ScoreConfig
 from specreplay.commands.defaults import default
 
@@ -113,8 +113,8 @@ def score(no_progress, quiet, as_json, **options):
       specreplay score --ckpt 'runs/tiny/step_*' --shards data/shards/smollm2-default --out data/results \\
           --sample 8 --seed 0 --ddtree-budgets 16,64
     """
-    from pipeline.paths import check_input_path, check_output_dir
-    from scoring.score import run_score
+    from pipeline.common.paths import check_input_path, check_output_dir
+    from scoring.score.steps import run_score
     from specreplay.progress import bars
 
     datasets = [name.strip() for name in (options["datasets"] or "").split(",") if name.strip()]
@@ -132,7 +132,7 @@ def score(no_progress, quiet, as_json, **options):
     if not outcomes:  # ranks other than 0 under torchrun
         return
     if as_json:
-        from scoring.console import outcome_json
+        from scoring.score.console import outcome_json
 
         click.echo(json.dumps([outcome_json(o) for o in outcomes], indent=1))
     else:
@@ -148,7 +148,7 @@ class OutcomePrinter:
         self.quiet = quiet
 
     def __call__(self, outcome) -> None:
-        from scoring.console import headline, print_table, warning_lines
+        from scoring.score.console import headline, print_table, warning_lines
 
         if outcome.status == "failed":
             click.echo(f"error: {outcome.ckpt}: {outcome.error}", err=True)
@@ -164,7 +164,7 @@ class OutcomePrinter:
                 click.echo(f"  {line}", err=True)
 
     def finish(self, outcomes: list, out: str) -> None:
-        from scoring.console import across_table, failure_lines, next_lines
+        from scoring.score.console import across_table, failure_lines, next_lines
         from specreplay.hints import program
 
         if sum(o.summary is not None for o in outcomes) >= 2:

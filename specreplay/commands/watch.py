@@ -1,4 +1,4 @@
-"""`specreplay watch`: score a training run's checkpoints as they land (scoring/watch.py)."""
+"""`specreplay watch`: score a training run's checkpoints as they land (scoring/track/watch.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from pipeline.sizes import parse_size
+from pipeline.common.sizes import parse_size
 from scoring.config import ScoreConfig
 from specreplay.commands.score import parse_tree_nodes, score as score_command
 
@@ -72,7 +72,7 @@ def watch(ckpts, shards, out, interval, once, no_progress, quiet, **options):
       specreplay watch --ckpt 'runs/run7/step_*' --shards data/shards/smollm2 --out results/run7 \\
           --sample 64 --ddtree-budgets 16,64 --tensorboard runs/run7/logs
     """
-    from scoring.watch import WatchOptions, run_watch
+    from scoring.track.watch import WatchOptions, run_watch
     from specreplay.progress import bars
 
     loggers = logger_options({name: options.pop(name) for name in LOGGER_OPTIONS})
@@ -100,7 +100,7 @@ def score_config(ckpts: list[str], shards: str, out: str, options: dict) -> Scor
         memory_bytes=parse_size(options["memory_bytes"], "--memory-budget"),
         datasets=datasets or None,
     )
-    from pipeline.paths import check_input_path, check_output_dir
+    from pipeline.common.paths import check_input_path, check_output_dir
 
     check_input_path(shards, "--shards", "directory")
     check_output_dir(out, "--out")
@@ -108,10 +108,10 @@ def score_config(ckpts: list[str], shards: str, out: str, options: dict) -> Scor
 
 
 def logger_options(given: dict):
-    """scoring.loggers.LoggerOptions when any logger option is given (only then is it imported)."""
+    """scoring.track.loggers.LoggerOptions when any logger option is given (only then is it imported)."""
     if all(value is None for value in given.values()):
         return None
-    from scoring.loggers import LoggerOptions
+    from scoring.track.loggers import LoggerOptions
 
     return LoggerOptions(**given)
 

@@ -1,0 +1,57 @@
+"""Checks on the paths a user types, made before anything is read or written: a URI missing a
+slash, an output that is a file or cannot be written, an input file that is a directory. Each
+fails with one line naming the option, the path and the fix, and nothing is created."""
+
+from __future__ import annotations
+
+import os
+import re
+
+from pipeline.common.errors import UserError
+
+# "s3:/bucket", "gs:/b/x": a scheme and one slash (a Windows drive "C:/" has one letter)
+_HALF_URI = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+):/(?!/)(.*)$")
+
+
+def check_uri(value: str, option: str) -> None:
+    """A URI with a scheme must have `://`: `s3:/bucket` would otherwise become a local
+    directory named `s3:`."""
+    match = _HALF_URI.match(value)
+    if match:
+        scheme, rest = match.groups()
+        raise UserError(f"{option} {value!r} looks like a URI missing a slash; did you mean {scheme}://{rest}?")
+
+
+def _nearest_existing(path: str) -> str:
+    probe = os.path.abspath(path)
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    return probe
+
+
+def check_output_dir(value: str, option: str = "--out") -> None:
+    """An output directory (created if missing) must not be a file and must be writable."""
+    check_uri(value, option)
+    if "://" in value:
+        return  # object stores: the filesystem layer reports what is wrong
+    if os.path.exists(value) and not os.path.isdir(value):
+        raise UserError(f"{option} {value} is a file, not a directory; give a directory (it is created if missing)")
+    existing = _nearest_existing(value)
+    if not os.path.isdir(existing):
+        raise UserError(f"{option} {value}: {existing} is a file, so the directory cannot be created there")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UserError(
+            f"{option} {value}: {existing} is not writable (read-only filesystem or permissions); "
+            "choose a directory you can write"
+        )
+
+
+def check_input_path(value: str, option: str, want: str) -> None:
+    """An input that must be a file (`want` = "file") or a directory (`want` = "directory")."""
+    check_uri(value, option)
+    if "://" in value or not os.path.exists(value):
+        return  # a bundled name, a URI, or missing: the reader says which
+    if want == "file" and os.path.isdir(value):
+        raise UserError(f"{option} {value} is a directory; give a file")
+    if want == "directory" and not os.path.isdir(value):
+        raise UserError(f"{option} {value}: not a directory; give the directory")

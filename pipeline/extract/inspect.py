@@ -1,0 +1,190 @@
+"""`specreplay inspect DIR`: what an extract directory holds, and whether its bytes are intact.
+
+Reads only the manifest and the shard entries, then checksums every shard file and the target
+head in chunks; nothing is decoded or held in memory whole, so inspecting hundreds of GB costs
+one sequential read.
+"""
+
+from __future__ import annotations
+
+from pipeline import shards
+from pipeline.common.sampling import sampling_of
+from pipeline.shards.writer import describe_excluded
+
+
+def verify_checksums(uri: str, entries: list[dict]) -> dict:
+    """{'checked', 'ok', 'bad': [messages]} from a chunked crc32 of every shard file."""
+    fs, root = shards.open_fs(uri)
+    bad = []
+    for entry in entries:
+        path = shards.join(root, entry["file"])
+        if not shards.exists(fs, path):
+            bad.append(f"{path}: missing")
+            continue
+        crc, size = shards.file_crc32(fs, path)
+        if crc != entry["crc32"] or size != entry["bytes"]:
+            bad.append(
+                f"{path}: crc32 {crc:#010x} / {size} bytes, manifest says {entry['crc32']:#010x} / {entry['bytes']} bytes"
+            )
+    return {"checked": len(entries), "ok": len(entries) - len(bad), "bad": bad}
+
+
+def verify_target_head(uri: str, manifest: dict) -> str:
+    """'ok', 'missing', 'not recorded' or a mismatch message (a chunked crc32 of the file)."""
+    fs, root = shards.open_fs(uri)
+    path = shards.join(root, shards.TARGET_HEAD_NAME)
+    if not shards.exists(fs, path):
+        return "missing"
+    expected = manifest.get("target_head", {}).get("crc32")
+    if expected is None:
+        return "not recorded"
+    crc, _ = shards.file_crc32(fs, path)
+    return "ok" if crc == expected else f"{path}: crc32 {crc:#010x}, manifest says {expected:#010x}"
+
+
+def inspect_extract(uri: str, verify: bool = True) -> dict:  # 50 lines: mostly the report's one flat dict
+    """A JSON-able report of an extract directory (complete or still running / interrupted)."""
+    from pipeline.extract.run import totals
+
+    manifest = shards.read_manifest(uri)
+    complete = bool(manifest.get("complete"))
+    # An unfinished extract's manifest lags behind; its finished shards are the truth so far.
+    entries = manifest.get("shards", []) if complete else shards.finished_shard_entries(uri)
+    settings = manifest.get("settings", {})
+    target = manifest.get("target", {})
+    layer_ids = settings.get("layer_ids", [])
+    hidden = target.get("hidden_size", 0)
+    raw_per_token = len(layer_ids) * hidden * 2
+    t = totals(entries, raw_per_token)
+    tokens = t["tokens"]
+    greedy_tokens = t["greedy_response_tokens"]
+    report = {
+        "dir": uri,
+        "complete": complete,
+        "format_version": manifest.get("format_version"),
+        "target": {
+            key: target.get(key) for key in ("name", "architecture", "num_layers", "hidden_size", "vocab_size", "dtype")
+        },
+        "layer_ids": layer_ids,
+        "neighbour_layers": bool(settings.get("neighbour_layers")),
+        "feature_dtype": settings.get("feature_dtype"),
+        "top_k": settings.get("top_k"),
+        "tensors": manifest.get("tensors", {}),
+        "max_new_tokens": settings.get("max_new_tokens"),
+        "prompts": manifest.get("prompts", {}),
+        "shards": len(entries),
+        "chunks": sum(len(e.get("batches", [])) for e in entries),  # record batches, a few samples each
+        "chunk_tokens": manifest.get("run", {}).get("chunk_tokens"),
+        "samples": t["samples"],
+        "tokens": tokens,
+        "prompt_tokens": t["prompt_tokens"],
+        "response_tokens": t["response_tokens"],
+        "bytes": t["bytes"],
+        "bytes_per_token": t["bytes"] / tokens if tokens else None,
+        "raw_bf16_feature_bytes_per_token": raw_per_token,
+        # All stored bytes (features, top-k, flags, ids) against the features alone as raw bf16.
+        "bytes_vs_raw_bf16_features": t["bytes"] / t["raw_bf16_feature_bytes"] if t["raw_bf16_feature_bytes"] else None,
+        "finish_reasons": t["finish_reasons"],
+        "greedy_samples": t["greedy_samples"],
+        "given_samples": t["finish_reasons"].get("given", 0),  # teacher-forced; the rest are greedy or sampled
+        "argmax_mismatches": t["greedy_argmax_mismatches"],
+        "greedy_consistency": 1 - t["greedy_argmax_mismatches"] / greedy_tokens if greedy_tokens else None,
+        **sampling_report(settings, t),
+        # samples with NaN/Inf in a feature layer or the logits: never written, never scored
+        "excluded_samples": t.get("excluded_samples", 0),
+        "excluded": t.get("excluded", []),
+    }
+    if verify:
+        report["checksums"] = verify_checksums(uri, entries)
+        report["target_head"] = verify_target_head(uri, manifest)
+    return report
+
+
+def sampling_report(settings: dict, t: dict) -> dict:
+    """The sampling part of the report: settings (None for greedy), the description inspect
+    prints, how many samples were sampled, and stored tokens of probability 0 (see capture.py)."""
+    recorded = settings.get("sampling")
+    if not recorded:
+        return {"sampling": None, "decoding": "greedy"}
+    draws = int(recorded.get("num_samples", 1))
+    return {
+        "sampling": recorded,
+        "decoding": (
+            f"sampled at {sampling_of(settings).describe()}; {draws} draw{'s' if draws != 1 else ''} per prompt, "
+            f"seed {recorded.get('seed')}"
+        ),
+        "sampled_samples": t["samples"] - t["greedy_samples"] - t["finish_reasons"].get("given", 0),
+        "sampled_response_tokens": t.get("sampled_response_tokens", 0),
+        "zero_prob_tokens": t.get("zero_prob_tokens", 0),
+    }
+
+
+def consistency_lines(report: dict) -> list[str]:
+    """Greedy: how often the full forward agrees with the stored tokens. Sampled: the decoding
+    settings, and stored tokens the full forward's sampling distribution gives probability 0."""
+    if report.get("sampling") is None:
+        return [
+            f"  greedy-consistency {_pct(report['greedy_consistency'])} "
+            f"({report['argmax_mismatches']} response tokens differ from the full-forward argmax)"
+        ]
+    return [
+        f"  decoding        {report['decoding']}",
+        f"  sample log-probs {report['zero_prob_tokens']} of {report['sampled_response_tokens']} sampled tokens have "
+        f"probability 0 under the full forward's sampling distribution",
+    ]
+
+
+def _pct(value) -> str:
+    return "n/a" if value is None else f"{100 * value:.2f}%"
+
+
+def samples_kinds(report: dict) -> str:
+    if report.get("sampling") is None:
+        return f"{report['greedy_samples']} greedy, {report['given_samples']} given"
+    return f"{report['sampled_samples']} sampled, {report['given_samples']} given"
+
+
+def format_report(report: dict) -> str:
+    """The human-readable form of `inspect_extract`'s report."""
+    target = report["target"]
+    prompts = report["prompts"]
+    status = "complete" if report["complete"] else "NOT complete (run the same extract command again to resume)"
+    reasons = ", ".join(f"{k} {v}" for k, v in sorted(report["finish_reasons"].items())) or "none"
+    bpt = report["bytes_per_token"]
+    ratio = report["bytes_vs_raw_bf16_features"]
+    lines = [
+        f"{report['dir']}: {status}",
+        f"  target          {target['name']} ({target['architecture']}, {target['num_layers']} layers, "
+        f"hidden {target['hidden_size']}, vocab {target['vocab_size']}, {target['dtype']})",
+        f"  layer ids       {report['layer_ids']}{' (with neighbours, for diagnose)' if report['neighbour_layers'] else ''}"
+        f"  features {report['feature_dtype']}, top-k {report['top_k']}, "
+        f"tensors {', '.join(report['tensors'])}",
+        f"  prompts         {prompts.get('name')} ({prompts.get('count')} prompts), max_new_tokens {report['max_new_tokens']}",
+        f"  samples         {report['samples']} in {report['shards']} shards, {report['chunks']} chunks of "
+        f"~{report['chunk_tokens']} tokens ({samples_kinds(report)})",
+        f"  tokens          {report['tokens']} ({report['prompt_tokens']} prompt, {report['response_tokens']} response)",
+        f"  bytes           {report['bytes']} ({report['bytes'] / 2**20:.2f} MiB)"
+        + (
+            f", {bpt:.0f} B/token = {ratio:.3f} x raw bf16 features ({report['raw_bf16_feature_bytes_per_token']} B/token)"
+            if bpt is not None and ratio is not None
+            else ""
+        ),
+        f"  finish reasons  {reasons}",
+        *consistency_lines(report),
+    ]
+    if report.get("excluded"):
+        lines.append(f"  excluded        {describe_excluded(report['excluded'])}; not stored, never scored")
+    if "checksums" in report:
+        sums = report["checksums"]
+        lines.append(f"  checksums       {sums['ok']}/{sums['checked']} shards ok; target head {report['target_head']}")
+        lines.extend(f"    BAD {message}" for message in sums["bad"])
+    return "\n".join(lines)
+
+
+def report_problems(report: dict) -> list[str]:
+    """What makes the directory untrustworthy (used for the exit status)."""
+    problems = list(report.get("checksums", {}).get("bad", []))
+    head = report.get("target_head")
+    if head not in (None, "ok"):
+        problems.append(f"target head: {head}")
+    return problems

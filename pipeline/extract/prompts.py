@@ -1,0 +1,241 @@
+"""Prompt sets for extract: the bundled benchmarks (data/prompts/) and user JSONL files, parsed,
+validated and rendered to token ids.
+
+A user file has one JSON object per line with a unique "id" and exactly one of
+"messages" (chat), "prompt" (one user message) or "input_ids" (used as is); optional
+"response" (text or token ids, teacher-forced instead of generated) and "dataset".
+Rendering follows the public DFlash benchmark exactly: chat template with tokenize=False and
+add_generation_prompt=True, then encode with add_special_tokens=False.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import warnings
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from pipeline.common.errors import UserError
+
+PROMPTS_DIR = Path(__file__).resolve().parents[1] / "data" / "prompts"
+BUNDLED_FILES = ("humaneval", "gsm8k", "mt-bench")  # data/prompts/<name>.jsonl.gz
+# `make extract` default: small enough for SmolLM2-135M on two CPU cores in a few minutes.
+# (set name, first N) in this order; a mix of the bundled files, not a copy of them.
+DEFAULT_MIX = (("gsm8k", 6), ("humaneval", 5), ("mt-bench", 5))
+BUNDLED_NAMES = ("default",) + BUNDLED_FILES
+
+PROMPT_FORMS = ("messages", "prompt", "input_ids")
+
+
+@dataclass
+class PromptRecord:
+    id: str
+    dataset: str
+    messages: list[dict] | None = None
+    prompt: str | None = None
+    input_ids: list[int] | None = None
+    response: str | list[int] | None = None  # given response to teacher-force instead of generating
+
+
+# ---------------------------------------------------------------- loading
+
+
+def _dataset_name(path: Path) -> str:
+    """File name without .jsonl / .jsonl.gz / .json: a record's dataset when it names none."""
+    name = path.name
+    for suffix in (".gz", ".jsonl", ".json"):
+        name = name.removesuffix(suffix)
+    return name
+
+
+def _read_lines(path: Path) -> list[str]:
+    opener = gzip.open if path.name.endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as handle:
+        return handle.read().splitlines()
+
+
+def _bad(where: str, field: str, problem: str, fix: str) -> UserError:
+    return UserError(f"{where}: field {field!r} {problem}; {fix}")
+
+
+def _check_messages(value, where: str) -> list[dict]:
+    fix = 'give a list like [{"role": "user", "content": "..."}]'
+    if not isinstance(value, list) or not value:
+        raise _bad(where, "messages", "must be a non-empty list of messages", fix)
+    for i, message in enumerate(value):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str) or "content" not in message:
+            raise _bad(where, "messages", f"entry {i} is not an object with string 'role' and 'content'", fix)
+    return value
+
+
+def _check_token_ids(value, where: str, field: str, allow_empty: bool = False) -> list[int]:
+    ok = isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value)
+    if not ok or (not value and not allow_empty):
+        raise _bad(where, field, "must be a non-empty list of non-negative integer token ids", "e.g. [1, 4093, 314]")
+    return list(value)
+
+
+def _parse_record(obj, where: str, default_dataset: str) -> PromptRecord:
+    if not isinstance(obj, dict):
+        raise UserError(
+            f"{where}: expected a JSON object per line, got {type(obj).__name__}; "
+            f'write one object like {{"id": "a1", "prompt": "..."}} per line'
+        )
+    record_id = obj.get("id")
+    if isinstance(record_id, int) and not isinstance(record_id, bool):
+        record_id = str(record_id)
+    if not isinstance(record_id, str) or not record_id:
+        raise _bad(where, "id", "is missing or not a non-empty string", 'give every record a unique "id"')
+
+    forms = [form for form in PROMPT_FORMS if obj.get(form) is not None]
+    if len(forms) != 1:
+        found = f"found {' and '.join(forms)}" if forms else "found none"
+        raise _bad(
+            where,
+            "/".join(PROMPT_FORMS),
+            f"exactly one is required ({found})",
+            'use {"id", "messages": [...]}, {"id", "prompt": "..."} or {"id", "input_ids": [...]}',
+        )
+
+    record = PromptRecord(id=record_id, dataset=default_dataset)
+    if forms[0] == "messages":
+        record.messages = _check_messages(obj["messages"], where)
+    elif forms[0] == "prompt":
+        if not isinstance(obj["prompt"], str) or not obj["prompt"]:
+            raise _bad(where, "prompt", "must be a non-empty string", 'e.g. "prompt": "What is 2 + 2?"')
+        record.prompt = obj["prompt"]
+    else:
+        record.input_ids = _check_token_ids(obj["input_ids"], where, "input_ids")
+
+    response = obj.get("response")
+    if response is not None:
+        if isinstance(response, list):
+            record.response = _check_token_ids(response, where, "response")
+        elif isinstance(response, str) and response:
+            record.response = response
+        else:
+            raise _bad(
+                where, "response", "must be a non-empty string or a list of token ids", "or leave it out to generate"
+            )
+
+    dataset = obj.get("dataset")
+    if dataset is not None:
+        if not isinstance(dataset, str) or not dataset:
+            raise _bad(where, "dataset", "must be a non-empty string", "or leave it out to use the file name")
+        record.dataset = dataset
+    return record
+
+
+def load_jsonl(path: str | Path) -> list[PromptRecord]:
+    """Every record of one prompt file (.jsonl or .jsonl.gz), in file order, validated."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"prompt file {path} does not exist")
+    default_dataset = _dataset_name(path)
+    records: list[PromptRecord] = []
+    first_line_of: dict[str, int] = {}
+    for line_number, line in enumerate(_read_lines(path), start=1):
+        if not line.strip():
+            continue
+        where = f"{path}:{line_number}"
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise UserError(
+                f"{where}: malformed JSON ({error.msg} at column {error.colno}); each line must be one JSON object"
+            ) from None
+        record = _parse_record(obj, where, default_dataset)
+        if record.id in first_line_of:
+            raise UserError(
+                f"{where}: duplicate id {record.id!r}, first used at {path}:{first_line_of[record.id]}; "
+                f"ids must be unique within a prompt set"
+            )
+        first_line_of[record.id] = line_number
+        records.append(record)
+    return records
+
+
+def _load_bundled(name: str) -> list[PromptRecord]:
+    if name == "default":
+        return [record for set_name, count in DEFAULT_MIX for record in _load_bundled(set_name)[:count]]
+    path = PROMPTS_DIR / f"{name}.jsonl.gz"
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"bundled prompt set {name!r} is missing ({path}); restore data/prompts from git or rebuild it with "
+            f"`.venv/bin/python data/prompts/build_prompts.py`"
+        )
+    return load_jsonl(path)
+
+
+def load_prompts(name_or_path: str, limit: int | None = None) -> list[PromptRecord]:
+    """A bundled set ("default", "humaneval", "gsm8k", "mt-bench") or a user JSONL path.
+
+    Order is file order (deterministic); `limit` keeps the first N records.
+    """
+    if limit is not None and limit < 0:
+        raise UserError(f"limit must be >= 0 or None, got {limit}")
+    name = str(name_or_path)
+    if name in BUNDLED_NAMES:
+        records = _load_bundled(name)
+    elif Path(name).expanduser().exists():
+        records = load_jsonl(Path(name).expanduser())
+    else:
+        raise FileNotFoundError(
+            f"prompt set {name!r} is neither a bundled name ({', '.join(BUNDLED_NAMES)}) nor an existing "
+            f"JSONL file; pass one of those names or a path to a .jsonl file"
+        )
+    return records if limit is None else records[:limit]
+
+
+# ---------------------------------------------------------------- rendering
+
+
+def _chat_messages(record: PromptRecord) -> list[dict]:
+    return record.messages if record.messages is not None else [{"role": "user", "content": record.prompt}]
+
+
+def render_prompt(record: PromptRecord, tokenizer, enable_thinking: bool | None = None) -> tuple[list[int], str]:
+    """(prompt token ids, prompt text) exactly as the public DFlash benchmark renders it.
+
+    input_ids: used as given (text = decode). messages / prompt: chat template with
+    tokenize=False, add_generation_prompt=True (and enable_thinking only when not None), then
+    encode with add_special_tokens=False. A tokenizer without a chat template (a base model)
+    gets a "prompt" record's raw text, encoded with the tokenizer's default special tokens
+    (e.g. BOS), and a warning; a "messages" record is then an error.
+    """
+    if record.input_ids is not None:
+        ids = list(record.input_ids)
+        return ids, tokenizer.decode(ids)
+    if not getattr(tokenizer, "chat_template", None):
+        if record.prompt is None:
+            raise UserError(
+                f"prompt {record.id!r} has 'messages' but the tokenizer has no chat template to render them; "
+                f"use a chat model, or give the record as 'prompt' text or 'input_ids'"
+            )
+        # One message for all records, so the default warning filter shows it once.
+        warnings.warn("tokenizer has no chat template; 'prompt' records are encoded as raw text", stacklevel=2)
+        return list(tokenizer(record.prompt).input_ids), record.prompt
+    template_kwargs = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
+    text = tokenizer.apply_chat_template(
+        _chat_messages(record), tokenize=False, add_generation_prompt=True, **template_kwargs
+    )
+    return list(tokenizer(text, add_special_tokens=False).input_ids), text
+
+
+def render_response(record: PromptRecord, tokenizer) -> list[int] | None:
+    """Token ids of the record's given response (text encoded with add_special_tokens=False), or None."""
+    if record.response is None:
+        return None
+    if isinstance(record.response, list):
+        return list(record.response)
+    return list(tokenizer(record.response, add_special_tokens=False).input_ids)
+
+
+def prompt_set_hash(records: list[PromptRecord]) -> str:
+    """sha256 over a canonical JSON of the records (order matters: it is the extraction order)."""
+    canonical = json.dumps(
+        [asdict(record) for record in records], sort_keys=True, ensure_ascii=False, separators=(",", ":")
+    )
+    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()

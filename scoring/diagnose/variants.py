@@ -1,0 +1,148 @@
+"""The named variants `specreplay diagnose` replays: one convention changed at a time.
+
+Each variant is a `Conventions` (scoring/drafters/conventions.py) or a compute dtype, when it applies to
+a drafter, and the sentence a user acts on when it beats the checkpoint's own configuration.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from scoring.drafters.conventions import Conventions
+from scoring.drafters.dflash import DrafterConfig
+from scoring.results import CONFIGURED_VARIANT as CONFIGURED
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    change: str  # what is replayed differently, as the verdict says it: "tau 2.87 with <change>"
+    finding: str  # what it means when this variant scores better: the action to take
+    conventions: Conventions = field(default_factory=Conventions)
+    dtype: torch.dtype | None = None  # compute dtype instead of the run's (bf16); None = the run's
+    convention: bool = True  # False: a numerics probe, never a verdict's cause
+
+
+def _variants() -> list[Variant]:
+    fix = "fix the training code or the evaluation, not the weights"
+    return [
+        Variant(CONFIGURED, "the checkpoint's config, the reference conventions", ""),
+        Variant(
+            "positions+1",
+            "block position ids starting at t + 1",
+            f"the checkpoint was trained with block position ids one higher than the reference uses — {fix}",
+            Conventions(block_position_offset=1),
+        ),
+        Variant(
+            "positions-1",
+            "block position ids starting at t - 1",
+            f"the checkpoint was trained with block position ids one lower than the reference uses — {fix}",
+            Conventions(block_position_offset=-1),
+        ),
+        Variant(
+            "context+1",
+            "the context covering positions 0..t (the anchor's own feature too)",
+            "the checkpoint was trained seeing the anchor's own target feature, which an online step does not "
+            f"have yet (context one position too long) — {fix}",
+            Conventions(context_offset=1),
+        ),
+        Variant(
+            "context-1",
+            "the context covering positions 0..t-2",
+            f"the checkpoint was trained with the context one position shorter than the reference's — {fix}",
+            Conventions(context_offset=-1),
+        ),
+        Variant(
+            "layers-1",
+            "every feature layer id one lower (hidden_states[i] instead of [i + 1])",
+            "the checkpoint was trained on features one layer lower (hidden_states[i] instead of hidden_states[i + 1]) "
+            f"— {fix}, or set target_layer_ids one lower in its config",
+            Conventions(layer_offset=-1),
+        ),
+        Variant(
+            "layers+1",
+            "every feature layer id one higher (hidden_states[i + 2])",
+            f"the checkpoint was trained on features one layer higher — {fix}, or set target_layer_ids one higher "
+            "in its config",
+            Conventions(layer_offset=1),
+        ),
+        Variant(
+            "no-window",
+            "the sliding-attention layers' window dropped",
+            "the checkpoint was trained without the sliding window its config declares (a backend that ignores "
+            "sliding_window, such as the SDPA path on CPU) — fix the training attention or drop the window from "
+            "the config",
+            Conventions(window="none"),
+        ),
+        Variant(
+            "window-everywhere",
+            "the config's sliding window on every layer",
+            "the checkpoint was trained with the sliding window on every layer — fix layer_types in the config "
+            "or the training attention",
+            Conventions(window="everywhere"),
+        ),
+        Variant(
+            "causal-block",
+            "the block attending causally inside itself",
+            "the checkpoint was trained with a causal mask inside the block, where the reference drafter is "
+            "bidirectional (a flex_attention / SDPA mask mismatch) — fix the training mask, or set is_causal in "
+            "the config if causal is intended",
+            Conventions(causal_block=True),
+        ),
+        Variant(
+            "scales",
+            "input_embedding_scale, output_multiplier and softcapping at 1 (none)",
+            "the checkpoint was trained without the embedding/output scales its config declares — fix the config "
+            "or the training code",
+            Conventions(neutral_scales=True),
+        ),
+        Variant(
+            "bf16",
+            "the drafter computed in bf16",
+            "acceptance changes with the compute precision: the checkpoint is numerically sensitive (not a "
+            "convention mismatch)",
+            dtype=torch.bfloat16,
+            convention=False,
+        ),
+    ]
+
+
+VARIANTS = {v.name: v for v in _variants()}
+
+
+def not_applicable(variant: Variant, config: DrafterConfig) -> str | None:
+    """Why `variant` changes nothing for a drafter of `config` (None when it applies)."""
+    has_window = config.sliding_window is not None
+    sliding = "sliding_attention" in config.layer_types
+    if variant.name == "no-window" and not sliding:
+        return "no sliding-attention layer"
+    if variant.name == "window-everywhere" and (
+        not has_window or not (set(config.layer_types) - {"sliding_attention"})
+    ):
+        return "no sliding window to spread" if not has_window else "every layer already has the window"
+    if variant.name == "causal-block" and all(config.layer_is_causal(i) for i in range(config.num_hidden_layers)):
+        return "every layer is already causal"
+    if variant.name == "scales" and not config.has_scales:
+        return "the config sets no scale"
+    return None
+
+
+def missing_layers(variant: Variant, config: DrafterConfig, stored: list[int]) -> list[int]:
+    """Feature layer ids `variant` reads that the shards do not store."""
+    wanted = [i + variant.conventions.layer_offset for i in config.target_layer_ids]
+    return [i for i in wanted if i not in stored]
+
+
+def parse_variants(text: str | None) -> list[str]:
+    """'--variants positions+1,bf16' -> [as-configured, positions+1, bf16]; None = every variant."""
+    if not text:
+        return list(VARIANTS)
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown:
+        from pipeline.common.errors import UserError
+
+        raise UserError(f"--variants: unknown {unknown}; choose from {', '.join(VARIANTS)}")
+    return [CONFIGURED] + [n for n in names if n != CONFIGURED]

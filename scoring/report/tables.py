@@ -1,0 +1,242 @@
+"""The report's HTML tables: summary, anchors per block position, worst prompts, inputs, and the
+helpers they share (the user's message out of a chat-templated prompt, identifiers that wrap)."""
+
+from __future__ import annotations
+
+import html
+import re
+
+import polars as pl
+
+from scoring.report.data import (
+    TAU_UNIT,
+    Results,
+    datasets,
+    ddtree_budgets,
+    fmt,
+    pick_evenly,
+    reference_label,
+)
+from scoring.report.plots import MIN_ANCHORS, position_rates
+from scoring.results import CHAIN, tree_method
+
+PROMPT_PREVIEW_CHARS = 160
+
+# The last user turn of the chat templates we know, as (start marker, end marker) regexes:
+# ChatML (SmolLM2, Qwen), Llama 3, Gemma, Mistral/Llama 2 [INST].
+_USER_TURNS = [
+    re.compile(r"<\|im_start\|>user\s*\n(.*?)(?:<\|im_end\|>|$)", re.S),
+    re.compile(r"<\|start_header_id\|>user<\|end_header_id\|>\s*(.*?)(?:<\|eot_id\|>|$)", re.S),
+    re.compile(r"<start_of_turn>user\s*\n(.*?)(?:<end_of_turn>|$)", re.S),
+    re.compile(r"\[INST\](.*?)(?:\[/INST\]|$)", re.S),
+]
+# A leading system block (ChatML or Llama 3) and a trailing assistant header, for templates whose
+# user turn we do not recognise.
+_SYSTEM_BLOCK = re.compile(
+    r"^\s*(?:<\|im_start\|>system.*?<\|im_end\|>|<\|start_header_id\|>system<\|end_header_id\|>.*?<\|eot_id\|>)\s*",
+    re.S,
+)
+_ASSISTANT_HEADER = re.compile(r"(?:<\|im_start\|>assistant|<\|start_header_id\|>assistant<\|end_header_id\|>)\s*$")
+
+
+def user_message(prompt_text: str | None) -> str:
+    """The user's question inside a chat-templated prompt: the last user turn when a known
+    template's markers are there; else the text without a leading system block and a trailing
+    assistant header; else the text as it is."""
+    if not prompt_text:
+        return ""
+    for pattern in _USER_TURNS:
+        turns = pattern.findall(prompt_text)
+        if turns and turns[-1].strip():
+            return turns[-1].strip()
+    stripped = _ASSISTANT_HEADER.sub("", _SYSTEM_BLOCK.sub("", prompt_text, count=1))
+    return stripped.strip() or prompt_text
+
+
+def breakable(text: str, after: str = "/_") -> str:
+    """Escaped text that may wrap after the characters in `after` (/ and _ for paths, / for
+    checkpoint names) instead of mid-word; browsers already wrap after a hyphen."""
+    return re.sub(f"([{re.escape(after)}])", r"\1<wbr>", html.escape(text))
+
+
+def label_html(label: str) -> str:
+    """A checkpoint label: whole when short (runs/step_200 stays on one line), else wrapping after /."""
+    return breakable(label, "/") if len(label) > 24 else html.escape(label)
+
+
+def summary_table(results: Results) -> str:
+    s = results.summary
+    budgets = ddtree_budgets(s)
+    has_streak = "anchor_accepted_len_mean" in s.columns
+    head = ["Dataset", "Checkpoint", "Step", "Samples", "τ chain"] + [f"τ DDTree-{n}" for n in budgets]
+    if has_streak:
+        head.append("All-anchor streak")
+    head.append("Inexact samples")
+    titles = {
+        "τ chain": f"mean over samples of tokens per decoding step ({TAU_UNIT}); on sampled shards the "
+        "expected value, exact in distribution, ± its standard error over the responses",
+        "All-anchor streak": "mean accepted draft tokens per anchor over every response position "
+        "(chain, bonus-exclusive)",
+        "Inexact samples": "samples whose walk is not exact (not greedy, or argmax mismatches)",
+    }
+    # the wrapper scrolls sideways when many DDTree budgets make the table wider than the page
+    out = ['<div class="scroll"><table class=summary><thead><tr>']
+    out += [f'<th title="{html.escape(titles.get(h, ""))}">{html.escape(h)}</th>' for h in head]
+    out.append("</tr></thead><tbody>")
+    for dataset in datasets(s):
+        out += _summary_rows(results, dataset, budgets, has_streak)
+    out.append("</tbody></table></div>")
+    return "".join(out)
+
+
+def _summary_rows(results: Results, dataset: str, budgets: list[int], has_streak: bool) -> list[str]:
+    """One dataset's rows, one per checkpoint; the best chain tau in bold when there are several."""
+    by = {
+        (r["label"], r["method"]): r for r in results.summary.filter(pl.col("dataset") == dataset).iter_rows(named=True)
+    }
+    chain_taus = [
+        by[(lab, CHAIN)]["tau"] for lab in results.order if (by.get((lab, CHAIN)) or {}).get("tau") is not None
+    ]
+    best = max(chain_taus) if len(chain_taus) > 1 else None
+    out, first = [], True
+    for label in results.order:
+        chain = by.get((label, CHAIN))
+        if chain is None:
+            continue
+        css, first = (' class="group-start"' if first else ""), False
+        tau = fmt(chain["tau"])
+        if chain.get("tau_se") is not None:  # sampled shards: an expectation with its sampling error
+            tau += f" ± {fmt(chain['tau_se'])}"
+        cells = [
+            html.escape(dataset),
+            label_html(label),
+            fmt(results.steps.get(label)),
+            fmt(chain.get("samples")),
+            f"<b>{tau}</b>" if best is not None and chain["tau"] == best else tau,
+        ]
+        cells += [fmt((by.get((label, tree_method(n))) or {}).get("tau")) for n in budgets]
+        if has_streak:
+            cells.append(fmt(chain.get("anchor_accepted_len_mean")))
+        cells.append(fmt(chain.get("inexact_samples")))
+        out.append(f"<tr{css}>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
+    return out
+
+
+def reach_table(results: Results) -> str:
+    """Anchors that reached each block position (the n behind each point of the acceptance plot),
+    one row per checkpoint; cells under MIN_ANCHORS carry class `few` (grey)."""
+    labels = [lab for lab in position_rates(results) if lab in results.reach]
+    if not labels:
+        return ""
+    longest = max(len(results.reach[lab][0]) for lab in labels)
+    head = "".join(f"<th>k={k}</th>" for k in range(1, longest + 1))
+    out = [f'<div class="scroll"><table class="reach"><thead><tr><th>Checkpoint</th>{head}</tr></thead><tbody>']
+    for label in labels:
+        reached = results.reach[label][0]
+        cells = "".join(
+            f'<td class="few" title="fewer than {MIN_ANCHORS} anchors">{n}</td>' if n < MIN_ANCHORS else f"<td>{n}</td>"
+            for n in reached
+        )
+        out.append(f"<tr><td>{label_html(label)}</td>{cells}</tr>")
+    out.append("</tbody></table></div>")
+    return "".join(out)
+
+
+def _prompt_cell(text: str | None) -> str:
+    """The user's message (a preview when long), expandable to the full prompt as the target saw it."""
+    if not text:
+        return '<span class="muted">(no prompt text)</span>'
+    question = user_message(text)
+    preview = question if len(question) <= PROMPT_PREVIEW_CHARS else question[:PROMPT_PREVIEW_CHARS].rstrip() + "…"
+    if preview == text:
+        return f'<div class="prompt">{html.escape(text)}</div>'
+    return (
+        f'<details><summary class="prompt">{html.escape(preview)}</summary>'
+        f'<div class="prompt full">{html.escape(text)}</div></details>'
+    )
+
+
+def worst_prompts_table(results: Results, worst: int) -> tuple[str, str]:
+    """(intro paragraph, table) for the `worst` samples of the latest checkpoint by chain tau;
+    the tau of the same sample under earlier checkpoints shows whether it is improving."""
+    if worst <= 0:
+        return "", '<p class="note">Not requested (--worst 0).</p>'
+    reference = reference_label(results)
+    if reference is None:
+        return "", '<p class="note">No samples.parquet in these results, so no per-prompt view.</p>'
+    samples = results.samples
+    with_samples = [lab for lab in results.order if lab in set(samples["label"])]
+    ref = samples.filter((pl.col("label") == reference) & pl.col("tau").is_not_null()).sort("tau").head(worst)
+    history = pick_evenly(with_samples, 6) if len(with_samples) > 1 else []
+    key_tau = {(r["label"], r["dataset"], r["sample_id"]): r["tau"] for r in samples.iter_rows(named=True)}
+    head = ["#", "Dataset", "Sample", "τ chain", "Steps", "Response tokens", "Finish"]
+    if history:
+        head.insert(4, "τ across checkpoints")
+    out = ["<table class=worst><thead><tr>"] + [f"<th>{h}</th>" for h in head] + ["<th>Prompt</th></tr></thead><tbody>"]
+    for rank, r in enumerate(ref.iter_rows(named=True), start=1):
+        cells = [str(rank), html.escape(str(r["dataset"])), html.escape(str(r["sample_id"])), fmt(r["tau"], 2)]
+        if history:
+            cells.append(" → ".join(fmt(key_tau.get((lab, r["dataset"], r["sample_id"])), 2) for lab in history))
+        cells += [fmt(r.get("steps")), fmt(r.get("response_len")), html.escape(str(r.get("finish_reason") or "–"))]
+        out.append(
+            "<tr>" + "".join(f"<td>{c}</td>" for c in cells) + f"<td>{_prompt_cell(r.get('prompt_text'))}</td></tr>"
+        )
+    out.append("</tbody></table>")
+    skipped = samples.filter((pl.col("label") == reference) & pl.col("tau").is_null()).height
+    return f"<p>{_worst_intro(results, reference, ref.height, history, skipped)}</p>", "".join(out)
+
+
+def _worst_intro(results: Results, reference: str, count: int, history: list[str], skipped: int) -> str:
+    which = "the latest checkpoint" if results.steps.get(reference) is not None else "the last checkpoint listed"
+    intro = f"The {count} samples with the lowest chain τ under <b>{html.escape(reference)}</b> ({which})"
+    if history:
+        intro += "; “τ across checkpoints” follows the same sample through " + ", ".join(
+            html.escape(lab) for lab in history
+        )
+    intro += ". The prompt column shows the user's message; click it to see the whole prompt as the target saw it."
+    if skipped:
+        intro += f" {skipped} sample(s) with no decoding step (empty response) are left out."
+    return intro
+
+
+def inputs_table(results: Results) -> str:
+    out = [
+        "<table class=inputs><thead><tr><th>Results directory</th><th>Checkpoint</th><th>Hash</th>"
+        "<th>Step</th><th>Shards</th><th>Samples</th><th>Device / dtype</th><th>Scoring time</th></tr></thead><tbody>"
+    ]
+    first = {r["results_dir"]: r for r in results.summary.unique("results_dir", keep="first").iter_rows(named=True)}
+    for d in results.dirs:
+        row, run = first.get(d, {}), results.runs.get(d, {})
+        shards = run.get("shards", {})
+        device = f"{run['device']} / {run.get('dtype', '?')}" if "device" in run else "–"
+        wall = f"{run['wall_time_s']:.1f} s" if isinstance(run.get("wall_time_s"), (int, float)) else "–"
+        cells = [
+            f'<td class="path">{breakable(d)}</td>',
+            f"<td>{label_html(str(row.get('label', '–')))}</td>",
+            f'<td class="hash">{html.escape(str(row.get("checkpoint_hash") or "–"))}</td>',
+            f"<td>{fmt(row.get('checkpoint_step'))}</td>",
+            f'<td class="path">{breakable(str(shards.get("uri", "–")))}</td>',
+            f"<td>{fmt(shards.get('samples'))}</td>",
+            f"<td>{html.escape(device)}</td>",
+            f"<td>{html.escape(wall)}</td>",
+        ]
+        out.append("<tr>" + "".join(cells) + "</tr>")
+    out.append("</tbody></table>")
+    return "".join(out) + duplicates_note(results)
+
+
+def duplicates_note(results: Results) -> str:
+    """The directories left out as duplicates, each with the one kept instead and why."""
+    if not results.duplicates:
+        return ""
+    items = "".join(
+        f"<li><span class=path>{breakable(d.skipped)}</span>: same checkpoint (hash {html.escape(d.checkpoint_hash)}) "
+        f"on the same shards as <span class=path>{breakable(d.kept)}</span>, which was kept ({html.escape(d.reason)})</li>"
+        for d in results.duplicates
+    )
+    return (
+        f'<div class="note duplicates"><p>{len(results.duplicates)} results director'
+        f"{'y' if len(results.duplicates) == 1 else 'ies'} left out as duplicates (a checkpoint scored twice "
+        f"on the same shards counts once: the run on the most samples is kept, then the most recent):</p>"
+        f"<ul>{items}</ul></div>"
+    )
