@@ -158,7 +158,7 @@ def test_blockwise_plan_covers_exactly_the_visible_keys(window, offset):
 
 def _score_tables(shards: str, ckpt: str, out: str, attention: str, anchors: str) -> dict[str, pl.DataFrame]:
     from scoring.config import ScoreConfig
-    from scoring.score.steps import run_score
+    from scoring.score.run import run_score
 
     config = ScoreConfig(
         ckpts=[ckpt],

@@ -30,7 +30,7 @@ from scoring.config import ScoreConfig
 from scoring.drafters.dflash import DFlashDrafter, parse_drafter_config
 from scoring.fit import new_drafter_config, save_drafter
 from scoring.replay.anchors import ReplayOptions, context_rows, pack_samples, prepare_target_head, replay_sample
-from scoring.score.steps import run_score
+from scoring.score.run import run_score
 
 TARGET_LAYERS, LAYER_IDS = TINY_TARGET["num_layers"], [1, 3]
 

@@ -36,7 +36,7 @@ from pipeline.extract.run import ExtractConfig, run_extract
 from pipeline.shards import ShardSet
 from scoring.config import ScoreConfig
 from scoring.replay import metrics
-from scoring.score.steps import run_score
+from scoring.score.run import run_score
 from specreplay.cli import main
 
 pytestmark = pytest.mark.slow

@@ -25,7 +25,7 @@ from scoring.drafters.checkpoint import CheckpointError
 from scoring.fit import save_drafter
 from scoring.replay.anchors import prepare_target_head
 from scoring.score.passes import weight_bytes
-from scoring.score.steps import run_score, score_checkpoint
+from scoring.score.run import run_score, score_checkpoint
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BUDGETS = [4, 8]

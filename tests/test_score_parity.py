@@ -23,7 +23,7 @@ from online_reference import online_generate
 from pipeline.extract.run import ExtractConfig, run_extract
 from pipeline.shards import ShardSet
 from scoring.config import ScoreConfig
-from scoring.score.steps import run_score
+from scoring.score.run import run_score
 
 # dflash_generate(return_stats=True) times itself with torch.cuda.synchronize; on CPU use a plain clock.
 reference._cuda_time = time.perf_counter

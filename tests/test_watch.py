@@ -26,7 +26,7 @@ from safetensors.torch import load_file, save_file
 
 from conftest import fitted_drafters, tiny_shards
 from scoring.config import ScoreConfig
-from scoring.score.steps import run_score
+from scoring.score.run import run_score
 from scoring.track.watch import Tracker, candidate_paths
 from specreplay.cli import main
 

@@ -67,7 +67,7 @@ def score_side(shard_dir: str, calls: list[list[str]], out: Path) -> dict:
     """run_score once per list of checkpoints in `calls`, timed together, with the product's stages."""
     from pipeline.common import timing
     from scoring.config import ScoreConfig
-    from scoring.score.steps import run_score
+    from scoring.score.run import run_score
 
     clock, outcomes = StageClock(), []
     with Phase() as phase, timing.recording(clock):
@@ -109,7 +109,7 @@ def identical(separate: dict, one: dict) -> dict:
 def run(ctx) -> tuple[dict, Rows]:
     from scoring.config import ScoreConfig
     from scoring.score.passes import weight_bytes
-    from scoring.score.steps import run_score
+    from scoring.score.run import run_score
 
     work = Path(ctx.work) / "checkpoints"
     work.mkdir(parents=True, exist_ok=True)

@@ -149,7 +149,7 @@ def score_overlap(ckpt: str, shard_dir: str, work) -> dict:
     """run_score chain only vs chain + DDTree up to 1024, alternated, min of 2; stage seconds."""
     from pipeline.common import timing
     from scoring.config import ScoreConfig
-    from scoring.score.steps import run_score
+    from scoring.score.run import run_score
 
     def one(budgets, label):
         clock = StageClock()

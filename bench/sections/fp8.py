@@ -16,7 +16,7 @@ def run(ctx) -> tuple[dict, Rows]:
     from pipeline.extract.config import ExtractConfig
     from pipeline.extract.run import run_extract
     from scoring.config import ScoreConfig
-    from scoring.score.steps import run_score
+    from scoring.score.run import run_score
 
     args, lossless = ctx.args, ctx.figures["score"]
     out = ctx.work / "shards-fp8"

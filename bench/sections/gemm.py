@@ -212,7 +212,7 @@ def timed_score(ckpt: str, shard_dir: str, out: Path, **config) -> dict:
     """One `run_score` with its stage calls recorded: wall, others' CPU, anchors, calls."""
     from pipeline.common import timing
     from scoring.config import ScoreConfig
-    from scoring.score.steps import run_score
+    from scoring.score.run import run_score
 
     calls = StageCalls()
     with Phase() as phase, timing.recording(calls):

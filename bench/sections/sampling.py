@@ -63,7 +63,7 @@ def run(ctx) -> tuple[dict, Rows]:
     from pipeline.extract.target import load_target
     from pipeline.shards import ShardSet
     from scoring.config import ScoreConfig
-    from scoring.score.steps import run_score
+    from scoring.score.run import run_score
 
     args, work = ctx.args, ctx.work
     size = sizes(args)

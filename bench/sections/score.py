@@ -191,7 +191,7 @@ def run(ctx) -> tuple[dict, Rows]:
 
     from pipeline.shards import ShardSet
     from scoring.config import DEFAULT_TREE_NODES, ScoreConfig
-    from scoring.score.steps import run_score
+    from scoring.score.run import run_score
 
     args, work = ctx.args, ctx.work
     shard_dir = fp32.shards(ctx)
@@ -351,7 +351,7 @@ def profile_offline(work: Path, shard_dir: str, ckpt: str, samples: int = 2, top
     from torch.profiler import ProfilerActivity, profile
 
     from scoring.config import ScoreConfig
-    from scoring.score.steps import run_score
+    from scoring.score.run import run_score
 
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         run_score(

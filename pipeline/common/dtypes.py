@@ -33,3 +33,8 @@ def resolve_dtype(dtype: str | torch.dtype, device="cpu", option: str = "--dtype
     if key not in COMPUTE_DTYPES:
         raise UserError(f"{option} {dtype!r} is not supported; use one of auto, {', '.join(COMPUTE_DTYPES)}")
     return COMPUTE_DTYPES[key]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The name run.json and the manifest record: "float32", "bfloat16", ..."""
+    return str(dtype).removeprefix("torch.")

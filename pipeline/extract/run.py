@@ -67,6 +67,7 @@ from pipeline.common.dtypes import COMPUTE_DTYPES
 from pipeline.common.errors import UserError
 from pipeline.common.layer_ids import build_target_layer_ids, check_layer_ids
 from pipeline.common.sampling import Sampling
+from pipeline.common.settings import settings_diff
 from pipeline.common.versions import specreplay_version
 from pipeline.extract.config import ExtractConfig
 from pipeline.shards.writer import excluded_records
@@ -342,25 +343,6 @@ def settings_identity(
     if config.neighbour_layers:  # likewise absent unless asked for; the drafter's own ids
         identity["neighbour_layers"] = {"requested": list(requested or layer_ids)}
     return identity
-
-
-def flatten(obj, prefix: str = "") -> dict:
-    if isinstance(obj, dict):
-        out = {}
-        for key, value in obj.items():
-            out.update(flatten(value, f"{prefix}{key}."))
-        return out
-    return {prefix.rstrip("."): obj}
-
-
-def settings_diff(old: dict, new: dict) -> list[str]:
-    """'key: old -> new' lines for every setting that differs (dotted keys for nested ones)."""
-    a, b = flatten(old), flatten(new)
-    return [
-        f"{key}: {a.get(key, '<absent>')!r} -> {b.get(key, '<absent>')!r}"
-        for key in sorted(set(a) | set(b))
-        if a.get(key, "<absent>") != b.get(key, "<absent>")
-    ]
 
 
 def tensor_dtypes(feature_dtype: str, sampled: bool = False) -> dict[str, str]:

@@ -33,21 +33,23 @@ from scoring.config import ScoreConfig
 from scoring.drafters.checkpoint import read_drafter_config
 from scoring.drafters.dflash import DFlashDrafter
 from scoring.score.collect import Collector
+from scoring.score.outputs import (
+    NonFiniteLogitsError,
+    Outcome,
+    remove_dead_staging,
+    results_lock,
+    skipped,
+    write_results,
+)
+from scoring.score.record import run_facts, run_record
 from scoring.score.steps import (
     SAMPLE_TENSORS,
     Job,
-    NonFiniteLogitsError,
-    Outcome,
     identity_of,
     prepare_job,
-    remove_dead_staging,
     replay_group,
     resolve_device_dtype,
-    results_lock,
-    run_record,
     sample_groups,
-    skipped,
-    write_results,
 )
 
 # A checkpoint's own problem (truncated, incompatible, locked, results of other settings in the
@@ -263,7 +265,9 @@ def write_lane(lane: Lane, collector: Collector, anchors: int, shardset: ShardSe
         raise NonFiniteLogitsError(nonfinite)
     job = lane.job
     tables = collector.tables(identity_of(job.info), config.anchors)
-    record = run_record(lane.ckpt, job, shardset, config, dist, anchors, time.time() - lane.started, nonfinite)
+    options, wall = job.options, time.time() - lane.started
+    facts = run_facts(options.device, options.attention_backend, dist, anchors, nonfinite, wall)
+    record = run_record(job.planned, lane.ckpt, job.info, shardset, facts)
     write_results(lane.out_dir, tables, record)
     lane.state = "scored"
     return Outcome(lane.ckpt, lane.out_dir, "scored", record, tables["summary"], name=job.info.name)

@@ -49,14 +49,10 @@ from scoring.drafters.checkpoint import WEIGHT_EXTENSIONS, checkpoint_problem, p
 from scoring.replay.anchors import prepare_target_head
 from scoring.report.page import write_report
 from scoring.score.console import headline
-from scoring.score.steps import (
-    Outcome,
-    check_anchor_set,
-    read_record,
-    remove_dead_staging,
-    resolve_device_dtype,
-    score_checkpoint,
-)
+from scoring.score.outputs import Outcome, remove_dead_staging
+from scoring.score.record import read_record
+from scoring.score.run import score_checkpoint
+from scoring.score.steps import check_anchor_set, resolve_device_dtype
 
 # --once looks twice, this far apart (or --interval when shorter): long enough to see a writer
 # that is still appending, short enough for cron and CI.

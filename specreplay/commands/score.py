@@ -114,7 +114,7 @@ def score(no_progress, quiet, as_json, **options):
           --sample 8 --seed 0 --ddtree-budgets 16,64
     """
     from pipeline.common.paths import check_input_path, check_output_dir
-    from scoring.score.steps import run_score
+    from scoring.score.run import run_score
     from specreplay.progress import bars
 
     datasets = [name.strip() for name in (options["datasets"] or "").split(",") if name.strip()]

@@ -1,0 +1,117 @@
+"""run.json: what a score run scored, on what, how, and how long it took.
+
+Built here, read back here: `planned_record` is the part known before any replay (what makes
+two runs the same work), `run_record` completes it after the replay, `settings_of` reads
+back what `differences` compares when a results directory is scored again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import sys
+
+import torch
+
+from pipeline.common.distributed import Dist
+from pipeline.common.dtypes import dtype_name
+from pipeline.common.sampling import sampling_of
+from pipeline.common.settings import settings_diff
+from pipeline.common.versions import specreplay_version
+from pipeline.shards import ShardSet
+from scoring import results
+from scoring.config import ScoreConfig
+from scoring.drafters.checkpoint import CheckpointInfo
+
+
+def shards_identity(manifest: dict) -> str:
+    """Content identity of an extract: its settings and every shard's checksum."""
+    blob = json.dumps(
+        {"settings": manifest["settings"], "shards": sorted((s["file"], s["crc32"]) for s in manifest["shards"])},
+        sort_keys=True,
+    )
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def planned_record(info: CheckpointInfo, shardset: ShardSet, config: ScoreConfig, dtype, selection: dict) -> dict:
+    """The settings part of run.json, known before any replay: what `differences` compares."""
+    return {
+        "checkpoint": {"content_hash": info.content_hash},
+        "shards": {"identity": shards_identity(shardset.manifest), "samples": selection["samples"]},
+        "ddtree_budgets": list(config.tree_nodes),
+        "anchor_set": config.anchors,
+        "anchor_drafts": config.anchor_drafts,
+        "dtype": dtype_name(dtype),
+        "selection": selection,
+    }
+
+
+def run_record(planned: dict, ckpt: str, info: CheckpointInfo, shardset: ShardSet, facts: dict) -> dict:
+    """run.json: the planned settings completed with the checkpoint's and the shards' identity
+    and `facts` (device, attention, world_size, anchors, nonfinite_drafter, wall_time_s): the
+    samples left out of every number are `nonfinite_drafter` (NaN/Inf drafter logits, with
+    their anchors) and shards.excluded_samples (NaN/Inf target values the extract never stored)."""
+    manifest = shardset.manifest
+    record = json.loads(json.dumps(planned))  # a deep copy: the planned record stays as planned
+    record["checkpoint"].update(path=os.path.abspath(ckpt), name=info.name, step=info.step, config=info.config_raw)
+    record["shards"].update(
+        uri=shardset.uri,
+        sampling=sampling_of(manifest["settings"]).as_dict(),
+        target=manifest.get("target", {}).get("name"),
+        feature_dtype=manifest.get("tensors", {}).get("features"),
+        excluded_samples=int(manifest.get("totals", {}).get("excluded_samples", 0)),
+    )
+    record.update(facts)
+    record["versions"] = {
+        "specreplay": specreplay_version(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
+    record["command"] = sys.argv
+    return record
+
+
+def run_facts(device: str, attention: str, dist: Dist, anchors: int, nonfinite: list | None, wall: float) -> dict:
+    """The parts of run.json only the replay knows."""
+    return {
+        "device": device,
+        "attention": attention,
+        "world_size": dist.world,
+        "anchors": anchors,
+        "nonfinite_drafter": list(nonfinite or []),
+        "wall_time_s": round(wall, 3),
+    }
+
+
+def read_record(out_dir: str) -> dict | None:
+    """The run.json of a finished results directory, None when there is none."""
+    run_path = os.path.join(out_dir, results.FILES["run"])
+    if not os.path.exists(run_path):
+        return None
+    with open(run_path) as f:
+        return json.load(f)
+
+
+def settings_of(record: dict) -> dict:
+    """What makes two score runs the same work (and so their results interchangeable)."""
+    selection = record.get("selection") or {}
+    return {
+        "checkpoint content hash": record.get("checkpoint", {}).get("content_hash"),
+        "shards identity": record.get("shards", {}).get("identity"),
+        "ddtree budgets": record.get("ddtree_budgets"),
+        "anchor set": record.get("anchor_set", "all"),
+        "anchor drafts": record.get("anchor_drafts", False),
+        "dtype": record.get("dtype"),
+        "samples": record.get("shards", {}).get("samples"),
+        "sample ids": selection.get("ids_hash"),
+    }
+
+
+def differences(previous: dict, planned: dict) -> list[str]:
+    """'name: before -> now' for every setting that differs (ids only when both recorded them)."""
+    before, now = settings_of(previous), settings_of(planned)
+    if before["sample ids"] is None or now["sample ids"] is None:
+        before.pop("sample ids"), now.pop("sample ids")
+    return settings_diff(before, now)
