@@ -21,7 +21,8 @@ from pipeline.common.errors import UserError
 from pipeline.common.layer_ids import build_target_layer_ids, requested_layer_ids
 from pipeline.shards import Sample, ShardSet
 from scoring.config import FitOptions
-from scoring.drafters.dflash import DFlashDrafter, parse_drafter_config
+from scoring.drafters.detect import parse_drafter_config
+from scoring.drafters.dflash_model import DFlashDrafter
 from scoring.replay.anchors import select_feature_columns
 
 GAMMA_BY_BLOCK = {16: 7.0, 10: 5.0, 8: 4.0}

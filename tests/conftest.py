@@ -308,7 +308,8 @@ def _random_weights(model, seed: int, std: float):
 
 def random_drafter(*, seed: int = 0, std: float = 0.2, **config):
     """Our scoring.drafters.dflash.DFlashDrafter with drafter_config(**config) and random weights."""
-    from scoring.drafters.dflash import DFlashDrafter, parse_drafter_config
+    from scoring.drafters.detect import parse_drafter_config
+    from scoring.drafters.dflash_model import DFlashDrafter
 
     with _seeded(seed):
         drafter = DFlashDrafter(parse_drafter_config(drafter_config(**config), "test drafter"))

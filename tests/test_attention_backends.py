@@ -18,10 +18,10 @@ import polars as pl
 import pytest
 import torch
 
-import scoring.drafters.dflash as drafter_module
+import scoring.drafters.attention as drafter_module
 from conftest import TINY_HIDDEN, random_drafter
+from scoring.drafters.attention import block_masks, blockwise_plan
 from scoring.drafters.conventions import Conventions
-from scoring.drafters.dflash import block_masks, blockwise_plan
 
 TARGET = {"hidden_size": 32, "num_layers": 4, "vocab_size": 50}
 KINDS = [

@@ -12,17 +12,11 @@ import torch
 from safetensors.torch import save_file
 
 from conftest import REFERENCE_HIDDEN as HIDDEN, REFERENCE_MASK as MASK, REFERENCE_VOCAB as VOCAB, reference_drafter
-from scoring.drafters.checkpoint import (
-    CheckpointError,
-    CompatibilityError,
-    check_compatibility,
-    content_hash,
-    display_name,
-    load_drafter,
-    parse_step,
-    read_drafter_config,
-)
-from scoring.drafters.dflash import DrafterConfigError, parse_drafter_config
+from scoring.drafters.base import DrafterConfigError
+from scoring.drafters.checkpoint import load_drafter, read_drafter_config
+from scoring.drafters.compatibility import CompatibilityError, check_compatibility
+from scoring.drafters.detect import parse_drafter_config
+from scoring.drafters.files import CheckpointError, content_hash, display_name, parse_step
 from scoring.replay.anchors import select_feature_columns
 
 # The checkpoints here are written by the public reference's own save_pretrained.

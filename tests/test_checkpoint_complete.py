@@ -1,4 +1,4 @@
-"""scoring.drafters.checkpoint.checkpoint_problem: a partly written checkpoint (truncated safetensors, a
+"""scoring.drafters.files.checkpoint_problem: a partly written checkpoint (truncated safetensors, a
 missing shard, an empty .pt, a config cut off) is one line naming the file, found from sizes and
 headers before any tensor is read; a complete checkpoint has no problem."""
 
@@ -11,9 +11,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-import scoring.drafters.checkpoint as checkpoint
+import scoring.drafters.files as checkpoint
 from conftest import reference_drafter
-from scoring.drafters.checkpoint import CheckpointError, checkpoint_problem, load_drafter, read_drafter_config
+from scoring.drafters.checkpoint import load_drafter, read_drafter_config
+from scoring.drafters.files import CheckpointError, checkpoint_problem
 
 pytest.importorskip("dflash")
 

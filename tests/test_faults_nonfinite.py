@@ -356,7 +356,8 @@ def test_score_through_faulty_drafters_and_excluded_extract(extracted, tmp_path)
 
 
 def test_weights_beyond_the_compute_dtype_are_refused(tmp_path):
-    from scoring.drafters.checkpoint import NonFiniteWeightsError, load_drafter
+    from scoring.drafters.checkpoint import load_drafter
+    from scoring.drafters.files import NonFiniteWeightsError
 
     path = save_drafter(random_drafter(layer_ids=(1, 3), seed=4), str(tmp_path / "big"))
     weights = load_file(os.path.join(path, "model.safetensors"))

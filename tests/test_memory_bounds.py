@@ -27,7 +27,8 @@ import scoring.score.steps as score
 from conftest import TINY_HIDDEN as HIDDEN, TINY_TARGET, TINY_VOCAB as VOCAB, random_drafter
 from pipeline import shards
 from scoring.config import ScoreConfig
-from scoring.drafters.dflash import DFlashDrafter, parse_drafter_config
+from scoring.drafters.detect import parse_drafter_config
+from scoring.drafters.dflash_model import DFlashDrafter
 from scoring.fit import new_drafter_config, save_drafter
 from scoring.replay.anchors import ReplayOptions, context_rows, pack_samples, prepare_target_head, replay_sample
 from scoring.score.run import run_score

@@ -21,7 +21,7 @@ from conftest import random_drafter, tiny_shards
 from pipeline.common import timing
 from pipeline.shards import ShardSet
 from scoring.config import ScoreConfig
-from scoring.drafters.checkpoint import CheckpointError
+from scoring.drafters.files import CheckpointError
 from scoring.fit import save_drafter
 from scoring.replay.anchors import prepare_target_head
 from scoring.score.passes import weight_bytes

@@ -176,7 +176,8 @@ def run(ctx) -> tuple[dict, Rows]:
     from pipeline.common.layer_ids import build_target_layer_ids
     from pipeline.shards import ShardSet
     from scoring.drafters.checkpoint import load_drafter
-    from scoring.drafters.dflash import DFlashDrafter, parse_drafter_config
+    from scoring.drafters.detect import parse_drafter_config
+    from scoring.drafters.dflash_model import DFlashDrafter
     from scoring.fit import new_drafter_config, save_drafter
     from scoring.replay.anchors import ReplayOptions, prepare_target_head, replay_sample, select_feature_columns
 

@@ -48,3 +48,25 @@ def requested_layer_ids(settings: dict) -> list[int]:
     neighbours `extract --neighbour-layers` added (manifest settings.neighbour_layers)."""
     neighbours = settings.get("neighbour_layers") or {}
     return [int(i) for i in neighbours.get("requested", settings["layer_ids"])]
+
+
+def drafter_layer_ids(raw: dict, where: str, num_target_layers: int | None = None) -> list[int]:
+    """The feature layers a DFlash drafter config names, in this project's convention, as the
+    reference DFlashDraftModel resolves them: dflash_config.target_layer_ids, else top-level
+    target_layer_ids, else the default formula over the drafter's num_hidden_layers and the
+    config's num_target_layers, else `num_target_layers` (the target's, when the caller has
+    it: extract does, score does not and refuses rather than guess)."""
+    ids = (raw.get("dflash_config") or {}).get("target_layer_ids", raw.get("target_layer_ids"))
+    if ids is not None:
+        return [int(i) for i in ids]
+    layers = raw.get("num_target_layers") or num_target_layers
+    if layers is None:
+        raise UserError(
+            f"{where}: neither dflash_config.target_layer_ids nor num_target_layers is set, so the "
+            f"feature layers are unknown"
+        )
+    if "num_hidden_layers" not in raw:
+        raise UserError(
+            f"{where}: has neither dflash_config.target_layer_ids nor num_hidden_layers; pass --layer-ids explicitly"
+        )
+    return build_target_layer_ids(int(layers), int(raw["num_hidden_layers"]))

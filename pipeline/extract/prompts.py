@@ -19,7 +19,7 @@ from pathlib import Path
 
 from pipeline.common.errors import UserError
 
-PROMPTS_DIR = Path(__file__).resolve().parents[1] / "data" / "prompts"
+PROMPTS_DIR = Path(__file__).resolve().parents[2] / "data" / "prompts"
 BUNDLED_FILES = ("humaneval", "gsm8k", "mt-bench")  # data/prompts/<name>.jsonl.gz
 # `make extract` default: small enough for SmolLM2-135M on two CPU cores in a few minutes.
 # (set name, first N) in this order; a mix of the bundled files, not a copy of them.

@@ -65,7 +65,7 @@ from pipeline.common import timing
 from pipeline.common.distributed import Dist, barrier, dist_from_env, init_dist, resolve_device
 from pipeline.common.dtypes import COMPUTE_DTYPES
 from pipeline.common.errors import UserError
-from pipeline.common.layer_ids import build_target_layer_ids, check_layer_ids
+from pipeline.common.layer_ids import build_target_layer_ids, check_layer_ids, drafter_layer_ids
 from pipeline.common.sampling import Sampling
 from pipeline.common.settings import settings_diff
 from pipeline.common.versions import specreplay_version
@@ -94,9 +94,7 @@ class Item:
 
 
 def draft_layer_ids(path: str, num_target_layers: int) -> list[int]:
-    """Feature layers a drafter config asks for, as the reference DFlashDraftModel resolves them:
-    dflash_config.target_layer_ids, else target_layer_ids, else the formula with
-    num_target_layers and the drafter's num_hidden_layers."""
+    """Feature layers the drafter config at `path` asks for (pipeline/common/layer_ids.py)."""
     config_path = Path(path)
     if config_path.is_dir():
         config_path = config_path / "config.json"
@@ -108,16 +106,7 @@ def draft_layer_ids(path: str, num_target_layers: int) -> list[int]:
         raise UserError(
             f"--draft-config {config_path}: not valid JSON ({error}); pass a drafter config.json"
         ) from error
-    ids = (config.get("dflash_config") or {}).get("target_layer_ids", config.get("target_layer_ids"))
-    if ids is not None:
-        return [int(i) for i in ids]
-    if "num_hidden_layers" not in config:
-        raise UserError(
-            f"--draft-config {config_path}: has neither dflash_config.target_layer_ids nor num_hidden_layers; "
-            f"pass --layer-ids explicitly"
-        )
-    layers = int(config.get("num_target_layers") or num_target_layers)
-    return build_target_layer_ids(layers, int(config["num_hidden_layers"]))
+    return drafter_layer_ids(config, f"--draft-config {config_path}", num_target_layers)
 
 
 def resolve_layer_ids(config: ExtractConfig, num_target_layers: int) -> list[int]:

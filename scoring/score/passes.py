@@ -31,7 +31,7 @@ from pipeline.common.errors import UserError
 from pipeline.shards import ShardSet
 from scoring.config import ScoreConfig
 from scoring.drafters.checkpoint import read_drafter_config
-from scoring.drafters.dflash import DFlashDrafter
+from scoring.drafters.detect import build_drafter
 from scoring.score.collect import Collector
 from scoring.score.outputs import (
     NonFiniteLogitsError,
@@ -90,7 +90,7 @@ def weight_bytes(ckpt: str, dtype: torch.dtype) -> int:
     try:
         config = read_drafter_config(ckpt)
         with torch.device("meta"):  # shapes without memory
-            params = sum(p.numel() for p in DFlashDrafter(config).parameters())
+            params = sum(p.numel() for p in build_drafter(config).parameters())
     except FAILURES:
         return 0
     return params * torch.empty((), dtype=dtype).element_size()

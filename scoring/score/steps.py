@@ -18,7 +18,8 @@ from pipeline.common.sampling import sampling_of
 from pipeline.shards import ShardSet
 from scoring import results
 from scoring.config import ScoreConfig
-from scoring.drafters.checkpoint import CheckpointInfo, check_compatibility, load_drafter, read_drafter_config
+from scoring.drafters.checkpoint import CheckpointInfo, load_drafter, read_drafter_config
+from scoring.drafters.compatibility import check_compatibility
 from scoring.replay.anchors import (
     ReplayOptions,
     replay_sample,

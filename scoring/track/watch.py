@@ -45,7 +45,7 @@ from scoring import results
 from scoring.compare.bootstrap import digits
 from scoring.compare.run import CompareError, CompareWarning, headline_row, run_comparison
 from scoring.config import ScoreConfig
-from scoring.drafters.checkpoint import WEIGHT_EXTENSIONS, checkpoint_problem, parse_step, resolve_checkpoint_files
+from scoring.drafters.files import WEIGHT_EXTENSIONS, checkpoint_problem, parse_step, resolve_checkpoint_files
 from scoring.replay.anchors import prepare_target_head
 from scoring.report.page import write_report
 from scoring.score.console import headline

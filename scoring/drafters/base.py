@@ -1,0 +1,104 @@
+"""What a drafter family gives the rest of the project, in the project's own terms.
+
+A family is one module of this folder (dflash.py: z-lab DFlash v1) that turns its checkpoint's
+config.json into a `DrafterConfig` (feature layer ids in this project's convention,
+docs/layer-numbering.md; block size, mask token, widths) and builds the model the replay
+drives. detect.py picks the family from a config; checkpoint.py loads weights into the
+family's model; the replay (scoring/replay/) calls only the `DraftModel` methods below.
+Adding a family means adding its module, listing it in detect.py, and its tests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from pipeline.common.errors import UserError
+from pipeline.common.sampling import Sampling
+from scoring.drafters.conventions import REFERENCE, Conventions
+
+
+class DrafterConfigError(UserError):
+    """A drafter config this implementation cannot score exactly."""
+
+
+@dataclass
+class DrafterConfig:
+    """What the replay needs to know about a drafter (parsed from its config.json)."""
+
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rms_norm_eps: float
+    block_size: int
+    mask_token_id: int
+    target_layer_ids: list[int]
+    num_target_layers: int | None
+    layer_types: list[str]
+    sliding_window: int | None
+    is_causal: bool | None
+    input_embedding_scale: float = 1.0
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None
+    attention_bias: bool = False
+    raw: dict = field(default_factory=dict, repr=False)
+    family: str = "dflash"  # detect.py's key of the family that parsed it
+
+    def layer_is_causal(self, index: int) -> bool:
+        """As the reference: sliding layers are causal unless `is_causal` overrides all layers."""
+        if self.is_causal is not None:
+            return bool(self.is_causal)
+        return self.layer_types[index] == "sliding_attention"
+
+    def layer_window(self, index: int) -> int | None:
+        return self.sliding_window if self.layer_types[index] == "sliding_attention" else None
+
+    def layer_mask_kind(self, index: int, conventions: Conventions = REFERENCE) -> tuple[bool, int | None]:
+        """(causal inside the block, sliding window or None) of layer `index` under `conventions`."""
+        window = {"configured": self.layer_window(index), "none": None, "everywhere": self.sliding_window}
+        return self.layer_is_causal(index) or conventions.causal_block, window[conventions.window]
+
+    def scales(self, conventions: Conventions = REFERENCE) -> tuple[float, float, float | None]:
+        """(input_embedding_scale, output_multiplier, final_logit_softcapping) under `conventions`."""
+        if conventions.neutral_scales:
+            return 1.0, 1.0, None
+        return self.input_embedding_scale, self.output_multiplier, self.final_logit_softcapping
+
+    @property
+    def has_scales(self) -> bool:
+        """Whether any scale differs from its neutral value (the `scales` diagnose variant)."""
+        return self.scales() != (1.0, 1.0, None)
+
+
+class DraftModel(Protocol):
+    """What the replay asks of a drafter model (scoring/replay/anchors.py)."""
+
+    config: DrafterConfig
+
+    def context_kv(self, features: torch.Tensor, dtype=None, chunk_rows: int | None = None) -> list:
+        """Per drafter layer, the keys and values of every context position, from target features."""
+
+    def __call__(self, block_embeds, anchors, context, attention, ctx_starts, conventions) -> torch.Tensor:
+        """Hidden states [A, b, H] of the blocks starting at `anchors`."""
+
+    def logits(self, hidden: torch.Tensor, lm_head: torch.Tensor, conventions: Conventions) -> torch.Tensor:
+        """Draft logits [..., V] over the target's vocabulary."""
+
+    def draft_logprob(self, logits: torch.Tensor, tokens: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+        """log q_j(tokens): the probability the drafter proposes `tokens` when sampling (T > 0)."""
+
+
+@dataclass(frozen=True)
+class Family:
+    """One drafter family: its name in messages, how its config parses, how its model is built."""
+
+    name: str  # e.g. "z-lab DFlash v1"
+    parse_config: Callable[[dict, str], DrafterConfig]
+    build: Callable[[DrafterConfig], torch.nn.Module]

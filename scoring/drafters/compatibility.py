@@ -1,0 +1,93 @@
+"""Whether a drafter fits the extracted shards: every mismatch an error naming both sides,
+checked from the configs alone, before any weight is read."""
+
+from __future__ import annotations
+
+from pipeline.common.errors import UserError
+from scoring.drafters.base import DrafterConfig
+
+
+class CompatibilityError(UserError):
+    """A drafter that does not fit the target whose features the shards hold."""
+
+
+def _manifest_target(manifest: dict) -> tuple[list[int], dict, str]:
+    """(stored feature layer ids, target facts, a name for messages) from an extract manifest.
+
+    pipeline/extract/run.py writes `settings.layer_ids`, the target's identity (num_layers,
+    hidden_size, vocab_size = embedding rows, ...) at `settings.target`, and the full TargetInfo
+    (with `name` and `path`) at the top-level `target`.
+    """
+    settings = manifest.get("settings") or {}
+    layer_ids = settings.get("layer_ids")
+    target = {**(manifest.get("target") or {}), **(settings.get("target") or {})}
+    if layer_ids is None or not target:
+        raise CompatibilityError(
+            "manifest has no settings.layer_ids / settings.target; it was not written by this specreplay's "
+            "extract (re-run extract)"
+        )
+    for name in ("num_layers", "hidden_size", "vocab_size"):
+        if name not in target:
+            raise CompatibilityError(f"manifest settings.target lacks {name!r}; re-run extract")
+    label = target.get("name") or target.get("path") or target.get("architecture") or "the extracted target"
+    return [int(i) for i in layer_ids], target, str(label)
+
+
+def check_compatibility(config: DrafterConfig, manifest: dict, ckpt_path: str) -> None:
+    """Every drafter/target mismatch as an error naming both sides, before any weight is read.
+
+    The drafter has no embedding or head of its own: block inputs are the target's embeddings
+    and `fc` maps the concatenated target features (n * target hidden) to its hidden size, so
+    its hidden size must equal the target's and the mask token must be a row of the target's
+    embedding. The drafter's `vocab_size` field is otherwise unused by the reference, but a
+    different value means it was trained for another tokenizer.
+    """
+    stored, target, label = _manifest_target(manifest)
+    where = f"drafter {ckpt_path} vs shards of {label}"
+    _check_block_and_target(config, target, where)
+    _check_layers(config, stored, where)
+    _check_widths(config, target, where)
+
+
+def _check_block_and_target(config: DrafterConfig, target: dict, where: str) -> None:
+    if config.block_size < 2:
+        raise CompatibilityError(
+            f"{where}: block_size {config.block_size} drafts nothing (a block is [last token, B-1 masks]); "
+            f"block_size must be >= 2"
+        )
+    if config.num_target_layers is not None and config.num_target_layers != int(target["num_layers"]):
+        raise CompatibilityError(
+            f"{where}: drafter num_target_layers {config.num_target_layers} != target num_layers "
+            f"{target['num_layers']}; the drafter was trained for a different target model"
+        )
+
+
+def _check_layers(config: DrafterConfig, stored: list[int], where: str) -> None:
+    missing = [i for i in config.target_layer_ids if i not in stored]
+    if missing:
+        union = sorted(set(stored) | set(config.target_layer_ids))
+        raise CompatibilityError(
+            f"{where}: drafter target_layer_ids {config.target_layer_ids} but the shards store layer ids {stored} "
+            f"(missing {missing}); re-run extract with --layer-ids {','.join(map(str, union))}"
+        )
+
+
+def _check_widths(config: DrafterConfig, target: dict, where: str) -> None:
+    hidden, vocab = int(target["hidden_size"]), int(target["vocab_size"])
+    if config.hidden_size != hidden:
+        raise CompatibilityError(
+            f"{where}: drafter hidden_size {config.hidden_size} (fc expects {len(config.target_layer_ids)} x "
+            f"{config.hidden_size} feature columns) != target hidden_size {hidden}; the drafter was trained for a "
+            f"different target model"
+        )
+    if not 0 <= config.mask_token_id < vocab:
+        raise CompatibilityError(
+            f"{where}: drafter mask_token_id {config.mask_token_id} is not a row of the target embedding "
+            f"(vocab_size {vocab}, valid ids 0..{vocab - 1}); the drafter was trained for a different tokenizer"
+        )
+    if config.vocab_size != vocab:
+        raise CompatibilityError(
+            f"{where}: drafter vocab_size {config.vocab_size} != target vocab_size {vocab}; the drafter was "
+            f"configured for a different tokenizer (set vocab_size {vocab} in its config.json if only the "
+            f"field is off: the drafter uses the target's embedding and lm_head)"
+        )
