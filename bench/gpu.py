@@ -421,8 +421,8 @@ def part_extract(env: Env) -> tuple[dict, Rows]:
     from bench.standins import build_target
     from pipeline.common.layer_ids import build_target_layer_ids
     from pipeline.extract.config import ExtractConfig
+    from pipeline.extract.plan import prepare_items
     from pipeline.extract.prompts import load_prompts
-    from pipeline.extract.run import prepare_items
     from pipeline.extract.target import load_target
 
     spec = env.size["extract"]

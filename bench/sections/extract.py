@@ -88,8 +88,8 @@ def measure_extract(ctx, dtype: str, prompts: int, reps: int, with_bare: bool = 
     prompts, in `dtype`; the shards of the last extract stay in the work dir (`out`)."""
     from pipeline.common.layer_ids import build_target_layer_ids
     from pipeline.extract.config import ExtractConfig
+    from pipeline.extract.plan import prepare_items
     from pipeline.extract.prompts import load_prompts
-    from pipeline.extract.run import prepare_items
     from pipeline.extract.target import load_target
     from pipeline.shards import ShardSet
 

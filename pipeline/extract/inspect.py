@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pipeline import shards
 from pipeline.common.sampling import sampling_of
+from pipeline.extract.outdir import totals
 from pipeline.shards.writer import describe_excluded
 
 
@@ -44,8 +45,6 @@ def verify_target_head(uri: str, manifest: dict) -> str:
 
 def inspect_extract(uri: str, verify: bool = True) -> dict:  # 50 lines: mostly the report's one flat dict
     """A JSON-able report of an extract directory (complete or still running / interrupted)."""
-    from pipeline.extract.run import totals
-
     manifest = shards.read_manifest(uri)
     complete = bool(manifest.get("complete"))
     # An unfinished extract's manifest lags behind; its finished shards are the truth so far.

@@ -1,0 +1,391 @@
+"""Step 1 of an extract, pure: the prompts rendered and checked, layer ids, top-k and dtypes
+resolved and checked, the lm_head window and the shard chunk sized, and the settings identity
+that resume compares (outdir.py) built before the first byte is written."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import Counter
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from pipeline import shards
+from pipeline.common.distributed import Dist
+from pipeline.common.dtypes import COMPUTE_DTYPES
+from pipeline.common.errors import UserError
+from pipeline.common.layer_ids import build_target_layer_ids, check_layer_ids, drafter_layer_ids
+from pipeline.common.sampling import Sampling
+from pipeline.common.versions import specreplay_version
+from pipeline.extract.config import ExtractConfig
+
+# Feature storage dtypes beyond the compute dtypes: e4m3 with one scale per token and layer (lossy).
+FP8_NAMES = ("float8_e4m3fn", "fp8")
+
+
+@dataclass
+class Item:
+    """One prompt ready to run: rendered prompt ids and, when given, the response to teacher-force."""
+
+    sample_id: str
+    dataset: str
+    prompt_ids: list[int]
+    prompt_text: str
+    given: list[int] | None = None
+    draw: int | None = None  # sampled: which draw of its prompt (sample id `<prompt_id>#<draw>`)
+    prompt_id: str | None = None  # sampled: the prompt record's id, what the draw's seed is made of
+
+
+def draft_layer_ids(path: str, num_target_layers: int) -> list[int]:
+    """Feature layers the drafter config at `path` asks for (pipeline/common/layer_ids.py)."""
+    config_path = Path(path)
+    if config_path.is_dir():
+        config_path = config_path / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"--draft-config {path}: no such file (pass a drafter config.json or its directory)")
+    try:
+        config = json.loads(config_path.read_text())
+    except json.JSONDecodeError as error:
+        raise UserError(
+            f"--draft-config {config_path}: not valid JSON ({error}); pass a drafter config.json"
+        ) from error
+    return drafter_layer_ids(config, f"--draft-config {config_path}", num_target_layers)
+
+
+def resolve_layer_ids(config: ExtractConfig, num_target_layers: int) -> list[int]:
+    if config.layer_ids is not None:
+        ids, where = list(config.layer_ids), "--layer-ids"
+    elif config.draft_config is not None:
+        ids, where = draft_layer_ids(config.draft_config, num_target_layers), f"--draft-config {config.draft_config}"
+    else:
+        ids = build_target_layer_ids(num_target_layers, config.num_draft_layers)
+        where = f"the default layer ids for {config.num_draft_layers} drafter layers"
+    if not ids:
+        raise UserError(f"{where}: no layer ids; pass --layer-ids explicitly")
+    if len(set(ids)) != len(ids):
+        fix = (
+            "pass --layer-ids explicitly or fewer --num-draft-layers"
+            if config.layer_ids is None and config.draft_config is None
+            else "list each layer once"
+        )
+        raise UserError(f"{where}: duplicate layer ids {ids} (target has {num_target_layers} layers); {fix}")
+    check_layer_ids(ids, num_target_layers, where)
+    return ids
+
+
+def with_neighbours(ids: list[int], num_target_layers: int) -> list[int]:
+    """`--neighbour-layers`: the requested ids in their order, then every i - 1 and i + 1 that
+    is a decoder layer and not already there, ascending (drafters select their ids by value)."""
+    extra = {j for i in ids for j in (i - 1, i + 1) if 0 <= j < num_target_layers} - set(ids)
+    return list(ids) + sorted(extra)
+
+
+def parse_feature_dtype(name: str | None, model_dtype: str) -> str:
+    """Storage dtype name of the features: the model dtype (lossless) unless `--feature-dtype`."""
+    if name is None:
+        return model_dtype
+    key = str(name).lower().removeprefix("torch.")
+    if key in FP8_NAMES:
+        return "float8_e4m3fn"
+    if key not in COMPUTE_DTYPES:
+        raise UserError(
+            f"--feature-dtype {name!r} is not supported; use one of {', '.join([*COMPUTE_DTYPES, *FP8_NAMES])}"
+        )
+    return shards.DTYPE_NAMES[COMPUTE_DTYPES[key]]
+
+
+def validate_numbers(config: ExtractConfig) -> None:
+    checks = [
+        ("--max-new-tokens", config.max_new_tokens),
+        ("--top-k", config.top_k),
+        ("--batch-size", config.batch_size),
+        ("--shard-bytes", config.shard_bytes),
+        ("--num-draft-layers", config.num_draft_layers),
+        ("--memory-budget", config.memory_bytes),
+    ]
+    for name, value in checks:
+        if value < 1:
+            raise UserError(f"{name} must be >= 1, got {value}")
+    if config.limit is not None and config.limit < 1:
+        raise UserError(f"--limit must be >= 1, got {config.limit}; leave it out to use every prompt")
+    validate_sampling(config)
+
+
+def validate_sampling(config: ExtractConfig) -> None:
+    """The sampling options, checked as the reference's `_validate_sampling` does, and refused
+    when they would be silently ignored (a filter or several draws with greedy decoding)."""
+    if config.temperature < 0:
+        raise UserError(f"--temperature must be >= 0 (0 = greedy decoding), got {config.temperature}")
+    if not 0 < config.top_p <= 1:
+        raise UserError(f"--top-p must be in (0, 1] (1 = no top-p filter), got {config.top_p}")
+    if config.sample_top_k < 0:
+        raise UserError(f"--sample-top-k must be >= 0 (0 = no top-k filter), got {config.sample_top_k}")
+    if config.num_samples < 1:
+        raise UserError(f"--num-samples must be >= 1, got {config.num_samples}")
+    if config.temperature == 0:
+        ignored = [
+            name
+            for name, used in (
+                (f"--num-samples {config.num_samples}", config.num_samples > 1),
+                (f"--top-p {config.top_p:g}", config.top_p < 1),
+                (f"--sample-top-k {config.sample_top_k}", config.sample_top_k > 0),
+            )
+            if used
+        ]
+        if ignored:
+            raise UserError(
+                f"{', '.join(ignored)} need sampling: pass --temperature > 0 (e.g. 0.6); "
+                f"temperature 0, the default, is greedy decoding"
+            )
+
+
+def sampling_of_config(config: ExtractConfig) -> Sampling | None:
+    """The distribution responses are drawn from; None for greedy decoding."""
+    if config.temperature <= 0:
+        return None
+    return Sampling(float(config.temperature), float(config.top_p), int(config.sample_top_k)).check()
+
+
+def sampling_settings(config: ExtractConfig) -> dict | None:
+    """manifest settings["sampling"] (None for greedy: a greedy manifest has no such key)."""
+    sampling = sampling_of_config(config)
+    if sampling is None:
+        return None
+    return {**sampling.as_dict(), "seed": int(config.seed), "num_samples": int(config.num_samples)}
+
+
+def prepare_items(records, tokenizer, enable_thinking) -> list[Item]:
+    from pipeline.extract.prompts import render_prompt, render_response
+
+    items, seen = [], set()
+    for record in records:
+        if record.id in seen:
+            raise UserError(f"prompt set: duplicate id {record.id!r}; every prompt needs a unique id")
+        seen.add(record.id)
+        prompt_ids, prompt_text = render_prompt(record, tokenizer, enable_thinking)
+        if not prompt_ids:
+            raise UserError(f"prompt {record.id!r} renders to zero tokens; give it some text or input_ids")
+        given = render_response(record, tokenizer)
+        if given is not None and len(given) == 0:
+            raise UserError(
+                f"prompt {record.id!r}: its given response is empty; give it some text or token ids, "
+                f'or leave "response" out to generate one'
+            )
+        items.append(
+            Item(
+                record.id,
+                record.dataset,
+                [int(t) for t in prompt_ids],
+                prompt_text,
+                None if given is None else [int(t) for t in given],
+            )
+        )
+    if not items:
+        raise UserError("the prompt set is empty; give at least one prompt (or a larger --limit)")
+    return items
+
+
+def sampled_items(items: list[Item], num_samples: int) -> list[Item]:
+    """Each prompt to generate as `num_samples` draws `<id>#<k>`, adjacent (a batch then runs a
+    prompt's draws together); a prompt with a given response stays one item, id unchanged."""
+    out = []
+    for item in items:
+        if item.given is not None:
+            out.append(item)
+            continue
+        for draw in range(num_samples):
+            out.append(replace(item, sample_id=f"{item.sample_id}#{draw}", draw=draw, prompt_id=item.sample_id))
+    clashes = [sample_id for sample_id, n in Counter(item.sample_id for item in out).items() if n > 1]
+    if clashes:
+        clash = clashes[0]
+        raise UserError(
+            f"sample id {clash!r} occurs twice: a record with a given response has the id of another "
+            f"prompt's draw (<id>#<k>); rename that record"
+        )
+    return out
+
+
+def rendered_hash(items: list[Item]) -> str:
+    """sha256 of exactly what the target sees (ids, prompt tokens, given responses)."""
+    digest = hashlib.sha256()
+    for item in items:
+        digest.update(json.dumps([item.sample_id, item.prompt_ids, item.given]).encode())
+    return digest.hexdigest()
+
+
+def weights_fingerprint(model, per_tensor: int = 4096) -> str:
+    """sha256 of a strided sample of every parameter: cheap even at 27B, and tells two targets
+    with the same config.json apart (a fine-tune), which config_hash cannot."""
+    digest = hashlib.sha256()
+    for name, param in model.named_parameters():
+        if param.device.type == "meta":
+            continue
+        flat = param.detach().reshape(-1)
+        step = max(1, flat.numel() // per_tensor)
+        sample = flat[::step][:per_tensor].float().cpu().contiguous()
+        digest.update(name.encode())
+        digest.update(sample.numpy().tobytes())
+    return digest.hexdigest()[:32]
+
+
+TARGET_IDENTITY = (
+    "architecture",
+    "num_layers",
+    "hidden_size",
+    "vocab_size",
+    "config_hash",
+    "dtype",
+    "stop_token_ids",
+    "pad_token_id",
+    "bos_token_id",
+    "chat_template_hash",
+)
+
+
+def settings_identity(
+    config: ExtractConfig,
+    info,
+    fingerprint: str,
+    layer_ids: list[int],
+    feature_dtype: str,
+    prompts: dict,
+    requested: list[int] | None = None,
+) -> dict:
+    """What must not change between a run and its resume (compared key by key on resume)."""
+    target = {key: getattr(info, key) for key in TARGET_IDENTITY}
+    target["weights_fingerprint"] = fingerprint
+    identity = {
+        "format_version": shards.FORMAT_VERSION,
+        "target": target,
+        "layer_ids": list(layer_ids),
+        "feature_dtype": feature_dtype,
+        "top_k": config.top_k,
+        "max_new_tokens": int(config.max_new_tokens),
+        "enable_thinking": config.enable_thinking,
+        "decoding": "greedy",
+        "prompts": {key: prompts[key] for key in ("hash", "count", "rendered_hash")},
+    }
+    sampling = sampling_settings(config)
+    if sampling is not None:  # absent for greedy, so a greedy identity is what it always was
+        identity.update(decoding="sampled", sampling=sampling)
+    if config.neighbour_layers:  # likewise absent unless asked for; the drafter's own ids
+        identity["neighbour_layers"] = {"requested": list(requested or layer_ids)}
+    return identity
+
+
+def tensor_dtypes(feature_dtype: str, sampled: bool = False) -> dict[str, str]:
+    """{tensor name: dtype name} of what the shards store (see pipeline/extract/capture.py)."""
+    dtypes = {"features": feature_dtype, "topk_ids": "int32", "topk_logprobs": "float32", "argmax_mismatch": "uint8"}
+    if feature_dtype == "float8_e4m3fn":
+        dtypes["features_scale"] = "float32"
+    if sampled:
+        dtypes["sample_logprob"] = "float32"
+    return dtypes
+
+
+def stored_bytes_per_token(dtypes: dict[str, str], n_layers: int, hidden: int, top_k: int) -> int:
+    """Raw bytes the shards hold per token (features, scales, top-k, flags)."""
+    width = {
+        "features": n_layers * hidden,
+        "features_scale": n_layers,
+        "topk_ids": top_k,
+        "topk_logprobs": top_k,
+        "argmax_mismatch": 1,
+        "sample_logprob": 1,
+    }
+    return sum(width[name] * shards.TENSOR_DTYPES[dtype].itemsize for name, dtype in dtypes.items())
+
+
+def split_memory_budget(budget_bytes: int, bytes_per_token: int) -> tuple[int, int]:
+    """(lm_head window bytes, tokens per shard chunk): half the budget each. The model's weights
+    and one sample's own activations and stored tensors come on top (they scale with the model
+    and the sample, not with anything extract chooses)."""
+    return budget_bytes // 2, shards.chunk_tokens_for(budget_bytes // 2, bytes_per_token)
+
+
+@dataclass
+class Plan:
+    """Everything a run decides before it touches OUT; a function of the config, the target and
+    the prompts only."""
+
+    items: list[Item]  # the prompts, rendered, in extraction order
+    layer_ids: list[int]
+    feature_dtype: str  # storage dtype name of the features
+    tensors: dict[str, str]  # {tensor name: dtype name} as stored in the shards
+    head_window_bytes: int  # memory for one lm_head window over the vocabulary
+    chunk_tokens: int  # tokens per shard chunk (record batch)
+    raw_bytes_per_token: int  # the features as raw bf16, what `totals` compares the shards against
+    prompts: dict  # {name, hash, count, rendered_hash}
+    settings: dict  # the identity compared on resume (see settings_identity)
+    sampling: Sampling | None = None  # the responses' distribution; None: greedy
+
+
+def plan_extract(config: ExtractConfig, records, tokenizer, info, fingerprint: str) -> Plan:
+    """Check the inputs against the target and decide every size and dtype; raises UserError."""
+    from pipeline.extract.prompts import prompt_set_hash
+
+    items = prepare_items(records, tokenizer, config.enable_thinking)
+    requested = resolve_layer_ids(config, info.num_layers)
+    layer_ids = with_neighbours(requested, info.num_layers) if config.neighbour_layers else requested
+    if config.top_k > info.vocab_size:
+        raise UserError(
+            f"--top-k {config.top_k} exceeds the target's vocabulary ({info.vocab_size}); pass a smaller --top-k"
+        )
+    feature_dtype = parse_feature_dtype(config.feature_dtype, info.dtype)
+    prompts = {
+        "name": str(config.prompts),
+        "hash": prompt_set_hash(records),
+        "count": len(items),
+        "rendered_hash": rendered_hash(items),
+    }
+    sampling = sampling_of_config(config)
+    if sampling is not None:  # after the prompt facts: they describe the prompts, not the draws
+        items = sampled_items(items, config.num_samples)
+    tensors = tensor_dtypes(feature_dtype, sampled=sampling is not None)
+    head_bytes, chunk_tokens = split_memory_budget(
+        config.memory_bytes, stored_bytes_per_token(tensors, len(layer_ids), info.hidden_size, config.top_k)
+    )
+    return Plan(
+        items=items,
+        layer_ids=layer_ids,
+        feature_dtype=feature_dtype,
+        tensors=tensors,
+        head_window_bytes=head_bytes,
+        chunk_tokens=chunk_tokens,
+        raw_bytes_per_token=len(layer_ids) * info.hidden_size * 2,
+        prompts=prompts,
+        settings=settings_identity(config, info, fingerprint, layer_ids, feature_dtype, prompts, requested),
+        sampling=sampling,
+    )
+
+
+def new_manifest(plan: Plan, info, run: dict) -> dict:
+    """The manifest of a run before any shard is merged into it (complete=false)."""
+    return {
+        "format_version": shards.FORMAT_VERSION,
+        "complete": False,
+        "settings": plan.settings,
+        "target": {**info.to_json(), "weights_fingerprint": plan.settings["target"]["weights_fingerprint"]},
+        "tensors": plan.tensors,
+        "prompts": plan.prompts,
+        "run": {**run, "chunk_tokens": plan.chunk_tokens, "head_window_bytes": plan.head_window_bytes},
+    }
+
+
+def run_facts(config: ExtractConfig, dist: Dist, device: str) -> dict:
+    """Informational facts of this run (versions, world size, device, sizes); not compared on resume."""
+    import transformers
+
+    return {
+        "specreplay": specreplay_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "world_size": dist.world,
+        "device": device,
+        "batch_size": config.batch_size,
+        "shard_bytes": config.shard_bytes,
+        "zstd_level": config.zstd_level,
+        "memory_bytes": config.memory_bytes,
+    }
