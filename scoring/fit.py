@@ -23,7 +23,7 @@ from pipeline.shards import Sample, ShardSet
 from scoring.config import FitOptions
 from scoring.drafters.detect import parse_drafter_config
 from scoring.drafters.dflash_model import DFlashDrafter
-from scoring.replay.anchors import select_feature_columns
+from scoring.replay.packing import select_feature_columns
 
 GAMMA_BY_BLOCK = {16: 7.0, 10: 5.0, 8: 4.0}
 

@@ -41,13 +41,8 @@ def drafter_logits(ckpt: str, shard_dir: str, anchors: int) -> tuple[torch.Tenso
     shards' samples, through the scorer's own replay steps."""
     from pipeline.shards import ShardSet
     from scoring.drafters.checkpoint import load_drafter
-    from scoring.replay.anchors import (
-        ReplayOptions,
-        chunk_logits,
-        pack_samples,
-        prepare_target_head,
-        select_feature_columns,
-    )
+    from scoring.replay.chunk import chunk_logits
+    from scoring.replay.packing import ReplayOptions, pack_samples, prepare_target_head, select_feature_columns
     from scoring.score.steps import SAMPLE_TENSORS
 
     shardset = ShardSet(shard_dir)
@@ -97,7 +92,7 @@ def timed(fn, *args) -> tuple[float, object]:
 
 def per_core(logits, targets, known) -> dict:
     """Seconds per anchor before/after at each budget on one thread, alternated, min of 2."""
-    from scoring.replay.anchors import logsumexp_rows
+    from scoring.replay.chunk import logsumexp_rows
     from scoring.replay.ddtree import tree_pops_reference
     from scoring.replay.ddtree_kernels import tree_pops
 

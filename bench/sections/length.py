@@ -77,7 +77,8 @@ def replay_length(sample, length, drafter, embed, lm_head, columns, options, win
     """One sample replayed in the product's two steps, each timed; the anchor step over
     `anchor_windows` when the sample has more anchors."""
     from pipeline.common import timing
-    from scoring.replay.anchors import empty_anchor_tensors, pack_samples, replay_anchors
+    from scoring.replay.anchors import empty_anchor_tensors, replay_anchors
+    from scoring.replay.packing import pack_samples
 
     clock = StageClock()
     reset_peak()
@@ -179,7 +180,8 @@ def run(ctx) -> tuple[dict, Rows]:
     from scoring.drafters.detect import parse_drafter_config
     from scoring.drafters.dflash_model import DFlashDrafter
     from scoring.fit import new_drafter_config, save_drafter
-    from scoring.replay.anchors import ReplayOptions, prepare_target_head, replay_sample, select_feature_columns
+    from scoring.replay.anchors import replay_sample
+    from scoring.replay.packing import ReplayOptions, prepare_target_head, select_feature_columns
 
     quick = ctx.args.quick
     work = Path(ctx.work) / "length"

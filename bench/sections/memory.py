@@ -266,14 +266,9 @@ def child_score(payload: dict) -> dict:
     from pipeline.common.dtypes import resolve_dtype
     from pipeline.shards import ShardSet
     from scoring.config import ScoreConfig
-    from scoring.replay.anchors import (
-        chunk_anchors,
-        empty_anchor_tensors,
-        pack_samples,
-        prepare_target_head,
-        replay_anchors,
-        select_feature_columns,
-    )
+    from scoring.replay.anchors import empty_anchor_tensors, replay_anchors
+    from scoring.replay.chunk import chunk_anchors
+    from scoring.replay.packing import pack_samples, prepare_target_head, select_feature_columns
     from scoring.score.steps import SAMPLE_TENSORS, prepare_job
 
     config = ScoreConfig(

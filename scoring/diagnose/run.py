@@ -28,7 +28,8 @@ from scoring.diagnose.stats import Comparison, SampleStats, by_position, compare
 from scoring.diagnose.variants import CONFIGURED, VARIANTS, Variant, missing_layers, not_applicable, parse_variants
 from scoring.drafters.checkpoint import load_drafter, read_drafter_config
 from scoring.drafters.compatibility import check_compatibility
-from scoring.replay.anchors import ReplayOptions, prepare_target_head, replay_sample, select_feature_columns
+from scoring.replay.anchors import replay_sample
+from scoring.replay.packing import ReplayOptions, prepare_target_head, select_feature_columns
 from scoring.score.outputs import results_lock
 from scoring.score.record import shards_identity
 from scoring.score.selection import Selection, sample_index, select_samples

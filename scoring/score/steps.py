@@ -20,12 +20,8 @@ from scoring import results
 from scoring.config import ScoreConfig
 from scoring.drafters.checkpoint import CheckpointInfo, load_drafter, read_drafter_config
 from scoring.drafters.compatibility import check_compatibility
-from scoring.replay.anchors import (
-    ReplayOptions,
-    replay_sample,
-    replay_walks,
-    select_feature_columns,
-)
+from scoring.replay.anchors import replay_sample, replay_walks
+from scoring.replay.packing import ReplayOptions, select_feature_columns
 from scoring.replay.walk import stop_mask
 from scoring.score.collect import Collector
 from scoring.score.outputs import check_previous

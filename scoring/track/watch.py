@@ -46,7 +46,7 @@ from scoring.compare.bootstrap import digits
 from scoring.compare.run import CompareError, CompareWarning, headline_row, run_comparison
 from scoring.config import ScoreConfig
 from scoring.drafters.files import WEIGHT_EXTENSIONS, checkpoint_problem, parse_step, resolve_checkpoint_files
-from scoring.replay.anchors import prepare_target_head
+from scoring.replay.packing import prepare_target_head
 from scoring.report.page import write_report
 from scoring.score.console import headline
 from scoring.score.outputs import Outcome, remove_dead_staging
