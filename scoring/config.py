@@ -7,8 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pipeline.common.sizes import DEFAULT_MEMORY_BYTES
+
 DEFAULT_TREE_NODES = (4, 8, 16, 32, 64, 128, 256)  # DDTree budgets: nodes per tree, root not counted
-DEFAULT_MEMORY_BYTES = 2 << 30
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""One dtype vocabulary for both stages: the names a user may type and what "auto" means."""
+"""One dtype vocabulary for both stages: the names a user may type (`--dtype`, `--feature-dtype`),
+what "auto" means, the names the manifest and run.json record, and safetensors' names."""
 
 from __future__ import annotations
 
@@ -14,6 +15,25 @@ COMPUTE_DTYPES = {
     "fp16": torch.float16,
     "float16": torch.float16,
 }
+
+# Feature storage beyond the compute dtypes: e4m3 with one scale per token and layer (lossy).
+FP8 = "float8_e4m3fn"
+FP8_NAMES = (FP8, "fp8")
+
+# What the manifest's "tensors" record and the shards store, by name.
+STORAGE_DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    FP8: torch.float8_e4m3fn,
+    "int32": torch.int32,
+    "int64": torch.int64,
+    "uint8": torch.uint8,
+}
+STORAGE_NAMES = {v: k for k, v in STORAGE_DTYPES.items()}
+
+# safetensors' header names of the dtypes the target head is stored in.
+SAFETENSORS_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 
 
 def is_cuda(device) -> bool:

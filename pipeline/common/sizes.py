@@ -6,6 +6,9 @@ import re
 
 from pipeline.common.errors import UserError
 
+# --memory-budget's default for both stages: extract's lm_head window + shard chunk, score's anchor chunk.
+DEFAULT_MEMORY_BYTES = 2 << 30
+
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)\s*$", re.IGNORECASE)
 _UNITS = {
     "": 1,

@@ -14,15 +14,12 @@ import torch
 
 from pipeline import shards
 from pipeline.common.distributed import Dist
-from pipeline.common.dtypes import COMPUTE_DTYPES
+from pipeline.common.dtypes import COMPUTE_DTYPES, FP8, FP8_NAMES
 from pipeline.common.errors import UserError
 from pipeline.common.layer_ids import build_target_layer_ids, check_layer_ids, drafter_layer_ids
 from pipeline.common.sampling import Sampling
 from pipeline.common.versions import specreplay_version
 from pipeline.extract.config import ExtractConfig
-
-# Feature storage dtypes beyond the compute dtypes: e4m3 with one scale per token and layer (lossy).
-FP8_NAMES = ("float8_e4m3fn", "fp8")
 
 
 @dataclass
@@ -88,7 +85,7 @@ def parse_feature_dtype(name: str | None, model_dtype: str) -> str:
         return model_dtype
     key = str(name).lower().removeprefix("torch.")
     if key in FP8_NAMES:
-        return "float8_e4m3fn"
+        return FP8
     if key not in COMPUTE_DTYPES:
         raise UserError(
             f"--feature-dtype {name!r} is not supported; use one of {', '.join([*COMPUTE_DTYPES, *FP8_NAMES])}"
@@ -278,7 +275,7 @@ def settings_identity(
 def tensor_dtypes(feature_dtype: str, sampled: bool = False) -> dict[str, str]:
     """{tensor name: dtype name} of what the shards store (see pipeline/extract/capture.py)."""
     dtypes = {"features": feature_dtype, "topk_ids": "int32", "topk_logprobs": "float32", "argmax_mismatch": "uint8"}
-    if feature_dtype == "float8_e4m3fn":
+    if feature_dtype == FP8:
         dtypes["features_scale"] = "float32"
     if sampled:
         dtypes["sample_logprob"] = "float32"

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from pipeline.common.dtypes import is_cuda, resolve_dtype
+from pipeline.common.dtypes import dtype_name, is_cuda, resolve_dtype
 from pipeline.common.errors import UserError
 
 SMOLLM2_NAME = "smollm2"
@@ -295,10 +295,6 @@ def _chat_template_hash(tokenizer) -> str | None:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 def load_target(path: str, dtype: str | torch.dtype = "auto", device="cpu"):
     """Load the target: returns (model, tokenizer, TargetInfo).
 
@@ -327,7 +323,7 @@ def load_target(path: str, dtype: str | torch.dtype = "auto", device="cpu"):
         hidden_size=int(text_config(model).hidden_size),
         vocab_size=int(embedding.shape[0]),
         config_hash=_config_hash(model_dir),
-        dtype=_dtype_name(embedding.dtype),
+        dtype=dtype_name(embedding.dtype),
         stop_token_ids=stop_ids,
         pad_token_id=int(tokenizer.pad_token_id),
         bos_token_id=None if tokenizer.bos_token_id is None else int(tokenizer.bos_token_id),

@@ -7,21 +7,14 @@ import numpy as np
 import pyarrow as pa
 import torch
 
+from pipeline.common.dtypes import STORAGE_DTYPES, STORAGE_NAMES
 from pipeline.shards.schema import ShardError
 
 # ---------------------------------------------------------------------------------------------
 # dtype names (as the manifest's "tensors" records them)
 
-TENSOR_DTYPES = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "float8_e4m3fn": torch.float8_e4m3fn,
-    "int32": torch.int32,
-    "int64": torch.int64,
-    "uint8": torch.uint8,
-}
-DTYPE_NAMES = {v: k for k, v in TENSOR_DTYPES.items()}
+TENSOR_DTYPES = STORAGE_DTYPES  # pipeline/common/dtypes.py
+DTYPE_NAMES = STORAGE_NAMES
 _UNSIGNED = {2: np.uint16, 4: np.uint32, 8: np.uint64}
 _SIGNED = {2: np.int16, 4: np.int32, 8: np.int64}  # numpy types torch.from_numpy accepts
 

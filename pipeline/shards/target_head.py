@@ -10,12 +10,12 @@ import zlib
 import pyarrow.fs as pafs
 import torch
 
+from pipeline.common.dtypes import SAFETENSORS_NAMES
 from pipeline.common.space import writing
 from pipeline.shards.encodings import DTYPE_NAMES
 from pipeline.shards.files import exists, join, open_fs
 from pipeline.shards.schema import TARGET_HEAD_NAME, ShardError
 
-_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 _STREAM_STEP = 64 << 20
 
 
@@ -73,11 +73,11 @@ def write_safetensors_stream(fs: pafs.FileSystem, path: str, weights: dict[str, 
     written piece by piece to a temporary name and renamed; returns (crc32, bytes)."""
     header, offset = {}, 0
     for name, tensor in weights.items():
-        if tensor.dtype not in _SAFETENSORS_DTYPES:
+        if tensor.dtype not in SAFETENSORS_NAMES:
             raise ValueError(f"target head tensor {name!r}: dtype {tensor.dtype} is not stored (use fp32/bf16/fp16)")
         nbytes = tensor.numel() * tensor.element_size()
         header[name] = {
-            "dtype": _SAFETENSORS_DTYPES[tensor.dtype],
+            "dtype": SAFETENSORS_NAMES[tensor.dtype],
             "shape": list(tensor.shape),
             "data_offsets": [offset, offset + nbytes],
         }
@@ -105,7 +105,7 @@ def read_safetensors_stream(fs: pafs.FileSystem, path: str) -> tuple[dict[str, t
     """(tensors, crc32 of the file): each tensor allocated once and filled piece by piece. The
     header is checked against the file's size before any tensor is allocated, so a damaged header
     is a ShardError naming the file, never a huge allocation or a traceback."""
-    names = {v: k for k, v in _SAFETENSORS_DTYPES.items()}
+    names = {v: k for k, v in SAFETENSORS_NAMES.items()}
     size = fs.get_file_info(path).size
 
     def damaged(why: str) -> ShardError:

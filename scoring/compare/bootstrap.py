@@ -17,6 +17,7 @@ Definitions (a[i], b[i] are the values of paired sample i under A and B; n pairs
 from __future__ import annotations
 
 import math
+from enum import Enum
 
 import numpy as np
 
@@ -109,6 +110,24 @@ def digits(*values: float) -> int:
     return decimals
 
 
+class Judgement(str, Enum):
+    """B against A, read from an interval of B - A."""
+
+    BETTER = "better"
+    WORSE = "worse"
+    UNCHANGED = "no significant change"
+
+
+def judge(low: float, high: float) -> Judgement:
+    """The one verdict rule (compare, watch, diagnose): better when the interval lies above zero,
+    worse when it lies below, otherwise no significant difference."""
+    if low > 0:
+        return Judgement.BETTER
+    if high < 0:
+        return Judgement.WORSE
+    return Judgement.UNCHANGED
+
+
 def verdict(
     delta: float, low: float, high: float, confidence: float = 0.95, n: int | None = None, unit: str = "tau"
 ) -> str:
@@ -119,9 +138,10 @@ def verdict(
     if n is not None and n < 2:
         return f"too few paired samples to judge (n = {n})"
     d = digits(delta, low, high)
-    if low > 0:
+    judged = judge(low, high)
+    if judged == Judgement.BETTER:
         return f"B is better by {delta:.{d}f} {unit}, {level} CI {low:.{d}f} to {high:.{d}f}"
-    if high < 0:
+    if judged == Judgement.WORSE:
         return f"A is better by {-delta:.{d}f} {unit}, {level} CI {-high:.{d}f} to {-low:.{d}f}"
     return f"no significant difference (B - A = {delta:.{d}f}, {level} CI {low:.{d}f} to {high:.{d}f})"
 

@@ -11,6 +11,7 @@ import json
 import os
 import warnings
 from dataclasses import dataclass
+from enum import Enum
 
 import polars as pl
 
@@ -220,8 +221,16 @@ def load_side(given: str, label: str) -> Side:
 # --------------------------------------------------------------------------- checks
 
 
-def check_shards(a: Side, b: Side, allow: bool) -> str:
-    """'same', or (allowed, with a warning) 'different' / 'unknown'; CompareError otherwise."""
+class ShardsMatch(str, Enum):
+    """Whether A and B were scored on the same shards (run.json shards.identity)."""
+
+    SAME = "same"
+    DIFFERENT = "different"  # only with --allow-different-shards
+    UNKNOWN = "unknown"  # a run.json without shards.identity; likewise
+
+
+def check_shards(a: Side, b: Side, allow: bool) -> ShardsMatch:
+    """SAME, or (allowed, with a warning) DIFFERENT / UNKNOWN; CompareError otherwise."""
     rescore = "score both checkpoints on the same --shards (`specreplay score --ckpt A --ckpt B --shards DIR`)"
     flag = "or pass --allow-different-shards to compare only the samples whose tokens match"
     unknown = [
@@ -240,9 +249,9 @@ def check_shards(a: Side, b: Side, allow: bool) -> str:
             ShardsDifferWarning,
             stacklevel=3,
         )
-        return "unknown"
+        return ShardsMatch.UNKNOWN
     if a.shards_identity == b.shards_identity:
-        return "same"
+        return ShardsMatch.SAME
     uri_a = (a.record or {}).get("shards", {}).get("uri")
     uri_b = (b.record or {}).get("shards", {}).get("uri")
     problem = (
@@ -257,7 +266,7 @@ def check_shards(a: Side, b: Side, allow: bool) -> str:
         ShardsDifferWarning,
         stacklevel=3,
     )
-    return "different"
+    return ShardsMatch.DIFFERENT
 
 
 def check_same_checkpoint(a: Side, b: Side) -> bool:

@@ -70,6 +70,7 @@ from scoring.compare.inputs import (
     Pairing,
     SameCheckpointWarning,
     ShardsDifferWarning,
+    ShardsMatch,
     Side,
     StreakWarning,
     check_same_checkpoint,
@@ -229,7 +230,7 @@ class Comparison:
     same_checkpoint: bool
     shards_identity_a: str | None
     shards_identity_b: str | None
-    shards: str  # 'same', 'different' or 'unknown' (the last two only with allow_different_shards)
+    shards: ShardsMatch
     differing_samples: int
     streak_compared: bool
     streak_missing: str  # why the streak is not compared ('' when it is)
@@ -268,7 +269,7 @@ class Comparison:
             "same_checkpoint": self.same_checkpoint,
             "shards_identity_a": self.shards_identity_a,
             "shards_identity_b": self.shards_identity_b,
-            "shards": self.shards,
+            "shards": self.shards.value,
             "differing_samples": self.differing_samples,
             "streak_compared": self.streak_compared,
             "streak_missing": self.streak_missing or None,
@@ -372,7 +373,7 @@ def run_comparison(
     a, b = load_side(dir_a, "A"), load_side(dir_b, "B")
     shards = check_shards(a, b, allow_different_shards)
     same_checkpoint = check_same_checkpoint(a, b)
-    pairing = pair_samples(a, b, methods, strict=shards != "same")
+    pairing = pair_samples(a, b, methods, strict=shards != ShardsMatch.SAME)
     chosen_datasets = _datasets(pairing.joined, datasets)
     sums, streak_missing = streak_inputs(a, b, pairing.pairs, pairing.methods)
     settings = {"resamples": resamples, "seed": seed, "confidence": confidence}

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pipeline.common.sampling import Sampling
-from scoring.compare.bootstrap import FEW_SAMPLES, paired_bootstrap, paired_ratio_bootstrap
+from scoring.compare.bootstrap import FEW_SAMPLES, Judgement, judge, paired_bootstrap, paired_ratio_bootstrap
 from scoring.diagnose.variants import CONFIGURED, VARIANTS
 from scoring.diagnose.view import format_positions
 from scoring.replay import metrics
@@ -158,8 +158,10 @@ def _ci(c: Comparison) -> str:
     return f"{c.delta:+.2f}, 95% CI {c.ci_low:.2f} to {c.ci_high:.2f}"
 
 
-def _significant(c: Comparison) -> bool:
-    return c.delta is not None and c.ci_low is not None and (c.ci_low > 0 or c.ci_high < 0)
+def _judged(c: Comparison) -> Judgement:
+    if c.delta is None or c.ci_low is None:
+        return Judgement.UNCHANGED
+    return judge(c.ci_low, c.ci_high)
 
 
 def verdict(comparisons: list[Comparison], positions: list[float], samples: int, sampling: Sampling) -> list[str]:
@@ -169,7 +171,7 @@ def verdict(comparisons: list[Comparison], positions: list[float], samples: int,
     unit = "tau" if sampling.greedy else "expected tau"
     tau = {c.variant: c for c in comparisons if c.metric == "tau"}
     base = tau[CONFIGURED]
-    better = [c for c in tau.values() if VARIANTS[c.variant].convention and _significant(c) and c.ci_low > 0]
+    better = [c for c in tau.values() if VARIANTS[c.variant].convention and _judged(c) == Judgement.BETTER]
     better.sort(key=lambda c: -c.delta)
     lines = []
     if better:
@@ -186,7 +188,7 @@ def verdict(comparisons: list[Comparison], positions: list[float], samples: int,
             f"acceptance by block position: {format_positions(positions)}"
         )
     bf16 = tau.get("bf16")
-    if bf16 is not None and _significant(bf16):
+    if bf16 is not None and _judged(bf16) != Judgement.UNCHANGED:
         lines.append(f"numerics: bf16 changes {unit} by {_ci(bf16)}; {VARIANTS['bf16'].finding}")
     if samples < FEW_SAMPLES:
         lines.append(

@@ -10,6 +10,7 @@ import torch
 
 from pipeline.common import timing
 from pipeline.common.sampling import Sampling
+from pipeline.common.sizes import DEFAULT_MEMORY_BYTES
 from pipeline.shards import Sample
 from scoring.drafters.base import DraftModel
 from scoring.drafters.conventions import REFERENCE, Conventions
@@ -18,7 +19,7 @@ from scoring.drafters.conventions import REFERENCE, Conventions
 @dataclass
 class ReplayOptions:
     max_tree_nodes: int = 256  # largest DDTree budget (nodes); 0 disables DDTree
-    memory_bytes: int = 2 << 30  # working-memory budget for one anchor chunk
+    memory_bytes: int = DEFAULT_MEMORY_BYTES  # working-memory budget for one anchor chunk
     dtype: torch.dtype = torch.float32
     device: str = "cpu"
     attention: str = "auto"  # auto: flex_attention on CUDA, blockwise (chunked context keys) on CPU

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pyarrow as pa
 
 from scoring import results
+from scoring.score.outcome import Status
 
 STREAK_NOTE = (
     "streak = mean draft tokens accepted per anchor over all response positions (bonus-exclusive; "
@@ -107,6 +108,7 @@ def notes(overall: dict, record: dict) -> list[str]:
             f"(given responses or {overall['argmax_mismatches']} positions where the stored token is not "
             f"the full-forward argmax); their walk numbers approximate the online loop"
         )
+    # pipeline/common/dtypes.py FP8, spelled out: the console and compare never import torch
     if record["shards"].get("feature_dtype") == "float8_e4m3fn":
         found.append(
             "the shards hold lossy fp8 features (extract --feature-dtype fp8); numbers approximate "
@@ -175,14 +177,14 @@ def across_table(outcomes: list) -> list[str]:
         tree_cell = f"{tree[0]} {fmt(tree[1])}{mark(tree[1], best_tree_tau)}" if tree else "-"
         lines.append(
             f"{name:<{width}}  {fmt(tau):>9}{mark(tau, best[0])}  {tree_cell:>22}  {fmt(streak):>7}{mark(streak, best[1])}"
-            + ("  (already scored)" if status == "skipped" else "")
+            + ("  (already scored)" if status == Status.SKIPPED else "")
         )
     return lines + ["* best of the column"]
 
 
 def next_lines(outcomes: list, out: str, program: str) -> list[str]:
     """What to run next: report over --out; compare the two latest results when there are two."""
-    done = [o.out_dir for o in outcomes if o.status != "failed"]
+    done = [o.out_dir for o in outcomes if o.status != Status.FAILED]
     if not done:
         return []
     lines = [f"next: {program} report {out} --out {out.rstrip('/')}/report.html"]
@@ -192,7 +194,7 @@ def next_lines(outcomes: list, out: str, program: str) -> list[str]:
 
 
 def failure_lines(outcomes: list) -> list[str]:
-    failed = [o for o in outcomes if o.status == "failed"]
+    failed = [o for o in outcomes if o.status == Status.FAILED]
     if not failed:
         return []
     lines = [f"{len(failed)} of {len(outcomes)} checkpoints failed:"]
@@ -201,7 +203,12 @@ def failure_lines(outcomes: list) -> list[str]:
 
 def outcome_json(outcome) -> dict:
     """One checkpoint for `score --json`: where, what happened, the pooled numbers."""
-    item = {"checkpoint": outcome.name, "path": outcome.ckpt, "out_dir": outcome.out_dir, "status": outcome.status}
+    item = {
+        "checkpoint": outcome.name,
+        "path": outcome.ckpt,
+        "out_dir": outcome.out_dir,
+        "status": outcome.status.value,
+    }
     if outcome.error is not None:
         item["error"] = outcome.error
     if outcome.summary is not None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from dataclasses import dataclass, field
 
 import pyarrow.parquet as pq
 
@@ -16,6 +15,7 @@ from pipeline.common.lock import OutputLock, pid_exists
 from pipeline.common.space import writing
 from scoring import results
 from scoring.score.console import describe_nonfinite
+from scoring.score.outcome import Outcome, Status
 from scoring.score.record import differences, read_record
 
 
@@ -31,20 +31,6 @@ def output_dirs(paths: list[str], out: str) -> dict[str, str]:
             )
         dirs[path] = target
     return dirs
-
-
-@dataclass
-class Outcome:
-    """What happened to one checkpoint: 'scored', 'skipped' (already scored with the same
-    settings) or 'failed' (`error` says why, in one line)."""
-
-    ckpt: str
-    out_dir: str
-    status: str
-    record: dict | None = None
-    summary: object = None  # pyarrow Table of summary.parquet (scored or skipped)
-    error: str | None = None
-    name: str = field(default="")
 
 
 def check_previous(out_dir: str, planned: dict, force: bool) -> bool:
@@ -125,4 +111,4 @@ def skipped(ckpt: str, out_dir: str) -> Outcome:
     """The outcome of a checkpoint already scored with the same settings, from its files."""
     record = read_record(out_dir)
     summary = pq.read_table(os.path.join(out_dir, results.FILES["summary"]))
-    return Outcome(ckpt, out_dir, "skipped", record, summary, name=record["checkpoint"]["name"])
+    return Outcome(ckpt, out_dir, Status.SKIPPED, record, summary, name=record["checkpoint"]["name"])

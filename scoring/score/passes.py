@@ -22,6 +22,7 @@ import contextlib
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from enum import Enum
 
 import torch
 
@@ -33,14 +34,8 @@ from scoring.config import ScoreConfig
 from scoring.drafters.checkpoint import read_drafter_config
 from scoring.drafters.detect import build_drafter
 from scoring.score.collect import Collector
-from scoring.score.outputs import (
-    NonFiniteLogitsError,
-    Outcome,
-    remove_dead_staging,
-    results_lock,
-    skipped,
-    write_results,
-)
+from scoring.score.outcome import Outcome, Status
+from scoring.score.outputs import NonFiniteLogitsError, remove_dead_staging, results_lock, skipped, write_results
 from scoring.score.record import run_facts, run_record
 from scoring.score.steps import (
     SAMPLE_TENSORS,
@@ -57,6 +52,16 @@ from scoring.score.steps import (
 FAILURES = (UserError, FileNotFoundError, NotADirectoryError, PermissionError)
 
 
+class LaneState(str, Enum):
+    """Where a checkpoint is in a pass."""
+
+    OPENING = "opening"
+    LIVE = "live"  # loaded, to replay
+    SKIPPED = "skipped"
+    FAILED = "failed"
+    SCORED = "scored"
+
+
 @dataclass
 class Lane:
     """One checkpoint on its way through a pass: opened (results directory locked on rank 0,
@@ -65,7 +70,7 @@ class Lane:
     ckpt: str
     out_dir: str
     started: float  # run.json's wall_time_s counts from here
-    state: str = "opening"  # then "live" (loaded, to replay), "skipped", "failed" or "scored"
+    state: LaneState = LaneState.OPENING
     job: Job | None = None
     collector: Collector | None = None
     anchors: int = 0  # anchors this rank scored
@@ -110,8 +115,10 @@ def close_locks(lanes: list[Lane]) -> None:
 
 def fail(lane: Lane, error: BaseException, dist: Dist) -> None:
     """The checkpoint cannot be scored: a 'failed' outcome (rank 0), and it is let go."""
-    lane.state, lane.error = "failed", error
-    lane.outcome = Outcome(lane.ckpt, lane.out_dir, "failed", error=str(error), name=lane.ckpt) if dist.main else None
+    lane.state, lane.error = LaneState.FAILED, error
+    lane.outcome = (
+        Outcome(lane.ckpt, lane.out_dir, Status.FAILED, error=str(error), name=lane.ckpt) if dist.main else None
+    )
     release(lane)
 
 
@@ -122,7 +129,7 @@ def load(lane: Lane, shardset: ShardSet, config: ScoreConfig, dist: Dist) -> Non
         lane.locks.enter_context(results_lock(lane.out_dir))  # one writer per results directory
         remove_dead_staging(lane.out_dir)  # a killed run's half-written copy, whether or not we redo it
     lane.job = prepare_job(lane.ckpt, shardset, lane.out_dir, config, dist)
-    lane.state = "live" if lane.job is not None else "skipped"
+    lane.state = LaneState.LIVE if lane.job is not None else LaneState.SKIPPED
     if lane.job is None and dist.main:
         lane.outcome = skipped(lane.ckpt, lane.out_dir)  # read under the lock
 
@@ -131,9 +138,9 @@ def agree(lane: Lane, dist: Dist) -> None:
     """A checkpoint stays live only where every rank loaded it, so that all ranks run the same
     collectives for it; one rank's failure fails it everywhere (rank 0 says whose)."""
     states = all_ranks((lane.state, "" if lane.error is None else str(lane.error)), dist)  # every rank sends
-    if lane.state == "failed":
+    if lane.state == LaneState.FAILED:
         return
-    failed = [(rank, message) for rank, (state, message) in enumerate(states) if state == "failed"]
+    failed = [(rank, message) for rank, (state, message) in enumerate(states) if state == LaneState.FAILED]
     if failed:
         fail(lane, UserError(f"rank {failed[0][0]}: {failed[0][1]}"), dist)
     elif len({state for state, _ in states}) > 1:
@@ -165,7 +172,7 @@ def passes(paths: list[str], dirs: dict, shardset: ShardSet, config: ScoreConfig
             yield lanes
             lanes, held = [], 0
         lanes.append(open_lane(path, dirs[path], shardset, config, dist, opened))
-        if lanes[-1].state == "live":
+        if lanes[-1].state == LaneState.LIVE:
             held += max(size, 1)
         elif not held:
             yield lanes
@@ -206,7 +213,7 @@ def replay_groups(live: list[Lane], shardset: ShardSet, head: dict, config: Scor
     # the loop variable is rebound before the next group's replay: this group's tensors die first
     for group in sample_groups(zip(mine, samples), config.anchors, config.walk_group_tokens):
         for lane in live:
-            if lane.state == "live":
+            if lane.state == LaneState.LIVE:
                 replay_lane(lane, head, group, config, dist)
         if bar is not None:
             anchors = sum(lane.anchors for lane in live)
@@ -215,7 +222,7 @@ def replay_groups(live: list[Lane], shardset: ShardSet, head: dict, config: Scor
 
 def replay_pass(lanes: list[Lane], shardset: ShardSet, head: dict, config: ScoreConfig, dist: Dist, progress) -> None:
     """Replay the pass's live checkpoints over one decoding of the shards (stage "shard pass")."""
-    live = [lane for lane in lanes if lane.state == "live"]
+    live = [lane for lane in lanes if lane.state == LaneState.LIVE]
     if not live:
         return
     stop_ids = list(shardset.settings["target"]["stop_token_ids"])
@@ -231,7 +238,7 @@ def replay_pass(lanes: list[Lane], shardset: ShardSet, head: dict, config: Score
             replay_groups(live, shardset, head, config, dist, bar)
     except FAILURES as error:  # the shards themselves (a damaged chunk): every checkpoint of the pass
         for lane in live:
-            if lane.state == "live":
+            if lane.state == LaneState.LIVE:
                 fail(lane, error, dist)
     finally:
         if bar is not None:
@@ -246,7 +253,7 @@ def gather_lane(lane: Lane, dist: Dist) -> tuple[Collector, int] | None:
     parts = [part] if dist.world == 1 else [None] * dist.world if dist.main else None
     if dist.world > 1:
         torch.distributed.gather_object(part, parts, dst=0)
-    if not dist.main or lane.state != "live":  # rank 0's own failure is its outcome already
+    if not dist.main or lane.state != LaneState.LIVE:  # rank 0's own failure is its outcome already
         return None
     failed = [(rank, message) for rank, (_, _, message) in enumerate(parts) if message]
     if failed:
@@ -269,8 +276,8 @@ def write_lane(lane: Lane, collector: Collector, anchors: int, shardset: ShardSe
     facts = run_facts(options.device, options.attention_backend, dist, anchors, nonfinite, wall)
     record = run_record(job.planned, lane.ckpt, job.info, shardset, facts)
     write_results(lane.out_dir, tables, record)
-    lane.state = "scored"
-    return Outcome(lane.ckpt, lane.out_dir, "scored", record, tables["summary"], name=job.info.name)
+    lane.state = LaneState.SCORED
+    return Outcome(lane.ckpt, lane.out_dir, Status.SCORED, record, tables["summary"], name=job.info.name)
 
 
 def finish_lane(lane: Lane, shardset: ShardSet, config: ScoreConfig, dist: Dist) -> None:

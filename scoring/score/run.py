@@ -11,7 +11,8 @@ from pipeline.common.distributed import Dist, dist_from_env, init_dist
 from pipeline.shards import ShardSet
 from scoring.config import ScoreConfig
 from scoring.replay.packing import prepare_target_head
-from scoring.score.outputs import Outcome, output_dirs
+from scoring.score.outcome import Outcome
+from scoring.score.outputs import output_dirs
 from scoring.score.passes import scored_lanes
 from scoring.score.steps import check_anchor_set, resolve_device_dtype
 

@@ -42,14 +42,15 @@ from pipeline.common.distributed import Dist, dist_from_env
 from pipeline.common.errors import UserError
 from pipeline.shards import ShardSet
 from scoring import results
-from scoring.compare.bootstrap import digits
+from scoring.compare.bootstrap import digits, judge
 from scoring.compare.run import CompareError, CompareWarning, headline_row, run_comparison
 from scoring.config import ScoreConfig
 from scoring.drafters.files import WEIGHT_EXTENSIONS, checkpoint_problem, parse_step, resolve_checkpoint_files
 from scoring.replay.packing import prepare_target_head
 from scoring.report.page import write_report
 from scoring.score.console import headline
-from scoring.score.outputs import Outcome, remove_dead_staging
+from scoring.score.outcome import Outcome, Status
+from scoring.score.outputs import remove_dead_staging
 from scoring.score.record import read_record
 from scoring.score.run import score_checkpoint
 from scoring.score.steps import check_anchor_set, resolve_device_dtype
@@ -240,7 +241,7 @@ def change_against(previous_dir: str, out_dir: str) -> str:
     if row["n"] < 2:
         return f"{delta:+.3f} (one paired sample, no interval)"
     d = digits(delta, low, high)
-    judged = "better" if low > 0 else "worse" if high < 0 else "no significant change"
+    judged = judge(low, high).value
     return f"{delta:+.{d}f} (95% CI {low:+.{d}f} to {high:+.{d}f}, {judged}; n {row['n']})"
 
 
@@ -290,12 +291,12 @@ class Watcher:
         if read_record(out_dir) is None:
             self.say(f"scoring {path} ({step_label(checkpoint_step(path))})")
         outcome = self.score(path, out_dir)
-        if outcome.status == "failed":
+        if outcome.status == Status.FAILED:
             self.fail(path, tracker, outcome.error)
             return
         tracker.finished.add(path)
         self.steps[out_dir] = (outcome.record or {}).get("checkpoint", {}).get("step")
-        if outcome.status == "skipped":
+        if outcome.status == Status.SKIPPED:
             self.result.skipped.append(path)
             self.say(f"already scored: {path} in {out_dir}")
         else:
@@ -314,7 +315,7 @@ class Watcher:
         except Exception as error:  # noqa: BLE001 - reported in one line, the watch goes on
             remove_own_staging(out_dir)
             message = str(error) if isinstance(error, UserError) else f"{type(error).__name__}: {error}"
-            outcome = Outcome(path, out_dir, "failed", error=message, name=path)
+            outcome = Outcome(path, out_dir, Status.FAILED, error=message, name=path)
         self.current = None
         return outcome
 

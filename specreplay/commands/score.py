@@ -10,6 +10,7 @@ import click
 from pipeline.common.errors import UserError
 from pipeline.common.sizes import format_size, parse_size
 from scoring.config import ScoreConfig
+from scoring.score.outcome import Status
 from specreplay.commands.defaults import default
 
 
@@ -137,7 +138,7 @@ def score(no_progress, quiet, as_json, **options):
         click.echo(json.dumps([outcome_json(o) for o in outcomes], indent=1))
     else:
         printer.finish(outcomes, config.out)
-    if any(o.status == "failed" for o in outcomes):
+    if any(o.status == Status.FAILED for o in outcomes):
         sys.exit(1)
 
 
@@ -150,16 +151,16 @@ class OutcomePrinter:
     def __call__(self, outcome) -> None:
         from scoring.score.console import headline, print_table, warning_lines
 
-        if outcome.status == "failed":
+        if outcome.status == Status.FAILED:
             click.echo(f"error: {outcome.ckpt}: {outcome.error}", err=True)
             return
-        if outcome.status == "skipped":
+        if outcome.status == Status.SKIPPED:
             click.echo(f"{outcome.name}: already scored with these settings in {outcome.out_dir} (--force to redo)")
         elif not self.quiet:
             click.echo("")
             print_table(outcome.summary, outcome.record, outcome.out_dir)  # its warnings included
         click.echo(headline(outcome.name, outcome.summary))
-        if self.quiet and outcome.status == "scored":
+        if self.quiet and outcome.status == Status.SCORED:
             for line in warning_lines(outcome.record):  # left-out samples are never silent
                 click.echo(f"  {line}", err=True)
 
