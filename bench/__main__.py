@@ -2,7 +2,7 @@
 number (with the environment, the load average and the CPU other processes used during each
 phase, so noisy runs are visible) to bench/results/bench-<date>-<time>.json.
 
-    .venv/bin/python -m bench                    # full: 16 prompts, 128 new tokens (~15 min on 2 cores: ~11 before the sampling section, which adds ~4)
+    .venv/bin/python -m bench                    # full: 16 prompts, 128 new tokens (times: bench/README.md)
     .venv/bin/python -m bench --quick            # smoke run: 4 prompts, 48 new tokens, smaller shapes
     .venv/bin/python -m bench --only length      # one section (and the sections it needs)
     .venv/bin/python -m bench --research         # also the research experiments (format v1, entropy)
@@ -41,7 +41,7 @@ def parse_args(argv=None):
         description="specreplay benchmark: prints one table and writes every number to "
         "bench/results/bench-<date>-<time>.json",
     )
-    parser.add_argument("--quick", action="store_true", help="a smaller run (~4 min on 2 cores)")
+    parser.add_argument("--quick", action="store_true", help="a smaller run (its time: bench/README.md)")
     parser.add_argument("--prompts", type=int, default=None, help="prompts from the set (default 16; quick 4)")
     parser.add_argument(
         "--score-prompts",

@@ -1,7 +1,7 @@
 """`make bench-gpu` = `python -m bench.gpu`: the figures `make bench` cannot measure without a
 GPU, as one prepared run (issue 13, item 6): under 8 minutes on one H200, nothing downloaded.
 
-    .venv/bin/python -m bench.gpu                      # CUDA: full sizes; no CUDA: CPU sizes (~3 min on 2 cores)
+    .venv/bin/python -m bench.gpu                      # CUDA: full sizes; no CUDA: CPU sizes (times: bench/README.md)
     .venv/bin/python -m bench.gpu --size tiny          # seconds: proves the script runs (tests/test_bench_gpu.py)
     .venv/bin/python -m bench.gpu --only parity,extract
 
@@ -79,7 +79,7 @@ def drafter(layers, heads, kv_heads, head_dim, intermediate, mask_token_id, bloc
 
 
 # Per size: the parity set (target widths of the synthetic shards, drafter, response lengths),
-# the throughput set, and the extract target. full: one H200 in < 8 min; cpu: ~3 min on 2 cores;
+# the throughput set, and the extract target. full: one H200 in < 8 min (the budget); cpu: see bench/README.md;
 # tiny: seconds (the test). Target layer counts place the 5 feature layers (8 or more: 5 distinct ids).
 SIZES = {
     "full": {

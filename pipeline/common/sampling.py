@@ -1,6 +1,6 @@
 """The sampling distribution both stages use at temperature > 0, as the reference defines it.
 
-`sampling_probs` is the public DFlash loop's `_sampling_probs` (SPEC §1 "Sampling"): scores =
+`sampling_probs` is the public DFlash loop's `_sampling_probs` (docs/sampling.md#the-sampling-distribution): scores =
 logits / T; keep the top_k scores when 0 < top_k < V; softmax; when top_p < 1, sort descending
 and keep a token while (cumulative probability - its probability) < top_p; renormalise. The
 target's responses are sampled from it at extract, its p_t(y_t) is stored, and the drafter's

@@ -88,7 +88,6 @@ __all__ = [
     "Comparison",
     "FewSamplesWarning",
     "compare_pairs",
-    "compare_results",
     "compare_streak",
     "headline",
     "headline_row",
@@ -444,10 +443,3 @@ def _sides(a: Side, b: Side) -> dict:
         "shards_identity_a": a.shards_identity,
         "shards_identity_b": b.shards_identity,
     }
-
-
-def compare_results(dir_a: str, dir_b: str, **options) -> pl.DataFrame:
-    """run_comparison's table: one row per (dataset, method) present in both A and B, plus
-    dataset '(all)', with the columns of OUTPUT_SCHEMA. `methods` / `datasets` keep only those
-    rows ('(all)' always pools every dataset)."""
-    return run_comparison(dir_a, dir_b, **options).table

@@ -4,7 +4,7 @@ A drafter trained under a convention that differs from the reference's (block po
 too high, the wrong feature layer, one context position too many, ...) scores badly under the
 reference, although its weights are fine. `specreplay diagnose` replays a checkpoint with one
 switch changed at a time to find which. `score` always uses `REFERENCE`, the reference's
-semantics (SPEC §1), so nothing here changes what `score` computes.
+semantics (docs/anchors-and-blocks.md), so nothing here changes what `score` computes.
 
 Every switch is stated relative to an anchor t, whose block [x_t, mask, ...] drafts t + 1 ...:
 """

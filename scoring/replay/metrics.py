@@ -128,7 +128,7 @@ def tau(per_sample: list[float | None]) -> float:
 
 
 # --------------------------------------------------------------------------- sampling (T > 0)
-# SPEC §1 "Sampling": drafts d_j ~ q_j, accepted while u_j q_j(d_j) < p_j(d_j). Given the emitted
+# docs/sampling.md#acceptance-given-the-emitted-response: drafts d_j ~ q_j, accepted while u_j q_j(d_j) < p_j(d_j). Given the emitted
 # response y (distributed as the target samples), block position j is accepted with probability
 # a_j = min(1, q_j(y_j) / p_j(y_j)), conditionally on every earlier position being accepted.
 

@@ -85,7 +85,7 @@ def draft_block(result: AnchorTensors, i: int) -> list[int]:
 
 @dataclass
 class SampledChain:
-    """The chain on a sampled response (SPEC §1 "Sampling"): per-anchor acceptance probabilities
+    """The chain on a sampled response (docs/sampling.md): per-anchor acceptance probabilities
     and the expected walk over them."""
 
     accept_probs: torch.Tensor  # [A, L] a_j = min(1, q_j(y_j) / p_j(y_j)), 0 where unknown
