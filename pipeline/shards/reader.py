@@ -102,7 +102,7 @@ def _unlisted(fs, root: str, uri: str) -> str:
     return f", and {', '.join(extra)} is there, which it does not list (renamed?)" if extra else ""
 
 
-def read_shard(
+def read_shard(  # 55 lines: the read path's checks (checksum, schema, rows) kept in the order they run
     uri: str, entry: dict, tensor_dtypes: dict[str, str], tensors: list[str] | None = None, rows=None
 ) -> Iterator[Sample]:
     """Yield the samples of one shard (only the row indices in `rows`, if given). Chunks holding

@@ -78,8 +78,8 @@ from scoring.compare.inputs import (
     load_side,
     pair_samples,
     select_requested,
-    streak_inputs,
 )
+from scoring.compare.streak import streak_inputs
 from scoring.results import ALL_DATASETS
 
 # The public API: this module's comparison, and what its callers catch or print re-exported.
