@@ -20,7 +20,7 @@ help:
 	@echo "make extract   extract SmolLM2-135M over the bundled default prompts into $(SHARDS)"
 	@echo "make score CKPT=path/to/drafter   score a drafter checkpoint against $(SHARDS)"
 	@echo "make bench     print benchmark figures (writes bench/results/*.json)"
-	@echo "make bench-gpu the GPU figures, < 8 min on one H200 (no CUDA: a ~3 min CPU run of the same parts)"
+	@echo "make bench-gpu the GPU figures, budget < 8 min on one H200 (no CUDA: its CPU parts; times in bench/README.md)"
 	@echo "make fuzz      damage extract files 1,000 ways (FUZZ_TRIALS=N), score each, print the tally"
 	@echo "make faults    disks filling up, scores killed -9, two writers at once (root: mounts tmpfs)"
 	@echo "make demo      extract SmolLM2, fit a tiny drafter, score two checkpoints, compare, diagnose, report"
@@ -40,7 +40,7 @@ setup: .venv/bin/python
 SUDO    ?= $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 setup-browser:
-	# Headless Chromium for tests/test_report.py (skipped without it); Debian package, /usr/bin/chromium.
+	# Headless Chromium for the report rendering tests in tests/scoring/report/ (skipped without it); Debian package, /usr/bin/chromium.
 	$(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq chromium
 
 RUFF    ?= .venv/bin/ruff
@@ -74,14 +74,14 @@ bench-gpu:
 	$(PY) -m bench.gpu $(ARGS)
 
 # Flipped bytes, truncations and appended garbage in shards, sidecars, the manifest and the target
-# head: each trial must end in a clear error naming the file or in identical results (tests/fuzz_inputs.py).
+# head: each trial must end in a clear error naming the file or in identical results (tools/fuzz_inputs.py).
 FUZZ_TRIALS ?= 1000
 fuzz:
-	OMP_NUM_THREADS=1 $(PY) tests/fuzz_inputs.py --trials $(FUZZ_TRIALS) $(ARGS)
+	OMP_NUM_THREADS=1 $(PY) tools/fuzz_inputs.py --trials $(FUZZ_TRIALS) $(ARGS)
 
-# The longer runs behind bench/README.md's Faults table (tests/fault_sweeps.py; ~10 minutes).
+# The longer runs behind bench/README.md's Faults table (tools/fault_sweeps.py; ~10 minutes).
 faults:
-	$(PY) tests/fault_sweeps.py $(ARGS)
+	$(PY) tools/fault_sweeps.py $(ARGS)
 
 DEMO    ?= data/demo
 DEMO_STEPS ?= 600

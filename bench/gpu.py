@@ -2,7 +2,7 @@
 GPU, as one prepared run (issue 13, item 6): under 8 minutes on one H200, nothing downloaded.
 
     .venv/bin/python -m bench.gpu                      # CUDA: full sizes; no CUDA: CPU sizes (times: bench/README.md)
-    .venv/bin/python -m bench.gpu --size tiny          # seconds: proves the script runs (tests/test_bench_gpu.py)
+    .venv/bin/python -m bench.gpu --size tiny          # seconds: proves the script runs (tests/bench/test_gpu.py)
     .venv/bin/python -m bench.gpu --only parity,extract
 
 Parts, all through the product's own entry points on random-weight stand-ins (bench/standins.py):

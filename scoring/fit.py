@@ -21,7 +21,7 @@ from pipeline.common.errors import UserError
 from pipeline.common.layer_ids import build_target_layer_ids, requested_layer_ids
 from pipeline.shards import Sample, ShardSet
 from scoring.config import FitOptions
-from scoring.drafters.detect import parse_drafter_config
+from scoring.drafters.detect import build_drafter, parse_drafter_config
 from scoring.drafters.dflash_model import DFlashDrafter
 from scoring.replay.packing import select_feature_columns
 
@@ -129,7 +129,7 @@ def block_loss(
 
 def new_drafter(config_raw: dict, init_std: float) -> DFlashDrafter:
     """A drafter with normal(0, init_std) matrices (norms at one), in training mode."""
-    drafter = DFlashDrafter(parse_drafter_config(config_raw, "new drafter config"))
+    drafter = build_drafter(parse_drafter_config(config_raw, "new drafter config"))
     for _, param in drafter.named_parameters():
         if param.dim() > 1:
             torch.nn.init.normal_(param, std=init_std)

@@ -16,9 +16,10 @@ import polars as pl
 import pytest
 from click.testing import CliRunner
 
-from conftest import fitted_drafters, write_prompts
 from pipeline.extract.run import ExtractConfig, run_extract
 from specreplay.cli import main
+from tests.helpers.drafters import fitted_drafters
+from tests.helpers.prompts import write_prompts
 
 README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
 

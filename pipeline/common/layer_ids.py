@@ -56,6 +56,13 @@ def drafter_layer_ids(raw: dict, where: str, num_target_layers: int | None = Non
     target_layer_ids, else the default formula over the drafter's num_hidden_layers and the
     config's num_target_layers, else `num_target_layers` (the target's, when the caller has
     it: extract does, score does not and refuses rather than guess)."""
+    if raw.get("speculators_model_type") is not None:
+        # its aux_hidden_state_layer_ids count the residual entering layer i (docs/layer-numbering.md):
+        # read as this project's ids they would be one layer off
+        raise UserError(
+            f"{where}: a speculators-format config (speculators_model_type "
+            f"{raw['speculators_model_type']!r}), which specreplay does not read yet; pass --layer-ids explicitly"
+        )
     ids = (raw.get("dflash_config") or {}).get("target_layer_ids", raw.get("target_layer_ids"))
     if ids is not None:
         return [int(i) for i in ids]

@@ -14,7 +14,7 @@ What still grows with T: the residual stream [T, H], the rotary cos/sin [T, head
 key/value store [kv_heads, T, head_dim] x 2 and one window's mask [rows, T].
 
 Exact, i.e. the values equal a plain single-sequence forward bit for bit, because of two
-properties of the CPU kernels (checked by tests/test_extract_chunked.py):
+properties of the CPU kernels (checked by tests/pipeline/extract/test_chunked_forward.py):
   - per-position work gives each row the same bits whatever the number of rows M, as long as
     M is not tiny (CPU BLAS rounds fp32 GEMMs of a few rows differently); every window therefore
     has the same size, at least MIN_WINDOW_ROWS (see row_windows);

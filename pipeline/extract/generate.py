@@ -2,7 +2,7 @@
 
 Prompts are generated in left-padded batches with `model.generate(do_sample=False)`; in fp32,
 left-padded batched greedy decoding gives the same tokens as one prompt at a time
-(tests/test_extract.py checks it on tiny Qwen3 and Qwen3.5 targets).
+(tests/pipeline/extract/test_run.py checks it on tiny Qwen3 and Qwen3.5 targets).
 
 Sampling (temperature > 0) keeps that same greedy generate call and adds one logits processor,
 `DrawFromSampling`: it draws each row's token from `pipeline.common.sampling.sampling_probs` (the

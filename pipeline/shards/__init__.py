@@ -44,7 +44,7 @@ file, not another extract; shard entries are also checked for consistency (row c
 back to back), all a format 2 file gets. The target head is checked against the manifest's size
 and crc32, its header against the file before anything is allocated. Whatever the damage, reading
 ends in a ShardError naming the file and what to do, or reads exactly what was written
-(tests/fuzz_inputs.py, `make fuzz`).
+(tools/fuzz_inputs.py, `make fuzz`).
 
 Row schema (one row = one prompt + response):
     sample_id, dataset, prompt_text: string   prompt_len: int32   finish_reason: string

@@ -20,7 +20,7 @@ differ on quantised logits), which would make a tree depend on the largest budge
 fixed order makes the top-K of budget N the first N of the top-K of any larger budget.
 
 This module is the definition (Python heap, torch top-K); scoring/replay/ddtree_kernels.py computes
-the same pop indices compiled, and tests/test_ddtree_kernels.py holds the two equal.
+the same pop indices compiled, and tests/scoring/replay/test_ddtree_kernels.py holds the two equal.
 """
 
 from __future__ import annotations

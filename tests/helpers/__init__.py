@@ -1,0 +1,28 @@
+"""Helpers shared by the tests (and by tools/fuzz_inputs.py, tools/fault_sweeps.py); import them
+as `from tests.helpers.<module> import ...`. tests/conftest.py holds only fixtures and hooks.
+
+  models           tiny random targets and the tokenizer: make_tokenizer, build_tiny_qwen3,
+                   build_tiny_qwen35_hybrid, build_tiny_qwen35_vlm, TINY_VOCAB, TINY_HIDDEN, TINY_TARGET, IM_END_ID
+  drafters         drafter_config (the one config source), random_drafter, reference_drafter, fitted_drafters
+  prompts          write_prompts
+  shards           tiny_shards (a small real extract), same_bits
+  trees            brute_force_tree (the DDTree oracle)
+  browser          headless Chromium (needs_chromium, chromium_screenshot) and check_html
+  processes        REPO, kill_after_first_shard
+  loggers          read_tensorboard (events read back by tensorboard's own reader)
+  faults           what the fault tests and tools/fault_sweeps.py share: cli, assert_same_extract, content, ...
+  filesystems      tmpfs mounts for the fault tests
+  online_reference online decoding loops that recompute the target every step (parity tests)
+  convention_fits  drafters fitted with the public reference under a wrong convention (diagnose tests)
+  fake_results     results directories built from scoring/results.py's schemas
+  watch_writer     a training run writing checkpoints over time (run as a script by the watch tests)
+"""
+
+import os
+
+# Exact-equality tests compare two computations that differ only in where their buffers sit;
+# MKL may pick alignment-dependent kernels (measured: the stored-dtype-embedding test flipped
+# bits depending on which tests ran before it). Strict conditional numerical reproducibility
+# makes GEMM results independent of alignment. Set here, before any helper loads torch (and MKL):
+# tests/conftest.py and the tools/ scripts import these helpers first; subprocesses inherit it.
+os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")

@@ -1,0 +1,36 @@
+"""Shards for the tests: a small real extract, and bitwise comparison of what comes back."""
+
+from __future__ import annotations
+
+import torch
+
+from tests.helpers.prompts import write_prompts
+
+
+def tiny_shards(tmp, model_dir: str, records: list[dict], max_new_tokens: int = 16) -> str:
+    """`records` written as tmp/prompts.jsonl and extracted from a tiny target into tmp/shards
+    (feature layers 1 and 3, top-8, fp32): the small real extract most score tests start from."""
+    from pipeline.extract.config import ExtractConfig
+    from pipeline.extract.run import run_extract
+
+    prompts = write_prompts(tmp / "prompts.jsonl", records)
+    shards = str(tmp / "shards")
+    run_extract(
+        ExtractConfig(
+            model=model_dir,
+            prompts=prompts,
+            out=shards,
+            max_new_tokens=max_new_tokens,
+            layer_ids=[1, 3],
+            top_k=8,
+            dtype="fp32",
+        )
+    )
+    return shards
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality (NaN-safe), dtype and shape included."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))

@@ -1,0 +1,209 @@
+"""Bad input is a clear error before anything is written; other settings in OUT are refused."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from pipeline.extract.run import ExtractConfig, run_extract
+from pipeline.shards import ShardError, read_manifest
+from specreplay.cli import main
+from tests.helpers.prompts import write_prompts
+
+PROMPTS = [{"id": "a", "prompt": "Hello there"}, {"id": "b", "prompt": "Janet's ducks lay eggs."}]
+
+
+@pytest.fixture()
+def prompts_file(tmp_path):
+    return write_prompts(tmp_path / "ok.jsonl", PROMPTS)
+
+
+def cli(*args):
+    return CliRunner().invoke(main, ["extract", "--quiet", "--max-new-tokens", "4", *args])
+
+
+def assert_clean_error(result, *needles):
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output and result.output.startswith("error: "), result.output
+    for needle in needles:
+        assert needle in result.output, result.output
+
+
+def assert_nothing_written(out):
+    assert not out.exists() or not any(out.iterdir())
+
+
+def test_missing_model_path(tmp_path, prompts_file):
+    out = tmp_path / "out"
+    assert_clean_error(
+        cli("--model", str(tmp_path / "no-such-model"), "--prompts", prompts_file, "--out", str(out)),
+        "no-such-model",
+        "does not exist",
+    )
+    assert_nothing_written(out)
+
+
+def test_malformed_jsonl_names_the_line(tmp_path, tiny_qwen3_dir):
+    bad = write_prompts(tmp_path / "bad.jsonl", [PROMPTS[0], '{"id": "b", "prompt": "unterminated'])
+    out = tmp_path / "out"
+    assert_clean_error(cli("--model", tiny_qwen3_dir, "--prompts", str(bad), "--out", str(out)), "bad.jsonl:2")
+    assert_nothing_written(out)
+
+
+def test_duplicate_prompt_ids(tmp_path, tiny_qwen3_dir):
+    dup = write_prompts(tmp_path / "dup.jsonl", [{"id": "same", "prompt": text} for text in ("one", "two")])
+    out = tmp_path / "out"
+    assert_clean_error(
+        cli("--model", tiny_qwen3_dir, "--prompts", str(dup), "--out", str(out)), "duplicate id", "'same'"
+    )
+    assert_nothing_written(out)
+
+
+@pytest.mark.parametrize("layer_ids, message", [("0,6", "out of range"), ("1,1", "duplicates"), ("1,x", "integers")])
+def test_bad_layer_ids(tmp_path, tiny_qwen3_dir, prompts_file, layer_ids, message):
+    out = tmp_path / "out"
+    result = cli("--model", tiny_qwen3_dir, "--prompts", prompts_file, "--out", str(out), "--layer-ids", layer_ids)
+    assert_clean_error(result, message)
+    assert_nothing_written(out)
+
+
+def test_formula_duplicates_and_top_k(tmp_path, tiny_qwen35_hybrid_dir, prompts_file):
+    out = tmp_path / "out"
+    # 4 target layers cannot feed 5 distinct drafter layers.
+    assert_clean_error(
+        cli("--model", tiny_qwen35_hybrid_dir, "--prompts", prompts_file, "--out", str(out)),
+        "duplicate layer ids",
+        "--layer-ids",
+    )
+    assert_clean_error(
+        cli(
+            "--model",
+            tiny_qwen35_hybrid_dir,
+            "--prompts",
+            prompts_file,
+            "--out",
+            str(out),
+            "--layer-ids",
+            "1",
+            "--top-k",
+            "100000",
+        ),
+        "--top-k 100000",
+    )
+    assert_clean_error(
+        cli(
+            "--model",
+            tiny_qwen35_hybrid_dir,
+            "--prompts",
+            prompts_file,
+            "--out",
+            str(out),
+            "--layer-ids",
+            "1",
+            "--feature-dtype",
+            "int8",
+        ),
+        "--feature-dtype",
+    )
+    assert_nothing_written(out)
+    result = cli("--prompts", prompts_file, "--out", str(out), "--shard-bytes", "lots")
+    assert result.exit_code == 2 and "--shard-bytes" in result.output
+
+
+def test_other_settings_refused_unless_overwrite(tmp_path, tiny_qwen3_dir, prompts_file):
+    out = tmp_path / "out"
+    base = dict(
+        model=tiny_qwen3_dir, prompts=prompts_file, out=str(out), layer_ids=[1, 3], max_new_tokens=4, quiet=True
+    )
+    first = run_extract(ExtractConfig(**base))
+    before = (out / "manifest.json").read_bytes()
+    shard_files = sorted(p.name for p in (out / "shards").iterdir())
+
+    # Same settings again: nothing to do, nothing rewritten.
+    again = run_extract(ExtractConfig(**base))
+    assert again["shards"] == first["shards"]
+    assert sorted(p.name for p in (out / "shards").iterdir()) == shard_files
+
+    result = cli(
+        "--model", tiny_qwen3_dir, "--prompts", prompts_file, "--out", str(out), "--layer-ids", "1,3", "--top-k", "8"
+    )
+    assert_clean_error(result, "different settings", "top_k: 32 -> 8", "--overwrite")
+    with pytest.raises(ShardError, match=r"layer_ids.*\[1, 3\].*\[1, 2\]"):
+        run_extract(ExtractConfig(**{**base, "layer_ids": [1, 2]}))
+    assert (out / "manifest.json").read_bytes() == before  # refused runs touched nothing
+
+    result = cli(
+        "--model",
+        tiny_qwen3_dir,
+        "--prompts",
+        prompts_file,
+        "--out",
+        str(out),
+        "--layer-ids",
+        "1,3",
+        "--top-k",
+        "8",
+        "--overwrite",
+    )
+    assert result.exit_code == 0, result.output
+    manifest = read_manifest(str(out))
+    assert manifest["complete"] and manifest["settings"]["top_k"] == 8 and manifest["totals"]["samples"] == 2
+
+
+def test_foreign_shards_without_manifest_refused(tmp_path, tiny_qwen3_dir, prompts_file):
+    out = tmp_path / "out"
+    (out / "shards").mkdir(parents=True)
+    (out / "shards" / "r000-00000.arrow").write_bytes(b"someone else's")
+    result = cli("--model", tiny_qwen3_dir, "--prompts", prompts_file, "--out", str(out), "--layer-ids", "1")
+    assert_clean_error(result, "no manifest.json", "--overwrite")
+    assert (out / "shards" / "r000-00000.arrow").read_bytes() == b"someone else's"
+
+
+def test_inspect_reports_and_flags_corruption(tmp_path, tiny_qwen3_dir, prompts_file):
+    out = tmp_path / "out"
+    run_extract(
+        ExtractConfig(
+            model=tiny_qwen3_dir, prompts=prompts_file, out=str(out), layer_ids=[2], max_new_tokens=4, quiet=True
+        )
+    )
+    result = CliRunner().invoke(main, ["inspect", str(out), "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    assert report["samples"] == 2 and report["layer_ids"] == [2] and report["complete"]
+    assert report["greedy_consistency"] == 1.0 and report["checksums"]["bad"] == []
+    assert report["raw_bf16_feature_bytes_per_token"] == 64 * 2
+    assert report["prompt_tokens"] + report["response_tokens"] == report["tokens"]
+    assert report["tokenizer"] == f"{out}/tokenizer"
+    assert f"tokenizer       {out}/tokenizer" in CliRunner().invoke(main, ["inspect", str(out), "--no-verify"]).output
+    shard = next((out / "shards").glob("*.arrow"))
+    data = bytearray(shard.read_bytes())
+    data[100] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    result = CliRunner().invoke(main, ["inspect", str(out)])
+    assert result.exit_code == 1 and shard.name in result.output and "BAD" in result.output
+
+
+def test_mistyped_shards_directory(tmp_path):
+    """A path that does not exist says so; an existing directory without manifest.json says that,
+    with the fix; a file is not a directory. Through `score --shards` and `inspect` alike, as one
+    error line without a traceback."""
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text("{}")
+    (tmp_path / "empty").mkdir()
+    cases = {
+        tmp_path / "shrads": f"no such directory: {tmp_path / 'shrads'}",
+        tmp_path / "empty": "no manifest. Is this an extract output directory? Run `specreplay extract --out",
+        ckpt / "config.json": f"{ckpt / 'config.json'}: not a directory",
+    }
+    for shards_dir, message in cases.items():
+        for args in (
+            ["score", "--ckpt", str(ckpt), "--shards", str(shards_dir), "--out", str(tmp_path / "results")],
+            ["inspect", str(shards_dir)],
+        ):
+            result = CliRunner().invoke(main, args)
+            assert result.exit_code == 2, result.output
+            assert result.output.startswith("error: ") and "Traceback" not in result.output, result.output
+            assert message in result.output and str(shards_dir) in result.output, result.output

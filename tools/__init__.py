@@ -1,0 +1,1 @@
+"""Scripts beside the test suite: `make fuzz` (fuzz_inputs.py) and `make faults` (fault_sweeps.py)."""
