@@ -7,15 +7,14 @@ ForConditionalGeneration targets, random weights, one unpadded sequence, torch.e
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 
 from pipeline.extract import chunked_forward
 from pipeline.extract.capture import CaptureConfig, capture_sample, text_decoder
 from pipeline.extract.chunked_forward import MAX_FORWARD_ROWS, MIN_WINDOW_ROWS, forward_rows, windowed_forward
-from pipeline.extract.target import decoder_layers, load_target
+from pipeline.extract.target import decoder_layers, load_target, text_config
+from tests.helpers.memory import LiveBytes
 from tests.helpers.models import TINY_TOKENIZER_VOCAB
 
 TARGETS = ["tiny_qwen3_dir", "tiny_qwen35_hybrid_dir", "tiny_qwen35_vlm_dir"]
@@ -178,9 +177,30 @@ def test_plain_forward_where_windows_are_not_exact(fp32_models):
     assert all(r == TOKENS for r in rows.values())
 
 
-def test_forward_rows_follow_the_memory_budget():
-    config = SimpleNamespace(hidden_size=64, num_attention_heads=4, head_dim=16, intermediate_size=128)
-    per_row = 4 * (3 * 128 + 6 * 64 + 100) + 12 * 64  # float32, 100 positions (the mask row)
-    assert forward_rows(config, 200 * per_row, 4, 100) == 200
-    assert forward_rows(config, 1, 4, 100) == MIN_WINDOW_ROWS
-    assert forward_rows(config, 1 << 40, 4, 100) == MAX_FORWARD_ROWS
+def _window_peak(model, rows: int, total: int) -> int:
+    """Peak bytes alive while the target's windowed forward runs over `total` positions in windows
+    of `rows`, measured at every aten op (the features hooks and the lm_head are not part of it)."""
+    decoder, layers = text_decoder(model), decoder_layers(model)
+    ids = torch.tensor([sequence(total)])
+    with torch.inference_mode(), windowed_forward(decoder, layers, rows, ids.device), LiveBytes() as spy:
+        decoder(input_ids=ids, use_cache=False)
+    return spy.peak
+
+
+def test_forward_rows_follow_the_memory_budget(fp32_models):
+    """A window of forward_rows(budget) rows holds at most the budget, measured on the real forward
+    (what one more window row costs: the growth of the peak from 64- to 128-row windows over the
+    same 256 positions), and not far below it (a window much smaller than the budget allows would
+    shrink the GEMMs for nothing), wherever the bounds do not decide."""
+    model = fp32_models["tiny_qwen3_dir"]
+    total = 256
+    per_row = (_window_peak(model, 128, total) - _window_peak(model, 64, total)) / 64
+    text = text_config(model)
+    for rows_wanted in (100, 200, 400):
+        budget = int(rows_wanted * per_row)
+        rows = forward_rows(text, budget, 4, total)
+        assert MIN_WINDOW_ROWS <= rows <= MAX_FORWARD_ROWS
+        if MIN_WINDOW_ROWS < rows < MAX_FORWARD_ROWS:
+            assert budget / 4 < rows * per_row <= budget, (rows, per_row, budget)
+    assert forward_rows(text, 1, 4, total) == MIN_WINDOW_ROWS
+    assert forward_rows(text, 1 << 40, 4, total) == MAX_FORWARD_ROWS

@@ -37,6 +37,7 @@ from scoring.replay.anchors import replay_sample
 from scoring.replay.packing import ReplayOptions, context_rows, pack_samples, prepare_target_head
 from scoring.score.run import run_score
 from tests.helpers.drafters import random_drafter
+from tests.helpers.memory import LiveBytes
 from tests.helpers.models import TINY_HIDDEN as HIDDEN, TINY_TARGET, TINY_VOCAB as VOCAB
 
 TARGET_LAYERS, LAYER_IDS = TINY_TARGET["num_layers"], [1, 3]
@@ -188,48 +189,13 @@ def test_context_kv_casts_chunks_and_never_holds_a_cast_copy():
     assert cast_rows and max(cast_rows) <= 7, chunked.allocated
 
 
-class _LiveBytes(TorchDispatchMode):
-    """The most bytes of tensors alive at once while active (`peak`): a tensor an aten op allocates
-    counts from then until the last tensor sharing its storage (itself or a view) is freed;
-    tensors from before (inputs, weights) and views of them never count."""
-
-    def __init__(self):
-        super().__init__()
-        self.live = self.peak = 0
-        self._storages: dict[int, list[int]] = {}  # data_ptr -> [bytes, tensors alive on it]
-
-    def _release(self, ptr: int) -> None:
-        entry = self._storages[ptr]
-        entry[1] -= 1
-        if not entry[1]:
-            self.live -= entry[0]
-            del self._storages[ptr]
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
-        for t in tree_leaves(out):
-            if not isinstance(t, torch.Tensor) or not t.untyped_storage().nbytes():
-                continue
-            ptr = t.untyped_storage().data_ptr()
-            if ptr not in self._storages:
-                if ptr in inputs:  # a view of (or a write into) a tensor from before
-                    continue
-                self._storages[ptr] = [t.untyped_storage().nbytes(), 0]
-                self.live += t.untyped_storage().nbytes()
-                self.peak = max(self.peak, self.live)
-            self._storages[ptr][1] += 1
-            weakref.finalize(t, self._release, ptr)
-        return out
-
-
 def _context_step_bytes(drafter: DFlashDrafter, rows: int, dtype: torch.dtype) -> int:
     """What one step of `rows` positions of the context pass holds, measured: the peak bytes alive
     while context_kv runs over 3 x rows stored bf16 positions in steps of `rows`, less its outputs
     (every position's keys and values, allocated before the first step and kept)."""
     g = torch.Generator().manual_seed(4)
     stored = torch.randn(3 * rows, len(LAYER_IDS) * HIDDEN, generator=g).to(torch.bfloat16)
-    with torch.inference_mode(), _LiveBytes() as spy:
+    with torch.inference_mode(), LiveBytes() as spy:
         kv = drafter.context_kv(stored, dtype=dtype, chunk_rows=rows)
     return spy.peak - sum(t.untyped_storage().nbytes() for pair in kv for t in pair)
 
