@@ -1,7 +1,11 @@
-"""Which target layers feed the drafter: the DFlash default formula, parsing `--layer-ids`, and
-the range check. Shared by both stages (pure, no model code).
+"""Which target layers feed the drafter: the DFlash default formula, parsing `--layer-ids`, the
+range check, and the one resolver of a drafter config's ids (`drafter_layer_ids`, used by
+`extract --draft-config` and by the DFlash family at score). Shared by both stages (pure, no
+model code).
 
 Layer id i is the OUTPUT of decoder layer i, i.e. transformers' hidden_states[i + 1].
+
+The semantics, in words: docs/layer-numbering.md.
 """
 
 from __future__ import annotations

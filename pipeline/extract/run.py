@@ -16,7 +16,7 @@ A run is four steps (`run_extract`); every check happens before the first byte i
      name), complete=true, totals.
 
 Resume is exact because a sample is either in a finished shard (never touched again) or redone
-from scratch: shards land atomically (see pipeline/shards.py) and settings cannot change
+from scratch: shards land atomically (pipeline/shards/writer.py) and settings cannot change
 between runs without `--overwrite`.
 
 A sample whose features or logits hold NaN/Inf (fp16 overflow, usually) is never written: the

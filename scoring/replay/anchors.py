@@ -8,6 +8,8 @@ truncates the block to the remaining max_new_tokens budget, is replayed on that 
 too (the drafter is bidirectional inside a block, so truncation changes its output).
 
 The output is per-anchor tensors (`AnchorTensors`); metrics.py turns them into numbers.
+
+The semantics, in words: docs/anchors-and-blocks.md.
 """
 
 from __future__ import annotations

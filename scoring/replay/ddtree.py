@@ -21,6 +21,8 @@ fixed order makes the top-K of budget N the first N of the top-K of any larger b
 
 This module is the definition (Python heap, torch top-K); scoring/replay/ddtree_kernels.py computes
 the same pop indices compiled, and tests/scoring/replay/test_ddtree_kernels.py holds the two equal.
+
+The semantics, in words: docs/ddtree.md.
 """
 
 from __future__ import annotations

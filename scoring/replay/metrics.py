@@ -5,6 +5,8 @@ position k = 1..L (L = block length - 1) drafts the token at t + k; the target's
 y_k (the stored greedy token) or -1 where it is unknown (past the end of the response) or past
 the block. "bonus-exclusive" counts accepted draft tokens only; "bonus-inclusive" adds the
 token the target itself contributes at every step (what the online loop appends).
+
+The semantics, in words: docs/metrics.md.
 """
 
 from __future__ import annotations

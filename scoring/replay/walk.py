@@ -4,6 +4,8 @@ Offline replay is exact because, for a response that is the target's own greedy 
 target's argmax after any prefix is the next stored token: the step taken at anchor t produces
 `produced(t)` tokens (computed for every anchor by the replay), and the online loop visits
 t0 = prompt_len, t1 = t0 + produced(t0), ... until the response is complete.
+
+The semantics, in words: docs/walk.md.
 """
 
 from __future__ import annotations
