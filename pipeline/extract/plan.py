@@ -319,11 +319,25 @@ class Plan:
     sampling: Sampling | None = None  # the responses' distribution; None: greedy
 
 
+def check_token_ids(items: list[Item], vocab_size: int) -> None:
+    """Every prompt and given-response token id is a row of the target's embedding: an id past it
+    (a prompt set tokenized for another model) would fail deep inside the forward."""
+    for item in items:
+        for part, ids in (("prompt", item.prompt_ids), ("response", item.given or [])):
+            bad = next(((i, t) for i, t in enumerate(ids) if not 0 <= t < vocab_size), None)
+            if bad is not None:
+                raise UserError(
+                    f"prompt {item.sample_id!r}: {part} token id {bad[1]} at position {bad[0]} is outside the target's "
+                    f"vocabulary (0..{vocab_size - 1}); were these ids made by another model's tokenizer?"
+                )
+
+
 def plan_extract(config: ExtractConfig, records, tokenizer, info, fingerprint: str) -> Plan:
     """Check the inputs against the target and decide every size and dtype; raises UserError."""
     from pipeline.extract.prompts import prompt_set_hash
 
     items = prepare_items(records, tokenizer, config.enable_thinking)
+    check_token_ids(items, info.vocab_size)
     requested = resolve_layer_ids(config, info.num_layers)
     layer_ids = with_neighbours(requested, info.num_layers) if config.neighbour_layers else requested
     if config.top_k > info.vocab_size:

@@ -50,10 +50,28 @@ def _dataset_name(path: Path) -> str:
     return name
 
 
+# Byte-order marks of encodings other than UTF-8: named when refused, so the fix is obvious.
+FOREIGN_BOMS = {
+    b"\xff\xfe\x00\x00": "UTF-32 LE",
+    b"\x00\x00\xfe\xff": "UTF-32 BE",
+    b"\xff\xfe": "UTF-16 LE",
+    b"\xfe\xff": "UTF-16 BE",
+}
+
+
 def _read_lines(path: Path) -> list[str]:
+    """The file's lines as people save them: UTF-8 with or without a byte-order mark, LF or CRLF
+    line endings; any other encoding is refused naming the file and what was found."""
     opener = gzip.open if path.name.endswith(".gz") else open
-    with opener(path, "rt", encoding="utf-8") as handle:
-        return handle.read().splitlines()
+    with opener(path, "rb") as handle:
+        raw = handle.read()
+    found = next((name for bom, name in FOREIGN_BOMS.items() if raw.startswith(bom)), None)
+    try:
+        if found is None:
+            return raw.decode("utf-8-sig").splitlines()
+    except UnicodeDecodeError as error:
+        found = f"bytes that are not UTF-8 (byte {error.start}: {raw[error.start : error.start + 1]!r})"
+    raise UserError(f"{path}: the file is not UTF-8 ({found}); save it as UTF-8 (with or without a BOM)")
 
 
 def _bad(where: str, field: str, problem: str, fix: str) -> UserError:
@@ -154,6 +172,10 @@ def load_jsonl(path: str | Path) -> list[PromptRecord]:
             )
         first_line_of[record.id] = line_number
         records.append(record)
+    if not records:
+        raise UserError(
+            f"{path}: no prompt records (the file is empty or holds only blank lines); one JSON object a line"
+        )
     return records
 
 

@@ -70,9 +70,52 @@ def attention_layout(raw: dict, source: str) -> tuple[list[str], int | None]:
     return layer_types, None if hf.sliding_window is None else int(hf.sliding_window)
 
 
+# The fields parse_drafter_config reads, and what each must hold when present (None: absent).
+INTEGER, NUMBER, FLAG = (int,), (int, float), (bool,)
+TOP_FIELDS = {
+    "hidden_size": INTEGER,
+    "num_hidden_layers": INTEGER,
+    "num_attention_heads": INTEGER,
+    "num_key_value_heads": INTEGER,
+    "head_dim": INTEGER,
+    "intermediate_size": INTEGER,
+    "vocab_size": INTEGER,
+    "num_target_layers": INTEGER,
+    "rms_norm_eps": NUMBER,
+    "is_causal": FLAG,
+    "attention_bias": FLAG,
+}
+DFLASH_FIELDS = {
+    "block_size": INTEGER,
+    "mask_token_id": INTEGER,
+    "input_embedding_scale": NUMBER,
+    "output_multiplier": NUMBER,
+    "final_logit_softcapping": NUMBER,
+}
+KIND_NAMES = {INTEGER: "an integer", NUMBER: "a number", FLAG: "true or false"}
+
+
+def _wrong_type(value, kinds: tuple) -> bool:
+    # JSON true/false are Python bools, which are ints too: only FLAG fields take them
+    return value is not None and (isinstance(value, bool) != (kinds is FLAG) or not isinstance(value, kinds))
+
+
+def check_field_types(raw: dict, source: str) -> None:
+    """Every field this family reads holds what it must, before anything converts it: one line
+    naming the file, the field (with its place in dflash_config), what was found and what is expected."""
+    found = [(name, raw.get(name), kinds) for name, kinds in TOP_FIELDS.items()]
+    nested = raw.get("dflash_config") or {}
+    for name, kinds in DFLASH_FIELDS.items():
+        found.append((f"dflash_config.{name}" if name in nested else name, _dflash_value(raw, name), kinds))
+    for field_name, value, kinds in found:
+        if _wrong_type(value, kinds):
+            raise DrafterConfigError(f"{source}: field {field_name!r} is {value!r}; expected {KIND_NAMES[kinds]}")
+
+
 def parse_drafter_config(raw: dict, source: str = "config") -> DrafterConfig:
     """Validate and parse a z-lab DFlash config dict; errors name the field and the file."""
     check_supported(raw, source)
+    check_field_types(raw, source)
     layer_types, sliding_window = attention_layout(raw, source)
     softcap = _dflash_value(raw, "final_logit_softcapping")
     heads = int(raw["num_attention_heads"])

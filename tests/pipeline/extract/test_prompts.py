@@ -9,6 +9,7 @@ import re
 
 import pytest
 
+from pipeline.common.errors import UserError
 from pipeline.extract.prompts import (
     BUNDLED_NAMES,
     PROMPTS_DIR,
@@ -273,3 +274,43 @@ def test_user_file_round_trip_through_render(tmp_path, tokenizer):
     ids, _ = render_prompt(record, tokenizer, None)
     assert ids == _reference_ids(tokenizer, [{"role": "user", "content": "What is 2 + 2?"}])[0]
     assert render_response(record, tokenizer) == tokenizer.encode("4", add_special_tokens=False)
+
+
+RECORDS = [{"id": "a", "prompt": "café ✓"}, {"id": "b", "messages": [{"role": "user", "content": "2 + 2?"}]}]
+
+
+def _saved(path, text: str, encoding: str = "utf-8", bom: bytes = b"") -> str:
+    path.write_bytes(bom + text.encode(encoding))
+    return str(path)
+
+
+def test_files_as_windows_editors_save_them(tmp_path):
+    lf = "\n".join(json.dumps(r, ensure_ascii=False) for r in RECORDS) + "\n"
+    expected = load_prompts(_saved(tmp_path / "lf.jsonl", lf))
+    assert [r.id for r in expected] == ["a", "b"] and expected[0].prompt == "café ✓"
+    crlf = lf.replace("\n", "\r\n")
+    for kind, text, bom in (
+        ("bom-crlf", crlf, b"\xef\xbb\xbf"),  # Notepad's "UTF-8 with BOM", CRLF
+        ("crlf", crlf, b""),
+        ("blank-tail", lf + "\n\r\n", b"\xef\xbb\xbf"),  # trailing blank lines
+    ):
+        (tmp_path / kind).mkdir()  # the same file name: the dataset is the file's stem
+        assert load_prompts(_saved(tmp_path / kind / "lf.jsonl", text, bom=bom)) == expected, kind
+
+
+@pytest.mark.parametrize(
+    ("encoding", "bom", "found"),
+    [("utf-16-le", b"\xff\xfe", "UTF-16 LE"), ("utf-16-be", b"\xfe\xff", "UTF-16 BE"), ("latin-1", b"", "not UTF-8")],
+)
+def test_other_encodings_are_refused_naming_the_file_and_the_encoding(tmp_path, encoding, bom, found):
+    record = {"id": "a", "prompt": "café"}  # é: one byte in latin-1, not valid UTF-8
+    path = _saved(tmp_path / "prompts.jsonl", json.dumps(record, ensure_ascii=False) + "\n", encoding, bom)
+    with pytest.raises(UserError, match=rf"{re.escape(path)}: the file is not UTF-8 \(.*{found}"):
+        load_prompts(path)
+
+
+@pytest.mark.parametrize("text", ["", "\n\n", "\r\n  \r\n"])
+def test_an_empty_file_is_refused_naming_it(tmp_path, text):
+    path = _saved(tmp_path / "empty.jsonl", text)
+    with pytest.raises(UserError, match=rf"{re.escape(path)}: no prompt records"):
+        load_prompts(path)

@@ -207,3 +207,18 @@ def test_mistyped_shards_directory(tmp_path):
             assert result.exit_code == 2, result.output
             assert result.output.startswith("error: ") and "Traceback" not in result.output, result.output
             assert message in result.output and str(shards_dir) in result.output, result.output
+
+
+@pytest.mark.parametrize(
+    ("record", "needle"),
+    [
+        ({"id": "far", "input_ids": [1, 2, 10**6]}, "prompt 'far': prompt token id 1000000 at position 2"),
+        ({"id": "big", "prompt": "hi", "response": [3, 4096]}, "prompt 'big': response token id 4096 at position 1"),
+    ],
+)
+def test_token_ids_outside_the_vocabulary_name_the_record_and_position(tmp_path, tiny_qwen3_dir, record, needle):
+    bad = write_prompts(tmp_path / "ids.jsonl", [PROMPTS[0], record])
+    out = tmp_path / "out"
+    result = cli("--model", tiny_qwen3_dir, "--prompts", str(bad), "--out", str(out))
+    assert_clean_error(result, needle, "outside the target's vocabulary")
+    assert_nothing_written(out)

@@ -60,3 +60,24 @@ def test_one_resolver_for_extract_and_score():
     # a speculators config is refused by extract too, not read one layer off
     with pytest.raises(UserError, match="speculators-format config"):
         drafter_layer_ids({**explicit, "speculators_model_type": "dflash"}, "--draft-config c.json", 8)
+
+
+@pytest.mark.parametrize(
+    ("change", "field", "expected"),
+    [
+        ({"block_size": "sixteen"}, "'block_size' is 'sixteen'", "an integer"),
+        (
+            {"dflash_config": {"mask_token_id": "511", "target_layer_ids": [1, 3]}},
+            "'dflash_config.mask_token_id'",
+            "an integer",
+        ),
+        ({"hidden_size": 64.5}, "'hidden_size' is 64.5", "an integer"),
+        ({"num_hidden_layers": True}, "'num_hidden_layers' is True", "an integer"),
+        ({"rms_norm_eps": "1e-6"}, "'rms_norm_eps'", "a number"),
+        ({"attention_bias": "no"}, "'attention_bias'", "true or false"),
+    ],
+)
+def test_a_field_of_the_wrong_type_is_one_line_naming_it(change, field, expected):
+    # before: int("sixteen") raised a ValueError traceback from the parser
+    with pytest.raises(DrafterConfigError, match=rf"^c\.json: field {field}.*; expected {expected}$"):
+        parse_drafter_config({**drafter_config(), **change}, "c.json")
