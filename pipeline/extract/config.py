@@ -22,6 +22,7 @@ class ExtractConfig:
     layer_ids: list[int] | None = None  # explicit; else from draft_config; else the DFlash formula
     draft_config: str | None = None  # drafter config.json (or its directory)
     neighbour_layers: bool = False  # also store ids i - 1 and i + 1 of every feature layer (diagnose)
+    beyond_positions: bool = False  # extract samples longer than the target's max_position_embeddings
     num_draft_layers: int = 5  # n of the formula default
     top_k: int = 32
     dtype: str = "auto"  # model dtype: auto = fp32 on CPU, bf16 on CUDA

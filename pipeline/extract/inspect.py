@@ -66,6 +66,7 @@ def inspect_extract(uri: str, verify: bool = True) -> dict:  # 50 lines: mostly 
         },
         "layer_ids": layer_ids,
         "neighbour_layers": bool(settings.get("neighbour_layers")),
+        "beyond_positions": bool(settings.get("beyond_positions")),
         "feature_dtype": settings.get("feature_dtype"),
         "top_k": settings.get("top_k"),
         "tensors": manifest.get("tensors", {}),
@@ -159,6 +160,11 @@ def format_report(report: dict) -> str:
         f"  features {report['feature_dtype']}, top-k {report['top_k']}, "
         f"tensors {', '.join(report['tensors'])}",
         f"  prompts         {prompts.get('name')} ({prompts.get('count')} prompts), max_new_tokens {report['max_new_tokens']}",
+        *(
+            ["  positions       --beyond-positions: samples may run past the target's max_position_embeddings"]
+            if report["beyond_positions"]
+            else []
+        ),
         f"  samples         {report['samples']} in {report['shards']} shards, {report['chunks']} chunks of "
         f"~{report['chunk_tokens']} tokens ({samples_kinds(report)})",
         f"  tokens          {report['tokens']} ({report['prompt_tokens']} prompt, {report['response_tokens']} response)",

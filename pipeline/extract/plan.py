@@ -269,6 +269,8 @@ def settings_identity(
         identity.update(decoding="sampled", sampling=sampling)
     if config.neighbour_layers:  # likewise absent unless asked for; the drafter's own ids
         identity["neighbour_layers"] = {"requested": list(requested or layer_ids)}
+    if config.beyond_positions:  # likewise: `inspect` says the samples may pass the trained positions
+        identity["beyond_positions"] = True
     return identity
 
 
@@ -332,12 +334,30 @@ def check_token_ids(items: list[Item], vocab_size: int) -> None:
                 )
 
 
-def plan_extract(config: ExtractConfig, records, tokenizer, info, fingerprint: str) -> Plan:
+def check_positions(items: list[Item], max_new_tokens: int, max_positions: int | None, allowed: bool) -> None:
+    """Prompt plus response within the target's trained positions (max_position_embeddings),
+    unless `--beyond-positions`: past them its features are not what a drafter trains on."""
+    if max_positions is None or allowed:
+        return
+    for item in items:
+        response = len(item.given) if item.given is not None else max_new_tokens
+        if len(item.prompt_ids) + response > max_positions:
+            raise UserError(
+                f"prompt {item.sample_id!r}: {len(item.prompt_ids)} prompt tokens + {response} response tokens "
+                f"exceed the target's max_position_embeddings ({max_positions}); shorten it, lower "
+                f"--max-new-tokens, or pass --beyond-positions to extract it anyway"
+            )
+
+
+def plan_extract(
+    config: ExtractConfig, records, tokenizer, info, fingerprint: str, max_positions: int | None = None
+) -> Plan:
     """Check the inputs against the target and decide every size and dtype; raises UserError."""
     from pipeline.extract.prompts import prompt_set_hash
 
     items = prepare_items(records, tokenizer, config.enable_thinking)
     check_token_ids(items, info.vocab_size)
+    check_positions(items, config.max_new_tokens, max_positions, config.beyond_positions)
     requested = resolve_layer_ids(config, info.num_layers)
     layer_ids = with_neighbours(requested, info.num_layers) if config.neighbour_layers else requested
     if config.top_k > info.vocab_size:

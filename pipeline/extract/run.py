@@ -227,12 +227,15 @@ def load_model_once(config: ExtractConfig, dist: Dist, device: str):
 
 
 def _run(config: ExtractConfig, dist: Dist, records, progress, loaded) -> dict:
+    from pipeline.extract.target import text_config
+
     device = resolve_device(config.device, dist)
     model, tokenizer, info = loaded if loaded is not None else load_model_once(config, dist, device)
     with timing.stage("weights fingerprint"):
         fingerprint = weights_fingerprint(model)
     # Planning and check_out_dir only read: a bad input leaves OUT untouched.
-    plan = plan_extract(config, records, tokenizer, info, fingerprint)
+    max_positions = getattr(text_config(model), "max_position_embeddings", None)
+    plan = plan_extract(config, records, tokenizer, info, fingerprint, max_positions)
     existing = check_out_dir(config.out, plan.settings, config.overwrite)  # every rank, so all refuse together
     if existing is not None and existing.get("complete") and not missing_shards(config.out, existing):
         return existing  # already done with these settings: touch nothing

@@ -108,6 +108,13 @@ def check_paths(config: ExtractConfig) -> None:
     "`specreplay diagnose` can test the layers-1 / layers+1 conventions. Features take up to 3x the space.",
 )
 @click.option(
+    "--beyond-positions",
+    is_flag=True,
+    help="Extract samples longer than the target's max_position_embeddings (refused otherwise): their "
+    "features past the trained positions are what the model computes there, not what it was trained on; "
+    "`inspect` says so.",
+)
+@click.option(
     "--num-draft-layers",
     type=int,
     default=d("num_draft_layers"),

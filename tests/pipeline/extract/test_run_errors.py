@@ -222,3 +222,24 @@ def test_token_ids_outside_the_vocabulary_name_the_record_and_position(tmp_path,
     result = cli("--model", tiny_qwen3_dir, "--prompts", str(bad), "--out", str(out))
     assert_clean_error(result, needle, "outside the target's vocabulary")
     assert_nothing_written(out)
+
+
+def test_samples_past_the_trained_positions_are_refused_unless_asked_for(tmp_path, tiny_qwen3_dir):
+    # the tiny target has max_position_embeddings 2048: 2045 prompt ids + 4 new tokens pass it
+    long = write_prompts(tmp_path / "long.jsonl", [PROMPTS[0], {"id": "long", "input_ids": [5] * 2045}])
+    out = tmp_path / "out"
+    result = cli("--model", tiny_qwen3_dir, "--prompts", str(long), "--out", str(out))
+    assert_clean_error(
+        result,
+        "prompt 'long': 2045 prompt tokens + 4 response tokens exceed the target's max_position_embeddings (2048)",
+    )
+    assert_nothing_written(out)
+    ok = ("--model", tiny_qwen3_dir, "--prompts", str(long), "--layer-ids", "1,3")
+    fits = cli(*ok, "--out", str(out), "--max-new-tokens", "3")
+    assert fits.exit_code == 0, fits.output  # 2045 + 3 = 2048: within
+    opted = cli(*ok, "--out", str(tmp_path / "opted"), "--beyond-positions")
+    assert opted.exit_code == 0, opted.output
+    shown = CliRunner().invoke(main, ["inspect", str(tmp_path / "opted")])
+    assert shown.exit_code == 0 and "--beyond-positions: samples may run past" in shown.output, shown.output
+    plain = CliRunner().invoke(main, ["inspect", str(out)])
+    assert plain.exit_code == 0 and "beyond-positions" not in plain.output, plain.output
