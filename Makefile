@@ -97,4 +97,4 @@ demo:
 	@echo "Done. Open $(DEMO)/report.html in a browser."
 
 clean:
-	rm -rf data/shards data/results data/demo bench/results
+	rm -rf data/shards data/results data/demo data/diagnose data/models bench/results

@@ -41,6 +41,19 @@ def fail(error: BaseException) -> None:
     sys.exit(2)
 
 
+def interrupted(command: str | None) -> None:
+    """Ctrl-C: say what happened to the work and exit 130 (128 + SIGINT), not click's bare
+    "Aborted!" with 1, the code `score` uses for "some checkpoints failed"."""
+    if debug():
+        raise KeyboardInterrupt
+    click.echo(
+        f"interrupted: specreplay {command or ''} stopped; what it had finished is kept (shards and results "
+        "directories land whole), the piece in progress was discarded; run the same command again to finish",
+        err=True,
+    )
+    sys.exit(130)
+
+
 class LazyGroup(click.Group):
     """Subcommands imported on first use, so one verb never loads another's stage."""
 
@@ -60,6 +73,8 @@ class LazyGroup(click.Group):
             return super().invoke(ctx)
         except (UserError, *PATH_ERRORS) as error:
             fail(error)
+        except KeyboardInterrupt:
+            interrupted(ctx.invoked_subcommand)
 
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})

@@ -64,3 +64,23 @@ def test_killed_scores_leave_only_complete_results(setup, tmp_path):
     assert {p.name: content(p) for p in visible_dirs(out)} == want
     assert sorted(os.listdir(out)) == sorted(want)  # no staging directory, no lock left behind
     assert finished_before_kill < KILLS  # the kills did land mid-run
+
+
+def test_ctrl_c_says_what_was_kept_and_exits_130(setup, tmp_path):
+    command, reference, duration = setup
+    out = tmp_path / "out"
+    process = subprocess.Popen([*command, "--out", str(out)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    time.sleep(duration / 2)
+    assert process.poll() is None, "score finished before the interrupt"
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=120)
+    stderr = stderr.decode()
+    assert process.returncode == 130, stderr
+    assert "interrupted: specreplay score stopped" in stderr and "run the same command again" in stderr, stderr
+    assert "Traceback" not in stderr and "Aborted!" not in stderr, stderr
+    want = {p.name: content(p) for p in visible_dirs(reference)}
+    for directory in visible_dirs(out):  # what exists is whole
+        assert content(directory) == want[directory.name], directory
+    done = subprocess.run([*command, "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert sorted(os.listdir(out)) == sorted(want)  # no staging directory, no lock left behind
