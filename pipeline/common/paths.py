@@ -55,3 +55,36 @@ def check_input_path(value: str, option: str, want: str) -> None:
         raise UserError(f"{option} {value} is a directory; give a file")
     if want == "directory" and not os.path.isdir(value):
         raise UserError(f"{option} {value}: not a directory; give the directory")
+
+
+# What a local directory of this project's holds, told by one file name (nothing is read), so a
+# path given to the wrong option gets "swapped?" instead of a hint that points the wrong way.
+EXTRACT, RESULTS, CHECKPOINT = (
+    "an extract (manifest.json)",
+    "score results (run.json)",
+    "a drafter checkpoint (config.json)",
+)
+MARKERS = (("manifest.json", EXTRACT), ("run.json", RESULTS), ("config.json", CHECKPOINT))
+
+
+def directory_kind(path: str) -> str | None:
+    """EXTRACT, RESULTS or CHECKPOINT for a local directory holding its marker file, else None."""
+    if "://" in path or not os.path.isdir(path):
+        return None
+    return next((kind for name, kind in MARKERS if os.path.isfile(os.path.join(path, name))), None)
+
+
+def check_roles(ckpts: list[str], shards: str) -> None:
+    """--shards names an extract and no --ckpt names one; the two swapped is said as such."""
+    shards_kind = directory_kind(shards)
+    swapped = "swapped --ckpt and --shards?"
+    for ckpt in ckpts:
+        kind = directory_kind(ckpt)
+        if kind == EXTRACT:
+            raise UserError(f"--ckpt {ckpt} holds {kind}, not a drafter checkpoint; {swapped}")
+        if kind == RESULTS:
+            raise UserError(f"--ckpt {ckpt} holds {kind}, not a drafter checkpoint; pass the checkpoint it scored")
+    if shards_kind == CHECKPOINT:
+        raise UserError(f"--shards {shards} holds {shards_kind}, not an extract; {swapped}")
+    if shards_kind == RESULTS:
+        raise UserError(f"--shards {shards} holds {shards_kind}, not an extract; pass the --shards it was scored on")

@@ -65,7 +65,7 @@ def diagnose(no_progress, **options):
       specreplay diagnose --ckpt runs/tiny/step_600 --shards data/shards/smollm2-default
       specreplay diagnose --ckpt runs/tiny/step_600 --shards data/shards/smollm2-neighbours --variants layers-1,layers+1
     """
-    from pipeline.common.paths import check_input_path, check_output_dir
+    from pipeline.common.paths import check_input_path, check_output_dir, check_roles
     from scoring.diagnose.run import run_diagnose
     from scoring.diagnose.variants import parse_variants
     from scoring.diagnose.view import console_lines, load
@@ -76,6 +76,7 @@ def diagnose(no_progress, **options):
     options.update(variants=variants, memory_bytes=parse_size(options["memory_bytes"], "--memory-budget"))
     config = DiagnoseConfig(**options)
     check_input_path(config.shards, "--shards", "directory")
+    check_roles([config.ckpt], config.shards)
     check_output_dir(config.out, "--out")
     diagnosis = run_diagnose(config, progress=bars(no_progress), program=program())
     rows, record = load(diagnosis.out_dir)

@@ -114,7 +114,7 @@ def score(no_progress, quiet, as_json, **options):
       specreplay score --ckpt 'runs/tiny/step_*' --shards data/shards/smollm2-default --out data/results \\
           --sample 8 --seed 0 --ddtree-budgets 16,64
     """
-    from pipeline.common.paths import check_input_path, check_output_dir
+    from pipeline.common.paths import check_input_path, check_output_dir, check_roles
     from scoring.score.run import run_score
     from specreplay.progress import bars
 
@@ -127,6 +127,7 @@ def score(no_progress, quiet, as_json, **options):
     )
     config = ScoreConfig(**options)
     check_input_path(config.shards, "--shards", "directory")
+    check_roles(config.ckpts, config.shards)
     check_output_dir(config.out, "--out")
     printer = OutcomePrinter(quiet or as_json)
     outcomes = run_score(config, progress=bars(no_progress or quiet), on_outcome=None if as_json else printer)

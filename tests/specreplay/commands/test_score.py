@@ -182,6 +182,30 @@ def test_incompatible_checkpoint_is_a_clear_error(scored_setup, tmp_path):
     assert not (tmp_path / "r").exists()
 
 
+def test_swapped_ckpt_and_shards_are_said_as_such(scored_setup, tmp_path):
+    tmp, shards, written = scored_setup
+    results = tmp_path / "r"
+    assert _score(["--ckpt", str(written[0]), "--shards", shards, "--out", str(results)]).exit_code == 0
+    [scored] = [str(p) for p in results.iterdir()]
+    cases = [
+        (
+            ["--ckpt", shards, "--shards", str(written[0])],
+            f"--ckpt {shards} holds an extract (manifest.json)",
+            "swapped",
+        ),
+        (["--ckpt", str(written[0]), "--shards", str(written[0])], f"--shards {written[0]} holds a drafter", "swapped"),
+        (["--ckpt", scored, "--shards", shards], f"--ckpt {scored} holds score results (run.json)", "it scored"),
+        (["--ckpt", str(written[0]), "--shards", scored], f"--shards {scored} holds score results", "scored on"),
+    ]
+    for args, *needles in cases:
+        result = CliRunner().invoke(main, ["score", *args, "--out", str(tmp_path / "x")])
+        assert result.exit_code == 2 and result.output.count("error: ") == 1, result.output
+        assert all(n in result.output for n in needles) and "Traceback" not in result.output, (needles, result.output)
+        assert not (tmp_path / "x").exists()
+    diagnosed = CliRunner().invoke(main, ["diagnose", "--ckpt", shards, "--shards", str(written[0])])
+    assert diagnosed.exit_code == 2 and "swapped --ckpt and --shards?" in diagnosed.output, diagnosed.output
+
+
 @pytest.mark.slow
 def test_torchrun_two_ranks_equal_one_process(scored_setup, tmp_path):
     tmp, shards, written = scored_setup
