@@ -53,11 +53,10 @@ def fit(shards, out, steps, save_every, layers, block_size, layer_ids, lr, ancho
     Example:
       specreplay fit --shards data/shards/smollm2-default --out runs/tiny --steps 600 --save-every 300
     """
-    from tqdm import tqdm
-
     from pipeline.common.layer_ids import parse_layer_ids
     from pipeline.common.paths import check_input_path, check_output_dir
     from scoring.fit import fit_from_shards
+    from specreplay.progress import bars
 
     check_input_path(shards, "--shards", "directory")
     check_output_dir(out, "--out")
@@ -71,14 +70,16 @@ def fit(shards, out, steps, save_every, layers, block_size, layer_ids, lr, ancho
         layers=layers,
         block_size=block_size,
     )
-    bar = tqdm(total=steps, desc="fit", disable=quiet, dynamic_ncols=True)
+    make_bar = bars(quiet)
+    bar = make_bar(steps, "fit", unit="step") if make_bar is not None else None
 
     def progress(step, loss):
-        bar.update(1)
-        bar.set_postfix(loss=f"{loss:.3f}")
+        if bar is not None:
+            bar.update(1, loss=f"{loss:.3f}")
 
     written = fit_from_shards(shards, out, options, parse_layer_ids(layer_ids) if layer_ids else None, progress)
-    bar.close()
+    if bar is not None:
+        bar.close()
     for path in written:
         click.echo(f"wrote {path}")
     if written:
