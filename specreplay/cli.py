@@ -47,7 +47,7 @@ def interrupted(command: str | None) -> None:
     if debug():
         raise KeyboardInterrupt
     click.echo(
-        f"interrupted: specreplay {command or ''} stopped; what it had finished is kept (shards and results "
+        f"interrupted: {' '.join(['specreplay', *([command] if command else [])])} stopped; what it had finished is kept (shards and results "
         "directories land whole), the piece in progress was discarded; run the same command again to finish",
         err=True,
     )

@@ -133,3 +133,24 @@ def test_no_import_cycles_in_the_product():
 def test_the_cycle_check_finds_a_cycle():
     # the checker itself: a -> b -> c -> a is one component, d (imported, importing nothing) none
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set()}) == [["a", "b", "c"]]
+
+
+def reachable(edges: dict[str, set[str]], start: str) -> set[str]:
+    """Every module `start` loads, directly or through others."""
+    seen, todo = set(), [start]
+    while todo:
+        for nxt in edges[todo.pop()] - seen:
+            seen.add(nxt)
+            todo.append(nxt)
+    return seen
+
+
+def test_stage_2_and_the_shared_code_never_load_stage_1_even_indirectly():
+    # a shared module (pipeline/shards, pipeline/common) importing stage 1 would bring target loading into
+    # every score run without scoring/ naming it
+    edges = import_edges(product_modules())
+    for module in sorted(
+        m for m in edges if m.split(".")[0] == "scoring" or m.startswith(("pipeline.common", "pipeline.shards"))
+    ):
+        stage_1 = sorted(m for m in reachable(edges, module) if m.startswith("pipeline.extract"))
+        assert not stage_1, f"{module} loads {stage_1}"

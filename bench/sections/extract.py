@@ -17,6 +17,7 @@ import time
 import torch
 
 from bench.common import Rows, StageClock, log, num, others_cpu
+from pipeline.common.dtypes import STORAGE_DTYPES
 
 # issues 2, 4: at most 5% over the bare model work, judged on the pipeline's own time: both sides
 # run the same `generate` call, whose run-to-run noise would otherwise decide it (bench/README.md)
@@ -205,7 +206,7 @@ def stored_bytes(shard_dir: str) -> dict:
     settings = manifest["settings"]
     n_layers, hidden = len(settings["layer_ids"]), settings["target"]["hidden_size"]
     vocab, k = settings["target"]["vocab_size"], settings["top_k"]
-    item = torch.empty((), dtype=shards.TENSOR_DTYPES[settings["feature_dtype"]]).element_size()
+    item = torch.empty((), dtype=STORAGE_DTYPES[settings["feature_dtype"]]).element_size()
     raw_bf16 = n_layers * hidden * 2
     features = sizes["features"] + sizes.get("features_scale", 0)
     topk = sizes["topk_ids"] + sizes["topk_logprobs"]

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from bench.common import GB, Phase, Rows, best_of, log
+from pipeline.common.dtypes import STORAGE_DTYPES
 
 TARGET_GB_S = 1.0  # issue 4: shard decode at least 1 GB/s per core
 
@@ -66,7 +67,7 @@ def reader_breakdown(shard_dir: str, repeats: int = 3) -> dict:
 
     shardset = shards.ShardSet(shard_dir)
     fs, root = shards.open_fs(shard_dir)
-    dtype = shards.TENSOR_DTYPES[shardset.tensor_dtypes["features"]]
+    dtype = STORAGE_DTYPES[shardset.tensor_dtypes["features"]]
     blocks = []
     for entry in shardset.entries:
         data = shards.read_bytes(fs, shards.join(root, entry["file"]))

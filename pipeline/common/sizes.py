@@ -8,6 +8,9 @@ from pipeline.common.errors import UserError
 
 # --memory-budget's default for both stages: extract's lm_head window + shard chunk, score's anchor chunk.
 DEFAULT_MEMORY_BYTES = 2 << 30
+# The shard writer's defaults, here so the shard format never imports stage 1's settings.
+DEFAULT_SHARD_BYTES = 1 << 30
+DEFAULT_ZSTD_LEVEL = 1  # measured smaller and faster to decode than 3 on features (bench/README.md)
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)\s*$", re.IGNORECASE)
 _UNITS = {

@@ -7,10 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipeline.common.sizes import DEFAULT_MEMORY_BYTES
-
-DEFAULT_SHARD_BYTES = 1 << 30
-DEFAULT_ZSTD_LEVEL = 1  # measured smaller and faster to decode than 3 on features (bench/README.md)
+from pipeline.common.sizes import DEFAULT_MEMORY_BYTES, DEFAULT_SHARD_BYTES, DEFAULT_ZSTD_LEVEL
 
 
 @dataclass

@@ -14,7 +14,7 @@ import torch
 
 from pipeline import shards
 from pipeline.common.distributed import Dist
-from pipeline.common.dtypes import COMPUTE_DTYPES, FP8, FP8_NAMES
+from pipeline.common.dtypes import COMPUTE_DTYPES, FP8, FP8_NAMES, STORAGE_DTYPES, STORAGE_NAMES
 from pipeline.common.errors import UserError
 from pipeline.common.layer_ids import build_target_layer_ids, check_layer_ids, drafter_layer_ids
 from pipeline.common.sampling import Sampling
@@ -90,7 +90,7 @@ def parse_feature_dtype(name: str | None, model_dtype: str) -> str:
         raise UserError(
             f"--feature-dtype {name!r} is not supported; use one of {', '.join([*COMPUTE_DTYPES, *FP8_NAMES])}"
         )
-    return shards.DTYPE_NAMES[COMPUTE_DTYPES[key]]
+    return STORAGE_NAMES[COMPUTE_DTYPES[key]]
 
 
 def validate_numbers(config: ExtractConfig) -> None:
@@ -294,7 +294,7 @@ def stored_bytes_per_token(dtypes: dict[str, str], n_layers: int, hidden: int, t
         "argmax_mismatch": 1,
         "sample_logprob": 1,
     }
-    return sum(width[name] * shards.TENSOR_DTYPES[dtype].itemsize for name, dtype in dtypes.items())
+    return sum(width[name] * STORAGE_DTYPES[dtype].itemsize for name, dtype in dtypes.items())
 
 
 def split_memory_budget(budget_bytes: int, bytes_per_token: int) -> tuple[int, int]:
@@ -326,12 +326,13 @@ def check_token_ids(items: list[Item], vocab_size: int) -> None:
     (a prompt set tokenized for another model) would fail deep inside the forward."""
     for item in items:
         for part, ids in (("prompt", item.prompt_ids), ("response", item.given or [])):
-            bad = next(((i, t) for i, t in enumerate(ids) if not 0 <= t < vocab_size), None)
-            if bad is not None:
-                raise UserError(
-                    f"prompt {item.sample_id!r}: {part} token id {bad[1]} at position {bad[0]} is outside the target's "
-                    f"vocabulary (0..{vocab_size - 1}); were these ids made by another model's tokenizer?"
-                )
+            if not ids or (min(ids) >= 0 and max(ids) < vocab_size):  # the common case, without a Python loop
+                continue
+            position, token = next((i, t) for i, t in enumerate(ids) if not 0 <= t < vocab_size)
+            raise UserError(
+                f"prompt {item.sample_id!r}: {part} token id {token} at position {position} is outside the target's "
+                f"vocabulary (0..{vocab_size - 1}); were these ids made by another model's tokenizer?"
+            )
 
 
 def check_positions(items: list[Item], max_new_tokens: int, max_positions: int | None, allowed: bool) -> None:

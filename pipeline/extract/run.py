@@ -42,6 +42,7 @@ import torch
 from pipeline import shards
 from pipeline.common import timing
 from pipeline.common.distributed import Dist, barrier, dist_from_env, init_dist, resolve_device
+from pipeline.common.dtypes import STORAGE_DTYPES
 from pipeline.common.sampling import Sampling
 from pipeline.extract.config import ExtractConfig
 from pipeline.extract.outdir import (
@@ -78,7 +79,7 @@ def write_rank_share(model, info, plan: Plan, config: ExtractConfig, dist: Dist,
     mine = pending[dist.rank :: dist.world]
     capture_config = CaptureConfig(
         layer_ids=plan.layer_ids,
-        feature_dtype=shards.TENSOR_DTYPES[plan.feature_dtype],
+        feature_dtype=STORAGE_DTYPES[plan.feature_dtype],
         top_k=config.top_k,
         head_budget_bytes=plan.head_window_bytes,
         sampling=plan.sampling,

@@ -63,17 +63,8 @@ zstd frames, fp8), files (pyarrow.fs helpers, checksums), writer, reader, manife
 
 from __future__ import annotations
 
-from pipeline.extract.config import DEFAULT_SHARD_BYTES, DEFAULT_ZSTD_LEVEL
-from pipeline.shards.encodings import (
-    DTYPE_NAMES,
-    FP8_MAX,
-    TENSOR_DTYPES,
-    chunk_frame,
-    decode_tensor,
-    dequantize_fp8,
-    encode_tensor,
-    quantize_fp8,
-)
+from pipeline.common.sizes import DEFAULT_SHARD_BYTES, DEFAULT_ZSTD_LEVEL
+from pipeline.shards.encodings import FP8_MAX, chunk_frame, decode_tensor, dequantize_fp8, encode_tensor, quantize_fp8
 from pipeline.shards.files import (
     exists,
     file_crc32,
@@ -127,7 +118,6 @@ __all__ = [
     "DEFAULT_CHUNK_TOKENS",
     "DEFAULT_SHARD_BYTES",
     "DEFAULT_ZSTD_LEVEL",
-    "DTYPE_NAMES",
     "FORMAT_VERSION",
     "FP8_MAX",
     "MANIFEST_NAME",
@@ -135,7 +125,6 @@ __all__ = [
     "SCALAR_FIELDS",
     "SHARD_DIR",
     "TARGET_HEAD_NAME",
-    "TENSOR_DTYPES",
     "TOKENIZER_DIR",
     "Sample",
     "ShardError",

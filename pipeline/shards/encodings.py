@@ -7,14 +7,8 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from pipeline.common.dtypes import STORAGE_DTYPES, STORAGE_NAMES
 from pipeline.shards.schema import ShardError
 
-# ---------------------------------------------------------------------------------------------
-# dtype names (as the manifest's "tensors" records them)
-
-TENSOR_DTYPES = STORAGE_DTYPES  # pipeline/common/dtypes.py
-DTYPE_NAMES = STORAGE_NAMES
 _UNSIGNED = {2: np.uint16, 4: np.uint32, 8: np.uint64}
 _SIGNED = {2: np.int16, 4: np.int32, 8: np.int64}  # numpy types torch.from_numpy accepts
 

@@ -10,7 +10,7 @@ import re
 
 import pyarrow.fs as pafs
 
-from pipeline.shards.encodings import TENSOR_DTYPES
+from pipeline.common.dtypes import STORAGE_DTYPES
 from pipeline.shards.files import exists, join, json_checksum, load_json, open_fs, read_json, write_json_atomic
 from pipeline.shards.schema import (
     JSON_CHECKSUM_SINCE,
@@ -67,7 +67,7 @@ def check_manifest(manifest: dict, uri: str) -> None:
     (no checksum) gets no other check."""
     path = join(open_fs(uri)[1], MANIFEST_NAME)
     tensors = manifest.get("tensors")
-    if not isinstance(tensors, dict) or any(dtype not in TENSOR_DTYPES for dtype in tensors.values()):
+    if not isinstance(tensors, dict) or any(dtype not in STORAGE_DTYPES for dtype in tensors.values()):
         raise ShardError(f"{path} is damaged (its 'tensors' are not tensor names and dtypes); {MANIFEST_FIX}")
     for key in ("settings", "target_head"):
         if not isinstance(manifest.get(key, {}), dict):

@@ -15,14 +15,8 @@ import torch
 from pyarrow import ipc
 
 from pipeline.common import timing
-from pipeline.shards.encodings import (
-    TENSOR_DTYPES,
-    chunk_frame,
-    decode_tensor,
-    decompress_frame,
-    dequantize_fp8,
-    frame_codec,
-)
+from pipeline.common.dtypes import STORAGE_DTYPES
+from pipeline.shards.encodings import chunk_frame, decode_tensor, decompress_frame, dequantize_fp8, frame_codec
 from pipeline.shards.files import block_hash, exists, join, open_fs
 from pipeline.shards.manifest import MANIFEST_FIX, check_manifest, read_manifest
 from pipeline.shards.schema import CODEC_KEY, MANIFEST_NAME, SCALAR_FIELDS, SHARD_DIR, Sample, ShardError
@@ -50,7 +44,7 @@ def _chunk_tensors(
     for name in names:
         shapes = batch.column(name + "_shape").to_pylist()
         lengths = [shape[0] for shape in shapes]
-        dtype = TENSOR_DTYPES[tensor_dtypes[name]]
+        dtype = STORAGE_DTYPES[tensor_dtypes[name]]
         shape = [sum(lengths), *shapes[0][1:]]
         size = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
         planes = decompress_frame(chunk_frame(batch.column(name)), codec, size, name)

@@ -10,9 +10,8 @@ import zlib
 import pyarrow.fs as pafs
 import torch
 
-from pipeline.common.dtypes import SAFETENSORS_NAMES
+from pipeline.common.dtypes import SAFETENSORS_NAMES, STORAGE_NAMES
 from pipeline.common.space import writing
-from pipeline.shards.encodings import DTYPE_NAMES
 from pipeline.shards.files import exists, join, open_fs
 from pipeline.shards.schema import TARGET_HEAD_NAME, ShardError
 
@@ -34,7 +33,7 @@ def save_target_head(uri: str, embed_tokens: torch.Tensor, lm_head: torch.Tensor
         "tied": bool(tied),
         "crc32": crc,
         "bytes": size,
-        "dtype": DTYPE_NAMES[embed_tokens.dtype],
+        "dtype": STORAGE_NAMES[embed_tokens.dtype],
     }
 
 

@@ -9,15 +9,10 @@ import torch
 from pyarrow import ipc
 
 from pipeline.common import timing
+from pipeline.common.dtypes import STORAGE_NAMES
+from pipeline.common.sizes import DEFAULT_SHARD_BYTES, DEFAULT_ZSTD_LEVEL
 from pipeline.common.space import writing
-from pipeline.extract.config import DEFAULT_SHARD_BYTES, DEFAULT_ZSTD_LEVEL
-from pipeline.shards.encodings import (
-    DTYPE_NAMES,
-    compress_frame,
-    encode_tensor,
-    frame_codec,
-    frame_column,
-)
+from pipeline.shards.encodings import compress_frame, encode_tensor, frame_codec, frame_column
 from pipeline.shards.files import (
     BLOCK_HASH,
     block_hash,
@@ -171,7 +166,7 @@ class ShardWriter:
         with timing.stage("shard write", tokens=sample.response_len):
             for name, dtype in self.tensor_dtypes.items():
                 got = sample.tensors[name].dtype
-                if DTYPE_NAMES.get(got) != dtype:
+                if STORAGE_NAMES.get(got) != dtype:
                     raise ValueError(
                         f"tensor {name!r} of sample {sample.sample_id} is {got}, shard schema says {dtype}"
                     )

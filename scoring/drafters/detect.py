@@ -33,7 +33,8 @@ def detect_family(raw: dict, source: str) -> str:
     if kind is not None:
         name = SPECULATORS_TYPES.get(kind, f"speculators model type {kind!r}")
         raise DrafterConfigError(f"{source}: speculators_model_type {kind!r} is the {name} format, {NOT_YET}")
-    for arch in raw.get("architectures") or ["DFlashDraftModel"]:
+    architectures = raw.get("architectures") or ["DFlashDraftModel"]  # z-lab's, when unsaid
+    for arch in architectures:
         if arch not in ARCHITECTURES:
             raise DrafterConfigError(
                 f"{source}: architecture {arch!r} is not supported (specreplay implements "
@@ -41,7 +42,7 @@ def detect_family(raw: dict, source: str) -> str:
             )
     if (raw.get("dflash_config") or {}).get("projector_type") == "dspark":
         raise DrafterConfigError(f"{source}: dflash_config.projector_type 'dspark' is SpecForge's DSpark, {NOT_YET}")
-    return ARCHITECTURES[(raw.get("architectures") or ["DFlashDraftModel"])[0]]
+    return ARCHITECTURES[architectures[0]]
 
 
 def parse_drafter_config(raw: dict, source: str = "config") -> DrafterConfig:

@@ -274,7 +274,7 @@ def write_lane(lane: Lane, collector: Collector, anchors: int, shardset: ShardSe
     tables = collector.tables(identity_of(job.info), config.anchors)
     options, wall = job.options, time.time() - lane.started
     facts = run_facts(options.device, options.attention_backend, dist, anchors, nonfinite, wall)
-    record = run_record(job.planned, lane.ckpt, job.info, shardset, facts)
+    record = run_record(job.planned, lane.ckpt, job.info, shardset, options.sampling, facts)
     write_results(lane.out_dir, tables, record)
     lane.state = LaneState.SCORED
     return Outcome(lane.ckpt, lane.out_dir, Status.SCORED, record, tables["summary"], name=job.info.name)

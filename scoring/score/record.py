@@ -7,6 +7,7 @@ back what `differences` compares when a results directory is scored again.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
@@ -17,7 +18,6 @@ import torch
 
 from pipeline.common.distributed import Dist
 from pipeline.common.dtypes import dtype_name
-from pipeline.common.sampling import sampling_of
 from pipeline.common.settings import settings_diff
 from pipeline.common.versions import specreplay_version
 from pipeline.shards import ShardSet
@@ -48,17 +48,17 @@ def planned_record(info: CheckpointInfo, shardset: ShardSet, config: ScoreConfig
     }
 
 
-def run_record(planned: dict, ckpt: str, info: CheckpointInfo, shardset: ShardSet, facts: dict) -> dict:
-    """run.json: the planned settings completed with the checkpoint's and the shards' identity
-    and `facts` (device, attention, world_size, anchors, nonfinite_drafter, wall_time_s): the
+def run_record(planned: dict, ckpt: str, info: CheckpointInfo, shardset: ShardSet, sampling, facts: dict) -> dict:
+    """run.json: the planned settings completed with the checkpoint's and the shards' identity,
+    the `sampling` the replay used, and `facts` (device, attention, world_size, anchors, nonfinite_drafter, wall_time_s): the
     samples left out of every number are `nonfinite_drafter` (NaN/Inf drafter logits, with
     their anchors) and shards.excluded_samples (NaN/Inf target values the extract never stored)."""
     manifest = shardset.manifest
-    record = json.loads(json.dumps(planned))  # a deep copy: the planned record stays as planned
+    record = copy.deepcopy(planned)  # the planned record stays as planned
     record["checkpoint"].update(path=os.path.abspath(ckpt), name=info.name, step=info.step, config=info.config_raw)
     record["shards"].update(
         uri=shardset.uri,
-        sampling=sampling_of(manifest["settings"]).as_dict(),
+        sampling=sampling.as_dict(),
         target=manifest.get("target", {}).get("name"),
         feature_dtype=manifest.get("tensors", {}).get("features"),
         excluded_samples=int(manifest.get("totals", {}).get("excluded_samples", 0)),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import pty
 import subprocess
 import sys
 
@@ -25,4 +27,14 @@ def test_the_factory_follows_stderr():
     assert bars(quiet=True) is None
     script = "import sys; from specreplay.progress import bars; print(bars(False).__name__)"
     piped = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, check=True)
-    assert piped.stdout.strip() == Lines.__name__ and Bar is not Lines
+    assert piped.stdout.strip() == Lines.__name__
+    # stderr on a terminal (a pseudo-terminal here): the bar
+    leader, follower = pty.openpty()
+    try:
+        tty = subprocess.run(
+            [sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE, stderr=follower, check=True
+        )
+    finally:
+        os.close(follower)
+        os.close(leader)
+    assert tty.stdout.decode().strip() == Bar.__name__

@@ -7,14 +7,15 @@ import pytest
 import torch
 
 from pipeline import shards
+from pipeline.common.dtypes import STORAGE_DTYPES
 from pipeline.shards import ShardError
 from tests.helpers.shards import same_bits
 
 
-@pytest.mark.parametrize("dtype", list(shards.TENSOR_DTYPES))
+@pytest.mark.parametrize("dtype", list(STORAGE_DTYPES))
 @pytest.mark.parametrize("shape", [(0, 4), (7,), (3, 5, 2), (1,)])
 def test_byte_planes_round_trip_every_dtype(dtype, shape):
-    torch_dtype = shards.TENSOR_DTYPES[dtype]
+    torch_dtype = STORAGE_DTYPES[dtype]
     raw = torch.randint(
         0,
         256,
