@@ -51,7 +51,11 @@ def interrupted(command: str | None) -> None:
         "directories land whole), the piece in progress was discarded; run the same command again to finish",
         err=True,
     )
-    sys.exit(130)
+    # Exit here, at once: everything that had to let go (locks, staging) did on the way up, and a
+    # normal interpreter exit after a KeyboardInterrupt may still end by SIGINT (-2, seen under load).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(130)
 
 
 class LazyGroup(click.Group):

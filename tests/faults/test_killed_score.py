@@ -70,7 +70,9 @@ def test_ctrl_c_says_what_was_kept_and_exits_130(setup, tmp_path):
     command, reference, duration = setup
     out = tmp_path / "out"
     process = subprocess.Popen([*command, "--out", str(out)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    time.sleep(duration / 2)
+    deadline = time.monotonic() + 120  # interrupt mid-replay: once it holds a results directory's lock
+    while not list(out.glob(".*.lock")) and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert process.poll() is None, "score finished before the interrupt"
     process.send_signal(signal.SIGINT)
     _, stderr = process.communicate(timeout=120)
