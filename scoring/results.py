@@ -14,14 +14,22 @@ The summary keeps the large_string / large_list types polars gave it when it was
 
 from __future__ import annotations
 
+import json
 import os
 import re
+from typing import Any, Literal
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from pipeline.common.schema import Count, Number, Schema, SchemaError, found, validate
+
 ALL_DATASETS = "(all)"  # the dataset label of rows pooling every dataset
 CHAIN = "chain"
+# A per-position acceptance rate resting on fewer anchors than this is no reading: one or two
+# anchors at the far block positions swing between 0 and 100% and would read as a cliff. The
+# report greys such points; diagnose's console and the loggers (`log`, `watch`) leave them out.
+MIN_ANCHORS = 30
 _TREE = re.compile(r"ddtree-(\d+)")
 
 FILES = {
@@ -74,6 +82,75 @@ def results_dirs_below(path: str, need: tuple[str, ...] = ("summary",)) -> list[
         if all(FILES[kind] in files for kind in need):
             found.append(os.path.abspath(root))
     return sorted(found)
+
+
+# --------------------------------------------------------------------------- run.json
+
+
+class RunCheckpoint(Schema):
+    content_hash: str | None = None
+    path: str | None = None
+    name: str | None = None
+    step: Count | None = None
+    config: dict[str, Any] | None = None
+
+
+class RunSampling(Schema):
+    temperature: Number = 0.0
+    top_p: Number = 1.0
+    top_k: Count = 0
+
+
+class RunShards(Schema):
+    identity: str | None = None
+    samples: Count | None = None
+    uri: str | None = None
+    sampling: RunSampling | None = None
+    target: str | None = None
+    feature_dtype: str | None = None
+    excluded_samples: Count = 0
+
+
+class RunRecord(Schema):
+    """run.json as scoring/score/record.py writes it; every part optional, so results written by
+    an older specreplay still read, but a part that is there holds what readers take from it."""
+
+    checkpoint: RunCheckpoint = RunCheckpoint()
+    shards: RunShards = RunShards()
+    ddtree_budgets: list[Count] | None = None
+    anchor_set: Literal["all", "walk"] = "all"
+    anchor_drafts: bool = False
+    dtype: str | None = None
+    selection: dict[str, Any] | None = None
+    device: str | None = None
+    attention: str | None = None
+    world_size: Count | None = None
+    anchors: Count | None = None
+    nonfinite_drafter: list[Any] = []
+    wall_time_s: Number | None = None
+    versions: dict[str, Any] | None = None
+    command: list[str] | None = None
+
+
+RUN_FIX = "rescore that checkpoint with `specreplay score --force` (or restore run.json from a copy)"
+
+
+def read_run_record(directory: str) -> dict | None:
+    """The run.json of a results directory, checked against `RunRecord`; None when absent.
+    A run.json that cannot be trusted is a SchemaError naming it and the field, not a crash
+    later in whichever command read it."""
+    path = os.path.join(directory, FILES["run"])
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            record = json.load(f)
+    except (OSError, UnicodeDecodeError, ValueError) as error:
+        raise SchemaError(f"{path}: not readable as JSON ({error}); {RUN_FIX}") from None
+    if not isinstance(record, dict):
+        raise SchemaError(f"{path}: the file holds {found(record)}; expected a JSON object; {RUN_FIX}")
+    validate(RunRecord, record, path, RUN_FIX)
+    return record
 
 
 # --------------------------------------------------------------------------- method names
@@ -231,6 +308,9 @@ DIAGNOSE = IDENTITY + [
     pa.field("ci_high", pa.float64()),
     pa.field("samples", pa.int64()),
     pa.field("note", pa.string()),
+    # accept_by_position rows: the anchors that reached `position` (expected count at T > 0), so
+    # a rate resting on fewer than MIN_ANCHORS is not read as one; null on the other rows
+    pa.field("anchors", pa.float64()),
 ]
 
 

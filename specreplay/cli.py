@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+import warnings
 
 import click
 
@@ -58,6 +59,17 @@ def interrupted(command: str | None) -> None:
     os._exit(130)
 
 
+def one_line_warning(message, category, filename, lineno, line=None) -> str:
+    """A warning as the project prints its own: `warning: ...`, without the source line that
+    Python's default format adds (SPECREPLAY_DEBUG=1 keeps that format, with the place)."""
+    if debug():
+        return _default_format(message, category, filename, lineno, line)
+    return f"warning: {message}\n"
+
+
+_default_format = warnings.formatwarning
+
+
 class LazyGroup(click.Group):
     """Subcommands imported on first use, so one verb never loads another's stage."""
 
@@ -73,12 +85,15 @@ class LazyGroup(click.Group):
     def invoke(self, ctx):
         from pipeline.common.errors import UserError
 
+        warnings.formatwarning = one_line_warning
         try:
             return super().invoke(ctx)
         except (UserError, *PATH_ERRORS) as error:
             fail(error)
         except KeyboardInterrupt:
             interrupted(ctx.invoked_subcommand)
+        finally:  # in-process callers (tests, CliRunner) get Python's format back
+            warnings.formatwarning = _default_format
 
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})

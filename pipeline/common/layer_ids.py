@@ -1,7 +1,6 @@
 """Which target layers feed the drafter: the DFlash default formula, parsing `--layer-ids`, the
-range check, and the one resolver of a drafter config's ids (`drafter_layer_ids`, used by
-`extract --draft-config` and by the DFlash family at score). Shared by both stages (pure, no
-model code).
+range check. Shared by both stages (pure, no model code); a drafter config's ids are read by
+its declared layout (pipeline/common/drafter_configs/).
 
 Layer id i is the OUTPUT of decoder layer i, i.e. transformers' hidden_states[i + 1].
 
@@ -52,32 +51,3 @@ def requested_layer_ids(settings: dict) -> list[int]:
     neighbours `extract --neighbour-layers` added (manifest settings.neighbour_layers)."""
     neighbours = settings.get("neighbour_layers") or {}
     return [int(i) for i in neighbours.get("requested", settings["layer_ids"])]
-
-
-def drafter_layer_ids(raw: dict, where: str, num_target_layers: int | None = None) -> list[int]:
-    """The feature layers a DFlash drafter config names, in this project's convention, as the
-    reference DFlashDraftModel resolves them: dflash_config.target_layer_ids, else top-level
-    target_layer_ids, else the default formula over the drafter's num_hidden_layers and the
-    config's num_target_layers, else `num_target_layers` (the target's, when the caller has
-    it: extract does, score does not and refuses rather than guess)."""
-    if raw.get("speculators_model_type") is not None:
-        # its aux_hidden_state_layer_ids count the residual entering layer i (docs/layer-numbering.md):
-        # read as this project's ids they would be one layer off
-        raise UserError(
-            f"{where}: a speculators-format config (speculators_model_type "
-            f"{raw['speculators_model_type']!r}), which specreplay does not read yet; pass --layer-ids explicitly"
-        )
-    ids = (raw.get("dflash_config") or {}).get("target_layer_ids", raw.get("target_layer_ids"))
-    if ids is not None:
-        return [int(i) for i in ids]
-    layers = raw.get("num_target_layers") or num_target_layers
-    if layers is None:
-        raise UserError(
-            f"{where}: neither dflash_config.target_layer_ids nor num_target_layers is set, so the "
-            f"feature layers are unknown"
-        )
-    if "num_hidden_layers" not in raw:
-        raise UserError(
-            f"{where}: has neither dflash_config.target_layer_ids nor num_hidden_layers; pass --layer-ids explicitly"
-        )
-    return build_target_layer_ids(int(layers), int(raw["num_hidden_layers"]))

@@ -14,9 +14,10 @@ import torch
 
 from pipeline import shards
 from pipeline.common.distributed import Dist
+from pipeline.common.drafter_configs import feature_layers_of
 from pipeline.common.dtypes import COMPUTE_DTYPES, FP8, FP8_NAMES, STORAGE_DTYPES, STORAGE_NAMES
 from pipeline.common.errors import UserError
-from pipeline.common.layer_ids import build_target_layer_ids, check_layer_ids, drafter_layer_ids
+from pipeline.common.layer_ids import build_target_layer_ids, check_layer_ids
 from pipeline.common.sampling import Sampling
 from pipeline.common.versions import specreplay_version
 from pipeline.extract.config import ExtractConfig
@@ -48,7 +49,7 @@ def draft_layer_ids(path: str, num_target_layers: int) -> list[int]:
         raise UserError(
             f"--draft-config {config_path}: not valid JSON ({error}); pass a drafter config.json"
         ) from error
-    return drafter_layer_ids(config, f"--draft-config {config_path}", num_target_layers)
+    return feature_layers_of(config, f"--draft-config {config_path}", num_target_layers)
 
 
 def resolve_layer_ids(config: ExtractConfig, num_target_layers: int) -> list[int]:

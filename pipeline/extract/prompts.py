@@ -18,6 +18,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from pipeline.common.errors import UserError
+from pipeline.common.schema import found, validate
+from pipeline.extract.records import PROMPT_FORMS, RecordSchema
 
 PROMPTS_DIR = Path(__file__).resolve().parents[2] / "data" / "prompts"
 BUNDLED_FILES = ("humaneval", "gsm8k", "mt-bench")  # data/prompts/<name>.jsonl.gz
@@ -26,7 +28,7 @@ BUNDLED_FILES = ("humaneval", "gsm8k", "mt-bench")  # data/prompts/<name>.jsonl.
 DEFAULT_MIX = (("gsm8k", 6), ("humaneval", 5), ("mt-bench", 5))
 BUNDLED_NAMES = ("default",) + BUNDLED_FILES
 
-PROMPT_FORMS = ("messages", "prompt", "input_ids")
+KNOWN_FIELDS = {"id", *PROMPT_FORMS, "response", "dataset"}
 
 
 @dataclass
@@ -74,76 +76,36 @@ def _read_lines(path: Path) -> list[str]:
     raise UserError(f"{path}: the file is not UTF-8 ({found}); save it as UTF-8 (with or without a BOM)")
 
 
-def _bad(where: str, field: str, problem: str, fix: str) -> UserError:
-    return UserError(f"{where}: field {field!r} {problem}; {fix}")
-
-
-def _check_messages(value, where: str) -> list[dict]:
-    fix = 'give a list like [{"role": "user", "content": "..."}]'
-    if not isinstance(value, list) or not value:
-        raise _bad(where, "messages", "must be a non-empty list of messages", fix)
-    for i, message in enumerate(value):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str) or "content" not in message:
-            raise _bad(where, "messages", f"entry {i} is not an object with string 'role' and 'content'", fix)
-    return value
-
-
-def _check_token_ids(value, where: str, field: str, allow_empty: bool = False) -> list[int]:
-    ok = isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value)
-    if not ok or (not value and not allow_empty):
-        raise _bad(where, field, "must be a non-empty list of non-negative integer token ids", "e.g. [1, 4093, 314]")
-    return list(value)
-
-
 def _parse_record(obj, where: str, default_dataset: str) -> PromptRecord:
+    """One line's object, validated against the declared schema (records.py)."""
     if not isinstance(obj, dict):
         raise UserError(
-            f"{where}: expected a JSON object per line, got {type(obj).__name__}; "
+            f"{where}: expected a JSON object per line, got {found(obj)}; "
             f'write one object like {{"id": "a1", "prompt": "..."}} per line'
         )
-    record_id = obj.get("id")
-    if isinstance(record_id, int) and not isinstance(record_id, bool):
-        record_id = str(record_id)
-    if not isinstance(record_id, str) or not record_id:
-        raise _bad(where, "id", "is missing or not a non-empty string", 'give every record a unique "id"')
+    checked = validate(RecordSchema, obj, where)
+    messages = None if checked.messages is None else [message.model_dump() for message in checked.messages]
+    return PromptRecord(
+        id=checked.id,
+        dataset=checked.dataset or default_dataset,
+        messages=messages,
+        prompt=checked.prompt,
+        input_ids=checked.input_ids,
+        response=checked.response,
+    )
 
-    forms = [form for form in PROMPT_FORMS if obj.get(form) is not None]
-    if len(forms) != 1:
-        found = f"found {' and '.join(forms)}" if forms else "found none"
-        raise _bad(
-            where,
-            "/".join(PROMPT_FORMS),
-            f"exactly one is required ({found})",
-            'use {"id", "messages": [...]}, {"id", "prompt": "..."} or {"id", "input_ids": [...]}',
+
+def _warn_unread(path: Path, unread: dict[str, int]) -> None:
+    """Fields no record form reads, named once per file: a misspelt "reponse" would otherwise
+    be generated instead of teacher-forced without a word."""
+    if unread:
+        names = ", ".join(f"{name!r} (line {line})" for name, line in sorted(unread.items()))
+        said = f"field {names} is" if len(unread) == 1 else f"fields {names} are"
+        warnings.warn(
+            f"{path}: {said} not read (a record has id, one of {'/'.join(PROMPT_FORMS)}, "
+            f"and optionally response and dataset)",
+            stacklevel=3,
         )
-
-    record = PromptRecord(id=record_id, dataset=default_dataset)
-    if forms[0] == "messages":
-        record.messages = _check_messages(obj["messages"], where)
-    elif forms[0] == "prompt":
-        if not isinstance(obj["prompt"], str) or not obj["prompt"]:
-            raise _bad(where, "prompt", "must be a non-empty string", 'e.g. "prompt": "What is 2 + 2?"')
-        record.prompt = obj["prompt"]
-    else:
-        record.input_ids = _check_token_ids(obj["input_ids"], where, "input_ids")
-
-    response = obj.get("response")
-    if response is not None:
-        if isinstance(response, list):
-            record.response = _check_token_ids(response, where, "response")
-        elif isinstance(response, str) and response:
-            record.response = response
-        else:
-            raise _bad(
-                where, "response", "must be a non-empty string or a list of token ids", "or leave it out to generate"
-            )
-
-    dataset = obj.get("dataset")
-    if dataset is not None:
-        if not isinstance(dataset, str) or not dataset:
-            raise _bad(where, "dataset", "must be a non-empty string", "or leave it out to use the file name")
-        record.dataset = dataset
-    return record
 
 
 def load_jsonl(path: str | Path) -> list[PromptRecord]:
@@ -154,6 +116,7 @@ def load_jsonl(path: str | Path) -> list[PromptRecord]:
     default_dataset = _dataset_name(path)
     records: list[PromptRecord] = []
     first_line_of: dict[str, int] = {}
+    unread: dict[str, int] = {}  # field -> first line
     for line_number, line in enumerate(_read_lines(path), start=1):
         if not line.strip():
             continue
@@ -165,6 +128,8 @@ def load_jsonl(path: str | Path) -> list[PromptRecord]:
                 f"{where}: malformed JSON ({error.msg} at column {error.colno}); each line must be one JSON object"
             ) from None
         record = _parse_record(obj, where, default_dataset)
+        for name in set(obj) - KNOWN_FIELDS:
+            unread.setdefault(name, line_number)
         if record.id in first_line_of:
             raise UserError(
                 f"{where}: duplicate id {record.id!r}, first used at {path}:{first_line_of[record.id]}; "
@@ -172,6 +137,7 @@ def load_jsonl(path: str | Path) -> list[PromptRecord]:
             )
         first_line_of[record.id] = line_number
         records.append(record)
+    _warn_unread(path, unread)
     if not records:
         raise UserError(
             f"{path}: no prompt records (the file is empty or holds only blank lines); one JSON object a line"

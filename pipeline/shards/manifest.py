@@ -6,11 +6,13 @@ checked for consistency (row counts, contiguous byte ranges), which is what a fo
 
 from __future__ import annotations
 
-import re
+from typing import Annotated, Any, Literal
 
 import pyarrow.fs as pafs
+from pydantic import Field, field_validator, model_validator
 
 from pipeline.common.dtypes import STORAGE_DTYPES
+from pipeline.common.schema import Count, Schema, validate
 from pipeline.shards.files import exists, join, json_checksum, load_json, open_fs, read_json, write_json_atomic
 from pipeline.shards.schema import (
     JSON_CHECKSUM_SINCE,
@@ -25,7 +27,10 @@ MANIFEST_FIX = (
     "(a shard's .json sidecar holds its entry, but the settings are only here)"
 )
 SIDECAR_FIX = "delete it and its .arrow shard and re-run the same extract command to rewrite just that shard"
-_SHARD_FILE = re.compile(rf"{SHARD_DIR}/r\d+-\d+\.arrow")
+
+
+class ExcludedSample(Schema):
+    sample_id: str
 
 
 def read_manifest(uri: str) -> dict:
@@ -61,67 +66,79 @@ def _reopened(manifest: dict, stored) -> bool:
     return manifest.get("complete") is False and stored == json_checksum({**manifest, "complete": True})
 
 
+class ShardEntry(Schema):
+    """One finished shard, as its sidecar and the manifest's `shards` list describe it: its file,
+    row and byte counts, the schema block after the 8-byte magic and every record batch back to
+    back ([offset, length, rows, checksum]), and one sample id (and dataset) per row."""
+
+    file: Annotated[str, Field(pattern=rf"^{SHARD_DIR}/r\d+-\d+\.arrow$")]
+    rows: Count
+    tokens: Count
+    bytes: Count
+    schema_block: Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=3, max_length=3)]
+    batches: list[Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=4, max_length=4)]]
+    sample_ids: list[str]
+    datasets: list[str] | None = None
+    excluded: list[ExcludedSample] = []
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        problem = _entry_problem(self)
+        if problem:
+            raise ValueError(f"does not add up: {problem}")
+        return self
+
+
+class ManifestFile(Schema):
+    """What reading shards relies on in manifest.json (its settings are compared whole, as
+    written by stage 1, and checked where they are used: scoring/drafters/compatibility.py)."""
+
+    format_version: Literal[READABLE_FORMAT_VERSIONS]
+    complete: bool = False
+    tensors: dict[str, Literal[tuple(STORAGE_DTYPES)]]
+    settings: dict[str, Any] | None = None  # absent: ShardSet says so when asked
+    target_head: dict[str, Any] = {}
+    shards: list[ShardEntry] | None = None  # absent: ShardSet.entries says so when asked
+
+    @field_validator("shards")
+    @classmethod
+    def _distinct(cls, value):
+        files = [entry.file for entry in value or []]
+        if len(set(files)) != len(files):
+            raise ValueError("lists a shard twice")
+        return value
+
+
+def _entry_problem(entry: ShardEntry) -> str | None:
+    """Why an entry's counts and byte ranges disagree with each other, or None."""
+    if entry.schema_block[0] != 8:
+        return f"the schema block of {entry.file} does not start after the 8-byte magic"
+    end = entry.schema_block[0] + entry.schema_block[1]
+    for offset, length, _, _ in entry.batches:
+        if offset != end:
+            return f"the record batch ranges of {entry.file} are not back to back"
+        end = offset + length
+    if end > entry.bytes:
+        return f"the record batches of {entry.file} end past its {entry.bytes} bytes"
+    if sum(block[2] for block in entry.batches) != entry.rows:
+        return f"the record batches of {entry.file} do not hold its {entry.rows} rows"
+    for name, values in (("sample_ids", entry.sample_ids), ("datasets", entry.datasets)):
+        if values is not None and len(values) != entry.rows:
+            return f"the {name} of {entry.file} are not its {entry.rows} rows"
+    return None
+
+
 def check_manifest(manifest: dict, uri: str) -> None:
     """A finished manifest holds what reading shards relies on: the tensor dtypes, the settings,
     self-consistent shard entries naming distinct files. Cheap (no I/O); a format 2 manifest
     (no checksum) gets no other check."""
     path = join(open_fs(uri)[1], MANIFEST_NAME)
-    tensors = manifest.get("tensors")
-    if not isinstance(tensors, dict) or any(dtype not in STORAGE_DTYPES for dtype in tensors.values()):
-        raise ShardError(f"{path} is damaged (its 'tensors' are not tensor names and dtypes); {MANIFEST_FIX}")
-    for key in ("settings", "target_head"):
-        if not isinstance(manifest.get(key, {}), dict):
-            raise ShardError(f"{path} is damaged (its '{key}' is not an object); {MANIFEST_FIX}")
-    entries = manifest.get("shards", [])  # absent: ShardSet.entries says so when asked
-    if not isinstance(entries, list):
-        raise ShardError(f"{path} is damaged (its 'shards' are not a list); {MANIFEST_FIX}")
-    for number, entry in enumerate(entries):
-        check_entry(entry, f"{path}: shard entry {number}", MANIFEST_FIX)
-    files = [entry["file"] for entry in entries]
-    if len(set(files)) != len(files):
-        raise ShardError(f"{path} is damaged (a shard is listed twice); {MANIFEST_FIX}")
-
-
-def _count(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    validate(ManifestFile, manifest, f"{path} is damaged", MANIFEST_FIX, ShardError)
 
 
 def check_entry(entry, where: str, fix: str) -> None:
-    """A shard entry's facts agree with each other: its file name, row counts (per batch, sample
-    ids, datasets), and byte ranges (the schema after the 8-byte magic, then every record batch
-    back to back, all inside the file). `where` names the file holding the entry."""
-
-    def bad(why: str):
-        raise ShardError(f"{where} is damaged ({why}); {fix}")
-
-    if not isinstance(entry, dict):
-        bad("a shard entry is not an object")
-    if not isinstance(entry.get("file"), str) or not _SHARD_FILE.fullmatch(entry["file"]):
-        bad(f"shard file name {entry.get('file')!r}")
-    for key in ("rows", "tokens", "bytes"):
-        if not _count(entry.get(key)):
-            bad(f"{key!r} of {entry['file']} is not a count")
-    schema, batches = entry.get("schema_block"), entry.get("batches")
-    if not isinstance(schema, list) or len(schema) != 3 or not all(map(_count, schema)) or schema[0] != 8:
-        bad(f"the schema block of {entry['file']}")
-    if not isinstance(batches, list):  # empty in a shard that only records excluded samples
-        bad(f"the record batches of {entry['file']}")
-    end = schema[0] + schema[1]
-    for block in batches:
-        if not isinstance(block, list) or len(block) != 4 or not all(map(_count, block)) or block[0] != end:
-            bad(f"the record batch ranges of {entry['file']}")
-        end = block[0] + block[1]
-    if end > entry["bytes"]:
-        bad(f"the record batches of {entry['file']} end past its {entry['bytes']} bytes")
-    if sum(block[2] for block in batches) != entry["rows"]:
-        bad(f"the record batches of {entry['file']} do not hold its {entry['rows']} rows")
-    for key in ("sample_ids", "datasets"):
-        values = entry.get(key) if key == "sample_ids" or key in entry else [""] * entry["rows"]
-        if not isinstance(values, list) or len(values) != entry["rows"] or not all(isinstance(v, str) for v in values):
-            bad(f"the {key} of {entry['file']} are not its {entry['rows']} rows")
-    excluded = entry.get("excluded", [])
-    if not isinstance(excluded, list) or not all(isinstance(r, dict) and "sample_id" in r for r in excluded):
-        bad(f"the excluded samples of {entry['file']}")
+    """A shard entry's facts agree with each other (`ShardEntry`). `where` names the file holding it."""
+    validate(ShardEntry, entry, f"{where} is damaged", fix, ShardError)
 
 
 def check_directory(fs: pafs.FileSystem, root: str, uri: str) -> None:

@@ -7,7 +7,6 @@ Inputs, Shards, Pairing and the all-anchor streak are defined in scoring/compare
 
 from __future__ import annotations
 
-import json
 import os
 import warnings
 from dataclasses import dataclass
@@ -16,6 +15,7 @@ from enum import Enum
 import polars as pl
 
 from pipeline.common.errors import UserError
+from pipeline.common.schema import SchemaError
 from scoring import results
 
 REQUIRED_COLUMNS = ("dataset", "sample_id", "method", "tau")  # of results.SAMPLES, what pairing needs
@@ -65,23 +65,11 @@ class Side:
 
 
 def _read_run(path: str, label: str) -> dict | None:
-    """run.json of a results directory; None when absent, CompareError when unreadable."""
-    run_path = os.path.join(path, results.FILES["run"])
-    if not os.path.isfile(run_path):
-        return None
+    """run.json of a results directory; None when absent, CompareError when it cannot be trusted."""
     try:
-        with open(run_path) as f:
-            record = json.load(f)
-    except (OSError, ValueError) as error:
-        raise CompareError(
-            f"{label}: cannot read {run_path} ({error}); rescore that checkpoint with "
-            f"`specreplay score --force`, or delete run.json and pass --allow-different-shards"
-        ) from error
-    if not isinstance(record, dict):
-        raise CompareError(
-            f"{label}: {run_path} is not a JSON object; rescore that checkpoint with `specreplay score --force`"
-        )
-    return record
+        return results.read_run_record(path)
+    except SchemaError as error:
+        raise CompareError(f"{label}: {error}, or delete run.json and pass --allow-different-shards") from None
 
 
 def _hash_of(path: str, record: dict | None) -> str | None:

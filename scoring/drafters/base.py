@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -100,5 +100,5 @@ class Family:
     """One drafter family: its name in messages, how its config parses, how its model is built."""
 
     name: str  # e.g. "z-lab DFlash v1"
-    parse_config: Callable[[dict, str], DrafterConfig]
+    parse_config: Callable[[Any, dict, str], DrafterConfig]  # (validated layout, raw config, source)
     build: Callable[[DrafterConfig], torch.nn.Module]

@@ -1,54 +1,57 @@
-"""Which family a drafter checkpoint belongs to, from its config.json alone.
+"""Which family scores a drafter checkpoint, from its config.json alone.
 
-In this order (docs/drafter-families.md#detection): `speculators_model_type` (speculators
-exports may carry z-lab's own `"architectures": ["DFlashDraftModel"]` with another layout and
-another layer convention, so the architecture alone misleads), then `architectures`, then the
-keys of `dflash_config`. A family this project does not score yet is refused by name.
+The layout is detected and the file validated against it by pipeline/common/drafter_configs/
+(shared with `extract --draft-config`); here a validated layout is matched with the family that
+scores it. A layout that exists but is not scored yet is refused by name, after validation, so
+a broken file is told as broken first.
 """
 
 from __future__ import annotations
 
 from torch import nn
 
+from pipeline.common.drafter_configs import read_drafter_format
+from pipeline.common.schema import SchemaError
 from scoring.drafters import dflash
 from scoring.drafters.base import DrafterConfig, DrafterConfigError, Family
 
 FAMILIES: dict[str, Family] = {"dflash": dflash.FAMILY}
-
-# Known to exist, not scored yet: refused by name rather than read in the wrong layout.
+# (layout, family) -> the FAMILIES key that scores it
+SCORED = {("z-lab", "dflash"): "dflash"}
+NAMES = {"dflash": "DFlash", "dflash2": "DFlash2", "dspark": "DSpark", "eagle3": "EAGLE-3", "mtp": "MTP"}
 NOT_YET = "which specreplay does not score yet; refusing rather than scoring it wrong"
-SPECULATORS_TYPES = {
-    "dflash": "speculators-format DFlash",
-    "dflash2": "speculators-format DFlash2",
-    "dspark": "speculators-format DSpark",
-    "eagle3": "speculators-format EAGLE-3",
-    "mtp": "speculators-format MTP",
-}
-ARCHITECTURES = {"DFlashDraftModel": "dflash"}
 
 
 def detect_family(raw: dict, source: str) -> str:
     """The FAMILIES key of the config `raw` (read from `source`); DrafterConfigError otherwise."""
-    kind = raw.get("speculators_model_type")
-    if kind is not None:
-        name = SPECULATORS_TYPES.get(kind, f"speculators model type {kind!r}")
-        raise DrafterConfigError(f"{source}: speculators_model_type {kind!r} is the {name} format, {NOT_YET}")
-    architectures = raw.get("architectures") or ["DFlashDraftModel"]  # z-lab's, when unsaid
-    for arch in architectures:
-        if arch not in ARCHITECTURES:
-            raise DrafterConfigError(
-                f"{source}: architecture {arch!r} is not supported (specreplay implements "
-                f"{sorted(ARCHITECTURES)}); refusing rather than scoring it wrong"
-            )
-    if (raw.get("dflash_config") or {}).get("projector_type") == "dspark":
-        raise DrafterConfigError(f"{source}: dflash_config.projector_type 'dspark' is SpecForge's DSpark, {NOT_YET}")
-    return ARCHITECTURES[architectures[0]]
+    return _family_of(_validated(raw, source), source)
+
+
+def _validated(raw: dict, source: str):
+    try:
+        return read_drafter_format(raw, source)
+    except SchemaError as error:  # a drafter config error like every other, for the callers that sort them
+        raise DrafterConfigError(str(error)) from None
+
+
+def _family_of(checked, source: str) -> str:
+    key = SCORED.get((checked.LAYOUT, checked.family))
+    if key is None:  # validated, so a broken file was told as broken first
+        raise DrafterConfigError(
+            f"{source}: a {NAMES[checked.family]} drafter in {possessive(checked.LAYOUT)} layout ({checked.evidence}), {NOT_YET}"
+        )
+    return key
+
+
+def possessive(name: str) -> str:
+    return name + ("'" if name.endswith("s") else "'s")
 
 
 def parse_drafter_config(raw: dict, source: str = "config") -> DrafterConfig:
     """The config in the project's terms, parsed by its family; errors name the field and the file."""
-    family = detect_family(raw, source)
-    config = FAMILIES[family].parse_config(raw, source)
+    checked = _validated(raw, source)
+    family = _family_of(checked, source)
+    config = FAMILIES[family].parse_config(checked, raw, source)
     config.family = family
     return config
 

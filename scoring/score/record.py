@@ -86,12 +86,8 @@ def run_facts(device: str, attention: str, dist: Dist, anchors: int, nonfinite: 
 
 
 def read_record(out_dir: str) -> dict | None:
-    """The run.json of a finished results directory, None when there is none."""
-    run_path = os.path.join(out_dir, results.FILES["run"])
-    if not os.path.exists(run_path):
-        return None
-    with open(run_path) as f:
-        return json.load(f)
+    """The run.json of a finished results directory (checked, results.RunRecord), None when there is none."""
+    return results.read_run_record(out_dir)
 
 
 def settings_of(record: dict) -> dict:

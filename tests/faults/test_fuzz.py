@@ -92,5 +92,5 @@ def test_format_2_extract_without_checksums_still_scores(pristine, tmp_path):
     obj = json.loads(manifest_path.read_text())
     obj["shards"][0]["rows"] += 1
     manifest_path.write_text(json.dumps(obj, indent=1, sort_keys=True))
-    with pytest.raises(ShardError, match=r"manifest\.json: shard entry 0 is damaged"):
+    with pytest.raises(ShardError, match=r"manifest\.json is damaged: field .shards\[0\]. does not add up"):
         ShardSet(str(out))

@@ -293,7 +293,10 @@ def test_missing_or_broken_run_json(tmp_path):
         comparison = run_comparison(a, b, allow_different_shards=True)
     assert comparison.shards == "unknown" and comparison.table["n"].to_list() == [3, 3]
     (tmp_path / "b" / "run.json").write_text("{not json")
-    with pytest.raises(CompareError, match=r"B: cannot read .*run.json"):
+    with pytest.raises(CompareError, match=r"B: .*b/run.json: not readable as JSON"):
+        run_comparison(a, b)
+    (tmp_path / "b" / "run.json").write_text(json.dumps({"shards": {"identity": 7}}))
+    with pytest.raises(CompareError, match=r"B: .*b/run.json: field 'shards.identity' is 7 \(an integer\); expected a string"):
         run_comparison(a, b)
     (tmp_path / "b" / "run.json").write_text(json.dumps({"checkpoint": {"name": "x"}}))
     with pytest.raises(CompareError, match=r"b/run.json has no shards.identity"):

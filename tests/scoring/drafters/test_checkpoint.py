@@ -223,11 +223,16 @@ def test_wrong_hidden_size_names_tensor_and_both_shapes(tmp_path, config_raw):
 def test_unknown_variants_are_refused_by_name(tmp_path, config_raw):
     reference_drafter(tmp_path / "d")
     write_config(tmp_path / "d", {**config_raw, "architectures": ["DFlash2DraftModel"]})
-    with pytest.raises(DrafterConfigError, match="DFlash2DraftModel"):
+    with pytest.raises(
+        DrafterConfigError,
+        match=r"DFlash2 drafter in z-lab's layout \(architectures \['DFlash2DraftModel'\]\), which specreplay does not score",
+    ):
         load_drafter(str(tmp_path / "d"))
     dflash2 = {**config_raw["dflash_config"], "conv_kernel_size": 4}
     write_config(tmp_path / "d", {**config_raw, "dflash_config": dflash2})
-    with pytest.raises(DrafterConfigError, match="conv_kernel_size"):
+    with pytest.raises(
+        DrafterConfigError, match="DFlash2 drafter in z-lab's layout .field 'dflash_config.conv_kernel_size'"
+    ):
         load_drafter(str(tmp_path / "d"))
 
 

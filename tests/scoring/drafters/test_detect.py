@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import pytest
 
+from pipeline.common.drafter_configs import feature_layers_of as drafter_layer_ids
 from pipeline.common.errors import UserError
-from pipeline.common.layer_ids import build_target_layer_ids, drafter_layer_ids
+from pipeline.common.layer_ids import build_target_layer_ids
 from scoring.drafters.base import DrafterConfigError
 from scoring.drafters.detect import FAMILIES, build_drafter, detect_family, parse_drafter_config
 from scoring.drafters.dflash_model import DFlashDrafter
@@ -23,24 +24,62 @@ def test_a_zlab_config_is_dflash_v1_with_its_ids_as_stored():
     assert FAMILIES["dflash"].name == "z-lab DFlash v1"
 
 
-@pytest.mark.parametrize("kind", ["dflash", "dflash2", "dspark", "eagle3", "mtp"])
-def test_speculators_type_wins_over_a_zlab_architecture(kind):
+def speculators_config(kind: str, **top) -> dict:
+    """A speculators-layout config of the tiny drafter's shapes; like real exports it keeps z-lab's
+    "architectures": ["DFlashDraftModel"] (speculators' DFlash converter writes it)."""
+    zlab = drafter_config()
+    decoder = {
+        k: zlab[k]
+        for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
+    }
+    return {
+        "architectures": ["DFlashDraftModel"],
+        "speculators_model_type": kind,
+        "transformer_layer_config": decoder,
+        "mask_token_id": 3,
+        "aux_hidden_state_layer_ids": [2, 4],
+        "eagle_aux_hidden_state_layer_ids": [2, 4],
+        **top,
+    }
+
+
+@pytest.mark.parametrize(
+    ("kind", "name"),
+    [("dflash", "DFlash"), ("dflash2", "DFlash2"), ("dspark", "DSpark"), ("eagle3", "EAGLE-3"), ("mtp", "MTP")],
+)
+def test_speculators_type_wins_over_a_zlab_architecture(kind, name):
     # speculators exports say "architectures": ["DFlashDraftModel"] too; read as z-lab's they would
-    # be one layer off, so the speculators type is checked first and refused by name
-    raw = {**drafter_config(), "speculators_model_type": kind, "aux_hidden_state_layer_ids": [2, 4]}
-    assert raw["architectures"] == ["DFlashDraftModel"]
-    with pytest.raises(DrafterConfigError, match=rf"config.json: speculators_model_type '{kind}' is the speculators"):
+    # be one layer off, so the speculators type is checked first (and, not scored yet, refused by name)
+    raw = speculators_config(kind)
+    with pytest.raises(
+        DrafterConfigError,
+        match=rf"^config.json: a {name} drafter in speculators' layout \(speculators_model_type '{kind}'\), which specreplay does not",
+    ):
         parse_drafter_config(raw, "config.json")
 
 
+def test_a_speculators_config_is_validated_before_it_is_refused():
+    raw = speculators_config("eagle3", transformer_layer_config={"hidden_size": "64"})
+    with pytest.raises(DrafterConfigError, match=r"field 'transformer_layer_config.hidden_size' is '64' \(a string\)"):
+        parse_drafter_config(raw, "c.json")
+    with pytest.raises(DrafterConfigError, match=r"field 'speculators_model_type' is 'eagle4'"):
+        parse_drafter_config(speculators_config("eagle4"), "c.json")
+    with pytest.raises(DrafterConfigError, match=r"'norm_before_fc' and 'fc_norm' are both true"):
+        parse_drafter_config(speculators_config("eagle3", norm_before_fc=True, fc_norm=True), "c.json")
+
+
 def test_architecture_then_dflash_config_keys():
-    with pytest.raises(DrafterConfigError, match="architecture 'LlamaForCausalLMEagle3' is not supported"):
+    with pytest.raises(DrafterConfigError, match="architecture 'LlamaForCausalLMEagle3' is SpecForge's EAGLE-3"):
         parse_drafter_config({**drafter_config(), "architectures": ["LlamaForCausalLMEagle3"]}, "c.json")
+    with pytest.raises(DrafterConfigError, match="architecture 'GPT2LMHeadModel' is not a drafter layout"):
+        parse_drafter_config({**drafter_config(), "architectures": ["GPT2LMHeadModel"]}, "c.json")
     raw = drafter_config(dflash_extra={"projector_type": "dspark"})
     with pytest.raises(DrafterConfigError, match="SpecForge's DSpark"):
         parse_drafter_config(raw, "c.json")
     raw = drafter_config(dflash_extra={"selector_rank": 8})
-    with pytest.raises(DrafterConfigError, match="selector_rank"):
+    with pytest.raises(
+        DrafterConfigError, match=r"a DFlash2 drafter in z-lab's layout \(field 'dflash_config.selector_rank'\)"
+    ):
         parse_drafter_config(raw, "c.json")
 
 
@@ -57,9 +96,14 @@ def test_one_resolver_for_extract_and_score():
     assert drafter_layer_ids(bare, "--draft-config c.json", num_target_layers=8) == build_target_layer_ids(8, 2)
     with pytest.raises(UserError, match="feature layers are unknown"):
         parse_drafter_config(bare, "c.json")
-    # a speculators config is refused by extract too, not read one layer off
-    with pytest.raises(UserError, match="speculators-format config"):
-        drafter_layer_ids({**explicit, "speculators_model_type": "dflash"}, "--draft-config c.json", 8)
+    # a speculators config's before-layer ids are translated, never read one layer off
+    assert drafter_layer_ids(speculators_config("dflash"), "c.json", 8) == [1, 3]
+    assert drafter_layer_ids(speculators_config("eagle3"), "c.json", 8) == [1, 3]
+    # before-layer id L is the residual after the last layer before the final norm: no stored layer
+    with pytest.raises(UserError, match="lists 8, the residual after the target's last layer"):
+        drafter_layer_ids(speculators_config("dflash", aux_hidden_state_layer_ids=[2, 8]), "c.json", 8)
+    with pytest.raises(UserError, match="lists 0, the embedding output"):
+        drafter_layer_ids(speculators_config("dflash", aux_hidden_state_layer_ids=[0, 4]), "c.json", 8)
 
 
 @pytest.mark.parametrize(

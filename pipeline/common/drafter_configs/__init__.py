@@ -1,0 +1,79 @@
+"""Drafter config.json layouts, declared: one module per layout (zlab.py, speculators.py), the
+decoder fields they share (decoder.py), and `read_drafter_format`, which picks the layout and
+validates the file against it before anything else reads it.
+
+Shared by both stages and torch-free: `extract --draft-config` reads a drafter's feature layers
+through it, `score` its whole config (scoring/drafters/ turns a validated layout into a model).
+
+Detection, in this order (docs/drafter-families.md#detection): `speculators_model_type`
+(speculators exports may carry z-lab's own `"architectures": ["DFlashDraftModel"]` with another
+layout and another layer convention, so the architecture alone misleads), then `architectures`,
+then the keys of `dflash_config`.
+"""
+
+from __future__ import annotations
+
+from pipeline.common.drafter_configs.speculators import SPECULATORS_FORMATS, SpeculatorsFormat
+from pipeline.common.drafter_configs.zlab import ZlabDFlash
+from pipeline.common.schema import SchemaError, found, validate
+
+ZLAB_ARCHITECTURES = {"DFlashDraftModel": ZlabDFlash, "DFlash2DraftModel": ZlabDFlash}
+# Known layouts this version does not declare yet: refused by name rather than read wrong.
+KNOWN_ELSEWHERE = {
+    "LlamaForCausalLMEagle3": "SpecForge's EAGLE-3",
+    "Qwen3DSparkModel": "DeepSpec's DSpark",
+}
+DrafterFormat = ZlabDFlash | SpeculatorsFormat
+
+
+def layout_of(raw: dict, source: str) -> type:
+    """The declared layout class of the config `raw` (read from `source`)."""
+    kind = raw.get("speculators_model_type")
+    if kind is not None:
+        if kind not in SPECULATORS_FORMATS:
+            raise SchemaError(
+                f"{source}: field 'speculators_model_type' is {found(kind)}; expected one of "
+                f"{sorted(SPECULATORS_FORMATS)}"
+            )
+        return SPECULATORS_FORMATS[kind]
+    architectures = raw.get("architectures") or ["DFlashDraftModel"]  # z-lab's, when unsaid
+    if not isinstance(architectures, list) or not all(isinstance(a, str) for a in architectures):
+        raise SchemaError(f"{source}: field 'architectures' is {found(architectures)}; expected a list of names")
+    for arch in architectures:
+        if arch in KNOWN_ELSEWHERE:
+            raise SchemaError(
+                f"{source}: architecture {arch!r} is {KNOWN_ELSEWHERE[arch]} layout, which specreplay does not "
+                f"read yet; refusing rather than scoring it wrong"
+            )
+        if arch not in ZLAB_ARCHITECTURES:
+            raise SchemaError(
+                f"{source}: architecture {arch!r} is not a drafter layout specreplay reads (it reads "
+                f"{sorted(ZLAB_ARCHITECTURES)} and speculators_model_type {sorted(SPECULATORS_FORMATS)}); "
+                f"refusing rather than scoring it wrong"
+            )
+    dflash_config = raw.get("dflash_config")
+    if isinstance(dflash_config, dict) and dflash_config.get("projector_type") == "dspark":
+        raise SchemaError(
+            f"{source}: dflash_config.projector_type 'dspark' is SpecForge's DSpark layout, which specreplay "
+            f"does not read yet; refusing rather than scoring it wrong"
+        )
+    return ZLAB_ARCHITECTURES[architectures[0]]
+
+
+def read_drafter_format(raw, source: str, complete: bool = True) -> DrafterFormat:
+    """The config `raw` validated against its layout; with `complete`, also complete enough to
+    build a drafter from (extract, which reads only the feature layers, does not ask that)."""
+    if not isinstance(raw, dict):
+        raise SchemaError(f"{source}: the file holds {found(raw)}; expected a JSON object (a drafter config.json)")
+    layout = layout_of(raw, source)
+    checked = validate(layout, raw, source)
+    if complete:
+        checked.check_complete(source)
+    return checked
+
+
+def feature_layers_of(raw, source: str, num_target_layers: int | None = None) -> list[int]:
+    """The feature layers a drafter config names, in this project's convention (output of layer
+    i), whatever its layout's convention. `num_target_layers` is the target's, when the caller
+    has it (extract does; a z-lab config without ids or num_target_layers needs it)."""
+    return read_drafter_format(raw, source, complete=False).feature_layers(source, num_target_layers)

@@ -1,0 +1,53 @@
+"""The declared fields of a drafter's decoder layers (Qwen3-style, as transformers' config
+classes name them): at the top level of a z-lab config, nested as `transformer_layer_config`
+in a speculators one. Only the fields the replay reads are declared; the rest pass through to
+transformers' config class, which gives what is absent its own default."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, ValidationInfo, field_validator
+
+from pipeline.common.schema import Number, Positive, Schema
+
+LayerType = Literal["full_attention", "sliding_attention"]
+PositiveNumber = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+
+
+class DecoderFields(Schema):
+    model_type: str | None = None
+    hidden_size: Positive | None = None
+    num_hidden_layers: Positive | None = None
+    num_attention_heads: Positive | None = None
+    num_key_value_heads: Positive | None = None
+    head_dim: Positive | None = None
+    intermediate_size: Positive | None = None
+    vocab_size: Positive | None = None
+    rms_norm_eps: PositiveNumber | None = None
+    rope_theta: PositiveNumber | None = None
+    max_position_embeddings: Positive | None = None
+    layer_types: Annotated[list[LayerType], Field(min_length=1)] | None = None
+    sliding_window: Positive | None = None
+    use_sliding_window: bool | None = None
+    attention_bias: bool | None = None
+    hidden_act: str | None = None
+    rope_scaling: dict[str, Any] | None = None
+    rope_parameters: dict[str, Any] | None = None
+    initializer_range: Number | None = None
+
+    @field_validator("layer_types")
+    @classmethod
+    def _one_type_per_layer(cls, value, info: ValidationInfo):
+        layers = info.data.get("num_hidden_layers")
+        if value is not None and layers is not None and len(value) != layers:
+            raise ValueError(f"has {len(value)} entries for num_hidden_layers {layers}; expected one per layer")
+        return value
+
+    def require(self, names: tuple[str, ...], where: str = "") -> list[str]:
+        """The names among `names` this config leaves unset (to refuse a file that is not a drafter's)."""
+        return [f"{where}{name}" for name in names if getattr(self, name) is None]
+
+
+# Fields every drafter config states: without them the file is not a drafter's config.json.
+REQUIRED_SHAPE = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
