@@ -25,7 +25,8 @@ from pipeline.common.errors import UserError
 # refused before it becomes a tensor shape or an allocation.
 LARGEST = 2**31 - 1
 
-Count = Annotated[int, Field(ge=0, le=LARGEST)]  # 0 allowed: lengths, offsets, token ids
+Count = Annotated[int, Field(ge=0, le=LARGEST)]  # 0 allowed: lengths, token ids, small counts
+Size = Annotated[int, Field(ge=0, le=2**63 - 1)]  # bytes and token totals, which pass 2**31
 Positive = Annotated[int, Field(ge=1, le=LARGEST)]  # sizes: layers, heads, widths
 Number = Annotated[float, Field(allow_inf_nan=False)]
 
@@ -50,7 +51,9 @@ class ClosedSchema(Schema):
 Model = TypeVar("Model", bound=BaseModel)
 
 
-def validate(model: type[Model], data: Any, source: str, fix: str = "", error_class: type[UserError] | None = None) -> Model:
+def validate(
+    model: type[Model], data: Any, source: str, fix: str = "", error_class: type[UserError] | None = None
+) -> Model:
     """`data` as `model`, or SchemaError (or `error_class`) naming `source`, the field, the value and the fix."""
     try:
         return model.model_validate(data)

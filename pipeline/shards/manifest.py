@@ -6,14 +6,11 @@ checked for consistency (row counts, contiguous byte ranges), which is what a fo
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
-
 import pyarrow.fs as pafs
-from pydantic import Field, field_validator, model_validator
 
-from pipeline.common.dtypes import STORAGE_DTYPES
-from pipeline.common.schema import Count, Schema, validate
+from pipeline.common.schema import validate
 from pipeline.shards.files import exists, join, json_checksum, load_json, open_fs, read_json, write_json_atomic
+from pipeline.shards.manifest_schema import ManifestFile, ShardEntry
 from pipeline.shards.schema import (
     JSON_CHECKSUM_SINCE,
     MANIFEST_NAME,
@@ -29,10 +26,6 @@ MANIFEST_FIX = (
 SIDECAR_FIX = "delete it and its .arrow shard and re-run the same extract command to rewrite just that shard"
 
 
-class ExcludedSample(Schema):
-    sample_id: str
-
-
 def read_manifest(uri: str) -> dict:
     fs, root = open_fs(uri)
     check_directory(fs, root, uri)
@@ -45,16 +38,15 @@ def read_manifest(uri: str) -> dict:
     if stored is not None and stored != json_checksum(manifest) and not _reopened(manifest, stored):
         raise ShardError(f"{path} is damaged (checksum mismatch); {MANIFEST_FIX}")
     version = manifest.get("format_version")
-    if version not in READABLE_FORMAT_VERSIONS:
+    if version not in READABLE_FORMAT_VERSIONS or isinstance(version, bool):
         readable = " and ".join(map(str, READABLE_FORMAT_VERSIONS))
         raise ShardError(
-            f"{path}: format_version {version}, this specreplay reads {readable}; re-extract with this "
-            f"specreplay (`specreplay extract ... --overwrite`) or use the version that wrote it"
+            f"{path}: field 'format_version' is {version!r}, this specreplay reads {readable}; re-extract with "
+            f"this specreplay (`specreplay extract ... --overwrite`) or use the version that wrote it"
         )
     if version >= JSON_CHECKSUM_SINCE and stored is None:
         raise ShardError(f"{path} is damaged (its checksum is missing); {MANIFEST_FIX}")
-    if not isinstance(manifest.get("complete", False), bool):
-        raise ShardError(f"{path} is damaged ('complete' is not true or false); {MANIFEST_FIX}")
+    validate(ManifestFile, manifest, f"{path} is damaged", MANIFEST_FIX, ShardError)
     return manifest
 
 
@@ -66,72 +58,9 @@ def _reopened(manifest: dict, stored) -> bool:
     return manifest.get("complete") is False and stored == json_checksum({**manifest, "complete": True})
 
 
-class ShardEntry(Schema):
-    """One finished shard, as its sidecar and the manifest's `shards` list describe it: its file,
-    row and byte counts, the schema block after the 8-byte magic and every record batch back to
-    back ([offset, length, rows, checksum]), and one sample id (and dataset) per row."""
-
-    file: Annotated[str, Field(pattern=rf"^{SHARD_DIR}/r\d+-\d+\.arrow$")]
-    rows: Count
-    tokens: Count
-    bytes: Count
-    schema_block: Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=3, max_length=3)]
-    batches: list[Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=4, max_length=4)]]
-    sample_ids: list[str]
-    datasets: list[str] | None = None
-    excluded: list[ExcludedSample] = []
-
-    @model_validator(mode="after")
-    def _consistent(self):
-        problem = _entry_problem(self)
-        if problem:
-            raise ValueError(f"does not add up: {problem}")
-        return self
-
-
-class ManifestFile(Schema):
-    """What reading shards relies on in manifest.json (its settings are compared whole, as
-    written by stage 1, and checked where they are used: scoring/drafters/compatibility.py)."""
-
-    format_version: Literal[READABLE_FORMAT_VERSIONS]
-    complete: bool = False
-    tensors: dict[str, Literal[tuple(STORAGE_DTYPES)]]
-    settings: dict[str, Any] | None = None  # absent: ShardSet says so when asked
-    target_head: dict[str, Any] = {}
-    shards: list[ShardEntry] | None = None  # absent: ShardSet.entries says so when asked
-
-    @field_validator("shards")
-    @classmethod
-    def _distinct(cls, value):
-        files = [entry.file for entry in value or []]
-        if len(set(files)) != len(files):
-            raise ValueError("lists a shard twice")
-        return value
-
-
-def _entry_problem(entry: ShardEntry) -> str | None:
-    """Why an entry's counts and byte ranges disagree with each other, or None."""
-    if entry.schema_block[0] != 8:
-        return f"the schema block of {entry.file} does not start after the 8-byte magic"
-    end = entry.schema_block[0] + entry.schema_block[1]
-    for offset, length, _, _ in entry.batches:
-        if offset != end:
-            return f"the record batch ranges of {entry.file} are not back to back"
-        end = offset + length
-    if end > entry.bytes:
-        return f"the record batches of {entry.file} end past its {entry.bytes} bytes"
-    if sum(block[2] for block in entry.batches) != entry.rows:
-        return f"the record batches of {entry.file} do not hold its {entry.rows} rows"
-    for name, values in (("sample_ids", entry.sample_ids), ("datasets", entry.datasets)):
-        if values is not None and len(values) != entry.rows:
-            return f"the {name} of {entry.file} are not its {entry.rows} rows"
-    return None
-
-
 def check_manifest(manifest: dict, uri: str) -> None:
-    """A finished manifest holds what reading shards relies on: the tensor dtypes, the settings,
-    self-consistent shard entries naming distinct files. Cheap (no I/O); a format 2 manifest
-    (no checksum) gets no other check."""
+    """A manifest holds what reading shards relies on (manifest_schema.py): read_manifest checks
+    that already; this is for a manifest held in memory. Cheap (no I/O)."""
     path = join(open_fs(uri)[1], MANIFEST_NAME)
     validate(ManifestFile, manifest, f"{path} is damaged", MANIFEST_FIX, ShardError)
 

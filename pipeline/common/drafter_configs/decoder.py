@@ -12,6 +12,14 @@ from pydantic import Field, ValidationInfo, field_validator
 from pipeline.common.schema import Number, Positive, Schema
 
 LayerType = Literal["full_attention", "sliding_attention"]
+# transformers' activation names (ACT2FN), which the MLP looks its function up by; declared here so
+# a typo is refused with the config, not as a KeyError once the model is built (a test checks the
+# list against transformers').
+Activation = Literal[
+    "gelu", "gelu_10", "gelu_accurate", "gelu_fast", "gelu_new", "gelu_python", "gelu_python_tanh",
+    "gelu_pytorch_tanh", "hardswish", "laplace", "leaky_relu", "linear", "mish", "prelu", "quick_gelu",
+    "relu", "relu2", "relu6", "sigmoid", "silu", "sqrtsoftplus", "swish", "tanh", "xielu",
+]  # fmt: skip
 PositiveNumber = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 
 
@@ -31,7 +39,7 @@ class DecoderFields(Schema):
     sliding_window: Positive | None = None
     use_sliding_window: bool | None = None
     attention_bias: bool | None = None
-    hidden_act: str | None = None
+    hidden_act: Activation | None = None
     rope_scaling: dict[str, Any] | None = None
     rope_parameters: dict[str, Any] | None = None
     initializer_range: Number | None = None

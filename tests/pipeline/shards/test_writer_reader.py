@@ -14,6 +14,8 @@ from pipeline.common import timing
 from pipeline.shards import Sample, ShardError, ShardSet, ShardWriter
 from tests.helpers.shards import same_bits
 
+# what make_sample's features and top-k are: one layer of 48, top-4 of a 1000-token vocabulary
+SETTINGS = {"target": {"num_layers": 2, "hidden_size": 48, "vocab_size": 1000}, "layer_ids": [0], "top_k": 4}
 DTYPES = {"features": "bfloat16", "topk_ids": "int32", "topk_logprobs": "float32", "argmax_mismatch": "uint8"}
 
 
@@ -49,7 +51,7 @@ def write_set(
         {
             "format_version": shards.FORMAT_VERSION,
             "complete": True,
-            "settings": {},
+            "settings": SETTINGS,
             "tensors": dtypes,
             "shards": entries,
         },
@@ -239,5 +241,5 @@ def test_incomplete_and_foreign_manifests_are_refused(tmp_path):
     with pytest.raises(ShardError, match="has not finished"):
         ShardSet(str(tmp_path))
     shards.write_manifest(str(tmp_path), {"format_version": 999, "complete": True})
-    with pytest.raises(ShardError, match="format_version 999"):
+    with pytest.raises(ShardError, match="field 'format_version' is 999"):
         ShardSet(str(tmp_path))

@@ -125,3 +125,15 @@ def test_a_field_of_the_wrong_type_is_one_line_naming_it(change, field, expected
     # before: int("sixteen") raised a ValueError traceback from the parser
     with pytest.raises(DrafterConfigError, match=rf"^c\.json: field {field}.*; expected {expected}$"):
         parse_drafter_config({**drafter_config(), **change}, "c.json")
+
+
+def test_declared_activations_are_the_ones_transformers_builds():
+    from typing import get_args
+
+    from transformers.activations import ACT2FN
+
+    from pipeline.common.drafter_configs.decoder import Activation
+
+    assert set(get_args(Activation)) <= set(ACT2FN)
+    with pytest.raises(DrafterConfigError, match=r"field 'hidden_act' is '' \(a string\); expected 'gelu'"):
+        parse_drafter_config({**drafter_config(), "hidden_act": ""}, "c.json")
