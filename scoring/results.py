@@ -285,6 +285,9 @@ SUMMARY = [pa.field(f.name, _LARGE.get(f.type, f.type)) for f in IDENTITY] + [
     pa.field("accept_rate_by_position", pa.large_list(pa.float64())),
     pa.field("match_rate_by_position", pa.large_list(pa.float64())),
     pa.field("anchor_set", pa.string()),
+    # the anchors behind each accept_rate_by_position entry (expected counts on sampled shards):
+    # a rate resting on fewer than MIN_ANCHORS is left out by the console and the loggers
+    pa.field("reached_by_position", pa.large_list(pa.float64())),
     # the shards' decoding: temperature 0 is greedy; at T > 0 `tau` is the expected value (exact in
     # distribution) and tau_se its sampling error over responses (null for greedy)
     pa.field("temperature", pa.float64()),

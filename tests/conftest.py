@@ -10,23 +10,37 @@ tests/helpers/ (import them as `from tests.helpers.models import build_tiny_qwen
 from __future__ import annotations
 
 import importlib.util
+import warnings
 
 import pytest
 
 from tests.helpers.models import build_tiny_qwen3, build_tiny_qwen35_hybrid, build_tiny_qwen35_vlm
 
-# The public reference every parity test compares with (PyPI dflash 0.1.0, installed with --no-deps
-# by `make setup`): without it those tests cannot run, and a suite that skipped them would pass.
-REFERENCE_PACKAGE = "dflash"
+# The public references the parity tests compare with (PyPI dflash 0.1.0 and speculators 0.9.0,
+# installed with --no-deps by `make setup`): without them those tests cannot run, and a suite that
+# skipped them would pass.
+REFERENCE_PACKAGES = {"dflash": "dflash==0.1.0", "speculators": "speculators==0.9.0"}
+
+
+def missing_reference() -> str | None:
+    """Why a reference package cannot be imported (absent, or a module its import needs), or None."""
+    for name, pin in REFERENCE_PACKAGES.items():
+        if importlib.util.find_spec(name) is None:
+            return f"reference package {name} is missing: run `make setup` (it installs {pin} with --no-deps)"
+        try:
+            with warnings.catch_warnings():  # its dependencies' deprecation notices, at every start
+                warnings.simplefilter("ignore")
+                importlib.import_module(name)
+        except ImportError as error:
+            return f"reference package {name} does not import ({error}): run `make setup` (it installs what it needs)"
+    return None
 
 
 @pytest.hookimpl(tryfirst=True)  # before the terminal reporter starts: the message is the one line printed
 def pytest_configure(config):
-    if importlib.util.find_spec(REFERENCE_PACKAGE) is None:
-        pytest.exit(
-            f"reference package {REFERENCE_PACKAGE} is missing: run `make setup` (it installs dflash==0.1.0 with --no-deps)",
-            returncode=3,
-        )
+    problem = missing_reference()
+    if problem:
+        pytest.exit(problem, returncode=3)
 
 
 @pytest.fixture(scope="session")

@@ -47,8 +47,10 @@ def inspect_extract(uri: str, verify: bool = True) -> dict:  # 50 lines: mostly 
     """A JSON-able report of an extract directory (complete or still running / interrupted)."""
     manifest = shards.read_manifest(uri)
     complete = bool(manifest.get("complete"))
-    # An unfinished extract's manifest lags behind; its finished shards are the truth so far.
-    entries = manifest.get("shards", []) if complete else shards.finished_shard_entries(uri)
+    # An unfinished extract's manifest lags behind; its finished shards are the truth so far. A
+    # finished one's sidecars are read too: a resume would trust them, so a damaged one is said now.
+    sidecars = shards.finished_shard_entries(uri)
+    entries = manifest.get("shards", []) if complete else sidecars
     settings = manifest.get("settings", {})
     target = manifest.get("target", {})
     layer_ids = settings.get("layer_ids", [])
@@ -144,14 +146,26 @@ def samples_kinds(report: dict) -> str:
     return f"{report['sampled_samples']} sampled, {report['given_samples']} given"
 
 
+def bytes_ratio(report: dict) -> str:
+    """', 3623 B/token; stored bytes = 1.510 x the features as raw bf16 (2400 B/token; features stored
+    as float32)': what the ratio is against, and the dtype that explains it (the README's ~0.6 is
+    for bf16 features; float32 ones are twice the bytes)."""
+    bpt, ratio = report["bytes_per_token"], report["bytes_vs_raw_bf16_features"]
+    if bpt is None or ratio is None:
+        return ""
+    stored = (report.get("tensors") or {}).get("features") or report.get("feature_dtype")
+    return (
+        f", {bpt:.0f} B/token; stored bytes = {ratio:.3f} x the features as raw bf16 "
+        f"({report['raw_bf16_feature_bytes_per_token']} B/token; features stored as {stored})"
+    )
+
+
 def format_report(report: dict) -> str:
     """The human-readable form of `inspect_extract`'s report."""
     target = report["target"]
     prompts = report["prompts"]
     status = "complete" if report["complete"] else "NOT complete (run the same extract command again to resume)"
     reasons = ", ".join(f"{k} {v}" for k, v in sorted(report["finish_reasons"].items())) or "none"
-    bpt = report["bytes_per_token"]
-    ratio = report["bytes_vs_raw_bf16_features"]
     lines = [
         f"{report['dir']}: {status}",
         f"  target          {target['name']} ({target['architecture']}, {target['num_layers']} layers, "
@@ -168,12 +182,7 @@ def format_report(report: dict) -> str:
         f"  samples         {report['samples']} in {report['shards']} shards, {report['chunks']} chunks of "
         f"~{report['chunk_tokens']} tokens ({samples_kinds(report)})",
         f"  tokens          {report['tokens']} ({report['prompt_tokens']} prompt, {report['response_tokens']} response)",
-        f"  bytes           {report['bytes']} ({report['bytes'] / 2**20:.2f} MiB)"
-        + (
-            f", {bpt:.0f} B/token = {ratio:.3f} x raw bf16 features ({report['raw_bf16_feature_bytes_per_token']} B/token)"
-            if bpt is not None and ratio is not None
-            else ""
-        ),
+        f"  bytes           {report['bytes']} ({report['bytes'] / 2**20:.2f} MiB)" + bytes_ratio(report),
         f"  finish reasons  {reasons}",
         *consistency_lines(report),
     ]
@@ -186,10 +195,15 @@ def format_report(report: dict) -> str:
     return "\n".join(lines)
 
 
-def report_problems(report: dict) -> list[str]:
-    """What makes the directory untrustworthy (used for the exit status)."""
+def report_problems(report: dict, uri: str) -> list[str]:
+    """What makes the directory untrustworthy (used for the exit status), each naming its file."""
     problems = list(report.get("checksums", {}).get("bad", []))
     head = report.get("target_head")
-    if head not in (None, "ok"):
+    fs, root = shards.open_fs(uri)
+    if head == "not recorded":
+        problems.append(f"{shards.join(root, shards.MANIFEST_NAME)}: the target head's crc32 is not recorded")
+    elif head == "missing":
+        problems.append(f"{shards.join(root, shards.TARGET_HEAD_NAME)}: missing")
+    elif head not in (None, "ok"):
         problems.append(f"target head: {head}")
     return problems

@@ -7,7 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import Counter
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -34,6 +34,12 @@ class Item:
     given: list[int] | None = None
     draw: int | None = None  # sampled: which draw of its prompt (sample id `<prompt_id>#<draw>`)
     prompt_id: str | None = None  # sampled: the prompt record's id, what the draw's seed is made of
+    where: str = field(default="", compare=False)  # the prompt file and line it came from, for messages
+
+    @property
+    def label(self) -> str:
+        """How messages name it: 'prompts.jsonl:3 (prompt 'a1')', or the id alone for bundled sets."""
+        return f"{self.where} (prompt {self.sample_id!r})" if self.where else f"prompt {self.sample_id!r}"
 
 
 def draft_layer_ids(path: str, num_target_layers: int) -> list[int]:
@@ -154,6 +160,11 @@ def sampling_settings(config: ExtractConfig) -> dict | None:
     return {**sampling.as_dict(), "seed": int(config.seed), "num_samples": int(config.num_samples)}
 
 
+def label(record) -> str:
+    """How messages name a prompt record: its file and line when it came from a file."""
+    return f"{record.where} (prompt {record.id!r})" if record.where else f"prompt {record.id!r}"
+
+
 def prepare_items(records, tokenizer, enable_thinking) -> list[Item]:
     from pipeline.extract.prompts import render_prompt, render_response
 
@@ -164,11 +175,11 @@ def prepare_items(records, tokenizer, enable_thinking) -> list[Item]:
         seen.add(record.id)
         prompt_ids, prompt_text = render_prompt(record, tokenizer, enable_thinking)
         if not prompt_ids:
-            raise UserError(f"prompt {record.id!r} renders to zero tokens; give it some text or input_ids")
+            raise UserError(f"{label(record)} renders to zero tokens; give it some text or input_ids")
         given = render_response(record, tokenizer)
         if given is not None and len(given) == 0:
             raise UserError(
-                f"prompt {record.id!r}: its given response is empty; give it some text or token ids, "
+                f"{label(record)}: its given response is empty; give it some text or token ids, "
                 f'or leave "response" out to generate one'
             )
         items.append(
@@ -178,6 +189,7 @@ def prepare_items(records, tokenizer, enable_thinking) -> list[Item]:
                 [int(t) for t in prompt_ids],
                 prompt_text,
                 None if given is None else [int(t) for t in given],
+                where=record.where,
             )
         )
     if not items:
@@ -331,7 +343,7 @@ def check_token_ids(items: list[Item], vocab_size: int) -> None:
                 continue
             position, token = next((i, t) for i, t in enumerate(ids) if not 0 <= t < vocab_size)
             raise UserError(
-                f"prompt {item.sample_id!r}: {part} token id {token} at position {position} is outside the target's "
+                f"{item.label}: {part} token id {token} at position {position} is outside the target's "
                 f"vocabulary (0..{vocab_size - 1}); were these ids made by another model's tokenizer?"
             )
 
@@ -345,7 +357,7 @@ def check_positions(items: list[Item], max_new_tokens: int, max_positions: int |
         response = len(item.given) if item.given is not None else max_new_tokens
         if len(item.prompt_ids) + response > max_positions:
             raise UserError(
-                f"prompt {item.sample_id!r}: {len(item.prompt_ids)} prompt tokens + {response} response tokens "
+                f"{item.label}: {len(item.prompt_ids)} prompt tokens + {response} response tokens "
                 f"exceed the target's max_position_embeddings ({max_positions}); shorten it, lower "
                 f"--max-new-tokens, or pass --beyond-positions to extract it anyway"
             )

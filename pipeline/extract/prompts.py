@@ -14,7 +14,7 @@ import gzip
 import hashlib
 import json
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from pipeline.common.errors import UserError
@@ -39,6 +39,7 @@ class PromptRecord:
     prompt: str | None = None
     input_ids: list[int] | None = None
     response: str | list[int] | None = None  # given response to teacher-force instead of generating
+    where: str = field(default="", compare=False)  # file:line it was read from (messages; not in the hash)
 
 
 # ---------------------------------------------------------------- loading
@@ -92,6 +93,7 @@ def _parse_record(obj, where: str, default_dataset: str) -> PromptRecord:
         prompt=checked.prompt,
         input_ids=checked.input_ids,
         response=checked.response,
+        where=where,
     )
 
 
@@ -206,9 +208,15 @@ def render_prompt(record: PromptRecord, tokenizer, enable_thinking: bool | None 
         warnings.warn("tokenizer has no chat template; 'prompt' records are encoded as raw text", stacklevel=2)
         return list(tokenizer(record.prompt).input_ids), record.prompt
     template_kwargs = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
-    text = tokenizer.apply_chat_template(
-        _chat_messages(record), tokenize=False, add_generation_prompt=True, **template_kwargs
-    )
+    try:
+        text = tokenizer.apply_chat_template(
+            _chat_messages(record), tokenize=False, add_generation_prompt=True, **template_kwargs
+        )
+    except Exception as error:  # noqa: BLE001 - the target's own template code (jinja), run on the user's messages
+        raise UserError(
+            f"{record.where or f'prompt {record.id!r}'}: field 'messages': the target's chat template cannot render "
+            f"them ({type(error).__name__}: {error}); give each message's content as plain text"
+        ) from None
     return list(tokenizer(text, add_special_tokens=False).input_ids), text
 
 
@@ -224,6 +232,9 @@ def render_response(record: PromptRecord, tokenizer) -> list[int] | None:
 def prompt_set_hash(records: list[PromptRecord]) -> str:
     """sha256 over a canonical JSON of the records (order matters: it is the extraction order)."""
     canonical = json.dumps(
-        [asdict(record) for record in records], sort_keys=True, ensure_ascii=False, separators=(",", ":")
+        [{k: v for k, v in asdict(record).items() if k != "where"} for record in records],
+        sort_keys=True,
+        ensure_ascii=False,
+        separators=(",", ":"),
     )
     return hashlib.sha256(canonical.encode("utf-8")).hexdigest()

@@ -161,7 +161,8 @@ class ShardSet:
         self.manifest = read_manifest(uri)
         if not self.manifest.get("complete", False):
             raise ShardError(
-                f"{uri}: the extract that writes here has not finished; run the same `specreplay extract` "
+                f"{join(open_fs(uri)[1], MANIFEST_NAME)}: the extract that writes here has not finished ('complete' is "
+                f"not true); run the same `specreplay extract` "
                 f"command again to resume it"
             )
         check_manifest(self.manifest, uri)

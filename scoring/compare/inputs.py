@@ -242,10 +242,11 @@ def check_shards(a: Side, b: Side, allow: bool) -> ShardsMatch:
         return ShardsMatch.SAME
     uri_a = (a.record or {}).get("shards", {}).get("uri")
     uri_b = (b.record or {}).get("shards", {}).get("uri")
+    run_a, run_b = (os.path.join(s.path, results.FILES["run"]) for s in (a, b))
     problem = (
-        f"A ({a.path}) and B ({b.path}) were scored on different shards: run.json shards.identity "
-        f"A {a.shards_identity} (from {uri_a}), B {b.shards_identity} (from {uri_b}); the same sample id "
-        f"may hold a different prompt or response"
+        f"A ({a.path}) and B ({b.path}) were scored on different shards: shards.identity "
+        f"{a.shards_identity} in {run_a} (from {uri_a}), {b.shards_identity} in {run_b} (from {uri_b}); the same "
+        f"sample id may hold a different prompt or response"
     )
     if not allow:
         raise CompareError(f"{problem}; {rescore}, {flag}")

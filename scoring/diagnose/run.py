@@ -24,7 +24,7 @@ from pipeline.common.sampling import Sampling, sampling_of
 from pipeline.shards import ShardSet
 from scoring import results
 from scoring.config import DEFAULT_DIAGNOSE_SAMPLES, DiagnoseConfig
-from scoring.diagnose.stats import Comparison, SampleStats, by_position, compare_all, sample_stats, verdict
+from scoring.diagnose.stats import Comparison, Drawn, SampleStats, by_position, compare_all, sample_stats, verdict
 from scoring.diagnose.variants import CONFIGURED, VARIANTS, Variant, missing_layers, not_applicable, parse_variants
 from scoring.drafters.checkpoint import load_drafter, read_drafter_config
 from scoring.drafters.compatibility import check_compatibility
@@ -51,6 +51,7 @@ class Diagnosis:
     checkpoint: dict  # identity columns
     comparisons: list[Comparison]
     by_position: list[float]  # as-configured acceptance by block position (NaN: never reached)
+    anchors_by_position: list[float]  # the anchors that reached each (expected counts at T > 0)
     verdict: list[str]  # lines, the actionable one first
     samples: int
     sampling: Sampling
@@ -243,8 +244,9 @@ def _run_diagnose(config: DiagnoseConfig, out_dir: str, progress, program: str) 
     diagnosis = Diagnosis(
         checkpoint=identity(setup.info),
         comparisons=comparisons,
-        by_position=positions,
-        verdict=verdict(comparisons, positions, len(setup.samples), sampling),
+        by_position=positions[0],
+        anchors_by_position=positions[1],
+        verdict=verdict(comparisons, positions, drawn(config, shardset, len(setup.samples)), sampling),
         samples=len(setup.samples),
         sampling=sampling,
         out_dir=out_dir,
@@ -253,6 +255,12 @@ def _run_diagnose(config: DiagnoseConfig, out_dir: str, progress, program: str) 
     )
     write_diagnosis(diagnosis, config, shardset)
     return diagnosis
+
+
+def drawn(config: DiagnoseConfig, shardset: ShardSet, samples: int) -> Drawn:
+    """What the few-samples advice needs: the samples replayed out of those the shards hold."""
+    prompts = (shardset.manifest.get("prompts") or {}).get("name")
+    return Drawn(samples, len(sample_index(shardset)), config.limit, prompts)
 
 
 def nonfinite_notes(measured: list[Measured]) -> list[str]:
@@ -282,8 +290,15 @@ def diagnosis_table(diagnosis: Diagnosis):
     """diagnose.parquet's rows (results.DIAGNOSE)."""
     rows = [{**diagnosis.checkpoint, **c.__dict__, "position": None} for c in diagnosis.comparisons]
     rows += [
-        {**diagnosis.checkpoint, "variant": CONFIGURED, "metric": "accept_by_position", "position": k, "value": p}
-        for k, p in enumerate(diagnosis.by_position, start=1)
+        {
+            **diagnosis.checkpoint,
+            "variant": CONFIGURED,
+            "metric": "accept_by_position",
+            "position": k,
+            "value": p,
+            "anchors": n,
+        }
+        for k, (p, n) in enumerate(zip(diagnosis.by_position, diagnosis.anchors_by_position), start=1)
     ]
     for row in rows:  # NaN (not measured / never reached) is stored as null
         row["value"] = None if row["value"] is None or np.isnan(row["value"]) else row["value"]

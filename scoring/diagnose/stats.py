@@ -17,10 +17,10 @@ import numpy as np
 from pipeline.common.sampling import Sampling
 from scoring.compare.bootstrap import FEW_SAMPLES, Judgement, judge, paired_bootstrap, paired_ratio_bootstrap
 from scoring.diagnose.variants import CONFIGURED, VARIANTS
-from scoring.diagnose.view import format_positions
 from scoring.replay import metrics
 from scoring.replay.walk import next_stop_positions, stop_mask, walk
 from scoring.score.collect import sampled_chain
+from scoring.score.console import format_positions
 
 METRICS = ("tau", "streak", "accept_pos1")
 
@@ -143,12 +143,13 @@ def compare_all(measured: list[tuple[str, list[SampleStats] | None, str | None]]
     return rows
 
 
-def by_position(stats: list[SampleStats]) -> list[float]:
-    """Acceptance by block position, conditioned on reaching it, pooled over samples."""
+def by_position(stats: list[SampleStats]) -> tuple[list[float], list[float]]:
+    """(acceptance by block position, conditioned on reaching it, pooled over samples; the
+    anchors that reached each position, expected counts at T > 0)."""
     reached = sum(s.reached for s in stats)
     accepted = sum(s.accepted_at for s in stats)
     with np.errstate(invalid="ignore", divide="ignore"):
-        return (accepted / reached).tolist()
+        return (accepted / reached).tolist(), np.asarray(reached, dtype=np.float64).tolist()
 
 
 # --------------------------------------------------------------------------- verdict
@@ -164,10 +165,27 @@ def _judged(c: Comparison) -> Judgement:
     return judge(c.ci_low, c.ci_high)
 
 
-def verdict(comparisons: list[Comparison], positions: list[float], samples: int, sampling: Sampling) -> list[str]:
+@dataclass
+class Drawn:
+    """The samples replayed, how many the shards hold, --limit as given (None: the default) and
+    the prompt set the shards were extracted from: what the few-samples advice can offer."""
+
+    samples: int
+    available: int
+    asked: int | None = None
+    prompts: str | None = None
+
+
+def verdict(
+    comparisons: list[Comparison],
+    positions: tuple[list[float], list[float]],
+    drawn: Drawn,
+    sampling: Sampling,
+) -> list[str]:
     """The verdict lines, from what was measured only: a convention variant whose tau interval
     lies above zero is named first (the largest gain); otherwise the configuration is called
-    consistent and acceptance by block position shows where it dies."""
+    consistent and acceptance by block position (`by_position`: rates, anchors) shows where it
+    dies, positions reached by fewer than MIN_ANCHORS anchors left out."""
     unit = "tau" if sampling.greedy else "expected tau"
     tau = {c.variant: c for c in comparisons if c.metric == "tau"}
     base = tau[CONFIGURED]
@@ -185,14 +203,30 @@ def verdict(comparisons: list[Comparison], positions: list[float], samples: int,
     else:
         lines.append(
             f"the configuration is consistent: no variant beats as-configured ({unit} {base.value:.2f}); "
-            f"acceptance by block position: {format_positions(positions)}"
+            f"acceptance by block position: {format_positions(*positions)}"
         )
     bf16 = tau.get("bf16")
     if bf16 is not None and _judged(bf16) != Judgement.UNCHANGED:
         lines.append(f"numerics: bf16 changes {unit} by {_ci(bf16)}; {VARIANTS['bf16'].finding}")
-    if samples < FEW_SAMPLES:
-        lines.append(
-            f"{samples} samples: intervals from fewer than {FEW_SAMPLES} are rough; pass --limit {FEW_SAMPLES * 2} "
-            "or more for a firmer answer"
-        )
-    return lines
+    few = few_samples_line(drawn, sampling)
+    return lines + ([few] if few else [])
+
+
+def few_samples_line(drawn: Drawn, sampling: Sampling) -> str | None:
+    """Below FEW_SAMPLES, how to get more: a larger --limit while the shards hold more, else a
+    larger extract (a --limit beyond what the shards hold cannot help, so it is not advised)."""
+    if drawn.samples >= FEW_SAMPLES:
+        return None
+    rough = f"intervals from fewer than {FEW_SAMPLES} samples are rough"
+    if drawn.available > drawn.samples:
+        wanted = min(drawn.available, FEW_SAMPLES * 2)
+        return f"{drawn.samples} samples: {rough}; pass --limit {wanted} (the shards hold {drawn.available}) for a firmer answer"
+    asked = f"; --limit {drawn.asked} asked for more" if drawn.asked is not None and drawn.asked > drawn.samples else ""
+    source = f" (prompt set {drawn.prompts})" if drawn.prompts else ""
+    more = "extract more prompts (a larger --prompts set, or a larger extract --limit)"
+    if not sampling.greedy:
+        more += " or more responses per prompt (extract --num-samples)"
+    return (
+        f"{drawn.samples} samples, all the shards hold{source}{asked}: {rough}; for a firmer answer {more} "
+        "and diagnose on those shards"
+    )

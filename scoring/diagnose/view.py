@@ -10,7 +10,7 @@ import os
 
 from scoring import results
 from scoring.results import CONFIGURED_VARIANT as CONFIGURED
-from scoring.score.console import aligned
+from scoring.score.console import aligned, format_positions
 
 METRIC_TITLES = {"tau": "tau (chain walk)", "streak": "streak (all anchors)", "accept_pos1": "accept@1"}
 
@@ -71,16 +71,19 @@ def console_lines(rows: list[dict], record: dict, directory: str) -> list[str]:
     return lines
 
 
+def _position_rows(rows: list[dict]) -> list[dict]:
+    return sorted((r for r in rows if r["metric"] == "accept_by_position"), key=lambda r: r["position"])
+
+
 def acceptance_by_position(rows: list[dict]) -> list[float]:
     """As-configured acceptance by block position (NaN where never reached)."""
-    points = sorted((r["position"], r["value"]) for r in rows if r["metric"] == "accept_by_position")
-    return [math.nan if v is None else v for _, v in points]
+    return [math.nan if r["value"] is None else r["value"] for r in _position_rows(rows)]
 
 
-def format_positions(positions: list[float]) -> str:
-    """'1: 0.62, 2: 0.41, ...' ('-' where never reached)."""
-    return ", ".join(f"{k}: {'-' if math.isnan(p) else f'{p:.2f}'}" for k, p in enumerate(positions, start=1))
+def anchors_by_position(rows: list[dict]) -> list[float | None]:
+    """The anchors that reached each block position (None: a diagnosis written before they were kept)."""
+    return [r.get("anchors") for r in _position_rows(rows)]
 
 
 def format_positions_row(rows: list[dict]) -> str:
-    return format_positions(acceptance_by_position(rows))
+    return format_positions(acceptance_by_position(rows), anchors_by_position(rows))

@@ -50,12 +50,43 @@ class DrafterConfig:
     attention_bias: bool = False
     raw: dict = field(default_factory=dict, repr=False)
     family: str = "dflash"  # detect.py's key of the family that parsed it
+    layout: str = "z-lab"  # whose config.json layout it was read from (messages, run.json)
+    # speculators: sliding-window layers are bidirectional inside the block when true
+    sliding_non_causal: bool = False
+    # every block query drafts (DSpark, `sample_from_anchor`): slot k of [x_t, mask, ...] proposes
+    # t + k + 1, B drafts a block; else slot 0 is the anchor and B - 1 drafts
+    drafts_from_anchor: bool = False
+    # a reduced draft vocabulary (speculators `draft_vocab_size`): its own lm_head rows and d2t
+    draft_vocab_size: int | None = None
+    family_options: dict = field(default_factory=dict)  # the family's own fields (DFlash2 selector, DSpark heads)
 
     def layer_is_causal(self, index: int) -> bool:
-        """As the reference: sliding layers are causal unless `is_causal` overrides all layers."""
+        """As the reference: sliding layers are causal (unless speculators' sliding_window_non_causal)
+        unless `is_causal` overrides all layers."""
         if self.is_causal is not None:
             return bool(self.is_causal)
-        return self.layer_types[index] == "sliding_attention"
+        return self.layer_types[index] == "sliding_attention" and not self.sliding_non_causal
+
+    @property
+    def max_drafts(self) -> int:
+        """Draft tokens one full block proposes."""
+        return self.block_size if self.drafts_from_anchor else self.block_size - 1
+
+    def block_len(self, remaining):
+        """Block queries at an anchor with `remaining` positions left in the budget (an int or a
+        tensor): as `dflash_generate`, the block never drafts past the budget, so its last draft
+        is at most the budget's last position."""
+        if self.drafts_from_anchor:
+            return (
+                (remaining - 1).clamp(min=0, max=self.block_size)
+                if hasattr(remaining, "clamp")
+                else max(0, min(self.block_size, remaining - 1))
+            )
+        return remaining.clamp(max=self.block_size) if hasattr(remaining, "clamp") else min(self.block_size, remaining)
+
+    def depth(self, block_len: int) -> int:
+        """Drafts a block of `block_len` queries proposes."""
+        return block_len if self.drafts_from_anchor else max(0, block_len - 1)
 
     def layer_window(self, index: int) -> int | None:
         return self.sliding_window if self.layer_types[index] == "sliding_attention" else None
@@ -77,6 +108,17 @@ class DrafterConfig:
         return self.scales() != (1.0, 1.0, None)
 
 
+@dataclass
+class Drafts:
+    """What a family proposes at a chunk of anchors, teacher-forced along the stored response:
+    draft j (1-based) at anchor t proposes the token at t + j, given that drafts 1..j-1 were the
+    stored tokens (the only case in which draft j is ever verified)."""
+
+    logits: torch.Tensor  # [a, D, V] scores of the draft distribution over the target vocabulary (-inf: never proposed)
+    tokens: torch.Tensor | None = None  # [a, D] greedy drafts when the family's tie rule is not argmax over logits
+    limit: torch.Tensor | None = None  # [a] drafts actually proposed (a confidence head's cut); None: all D
+
+
 class DraftModel(Protocol):
     """What the replay asks of a drafter model (scoring/replay/anchors.py)."""
 
@@ -93,6 +135,11 @@ class DraftModel(Protocol):
 
     def draft_logprob(self, logits: torch.Tensor, tokens: torch.Tensor, sampling: Sampling) -> torch.Tensor:
         """log q_j(tokens): the probability the drafter proposes `tokens` when sampling (T > 0)."""
+
+    def drafts(self, hidden, lm_head, previous, conventions) -> Drafts:
+        """The drafts of a chunk from the hidden states [a, D, H] at its draft slots; `previous`
+        [a, D] is the stored token before each draft's target (the predecessor of draft j is
+        the token at t + j - 1), which families with a sequential head condition on."""
 
 
 @dataclass(frozen=True)

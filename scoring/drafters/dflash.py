@@ -10,6 +10,8 @@ docs/drafter-families.md's and docs/anchors-and-blocks.md's.
 
 from __future__ import annotations
 
+from huggingface_hub.errors import StrictDataclassError
+
 from pipeline.common.drafter_configs.zlab import ZlabDFlash
 from scoring.drafters.base import DrafterConfig, DrafterConfigError, Family
 from scoring.drafters.dflash_model import DFlashDrafter, qwen3_config
@@ -23,8 +25,9 @@ def attention_layout(raw: dict, source: str) -> tuple[list[str], int | None]:
     num_layers = raw["num_hidden_layers"]
     try:
         hf = qwen3_config(raw)
-    except (TypeError, ValueError) as error:
-        raise DrafterConfigError(f"{source}: not a valid Qwen3-style config ({error})") from error
+    except (TypeError, ValueError, StrictDataclassError) as error:  # what the schema does not declare
+        said = " ".join(str(error).split())
+        raise DrafterConfigError(f"{source}: transformers' Qwen3Config refuses it: {said}") from None
     layer_types = list(hf.layer_types or ["full_attention"] * num_layers)
     if len(layer_types) != num_layers:
         raise DrafterConfigError(f"{source}: layer_types has {len(layer_types)} entries for {num_layers} layers")

@@ -26,7 +26,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwe
 from pipeline.common import timing
 from pipeline.common.sampling import Sampling, token_logprob
 from scoring.drafters.attention import MASK_BUILDERS, attend
-from scoring.drafters.base import DrafterConfig
+from scoring.drafters.base import DrafterConfig, Drafts
 from scoring.drafters.conventions import REFERENCE, Conventions
 
 
@@ -203,6 +203,10 @@ class DFlashDrafter(nn.Module):
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
         return logits
+
+    def drafts(self, hidden, lm_head, previous, conventions: Conventions = REFERENCE) -> Drafts:
+        """Independent drafts per block position: the logits alone (greedy draft = argmax)."""
+        return Drafts(self.logits(hidden, lm_head, conventions))
 
     def draft_logprob(self, logits: torch.Tensor, tokens: torch.Tensor, sampling: Sampling) -> torch.Tensor:
         """The drafter samples every block position with the target's settings, independently."""

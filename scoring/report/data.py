@@ -10,7 +10,6 @@ and the others are listed as skipped so the page and the console can say so.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import dataclass, field
@@ -18,7 +17,15 @@ from dataclasses import dataclass, field
 import polars as pl
 
 from pipeline.common.errors import UserError
-from scoring.results import ALL_DATASETS as ALL, CHAIN, FILES, results_dirs_below, sampling_of_row, tree_nodes_of
+from scoring.results import (
+    ALL_DATASETS as ALL,
+    CHAIN,
+    FILES,
+    read_run_record,
+    results_dirs_below,
+    sampling_of_row,
+    tree_nodes_of,
+)
 
 TAU_UNIT = "tokens per step, bonus-inclusive"
 SAMPLE_COLUMNS = [
@@ -63,6 +70,7 @@ class Results:
     dir_of: dict[str, str] = field(default_factory=dict)  # label -> results directory
     reach: dict[str, tuple[list[int], list[int]]] = field(default_factory=dict)  # label -> (reached, accepted)
     duplicates: list[Duplicate] = field(default_factory=list)
+    fitted_here: set[str] = field(default_factory=set)  # labels fitted on the samples they are scored on
 
 
 # ---------------------------------------------------------------- finding and de-duplicating
@@ -143,11 +151,19 @@ def _read(path: str, method: str | None = None, columns: list[str] | None = None
 
 
 def read_run(directory: str) -> dict:
-    try:
-        with open(os.path.join(directory, FILES["run"])) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return {}  # run.json is context for the inputs table, never required
+    """run.json, checked (results.read_run_record); {} when absent: it is context for the inputs
+    table, never required, but one that is there and broken is said, not shown as if whole."""
+    return read_run_record(directory) or {}
+
+
+def fitted_on_scored_shards(run: dict) -> bool:
+    """Whether run.json's checkpoint was fitted by `specreplay fit` on the very shards it was
+    scored on: its config.json's `specreplay_fit.shards_identity` (scoring/fit.py) is the
+    run's shards identity. Such a tau shows the tool at work, not what a real drafter reaches."""
+    config = (run.get("checkpoint") or {}).get("config") or {}
+    fitted = config.get("specreplay_fit") if isinstance(config, dict) else None
+    identity = (run.get("shards") or {}).get("identity")
+    return isinstance(fitted, dict) and identity is not None and fitted.get("shards_identity") == identity
 
 
 def _labels(summaries: list[tuple[str, pl.DataFrame]]) -> dict[str, str]:
@@ -257,6 +273,7 @@ def load_results(dirs: list[str]) -> Results:
         dir_of={label: d for d, label in labels.items()},
         reach=reach,
         duplicates=duplicates,
+        fitted_here={labels[d] for d in kept if fitted_on_scored_shards(runs[d])},
     )
 
 

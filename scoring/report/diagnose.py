@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import html
 import os
+import re
 
 from scoring.diagnose.view import METRIC_TITLES, diagnose_dirs_below, format_positions_row, load, table_rows
 
@@ -21,17 +22,23 @@ def _one(directory: str, rows: list[dict], record: dict) -> str:
     verdict = record["verdict"]
     header = ["variant", "expected tau" if sampled else METRIC_TITLES["tau"], *list(METRIC_TITLES.values())[1:], "note"]
     head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
-    body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in table_rows(rows))
+    body = "".join("<tr>" + "".join(f"<td>{_cell(c)}</td>" for c in row) + "</tr>" for row in table_rows(rows))
     rest = "".join(f"<li>{html.escape(line)}</li>" for line in verdict[1:])
     return (
-        f"<h3>{html.escape(name)}</h3>"
+        f'<div class="diagnosis"><h3>{html.escape(name)}</h3>'
         f"<p><b>{html.escape(verdict[0])}</b></p>{f'<ul>{rest}</ul>' if rest else ''}"
         f'<p class="caption">{record["samples"]} samples, every anchor, chain; each cell is the value and, for a '
         f"variant, its change from as-configured with a paired-bootstrap 95% interval over samples; * marks a tau "
         f"interval that excludes zero.{_positions(rows, verdict)} From "
         f'<span class="path">{html.escape(directory)}</span>.</p>'
-        f'<div class="scroll"><table class="diagnose"><tr>{head}</tr>{body}</table></div>'
+        f'<div class="scroll"><table class="diagnose"><tr>{head}</tr>{body}</table></div></div>'
     )
+
+
+def _cell(text: str) -> str:
+    """A cell that wraps only between its value, its change and its interval ('1.23 (+0.45 [0.30, 0.60])'),
+    so a narrow window keeps the note column on the page."""
+    return re.sub(r"\[([^\]]*), ", r"[\1,&nbsp;", html.escape(text))
 
 
 def _positions(rows: list[dict], verdict: list[str]) -> str:

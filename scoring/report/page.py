@@ -60,7 +60,8 @@ __all__ = [
 CSS = """
 body{font-family:-apple-system,"Segoe UI",Roboto,"DejaVu Sans",sans-serif;color:#1d2330;background:#fff;
      margin:0;line-height:1.45}
-main{max-width:1100px;margin:0 auto;padding:24px 28px 60px}
+main{max-width:1440px;margin:0 auto;padding:24px 28px 60px}
+@media (max-width:900px){main{padding:16px 12px 40px}}
 h1{font-size:1.7em;margin:0 0 4px}
 h2{font-size:1.25em;margin:34px 0 8px;padding-bottom:4px;border-bottom:1px solid #dde2ea}
 h3{font-size:1.05em;margin:22px 0 4px}
@@ -71,22 +72,28 @@ h3{font-size:1.05em;margin:22px 0 4px}
 table{border-collapse:collapse;font-size:.88em;margin:8px 0;width:100%}
 th,td{border-bottom:1px solid #e3e7ee;padding:4px 8px;text-align:left;vertical-align:top}
 th{background:#f0f3f8;font-weight:600}
-table.summary th,table.summary td:nth-child(n+3){white-space:nowrap}
-table.summary td:nth-child(n+3){text-align:right;font-variant-numeric:tabular-nums}
+table.summary th,table.summary td{padding:4px 6px}
+table.summary th{vertical-align:bottom}
+table.summary thead th{text-align:right}
+table.summary thead tr:first-child th:nth-child(-n+2),table.summary th.group{text-align:left}
+table.summary th.group{border-bottom:1px solid #d0d7e2}
+table.summary td:nth-child(n+3){white-space:nowrap;text-align:right;font-variant-numeric:tabular-nums}
+sup.fitted{color:#a06a00;font-weight:600;cursor:help;line-height:0}
 table.summary tr.group-start td{border-top:2px solid #b8c2d3}
 table.reach{width:auto}
 table.reach td:nth-child(n+2){text-align:right;font-variant-numeric:tabular-nums}
 table.reach td.few{color:#a8b0bd;background:#f6f7f9}
-table.worst td:nth-child(-n+7){white-space:nowrap}
+table.worst td:nth-child(-n+4){white-space:nowrap}
 table.inputs td{word-break:keep-all}
-table.diagnose td:nth-child(-n+4){white-space:nowrap;font-variant-numeric:tabular-nums}
+table.diagnose td:first-child{white-space:nowrap}
+table.diagnose td:nth-child(-n+4){font-variant-numeric:tabular-nums}
 td.path,span.path{overflow-wrap:anywhere}
 td.hash{font-family:ui-monospace,"DejaVu Sans Mono",monospace;white-space:nowrap}
 img{max-width:100%;height:auto;display:block;margin:6px 0}
 .note{color:#7a5b00;background:#fff8e1;border-left:4px solid #e0b000;padding:6px 12px;font-size:.9em}
 .note ul{margin:4px 0;padding-left:20px}
 .muted{color:#8a93a3}
-.prompt{white-space:pre-wrap;font-family:ui-monospace,"DejaVu Sans Mono",monospace;font-size:.92em}
+.prompt{white-space:pre-wrap;overflow-wrap:anywhere;font-family:ui-monospace,"DejaVu Sans Mono",monospace;font-size:.92em}
 details summary{cursor:pointer}
 details .full{margin-top:6px;padding:6px;background:#f7f7f9}
 caption,.caption{color:#5b6475;font-size:.9em}

@@ -12,13 +12,10 @@ import math
 import polars as pl
 
 from scoring.report.data import TAU_UNIT, Results, chain_all, datasets, ddtree_budgets, pick_evenly
-from scoring.results import ALL_DATASETS as ALL, CHAIN, tree_method
+from scoring.results import ALL_DATASETS as ALL, CHAIN, MIN_ANCHORS, tree_method
 
 # Plots with more lines than this stop being readable; we show an even spread, first and last kept.
 MAX_SERIES = 10
-# A per-position rate resting on fewer anchors than this is drawn grey: one or two anchors at the
-# far block positions swing between 0 and 100% and would read as a cliff.
-MIN_ANCHORS = 30
 FEW_COLOR = "#a8b0bd"
 
 
@@ -201,17 +198,58 @@ def _tree_step_lines(results: Results, stepped: list[str]):
             yield f"{ALL} {tree_method(nodes)}", points
 
 
-def plot_tau_vs_step(results: Results) -> tuple[bytes | None, str | None]:  # 54 lines: one figure, its axes and notes
+def plot_tau_vs_step(results: Results) -> tuple[bytes | None, str | None]:
+    fig, note = tau_vs_step_figure(results)
+    return (None if fig is None else _png(fig)), note
+
+
+def tau_vs_step_figure(results: Results):
+    """(figure, note) of chain tau per dataset and pooled DDTree tau against training step, or
+    (None, why not). The legend sits right of the axes: inside, it covered the DDTree lines."""
     stepped = [lab for lab in results.order if results.steps.get(lab) is not None]
     if not stepped:
         return None, (
             "No checkpoint carries a training step (none in its config or path, e.g. step_2000), "
             "so there is no training curve."
         )
+    fig, ax = _new_figure(width=10.4)
+    _draw_step_lines(ax, results, stepped)
+    newest = max(results.steps[lab] for lab in stepped)
+    ax.axvline(newest, color="#d62728", linestyle=":", linewidth=1)
+    ax.annotate(
+        f"newest: step {newest}",
+        (newest, 1),
+        xycoords=("data", "axes fraction"),
+        xytext=(-4, -12),
+        textcoords="offset points",
+        ha="right",
+        fontsize=8,
+        color="#d62728",
+    )
+    ax.set_xlabel("training step")
+    ax.set_ylabel(f"τ ({TAU_UNIT})")
+    ax.set_title("τ against training step: chain per dataset, DDTree-N pooled (grey)")
+    ax.legend(
+        fontsize=8,
+        title="chain by dataset;\nDDTree pooled",
+        title_fontsize=8,
+        loc="upper left",
+        bbox_to_anchor=(1.02, 1.0),
+        borderaxespad=0.0,
+    )
+    note = None
+    if len(stepped) == 1:
+        note = "Only one checkpoint carries a training step, so the curve is a single point."
+    elif len(stepped) < len(results.order):
+        note = f"{len(results.order) - len(stepped)} checkpoint(s) without a training step are left out of this plot."
+    return fig, note
+
+
+def _draw_step_lines(ax, results: Results, stepped: list[str]) -> None:
+    """Chain tau per dataset (black: all pooled) and pooled tau per DDTree budget (greys)."""
     from matplotlib import colormaps
 
     cmap = colormaps["tab10"]
-    fig, ax = _new_figure()
     for name, points, d_index, r_index, overall in _step_lines(results, stepped):
         ax.plot(
             [p[0] for p in points],
@@ -233,25 +271,3 @@ def plot_tau_vs_step(results: Results) -> tuple[bytes | None, str | None]:  # 54
             color=str(0.25 + 0.5 * index / max(1, len(ddtree_budgets(results.summary)))),
             label=name,
         )
-    newest = max(results.steps[lab] for lab in stepped)
-    ax.axvline(newest, color="#d62728", linestyle=":", linewidth=1)
-    ax.annotate(
-        f"newest: step {newest}",
-        (newest, 1),
-        xycoords=("data", "axes fraction"),
-        xytext=(-4, -12),
-        textcoords="offset points",
-        ha="right",
-        fontsize=8,
-        color="#d62728",
-    )
-    ax.set_xlabel("training step")
-    ax.set_ylabel(f"τ ({TAU_UNIT})")
-    ax.set_title("τ against training step: chain per dataset, DDTree-N pooled (grey)")
-    ax.legend(fontsize=8, title="chain by dataset; DDTree pooled", title_fontsize=8)
-    note = None
-    if len(stepped) == 1:
-        note = "Only one checkpoint carries a training step, so the curve is a single point."
-    elif len(stepped) < len(results.order):
-        note = f"{len(results.order) - len(stepped)} checkpoint(s) without a training step are left out of this plot."
-    return _png(fig), note

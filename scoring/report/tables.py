@@ -64,29 +64,84 @@ def label_html(label: str) -> str:
     return breakable(label, "/") if len(label) > 24 else html.escape(label)
 
 
+# The summary's column titles (hover text); the per-budget DDTree ones are built in _tree_titles.
+SUMMARY_TITLES = {
+    "Dataset": "the prompt set the samples come from; (all) pools every sample",
+    "Checkpoint": "the drafter checkpoint scored (its name; † fitted on the very samples it is scored on)",
+    "Step": "training step, from the checkpoint's config or its path (step_N); – when it carries none",
+    "τ chain": f"mean over samples of tokens per decoding step ({TAU_UNIT}) with chain verification; on "
+    "sampled shards the expected value, exact in distribution, ± its standard error over the responses",
+    "Best τ DDTree": "the highest τ over the DDTree budgets scored, with its budget N (nodes per tree); "
+    "every budget is in the τ DDTree-N columns",
+    "All-anchor streak": "mean accepted draft tokens per anchor over every response position (chain, bonus-exclusive)",
+    "Exact walks": "samples whose simulated walk is exact (greedy, no argmax mismatch) out of the samples "
+    "scored: the console's exact k/n",
+    "τ DDTree-N": f"τ ({TAU_UNIT}) when each step verifies a tree of the N most probable prefixes of the "
+    "same drafter pass, per budget N",
+}
+
+
+def _tree_title(nodes: int) -> str:
+    return (
+        f"τ DDTree-{nodes}: tokens per step ({TAU_UNIT}) when each step verifies a tree of the "
+        f"{nodes} most probable prefixes of the same drafter pass"
+    )
+
+
+def _th(text: str, title: str, span: str = "") -> str:
+    return f'<th{span} title="{html.escape(title)}">{html.escape(text)}</th>'
+
+
 def summary_table(results: Results) -> str:
+    """The headline figures first (the console's tau chain, best ddtree-N, streak, exact k/n), then
+    τ per DDTree budget under one grouped header, so a narrow window scrolls only the budgets."""
     s = results.summary
     budgets = ddtree_budgets(s)
     has_streak = "anchor_accepted_len_mean" in s.columns
-    head = ["Dataset", "Checkpoint", "Step", "Samples", "τ chain"] + [f"τ DDTree-{n}" for n in budgets]
-    if has_streak:
-        head.append("All-anchor streak")
-    head.append("Inexact samples")
-    titles = {
-        "τ chain": f"mean over samples of tokens per decoding step ({TAU_UNIT}); on sampled shards the "
-        "expected value, exact in distribution, ± its standard error over the responses",
-        "All-anchor streak": "mean accepted draft tokens per anchor over every response position "
-        "(chain, bonus-exclusive)",
-        "Inexact samples": "samples whose walk is not exact (not greedy, or argmax mismatches)",
-    }
-    # the wrapper scrolls sideways when many DDTree budgets make the table wider than the page
+    head = ["Dataset", "Checkpoint", "Step", "τ chain"] + (["Best τ DDTree"] if budgets else [])
+    head += (["All-anchor streak"] if has_streak else []) + ["Exact walks"]
+    span = ' rowspan="2"' if budgets else ""
+    # the wrapper scrolls sideways when the budgets make the table wider than the window
     out = ['<div class="scroll"><table class=summary><thead><tr>']
-    out += [f'<th title="{html.escape(titles.get(h, ""))}">{html.escape(h)}</th>' for h in head]
+    out += [_th(h, SUMMARY_TITLES[h], span) for h in head]
+    if budgets:
+        out.append(_th("τ DDTree-N", SUMMARY_TITLES["τ DDTree-N"], f' colspan="{len(budgets)}" class="group"'))
+        out.append("</tr><tr>" + "".join(_th(f"N={n}", _tree_title(n)) for n in budgets))
     out.append("</tr></thead><tbody>")
     for dataset in datasets(s):
         out += _summary_rows(results, dataset, budgets, has_streak)
     out.append("</tbody></table></div>")
-    return "".join(out)
+    return "".join(out) + fitted_note(results)
+
+
+def fitted_note(results: Results) -> str:
+    """Says which checkpoints were fitted on the very samples they are scored on (data.fitted_on_scored_shards)."""
+    names = [lab for lab in results.order if lab in results.fitted_here]
+    if not names:
+        return ""
+    one = len(names) == 1
+    return (
+        f'<p class="note fitted">† {html.escape(", ".join(names))} {"was" if one else "were"} fitted by '
+        f"<code>specreplay fit</code> on the very samples {'it is' if one else 'they are'} scored on (the "
+        f"checkpoint's config.json names these shards): {'its' if one else 'their'} τ shows the tool at work, "
+        "not what a real drafter reaches on prompts it has not seen.</p>"
+    )
+
+
+def _best_tree(by: dict, label: str, budgets: list[int]) -> str:
+    """'2.665 (N=256)': the highest DDTree tau of a row, the smaller budget on a tie (as the console)."""
+    taus = [(tau, -n) for n in budgets if (tau := (by.get((label, tree_method(n))) or {}).get("tau")) is not None]
+    if not taus:
+        return fmt(None)
+    tau, nodes = max(taus)
+    return f'{fmt(tau)} <span class="muted">(N={-nodes})</span>'
+
+
+def _exact(chain: dict) -> str:
+    samples, inexact = chain.get("samples"), chain.get("inexact_samples")
+    if samples is None or inexact is None:
+        return fmt(None)
+    return f"{samples - inexact}/{samples}"
 
 
 def _summary_rows(results: Results, dataset: str, budgets: list[int], has_streak: bool) -> list[str]:
@@ -107,17 +162,21 @@ def _summary_rows(results: Results, dataset: str, budgets: list[int], has_streak
         tau = fmt(chain["tau"])
         if chain.get("tau_se") is not None:  # sampled shards: an expectation with its sampling error
             tau += f" ± {fmt(chain['tau_se'])}"
+        name = label_html(label)
+        if label in results.fitted_here:
+            name += '&nbsp;<sup class="fitted" title="fitted on the very samples it is scored on: see below">†</sup>'
         cells = [
             html.escape(dataset),
-            label_html(label),
+            name,
             fmt(results.steps.get(label)),
-            fmt(chain.get("samples")),
             f"<b>{tau}</b>" if best is not None and chain["tau"] == best else tau,
         ]
-        cells += [fmt((by.get((label, tree_method(n))) or {}).get("tau")) for n in budgets]
+        if budgets:
+            cells.append(_best_tree(by, label, budgets))
         if has_streak:
             cells.append(fmt(chain.get("anchor_accepted_len_mean")))
-        cells.append(fmt(chain.get("inexact_samples")))
+        cells.append(_exact(chain))
+        cells += [fmt((by.get((label, tree_method(n))) or {}).get("tau")) for n in budgets]
         out.append(f"<tr{css}>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
     return out
 

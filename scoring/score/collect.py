@@ -368,6 +368,7 @@ def anchor_summary(anchors, method: str, counts: dict[str, np.ndarray], sampling
         row["kl_topk_mean"] = float(anchors["kl_topk"].explode().mean())
         rate = metrics.acceptance_by_position(torch.from_numpy(counts["accepted"]), torch.from_numpy(counts["reached"]))
         row["accept_rate_by_position"] = rate.tolist()
+        row["reached_by_position"] = counts["reached"].astype(np.float64).tolist()
         row["match_rate_by_position"] = metrics.match_rate_by_position(
             torch.from_numpy(counts["match"]), torch.from_numpy(counts["known"])
         ).tolist()

@@ -4,15 +4,21 @@ end a table across checkpoints with the best marked, what failed, and what to ru
 
 from __future__ import annotations
 
+import math
+
 import pyarrow as pa
 
 from scoring import results
+from scoring.results import MIN_ANCHORS
 from scoring.score.outcome import Status
 
 STREAK_NOTE = (
     "streak = mean draft tokens accepted per anchor over all response positions (bonus-exclusive; "
     "steadier than tau, which follows one walk)"
 )
+# Below this pooled chain streak (draft tokens accepted per anchor) the drafter accepts
+# essentially nothing: a drafter that learnt anything from its target is far above it.
+FLOOR_STREAK = 0.01
 
 
 def fmt(value, digits: int = 3) -> str:
@@ -69,12 +75,15 @@ def sampled_words(row: dict) -> str:
     )
 
 
-def print_table(summary: pa.Table, record: dict, out_dir: str) -> None:
-    """The per-checkpoint detail: tau per dataset and method, streak, acceptance by position, notes."""
+def print_table(summary: pa.Table, record: dict, out_dir: str, took: str | None = None) -> None:
+    """The per-checkpoint detail: tau per dataset and method, streak, acceptance by position, notes.
+    `took` says the time (PassTimes.took); default run.json's wall time, right for a checkpoint
+    scored alone."""
     rows = summary.to_pylist()
+    took = f"{record['wall_time_s']:.1f}s" if took is None else took
     print(
         f"  {record['shards']['samples']} samples, {record['anchors']} anchors, {record['dtype']} on "
-        f"{record['device']}, {record['wall_time_s']:.1f}s -> {out_dir}"
+        f"{record['device']}, {took} -> {out_dir}"
     )
     methods = list(dict.fromkeys(r["method"] for r in rows))
     pooled_chain = pooled_rows(summary)[results.CHAIN]
@@ -92,7 +101,7 @@ def print_table(summary: pa.Table, record: dict, out_dir: str) -> None:
     rates = overall.get("accept_rate_by_position") or []
     if rates:
         print("  chain acceptance per block position (all anchors, given the position was reached):")
-        print("    " + " ".join(f"{k + 1}:{fmt(r, 2)}" for k, r in enumerate(rates)))
+        print("    " + format_positions(rates, overall.get("reached_by_position")))
     for note in notes(overall, record):
         print(f"  note: {note}")
     for line in warning_lines(record):
@@ -115,6 +124,97 @@ def notes(overall: dict, record: dict) -> list[str]:
             "a lossless extract (bench/README.md measures the tau change)"
         )
     return found
+
+
+def at_floor(summary: pa.Table) -> bool:
+    """Whether the drafter accepted essentially nothing: pooled chain streak below FLOOR_STREAK."""
+    chain = pooled_rows(summary).get(results.CHAIN) or {}
+    streak = chain.get("anchor_accepted_len_mean")
+    return streak is not None and streak < FLOOR_STREAK
+
+
+def floor_warning(summary: pa.Table, ckpt: str, shards: str, program: str) -> list[str]:
+    """When acceptance is at the floor: that it is, what usually causes it, and the commands that
+    look into it, on the checkpoint and shards as the user named them. [] otherwise."""
+    if not at_floor(summary):
+        return []
+    chain = pooled_rows(summary)[results.CHAIN]
+    streak = chain["anchor_accepted_len_mean"]
+    anchors = chain.get("anchors")
+    none = (
+        f"no draft token at any of {anchors} anchors"
+        if streak == 0
+        else f"essentially no draft token ({streak:.4f} per anchor over {anchors} anchors)"
+    )
+    return [
+        f"warning: acceptance is at the floor: the chain accepted {none} "
+        f"(tau chain {fmt(chain['tau'])}: the target's bonus token {'alone' if streak == 0 else 'and little more'}). "
+        "Usually the shards come from "
+        "another target or tokenizer than the drafter was trained on, the feature layers are wrong "
+        "(target_layer_ids, or the layer-numbering convention: hidden_states[i] vs [i + 1], "
+        "docs/layer-numbering.md), or the drafter is untrained or randomly initialised.",
+        f"  look into it: {program} inspect {shards}   # the target the shards come from",
+        f"                {program} diagnose --ckpt {ckpt} --shards {shards}   # conventions, layers, numerics",
+    ]
+
+
+class PassTimes:
+    """A pipeline.common.timing recorder of what a score run shares between its checkpoints:
+    preparing the target head (once) and each pass over the shards (once for every checkpoint
+    replayed in it), so the console says a shared time once, as shared."""
+
+    def __init__(self):
+        self.head_s: float | None = None
+        self.passes: list[tuple[int, float]] = []  # (checkpoints replayed, seconds) per pass, in order
+        self.told = -1  # the last pass whose shared time took() has said
+
+    def start(self, name: str, info: dict) -> None:
+        pass
+
+    def stop(self, name: str, info: dict, seconds: float) -> None:
+        if name == "prepare target head":
+            self.head_s = (self.head_s or 0.0) + seconds
+        elif name == "shard pass":
+            self.passes.append((int(info.get("checkpoints", 1)), seconds))
+
+    def took(self, record: dict) -> str:
+        """The time of a checkpoint just scored (its pass is the latest): run.json's wall time when
+        it had its pass alone; the pass's time once, said as shared, when it shared it."""
+        if not self.passes or self.passes[-1][0] < 2:
+            return f"{record['wall_time_s']:.1f}s"
+        checkpoints, seconds = self.passes[-1]
+        if self.told == len(self.passes) - 1:
+            return "in the shared pass above"
+        self.told = len(self.passes) - 1
+        return f"{seconds:.1f}s for a pass shared by {checkpoints} checkpoints (the shards decoded once for all)"
+
+    def summary_line(self) -> str | None:
+        """'time: target head prepared once in 3.1s; pass over the shards 66.0s (2 checkpoints)': each
+        shared time once; None when no pass was timed."""
+        if not self.passes:
+            return None
+        head = "" if self.head_s is None else f"target head prepared once in {self.head_s:.1f}s; "
+        passes = ", ".join(f"{s:.1f}s ({n} checkpoint{'s' if n != 1 else ''})" for n, s in self.passes)
+        noun = "pass" if len(self.passes) == 1 else "passes"
+        return f"time: {head}{noun} over the shards {passes}"
+
+
+def format_positions(positions: list[float], anchors: list[float | None] | None = None) -> str:
+    """'1: 0.62, 2: 0.41, ...' ('-' where never reached). With `anchors`, a position fewer than
+    MIN_ANCHORS anchors reached is left out, and said so: '...; positions 9-15 left out (fewer
+    than 30 anchors reached each)': one anchor's 0 or 1 there is no reading."""
+    anchors = anchors or [None] * len(positions)
+    shown, thin = [], []
+    for k, (p, n) in enumerate(zip(positions, anchors), start=1):
+        if n is not None and n < MIN_ANCHORS:
+            thin.append(k)
+        else:
+            shown.append(f"{k}: {'-' if math.isnan(p) else f'{p:.2f}'}")
+    if not thin:
+        return ", ".join(shown)
+    which = f"positions {anchor_ranges(thin)}" if len(thin) > 1 else f"position {thin[0]}"
+    left = f"{which} left out (fewer than {MIN_ANCHORS} anchors reached {'each' if len(thin) > 1 else 'it'})"
+    return "; ".join(part for part in (", ".join(shown), left) if part)
 
 
 def anchor_ranges(anchors: list[int]) -> str:
@@ -220,6 +320,7 @@ def outcome_json(outcome) -> dict:
             tau={m: r["tau"] for m, r in sorted(pooled.items(), key=lambda kv: results.method_order(kv[0]))},
             streak=chain.get("anchor_accepted_len_mean"),
             headline=headline(outcome.name, outcome.summary),
+            acceptance_at_floor=at_floor(outcome.summary),
         )
     if outcome.record is not None:
         item["wall_time_s"] = outcome.record.get("wall_time_s")

@@ -9,7 +9,6 @@ The trackers themselves are in loggers_backends.py, the ledger in loggers_ledger
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -17,7 +16,15 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from pipeline.common.errors import UserError
-from scoring.results import ALL_DATASETS, CHAIN, FILES, results_dirs_below, tree_nodes_of
+from scoring.results import (
+    ALL_DATASETS,
+    CHAIN,
+    FILES,
+    MIN_ANCHORS,
+    read_run_record,
+    results_dirs_below,
+    tree_nodes_of,
+)
 from scoring.track.backends import PREFIX, MlflowLogger, TensorBoardLogger, WandbLogger
 from scoring.track.ledger import LEDGER_NAME, Ledger, ledger_path_for
 
@@ -89,7 +96,7 @@ def dataset_tag(dataset: str) -> str:
     return "all" if dataset == ALL_DATASETS else re.sub(r"[^\w\-. :]", "_", dataset)
 
 
-def scalars_of(summary) -> dict[str, float]:
+def scalars_of(summary, reached: dict[str, list[float]] | None = None) -> dict[str, float]:
     """One results directory's summary.parquet (polars DataFrame or pyarrow Table) as tagged
     scalars, per dataset including the pooled '(all)' (tag level `all`):
 
@@ -97,30 +104,76 @@ def scalars_of(summary) -> dict[str, float]:
         specreplay/<dataset>/tau_ddtree_<N>       DDTree tau at budget N, one per budget scored
         specreplay/<dataset>/streak               chain all-anchor streak (anchor_accepted_len_mean,
                                                   accepted draft tokens per anchor, bonus-exclusive)
-        specreplay/<dataset>/accept_rate_pos_<k>  P(block position k accepted | reached), k = 1..B-1
+        specreplay/<dataset>/accept_rate_pos_<k>  P(block position k accepted | reached), k = 1..B-1,
+                                                  where at least MIN_ANCHORS anchors reached k
 
-    A value that is null or NaN (no walk step, a block position never reached) is left out.
-    These tags are a stable interface: dashboards and alerts are built on them.
+    A value that is null or NaN (no walk step, a block position never reached) is left out, and
+    so is the rate of a position fewer than MIN_ANCHORS anchors reached (`reached`: dataset ->
+    anchors per position, `position_reach`; a dataset without counts logs no position): one
+    anchor's 0 or 1 there would plot as a cliff. These tags are a stable interface: dashboards
+    and alerts are built on them.
     """
     scalars: dict[str, float] = {}
     for row in _rows(summary):
-        found = _row_scalars(f"{PREFIX}/{dataset_tag(row['dataset'])}", row)
+        counts = (reached or {}).get(row["dataset"]) or []
+        found = _row_scalars(f"{PREFIX}/{dataset_tag(row['dataset'])}", row, counts)
         scalars.update({tag: float(v) for tag, v in found.items() if _finite(v)})
     return scalars
 
 
-def _row_scalars(base: str, row: dict) -> dict:
+def _row_scalars(base: str, row: dict, reached: list[float]) -> dict:
     """The tags of one summary row (one dataset and method), values unchecked."""
     if row["method"] == CHAIN:
         found = {f"{base}/tau_chain": row.get("tau"), f"{base}/streak": row.get("anchor_accepted_len_mean")}
-        for k, rate in enumerate(row.get("accept_rate_by_position") or [], start=1):
-            found[f"{base}/accept_rate_pos_{k}"] = rate
+        for k, (rate, n) in enumerate(zip(row.get("accept_rate_by_position") or [], reached), start=1):
+            if n >= MIN_ANCHORS:
+                found[f"{base}/accept_rate_pos_{k}"] = rate
         return found
     try:
         nodes = tree_nodes_of(row["method"])
     except ValueError:  # a method this version does not know: nothing to say about it
         return {}
     return {f"{base}/tau_ddtree_{nodes}": row.get("tau")}
+
+
+def position_reach(directory: str, summary) -> dict[str, list[float]]:
+    """dataset (and ALL_DATASETS) -> the anchors that reached each block position, from the
+    directory's anchors.parquet, counted as scoring.replay.metrics.position_counts counts them:
+    position k is reached when accepted_len >= k - 1 and the target is known there (k <= the
+    length of draft_match). On sampled shards reaching is random: the expected count is taken as
+    the anchors whose position k is known times the summary's rates at positions 1..k-1. {}
+    without a readable anchors.parquet (then no position is logged)."""
+    import polars as pl
+
+    rows = [r for r in _rows(summary) if r["method"] == CHAIN and r.get("accept_rate_by_position")]
+    path = os.path.join(directory, FILES["anchors"])
+    if not rows or not os.path.exists(path):
+        return {}
+    positions = max(len(r["accept_rate_by_position"]) for r in rows)
+    sampled = bool(rows[0].get("temperature"))  # as results.sampling_of_row reads it, without importing torch
+    acc, known = pl.col("accepted_len"), pl.col("draft_match").list.len()
+    counted = [(known >= k) & (pl.lit(sampled) | (acc >= k - 1)) for k in range(1, positions + 1)]
+    try:
+        frame = pl.scan_parquet(path).select(pl.col("dataset"), *(c.alias(f"r{i}") for i, c in enumerate(counted)))
+        per = frame.group_by("dataset").agg(pl.all().sum()).collect()
+    except Exception:  # noqa: BLE001 - a damaged or foreign file: log no position rather than fail the log
+        return {}
+    counts = {row.pop("dataset"): [float(v) for v in row.values()] for row in per.iter_rows(named=True)}
+    counts[ALL_DATASETS] = [float(sum(c[i] for c in counts.values())) for i in range(positions)]
+    if sampled:
+        rates = {r["dataset"]: r["accept_rate_by_position"] for r in rows}
+        counts = {d: expected_reach(c, rates.get(d) or []) for d, c in counts.items()}
+    return counts
+
+
+def expected_reach(known: list[float], rates: list[float]) -> list[float]:
+    """Anchors with position k known times P(positions 1..k-1 accepted), a NaN rate read as 0."""
+    out, survive = [], 1.0
+    for k, n in enumerate(known):
+        out.append(n * survive)
+        rate = rates[k] if k < len(rates) else 0.0
+        survive *= rate if _finite(rate) else 0.0
+    return out
 
 
 # ---------------------------------------------------------------- results directories
@@ -151,18 +204,19 @@ def _load(directory: str) -> _Scored:
 
     summary = pl.read_parquet(os.path.join(directory, FILES["summary"]))
     first = summary.row(0, named=True) if summary.height else {}
-    checkpoint_hash = first.get("checkpoint_hash") or _run_hash(directory) or f"dir:{os.path.abspath(directory)}"
+    run_hash = _run_hash(directory)  # read even when the summary has the hash: a broken run.json is said
+    checkpoint_hash = first.get("checkpoint_hash") or run_hash or f"dir:{os.path.abspath(directory)}"
     step = first.get("checkpoint_step")
     name = first.get("checkpoint") or os.path.basename(directory)
-    return _Scored(directory, name, checkpoint_hash, None if step is None else int(step), scalars_of(summary))
+    stored = {r["dataset"]: r["reached_by_position"] for r in _rows(summary) if r.get("reached_by_position")}
+    scalars = scalars_of(summary, stored or position_reach(directory, summary))  # recounted for older results
+    return _Scored(directory, name, checkpoint_hash, None if step is None else int(step), scalars)
 
 
 def _run_hash(directory: str) -> str | None:
-    try:
-        with open(os.path.join(directory, FILES["run"])) as f:
-            return ((json.load(f).get("checkpoint") or {}).get("content_hash") or "")[:16] or None
-    except (OSError, ValueError):
-        return None
+    """run.json's checkpoint hash (16 hex); run.json checked first (results.read_run_record)."""
+    record = read_run_record(directory) or {}
+    return ((record.get("checkpoint") or {}).get("content_hash") or "")[:16] or None
 
 
 # ---------------------------------------------------------------- logging

@@ -48,7 +48,7 @@ from scoring.config import ScoreConfig
 from scoring.drafters.files import WEIGHT_EXTENSIONS, checkpoint_problem, parse_step, resolve_checkpoint_files
 from scoring.replay.packing import prepare_target_head
 from scoring.report.page import write_report
-from scoring.score.console import headline
+from scoring.score.console import floor_warning, headline
 from scoring.score.outcome import Outcome, Status
 from scoring.score.outputs import remove_dead_staging
 from scoring.score.record import read_record
@@ -79,6 +79,7 @@ class WatchOptions:
     loggers: object = None  # scoring.track.loggers.LoggerOptions, or None for no logger
     progress: object = None  # progress-bar factory (specreplay.progress.bars)
     echo: Callable[[str], None] = print
+    program: str = "specreplay"  # how hints name the console script (specreplay.hints.program())
     warn: Callable[[str], None] = field(default=lambda line: print(line, file=sys.stderr, flush=True))
 
 
@@ -249,10 +250,10 @@ def step_label(step: int | None) -> str:
     return f"step {step}" if step is not None else "step ?"
 
 
-def write_watch_report(out: str, newest: str, step: int | None) -> str:
+def write_watch_report(out: str, newest: str | None, step: int | None) -> str:
     """Regenerate --out/report.html over every result under --out; the title names the newest
-    checkpoint (the page has no per-point marker to set)."""
-    title = f"specreplay watch: newest {newest} ({step_label(step)})"
+    checkpoint (the page has no per-point marker to set), when known."""
+    title = f"specreplay watch: newest {newest} ({step_label(step)})" if newest else f"specreplay watch: {out}"
     return write_report([out], os.path.join(out, REPORT_NAME), title=title).path
 
 
@@ -269,6 +270,7 @@ class Watcher:
         self.current: str | None = None  # the results directory being written
         self.owners: dict[str, str] = {}  # results directory -> checkpoint path
         self.steps: dict[str, int | None] = {}  # results directory -> step, for "previous"
+        self.names: dict[str, str] = {}  # results directory -> checkpoint name, for the report's title
         self.shardset = ShardSet(config.shards)
         check_anchor_set(self.shardset, config)
         device, dtype = resolve_device_dtype(config.device, config.dtype, Dist())
@@ -296,6 +298,7 @@ class Watcher:
             return
         tracker.finished.add(path)
         self.steps[out_dir] = (outcome.record or {}).get("checkpoint", {}).get("step")
+        self.names[out_dir] = outcome.name
         if outcome.status == Status.SKIPPED:
             self.result.skipped.append(path)
             self.say(f"already scored: {path} in {out_dir}")
@@ -343,10 +346,25 @@ class Watcher:
             else "no earlier step scored to compare with"
         )
         self.options.echo(f"scored {step_label(step)}: {headline(outcome.name, outcome.summary)}; {change}")
+        for line in floor_warning(outcome.summary, outcome.ckpt, self.config.shards, self.options.program):
+            self.options.warn(line)
+        self.report(outcome.name, step)
+
+    def report(self, newest: str | None, step: int | None) -> None:
+        """Rewrite --out/report.html. A report that cannot be written is a warning, not the watch's end."""
         try:
-            self.say(f"report: {write_watch_report(self.config.out, outcome.name, step)}")
+            self.say(f"report: {write_watch_report(self.config.out, newest, step)}")
         except Exception as error:  # noqa: BLE001 - the results are written; only the page is missing
             self.options.warn(f"warning: report not written: {type(error).__name__}: {error}")
+
+    def report_if_nothing_new(self) -> None:
+        """A --once run that scored nothing still leaves --out/report.html over the results there
+        (written if missing, refreshed otherwise), so a cron job's page is there and current."""
+        if self.result.scored or not results.results_dirs_below(self.config.out, ("summary", "run")):
+            return
+        stepped = [(s, d) for d, s in self.steps.items() if s is not None]
+        newest = max(stepped)[1] if stepped else None
+        self.report(self.names.get(newest), self.steps.get(newest))
 
     def log(self, out_dirs: list[str]) -> None:
         """Send results to the configured loggers. Skipped checkpoints too: log_results' ledger
@@ -416,7 +434,12 @@ def watch_loop(watcher: Watcher, tracker: Tracker) -> None:
     """Poll, score what is ready, sleep; --once stops after its second look."""
     options = watcher.options
     pause = min(options.interval, ONCE_SETTLE_S) if options.once else options.interval
-    watcher.say(f"watching {' '.join(tracker.patterns)} every {options.interval:g} s; results in {watcher.config.out}")
+    patterns, out = " ".join(tracker.patterns), watcher.config.out
+    if options.once:
+        watcher.say(f"looking once at {patterns} (two looks {pause:g} s apart, to skip files still being written)")
+        watcher.say(f"results in {out}")
+    else:
+        watcher.say(f"watching {patterns} every {options.interval:g} s; results in {out}")
     for look in itertools.count():
         for path in tracker.poll(options.echo):  # problems are printed even with --quiet: once each
             watcher.process(path, tracker)
@@ -426,6 +449,7 @@ def watch_loop(watcher: Watcher, tracker: Tracker) -> None:
     watcher.result.waiting = tracker.incomplete()
     for path in tracker.changing:
         watcher.say(f"not scored: {path} was still being written")
+    watcher.report_if_nothing_new()
 
 
 def stopped_message(watcher: Watcher | None, stop: Stopped, options: WatchOptions) -> None:

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import os
+
 import click
 
 from pipeline.common.sizes import format_size, parse_size
@@ -61,9 +63,10 @@ def diagnose(no_progress, **options):
     `score` scores.
 
     \b
-    Example:
-      specreplay diagnose --ckpt runs/tiny/step_600 --shards data/shards/smollm2-default
-      specreplay diagnose --ckpt runs/tiny/step_600 --shards data/shards/smollm2-neighbours --variants layers-1,layers+1
+    Example (after `make demo`):
+      specreplay diagnose --ckpt data/demo/runs/tiny/step_600 --shards data/demo/shards --out data/demo/diagnose
+      specreplay diagnose --ckpt data/demo/runs/tiny/step_600 --shards data/demo/shards-neighbours \\
+          --variants layers-1,layers+1   # shards from the extract command diagnose prints for layers-1
     """
     from pipeline.common.paths import check_input_path, check_output_dir, check_roles
     from scoring.diagnose.run import run_diagnose
@@ -81,7 +84,49 @@ def diagnose(no_progress, **options):
     diagnosis = run_diagnose(config, progress=bars(no_progress), program=program())
     rows, record = load(diagnosis.out_dir)
     click.echo("\n".join(console_lines(rows, record, diagnosis.out_dir)))
-    click.echo(
-        f"next: {program()} report data/results {config.out} --out report.html   "
-        "# the diagnosis beside your score results (use your score --out)"
+    click.echo(next_line(config, diagnosis.checkpoint["checkpoint_hash"], program()))
+
+
+def next_line(config, checkpoint_hash: str, program: str) -> str:
+    """The `report` to run next, on directories that exist: the diagnosis beside the checkpoint's
+    score results when they are found next to --out, else the diagnosis alone."""
+    scored = scored_results_beside(config.ckpt, config.out, checkpoint_hash)
+    if scored is None:
+        report = os.path.join(config.out, "report.html")
+        return (
+            f"next: {program} report {config.out} --out {report}   "
+            "# add the --out you score this checkpoint into to see the diagnosis beside its results"
+        )
+    report = os.path.normpath(
+        os.path.join(shown_path(os.path.commonpath([scored, os.path.abspath(config.out)])), "report.html")
     )
+    return (
+        f"next: {program} report {shown_path(scored)} {config.out} --out {report}   # the diagnosis beside the scores"
+    )
+
+
+def scored_results_beside(ckpt: str, out: str, checkpoint_hash: str) -> str | None:
+    """The `score --out` holding this checkpoint's results (<out>/<parent>_<name>/run.json of
+    the same content), looked for in --out's parent and the directories beside --out; None
+    when there is none."""
+    import json
+
+    from scoring.results import FILES, result_dir_name
+
+    parent = os.path.dirname(os.path.abspath(out))
+    beside = sorted(e.path for e in os.scandir(parent) if e.is_dir() and not e.name.startswith("."))
+    for candidate in [parent, *(d for d in beside if d != os.path.abspath(out))]:
+        try:
+            with open(os.path.join(candidate, result_dir_name(ckpt), FILES["run"])) as f:
+                content_hash = (json.load(f).get("checkpoint") or {}).get("content_hash") or ""
+        except (OSError, ValueError, AttributeError):
+            continue
+        if content_hash.startswith(checkpoint_hash):
+            return candidate
+    return None
+
+
+def shown_path(path: str) -> str:
+    """`path` relative to the working directory when it is below it, else absolute."""
+    relative = os.path.relpath(path)
+    return path if relative.startswith("..") else relative

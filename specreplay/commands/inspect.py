@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import click
 
@@ -46,6 +47,8 @@ def inspect(directory, as_json, no_verify):
     report["tokenizer"] = stored_tokenizer(directory)
     text = format_report(report) + "\n" + tokenizer_line(report["tokenizer"])
     click.echo(json.dumps(report, indent=1, sort_keys=True) if as_json else text)
-    problems = report_problems(report)
-    if problems:
-        raise click.ClickException(f"{len(problems)} integrity problem(s) in {directory}:\n  " + "\n  ".join(problems))
+    problems = report_problems(report, directory)
+    if problems:  # the report above says what is fine; this says what is not, one problem a line
+        for problem in problems:
+            click.echo(f"error: {problem}", err=True)
+        sys.exit(1)

@@ -52,7 +52,9 @@ def log(results, tensorboard, wandb_project, wandb_run_id, mlflow_uri, mlflow_ru
     Point --tensorboard at the trainer's own log directory (the one TensorBoard's --logdir shows)
     and tau appears beside the training loss, at the same steps. Scalars, per dataset (`all` =
     every dataset pooled): specreplay/<dataset>/tau_chain, .../tau_ddtree_<N>, .../streak (chain
-    all-anchor streak), .../accept_rate_pos_<k>. In W&B their x-axis is specreplay/step.
+    all-anchor streak), .../accept_rate_pos_<k> (left out where too few anchors reached the
+    position for its rate to be a reading, as the report greys it). In W&B their x-axis is
+    specreplay/step.
 
     Idempotent: what went where is recorded in .specreplay-logged.json beside the results
     directories, and a checkpoint already logged at its step to a destination is not logged

@@ -31,7 +31,9 @@ import click
     "samples",
     multiple=True,
     metavar="ID",
-    help="Also show this sample token by token (a sample id, or dataset/id); repeatable.",
+    help="Also show this sample token by token; repeatable. ID is the sample id as the report's Sample column "
+    "shows it (the prompt record's id, e.g. gsm8k/0003 in the bundled sets; on sampled shards each draw adds "
+    "#K, e.g. gsm8k/0003#0), or DATASET/ID when one id is in two datasets.",
 )
 @click.option(
     "--shards",
@@ -51,7 +53,8 @@ def report(results, out, title, worst, sample_views, samples, shards, tokenizer)
     RESULTS are directories written by `specreplay score`, or parents holding several: every
     summary.parquet below them is included, once per checkpoint (a checkpoint scored twice on the
     same shards is listed once: the run on the most samples, then the most recent). The report has
-    a summary table (tau chain, tau per DDTree budget, all-anchor streak), the acceptance-length
+    a summary table (tau chain, best and per-budget DDTree tau, all-anchor streak, exact walks;
+    drafters fitted on the very samples they are scored on are marked), the acceptance-length
     histogram, acceptance per block position, tau against DDTree budget, tau against training
     step, the worst prompts, and the worst and best responses token by token (accepted draft
     tokens, the target's bonus tokens, the drafter's rejected guesses), read from the shards.
@@ -62,7 +65,7 @@ def report(results, out, title, worst, sample_views, samples, shards, tokenizer)
     Example:
       specreplay report data/results --out report.html --title "tiny drafter, steps 150-300"
       specreplay report data/results/runs_step_150 data/results/runs_step_300 --worst 20
-      specreplay report data/results --sample gsm8k-17 --shards /new/place/of/shards
+      specreplay report data/results --sample gsm8k/0003 --shards /new/place/of/shards
       specreplay report data/results data/diagnose       # with the diagnoses beside the results
     """
     from scoring.report.page import SampleViews, write_report

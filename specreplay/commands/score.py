@@ -129,8 +129,11 @@ def score(no_progress, quiet, as_json, **options):
     check_input_path(config.shards, "--shards", "directory")
     check_roles(config.ckpts, config.shards)
     check_output_dir(config.out, "--out")
-    printer = OutcomePrinter(quiet or as_json)
-    outcomes = run_score(config, progress=bars(no_progress or quiet), on_outcome=None if as_json else printer)
+    from pipeline.common import timing
+
+    printer = OutcomePrinter(quiet or as_json, config.shards)
+    with timing.recording(printer.times):  # what the checkpoints share, said once (PassTimes)
+        outcomes = run_score(config, progress=bars(no_progress or quiet), on_outcome=None if as_json else printer)
     if not outcomes:  # ranks other than 0 under torchrun
         return
     if as_json:
@@ -146,11 +149,15 @@ def score(no_progress, quiet, as_json, **options):
 class OutcomePrinter:
     """Prints each checkpoint as it finishes, then the table across them and what to run next."""
 
-    def __init__(self, quiet: bool):
-        self.quiet = quiet
+    def __init__(self, quiet: bool, shards: str):
+        from scoring.score.console import PassTimes
+
+        self.quiet, self.shards = quiet, shards
+        self.times = PassTimes()  # the timing recorder of the run
 
     def __call__(self, outcome) -> None:
-        from scoring.score.console import headline, print_table, warning_lines
+        from scoring.score.console import floor_warning, headline, print_table, warning_lines
+        from specreplay.hints import program
 
         if outcome.status == Status.FAILED:
             click.echo(f"error: {outcome.ckpt}: {outcome.error}", err=True)
@@ -159,11 +166,13 @@ class OutcomePrinter:
             click.echo(f"{outcome.name}: already scored with these settings in {outcome.out_dir} (--force to redo)")
         elif not self.quiet:
             click.echo("")
-            print_table(outcome.summary, outcome.record, outcome.out_dir)  # its warnings included
+            print_table(outcome.summary, outcome.record, outcome.out_dir, self.times.took(outcome.record))
         click.echo(headline(outcome.name, outcome.summary))
         if self.quiet and outcome.status == Status.SCORED:
             for line in warning_lines(outcome.record):  # left-out samples are never silent
                 click.echo(f"  {line}", err=True)
+        for line in floor_warning(outcome.summary, outcome.ckpt, self.shards, program()):
+            click.echo(line, err=True)
 
     def finish(self, outcomes: list, out: str) -> None:
         from scoring.score.console import across_table, failure_lines, next_lines
@@ -171,6 +180,9 @@ class OutcomePrinter:
 
         if sum(o.summary is not None for o in outcomes) >= 2:
             click.echo("\n" + "\n".join(across_table(outcomes)))
+        timed = self.times.summary_line()
+        if timed is not None and not self.quiet and sum(o.status == Status.SCORED for o in outcomes) >= 2:
+            click.echo(timed)
         for line in failure_lines(outcomes):
             click.echo(line, err=True)
         for line in next_lines(outcomes, out, program()):

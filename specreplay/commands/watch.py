@@ -46,7 +46,8 @@ LOGGER_OPTIONS = ("tensorboard", "wandb_project", "wandb_run_id", "mlflow_uri", 
 @click.option(
     "--once",
     is_flag=True,
-    help="Score what is complete now (two looks min(interval, 2 s) apart) and exit: for cron and CI.",
+    help="Score what is complete now (two looks min(interval, 2 s) apart), write --out/report.html (also when "
+    "nothing was new) and exit: for cron and CI.",
 )
 @click.option("--no-progress", is_flag=True, help="No progress bars.")
 @click.option("--quiet", is_flag=True, help="No progress bars; only the line of each scored checkpoint and problems.")
@@ -73,6 +74,7 @@ def watch(ckpts, shards, out, interval, once, no_progress, quiet, **options):
           --sample 64 --ddtree-budgets 16,64 --tensorboard runs/run7/logs
     """
     from scoring.track.watch import WatchOptions, run_watch
+    from specreplay.hints import program
     from specreplay.progress import bars
 
     loggers = logger_options({name: options.pop(name) for name in LOGGER_OPTIONS})
@@ -85,6 +87,7 @@ def watch(ckpts, shards, out, interval, once, no_progress, quiet, **options):
         progress=bars(no_progress or quiet),
         echo=click.echo,
         warn=lambda line: click.echo(line, err=True),
+        program=program(),
     )
     result = run_watch(config, watch_options)
     if once and result.stopped_by is None:

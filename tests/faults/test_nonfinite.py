@@ -338,7 +338,9 @@ def test_score_through_faulty_drafters_and_excluded_extract(extracted, tmp_path)
     assert all(math.isfinite(t) for t in pooled["tau"])
     for column in ("anchor_accepted_len_mean", "target_prob_mean", "kl_topk_mean"):
         assert all(v is None or math.isfinite(v) for v in pooled[column]), column
+    # (the random drafters' acceptance is at the floor too, which score also warns about)
     warnings = [line.strip() for line in result.output.splitlines() if line.strip().startswith("warning: ")]
+    warnings = [line for line in warnings if "at the floor" not in line]
     assert len(warnings) == 1 and warnings[0].startswith(
         f"warning: {len(hits)} sample{'s' if len(hits) > 1 else ''} excluded: the drafter produced NaN/Inf logits ("
     ), result.output

@@ -1,6 +1,7 @@
 """What a browser sees of a report: well-formed HTML (check_html, every tag closed in order) and
-a page rendered by headless Chromium (chromium_screenshot; tests needing it are marked
-needs_chromium and skip, saying what to install, where it is absent)."""
+a page rendered by headless Chromium (chromium_screenshot; chromium_dom for what a script measured
+in the laid-out page; tests needing it are marked needs_chromium and skip, saying what to
+install, where it is absent)."""
 
 from __future__ import annotations
 
@@ -16,9 +17,9 @@ needs_chromium = pytest.mark.skipif(
 )
 
 
-def chromium_screenshot(page, shot, profile_dir, width: int, height: int) -> None:
-    """Render a local HTML file in headless Chromium into the PNG `shot` (no network, a fresh profile)."""
-    command = [
+def _chromium(profile_dir, width: int, height: int, *args: str) -> list[str]:
+    """The headless command line this machine needs: no sandbox, no GPU, no network, a fresh profile."""
+    return [
         CHROMIUM,
         "--headless",
         "--no-sandbox",
@@ -30,12 +31,25 @@ def chromium_screenshot(page, shot, profile_dir, width: int, height: int) -> Non
         "--disable-sync",
         f"--user-data-dir={profile_dir}",
         "--hide-scrollbars",
-        f"--screenshot={shot}",
         f"--window-size={width},{height}",
-        f"file://{page}",
+        *args,
     ]
+
+
+def chromium_screenshot(page, shot, profile_dir, width: int, height: int) -> None:
+    """Render a local HTML file in headless Chromium into the PNG `shot` (no network, a fresh profile)."""
+    command = _chromium(profile_dir, width, height, f"--screenshot={shot}", f"file://{page}")
     proc = subprocess.run(command, capture_output=True, text=True, timeout=90)
     assert os.path.exists(shot), f"no screenshot (rc {proc.returncode}): {proc.stderr[-2000:]}"
+
+
+def chromium_dom(page, profile_dir, width: int, height: int) -> str:
+    """The DOM of a local HTML file after headless Chromium laid it out at width x height and ran
+    its scripts: how a test reads what a script measured in the page (written into an attribute)."""
+    command = _chromium(profile_dir, width, height, "--virtual-time-budget=5000", "--dump-dom", f"file://{page}")
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=90)
+    assert proc.returncode == 0 and "</html>" in proc.stdout, f"no DOM (rc {proc.returncode}): {proc.stderr[-2000:]}"
+    return proc.stdout
 
 
 VOID = {"area", "base", "br", "col", "embed", "hr", "img", "input", "link", "meta", "source", "track", "wbr"}

@@ -30,7 +30,7 @@ def layout_of(raw: dict, source: str) -> type:
     """The declared layout class of the config `raw` (read from `source`)."""
     kind = raw.get("speculators_model_type")
     if kind is not None:
-        if kind not in SPECULATORS_FORMATS:
+        if not isinstance(kind, str) or kind not in SPECULATORS_FORMATS:
             raise SchemaError(
                 f"{source}: field 'speculators_model_type' is {found(kind)}; expected one of "
                 f"{sorted(SPECULATORS_FORMATS)}"

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, ValidationInfo, field_validator
+from pydantic import BeforeValidator, Field, ValidationInfo, field_validator
 
-from pipeline.common.schema import Number, Positive, Schema
+from pipeline.common.schema import Count, Positive, Schema, wrong
 
 LayerType = Literal["full_attention", "sliding_attention"]
 # transformers' activation names (ACT2FN), which the MLP looks its function up by; declared here so
@@ -20,7 +20,23 @@ Activation = Literal[
     "gelu_pytorch_tanh", "hardswish", "laplace", "leaky_relu", "linear", "mish", "prelu", "quick_gelu",
     "relu", "relu2", "relu6", "sigmoid", "silu", "sqrtsoftplus", "swish", "tanh", "xielu",
 ]  # fmt: skip
-PositiveNumber = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+
+
+def _a_float(value):
+    # transformers' config dataclasses take only a float where they declare one (1 is refused)
+    if value is not None and not isinstance(value, float):
+        raise wrong(value, "a number with a decimal point or exponent, like 1e-06")
+    return value
+
+
+PositiveFloat = Annotated[float, Field(gt=0, allow_inf_nan=False), BeforeValidator(_a_float)]
+Float = Annotated[float, Field(allow_inf_nan=False), BeforeValidator(_a_float)]
+# Fields transformers' config classes refuse as null, though absent is fine (their default).
+NOT_NULL = (
+    "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim", "intermediate_size", "vocab_size",
+    "rms_norm_eps", "max_position_embeddings", "use_sliding_window", "attention_bias", "hidden_act",
+    "initializer_range", "max_window_layers", "tie_word_embeddings",
+)  # fmt: skip
 
 
 class DecoderFields(Schema):
@@ -32,8 +48,8 @@ class DecoderFields(Schema):
     head_dim: Positive | None = None
     intermediate_size: Positive | None = None
     vocab_size: Positive | None = None
-    rms_norm_eps: PositiveNumber | None = None
-    rope_theta: PositiveNumber | None = None
+    rms_norm_eps: PositiveFloat | None = None
+    rope_theta: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = None
     max_position_embeddings: Positive | None = None
     layer_types: Annotated[list[LayerType], Field(min_length=1)] | None = None
     sliding_window: Positive | None = None
@@ -42,7 +58,16 @@ class DecoderFields(Schema):
     hidden_act: Activation | None = None
     rope_scaling: dict[str, Any] | None = None
     rope_parameters: dict[str, Any] | None = None
-    initializer_range: Number | None = None
+    initializer_range: Float | None = None
+    max_window_layers: Count | None = None
+    tie_word_embeddings: bool | None = None
+
+    @field_validator(*NOT_NULL, mode="before")
+    @classmethod
+    def _not_null(cls, value):
+        if value is None:  # absent takes the config class's default; an explicit null is refused there
+            raise ValueError("is null; leave it out for the default, or give a value")
+        return value
 
     @field_validator("layer_types")
     @classmethod

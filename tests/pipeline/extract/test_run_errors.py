@@ -212,8 +212,14 @@ def test_mistyped_shards_directory(tmp_path):
 @pytest.mark.parametrize(
     ("record", "needle"),
     [
-        ({"id": "far", "input_ids": [1, 2, 10**6]}, "prompt 'far': prompt token id 1000000 at position 2"),
-        ({"id": "big", "prompt": "hi", "response": [3, 4096]}, "prompt 'big': response token id 4096 at position 1"),
+        (
+            {"id": "far", "input_ids": [1, 2, 10**6]},
+            "ids.jsonl:2 (prompt 'far'): prompt token id 1000000 at position 2",
+        ),
+        (
+            {"id": "big", "prompt": "hi", "response": [3, 4096]},
+            "ids.jsonl:2 (prompt 'big'): response token id 4096 at position 1",
+        ),
     ],
 )
 def test_token_ids_outside_the_vocabulary_name_the_record_and_position(tmp_path, tiny_qwen3_dir, record, needle):
@@ -231,7 +237,7 @@ def test_samples_past_the_trained_positions_are_refused_unless_asked_for(tmp_pat
     result = cli("--model", tiny_qwen3_dir, "--prompts", str(long), "--out", str(out))
     assert_clean_error(
         result,
-        "prompt 'long': 2045 prompt tokens + 4 response tokens exceed the target's max_position_embeddings (2048)",
+        "long.jsonl:2 (prompt 'long'): 2045 prompt tokens + 4 response tokens exceed the target's max_position_embeddings (2048)",
     )
     assert_nothing_written(out)
     ok = ("--model", tiny_qwen3_dir, "--prompts", str(long), "--layer-ids", "1,3")

@@ -296,7 +296,9 @@ def test_missing_or_broken_run_json(tmp_path):
     with pytest.raises(CompareError, match=r"B: .*b/run.json: not readable as JSON"):
         run_comparison(a, b)
     (tmp_path / "b" / "run.json").write_text(json.dumps({"shards": {"identity": 7}}))
-    with pytest.raises(CompareError, match=r"B: .*b/run.json: field 'shards.identity' is 7 \(an integer\); expected a string"):
+    with pytest.raises(
+        CompareError, match=r"B: .*b/run.json: field 'shards.identity' is 7 \(an integer\); expected a string"
+    ):
         run_comparison(a, b)
     (tmp_path / "b" / "run.json").write_text(json.dumps({"checkpoint": {"name": "x"}}))
     with pytest.raises(CompareError, match=r"b/run.json has no shards.identity"):

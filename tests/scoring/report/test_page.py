@@ -256,7 +256,7 @@ def test_html_is_valid_self_contained_and_complete(built):
     ):
         assert heading in visible
     assert "Synthetic run" in visible and "tokens per step, bonus-inclusive" in visible
-    assert "τ DDTree-16" in visible
+    assert "τ DDTree-N" in visible and "N=16" in visible and 'title="τ DDTree-16: ' in text
     # four plots, each a real PNG of sensible size
     assert len(checker.images) == 4
     for src in checker.images:

@@ -19,9 +19,18 @@ import pytest
 from click.testing import CliRunner
 
 from pipeline.common.errors import UserError
-from scoring.results import summary_schema
+from scoring.results import MIN_ANCHORS, summary_schema
 from scoring.track.ledger import Ledger
-from scoring.track.loggers import LEDGER_NAME, LoggerOptions, log_results, open_loggers, results_dirs_under, scalars_of
+from scoring.track.loggers import (
+    LEDGER_NAME,
+    LoggerOptions,
+    expected_reach,
+    log_results,
+    open_loggers,
+    position_reach,
+    results_dirs_under,
+    scalars_of,
+)
 from specreplay.cli import main
 from tests.helpers.drafters import fitted_drafters
 from tests.helpers.fake_results import write_fake_results
@@ -57,9 +66,23 @@ def scored(tmp_path_factory, tiny_qwen3_dir) -> str:
     return out
 
 
+def reached(results_dir: str, positions: int) -> dict[str, list[int]]:
+    """dataset ('(all)' too) -> the anchors that reached each block position, counted here row by
+    row from anchors.parquet: position k is reached when the target is known there (k <= the
+    length of draft_match) and the draft's first k - 1 tokens were accepted."""
+    counts: dict[str, list[int]] = {}
+    for row in pl.read_parquet(os.path.join(results_dir, "anchors.parquet")).iter_rows(named=True):
+        for dataset in (row["dataset"], "(all)"):
+            mine = counts.setdefault(dataset, [0] * positions)
+            for k in range(1, positions + 1):
+                mine[k - 1] += int(len(row["draft_match"]) >= k and row["accepted_len"] >= k - 1)
+    return counts
+
+
 def expected(out: str) -> dict[int, dict[str, float]]:
     """step -> the scalars summary.parquet holds, read here without scoring.track.loggers: per dataset
-    ('(all)' as 'all') tau per method, the chain streak and every non-NaN acceptance rate."""
+    ('(all)' as 'all') tau per method, the chain streak and every non-NaN acceptance rate of a
+    position at least MIN_ANCHORS anchors reached."""
     summary = pl.read_parquet(os.path.join(out, "runs_step_*", "summary.parquet"))
     found: dict[int, dict[str, float]] = {}
     for row in summary.iter_rows(named=True):
@@ -68,8 +91,10 @@ def expected(out: str) -> dict[int, dict[str, float]]:
         if row["method"] == "chain":
             scalars[f"{base}/tau_chain"] = row["tau"]
             scalars[f"{base}/streak"] = row["anchor_accepted_len_mean"]
-            for k, rate in enumerate(row["accept_rate_by_position"], start=1):
-                if not math.isnan(rate):
+            rates = row["accept_rate_by_position"]
+            counts = reached(os.path.join(out, f"runs_step_{row['checkpoint_step']}"), len(rates))[row["dataset"]]
+            for k, rate in enumerate(rates, start=1):
+                if not math.isnan(rate) and counts[k - 1] >= MIN_ANCHORS:
                     scalars[f"{base}/accept_rate_pos_{k}"] = rate
         else:
             scalars[f"{base}/tau_ddtree_{row['method'].split('-')[1]}"] = row["tau"]
@@ -97,10 +122,36 @@ def test_scalars_of_tags_every_dataset_method_and_position(scored):
     assert {"specreplay/all/tau_ddtree_4", "specreplay/all/tau_ddtree_8", "specreplay/all/accept_rate_pos_1"} <= set(
         want
     )
-    assert scalars_of(pl.read_parquet(path)) == want
+    counts = position_reach(os.path.dirname(path), pl.read_parquet(path))
+    assert counts == reached(os.path.dirname(path), 3)  # block 4: positions 1..3
+    assert scalars_of(pl.read_parquet(path), counts) == want
     import pyarrow.parquet as pq
 
-    assert scalars_of(pq.read_table(path)) == want  # a pyarrow Table reads the same
+    assert scalars_of(pq.read_table(path), counts) == want  # a pyarrow Table reads the same
+
+
+def test_positions_few_anchors_reached_are_not_logged(scored, tmp_path):
+    """A rate at a block position reached by fewer than MIN_ANCHORS anchors is no reading: it is
+    not sent to the tracker, whatever its value; the well-reached positions are."""
+    results, logdir = copy_results(scored, tmp_path), tmp_path / "tb"
+    assert log_cli("--results", str(results), "--tensorboard", str(logdir)).exit_code == 0
+    logged = read_tensorboard(logdir)[20]
+    summary = pl.read_parquet(os.path.join(scored, "runs_step_20", "summary.parquet"))
+    chain = {
+        r["dataset"]: r["accept_rate_by_position"] for r in summary.iter_rows(named=True) if r["method"] == "chain"
+    }
+    counts = reached(os.path.join(scored, "runs_step_20"), 3)
+    thin = [(d, k) for d, rates in chain.items() for k in range(1, 4) if counts[d][k - 1] < MIN_ANCHORS]
+    thin = [(d, k) for d, k in thin if not math.isnan(chain[d][k - 1])]  # a rate that used to be logged
+    assert thin, counts  # the fixture must have some: 16-token responses, block 4
+    tag = lambda d, k: f"specreplay/{'all' if d == '(all)' else d}/accept_rate_pos_{k}"  # noqa: E731
+    assert not [tag(d, k) for d, k in thin if tag(d, k) in logged]
+    assert counts["(all)"][0] >= MIN_ANCHORS and tag("(all)", 1) in logged
+
+
+def test_expected_reach_on_sampled_results_multiplies_the_rates_before():
+    # anchors whose position k is known, times P(1..k-1 accepted); a NaN rate (never reached) is 0
+    assert expected_reach([100.0, 90.0, 80.0], [0.5, float("nan"), 0.3]) == [100.0, 45.0, 0.0]
 
 
 def test_scalars_of_leaves_out_nan_and_null():
@@ -113,7 +164,10 @@ def test_scalars_of_leaves_out_nan_and_null():
     ]
     table = pa.Table.from_pylist(rows, schema=pa.schema([summary_schema().field(k) for k in rows[1]]))
     # '/' in a dataset name would add a tag level; it becomes '_'
-    assert scalars_of(table) == {"specreplay/all/tau_chain": 2.0, "specreplay/gsm_8k/accept_rate_pos_1": 0.5}
+    reached = {"gsm/8k": [MIN_ANCHORS, MIN_ANCHORS]}
+    assert scalars_of(table, reached) == {"specreplay/all/tau_chain": 2.0, "specreplay/gsm_8k/accept_rate_pos_1": 0.5}
+    # without counts (no anchors.parquet) no position is logged: nothing says it is a reading
+    assert scalars_of(table) == {"specreplay/all/tau_chain": 2.0}
 
 
 # ---------------------------------------------------------------- TensorBoard
@@ -324,6 +378,32 @@ def test_two_writers_of_one_ledger_keep_each_others_entries(tmp_path):
     entries = Ledger(path).entries
     assert sorted(e["destination"] for e in entries) == ["mlflow:sqlite:///m.db run 1", "tensorboard:/runs/tb"]
     assert Ledger(path).find("tensorboard:/runs/tb", "00ab", 10)["checkpoint"] == "run/step_10"
+
+
+def _add_entries(path: str, writer: int, count: int) -> None:
+    ledger = Ledger(path)
+    for step in range(count):
+        ledger.add(f"tensorboard:/w{writer}", "00ab", step, f"run/step_{step}", "/results", 5)
+
+
+def test_writers_in_several_processes_lose_no_entry_and_leave_no_lock_file(tmp_path):
+    """Real processes adding to one ledger at once: every entry is kept (the flock), and the lock
+    file is removed by whoever holds it last, so nothing is left beside the results."""
+    import multiprocessing
+
+    path = str(tmp_path / LEDGER_NAME)
+    context = multiprocessing.get_context("spawn")
+    writers = [context.Process(target=_add_entries, args=(path, w, 15)) for w in range(4)]
+    for writer in writers:
+        writer.start()
+    for writer in writers:
+        writer.join(120)
+        assert writer.exitcode == 0
+    entries = Ledger(path).entries
+    assert len(entries) == 60 and {(e["destination"], e["step"]) for e in entries} == {
+        (f"tensorboard:/w{w}", s) for w in range(4) for s in range(15)
+    }
+    assert sorted(os.listdir(tmp_path)) == [LEDGER_NAME]
 
 
 def test_log_help_imports_no_heavy_package():

@@ -356,6 +356,27 @@ def test_once_logs_every_checkpoint_to_tensorboard_at_its_step_and_never_twice(s
         assert logged[step]["specreplay/all/tau_ddtree_8"] == pytest.approx(pooled["ddtree-8"], rel=1e-6)
 
 
+def test_once_says_it_looks_once_keeps_the_report_and_leaves_no_lock_file(setup, tmp_path):
+    """--once says it looks once (not "every 60 s"); a run with nothing new still leaves
+    report.html over the results there; no lock file is left under --out (the results locks,
+    the loggers' ledger lock)."""
+    pytest.importorskip("tensorboard")
+    run, out, tb = tmp_path / "run", tmp_path / "results", tmp_path / "tb"
+    source_dir(setup.fitted[0], run / "step_900", 900)
+    first = once(setup, f"{run}/step_*", str(out), "--tensorboard", str(tb))
+    assert first.exit_code == 0 and "once: 1 scored, 0 already scored" in first.output, first.output
+    assert f"looking once at {run}/step_*" in first.output and "every 60 s" not in first.output
+    report = out / "report.html"
+    assert report.exists()
+    report.unlink()
+    again = once(setup, f"{run}/step_*", str(out), "--tensorboard", str(tb))
+    assert again.exit_code == 0 and "once: 0 scored, 1 already scored" in again.output, again.output
+    assert report.exists() and f"report: {report}" in again.output  # written although nothing was new
+    assert "specreplay watch: newest run/step_900 (step 900)" in report.read_text(encoding="utf-8")
+    left = [p.name for p in out.rglob("*") if ".lock" in p.name]
+    assert left == [] and (out / ".specreplay-logged.json").exists(), left
+
+
 def test_once_on_a_glob_that_matches_nothing_exits_0_saying_so(tmp_path):
     result = CliRunner().invoke(
         main,

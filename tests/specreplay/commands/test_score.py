@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -13,6 +14,8 @@ import pytest
 from click.testing import CliRunner
 
 from pipeline.extract.run import ExtractConfig, run_extract
+from scoring.results import MIN_ANCHORS
+from scoring.score.console import FLOOR_STREAK
 from specreplay.cli import main
 from tests.helpers.drafters import fitted_drafters
 from tests.helpers.processes import REPO
@@ -346,3 +349,88 @@ def test_truncated_checkpoint_fails_alone(scored_setup, tmp_path):
     assert sorted(os.listdir(out)) == ["run_step_1", "run_step_3"]
     assert "1 of 3 checkpoints failed:" in result.output
     assert result.output.index("run/step_3: tau chain") > result.output.index(errors[0])
+
+
+def _ckpt_lines(output: str) -> list[str]:
+    """Each scored checkpoint's first table line: '  5 samples, 120 anchors, fp32 on cpu, <time> -> <dir>'."""
+    return [line for line in output.splitlines() if " anchors, " in line and " -> " in line]
+
+
+def test_a_shared_pass_is_timed_once_as_shared(scored_setup, tmp_path):
+    """Two checkpoints replayed in one pass over the shards: the pass's time is said once, as
+    shared, not as each checkpoint's own; one checkpoint alone keeps its run.json wall time."""
+    tmp, shards, written = scored_setup
+    out = str(tmp_path / "results")
+    both = _score(["--ckpt", str(tmp / "runs" / "step_*"), "--shards", shards, "--out", out])  # one pass: both fit
+    assert both.exit_code == 0, both.output
+    first, second = _ckpt_lines(both.output)
+    assert re.search(r", \d+\.\ds for a pass shared by 2 checkpoints \(the shards decoded once for all\) -> ", first)
+    assert ", in the shared pass above -> " in second and not re.search(r"\d\.\ds", second)
+    for name in ("runs_step_30", "runs_step_60"):  # no checkpoint is given the pass's time as its own
+        wall = json.load(open(os.path.join(out, name, "run.json")))["wall_time_s"]
+        assert f"{wall:.1f}s -> " not in both.output
+    assert (
+        len(re.findall(r"^time: target head prepared once in \d+\.\ds; pass over the shards", both.output, re.M)) == 1
+    )
+    alone = _score(["--ckpt", written[0], "--shards", shards, "--out", str(tmp_path / "alone")])
+    wall = json.load(open(os.path.join(tmp_path / "alone", "runs_step_30", "run.json")))["wall_time_s"]
+    assert _ckpt_lines(alone.output)[0].endswith(f", {wall:.1f}s -> {tmp_path / 'alone' / 'runs_step_30'}")
+    assert "time: " not in alone.output
+
+
+def test_acceptance_at_the_floor_is_warned_with_the_commands_to_look(scored_setup, tmp_path, monkeypatch):
+    """A random drafter accepts ~nothing: score says so, what usually causes it, and how to look
+    into it (diagnose on the very checkpoint and shards, which runs as printed); a fitted
+    drafter gets no such warning."""
+    from scoring.fit import save_drafter
+    from tests.helpers.drafters import random_drafter
+
+    tmp, shards, written = scored_setup
+    random_ckpt = save_drafter(random_drafter(seed=3), str(tmp_path / "runs" / "random"))
+    result = _score(["--ckpt", random_ckpt, "--shards", shards, "--out", str(tmp_path / "r"), "--no-progress"])
+    assert result.exit_code == 0, result.output
+    pooled = _pooled(str(tmp_path / "r" / "runs_random"))["chain"]
+    assert pooled["anchor_accepted_len_mean"] < FLOOR_STREAK, pooled  # what makes it the floor
+    assert "warning: acceptance is at the floor" in result.output, result.output
+    for cause in ("another target or tokenizer", "layer-numbering convention", "randomly initialised"):
+        assert cause in result.output
+    assert f"inspect {shards}" in result.output
+    command = next(line for line in result.output.splitlines() if " diagnose --ckpt " in line).split("#")[0].split()
+    assert command[command.index("diagnose") :] == ["diagnose", "--ckpt", random_ckpt, "--shards", shards]
+    monkeypatch.chdir(tmp_path)  # diagnose's default --out is relative
+    ran = CliRunner().invoke(main, [*command[command.index("diagnose") :], "--no-progress", "--variants", "context+1"])
+    assert ran.exit_code == 0 and "verdict:" in ran.output, ran.output
+    as_json = json.loads(
+        _score(["--ckpt", random_ckpt, "--shards", shards, "--out", str(tmp_path / "r"), "--json"]).output
+    )
+    assert as_json[0]["acceptance_at_floor"] is True
+
+    fitted = _score(["--ckpt", written[-1], "--shards", shards, "--out", str(tmp_path / "f"), "--no-progress"])
+    assert fitted.exit_code == 0 and "at the floor" not in fitted.output, fitted.output
+    assert _pooled(str(tmp_path / "f" / "runs_step_60"))["chain"]["anchor_accepted_len_mean"] > 3 * FLOOR_STREAK
+    as_json = json.loads(
+        _score(["--ckpt", written[-1], "--shards", shards, "--out", str(tmp_path / "f"), "--json"]).output
+    )
+    assert as_json[0]["acceptance_at_floor"] is False
+
+
+def test_thinly_reached_positions_are_left_out_of_the_console(scored_setup, tmp_path):
+    """summary.parquet's reached_by_position counts the anchors behind each acceptance rate (as
+    anchors.parquet says, counted here independently); the console shows a rate only where at
+    least MIN_ANCHORS anchors reached the position, and says which it left out."""
+    tmp, shards, written = scored_setup
+    out = str(tmp_path / "results")
+    result = _score(["--ckpt", written[-1], "--shards", shards, "--out", out, "--ddtree-budgets", "4", "--no-progress"])
+    assert result.exit_code == 0, result.output
+    directory = os.path.join(out, "runs_step_60")
+    reached = _pooled(directory)["chain"]["reached_by_position"]
+    anchors = pl.read_parquet(os.path.join(directory, "anchors.parquet"))
+    for k in range(1, len(reached) + 1):
+        by_hand = anchors.filter((pl.col("accepted_len") >= k - 1) & (pl.col("draft_match").list.len() >= k)).height
+        assert reached[k - 1] == by_hand, k
+    line = result.output.split("given the position was reached):\n")[1].splitlines()[0]
+    thin = [k for k, n in enumerate(reached, start=1) if n < MIN_ANCHORS]
+    assert thin, f"the fixture has no thinly reached position: {reached}"
+    for k in range(1, len(reached) + 1):
+        assert (f"{k}: " in line.split(";")[0]) == (k not in thin), line
+    assert f"left out (fewer than {MIN_ANCHORS} anchors reached" in line

@@ -1,0 +1,28 @@
+"""`specreplay inspect` on a real extract: the bytes line says what its ratio is against and the
+dtype the features are stored in, so a float32 extract's 1.5 is not read against the README's
+~0.6 for bf16 features."""
+
+from __future__ import annotations
+
+import json
+import re
+
+from click.testing import CliRunner
+
+from specreplay.cli import main
+from tests.helpers.shards import tiny_shards
+
+
+def test_bytes_ratio_names_its_reference_and_the_stored_dtype(tmp_path, tiny_qwen3_dir):
+    shards = tiny_shards(tmp_path, tiny_qwen3_dir, [{"id": f"q{i}", "prompt": f"Name {i} colours."} for i in range(2)])
+    report = json.loads(CliRunner().invoke(main, ["inspect", shards, "--json", "--no-verify"]).output)
+    assert report["tensors"]["features"] == "float32"  # tiny_shards extracts in fp32
+    text = CliRunner().invoke(main, ["inspect", shards, "--no-verify"]).output
+    line = next(line for line in text.splitlines() if line.strip().startswith("bytes"))
+    match = re.search(
+        r"stored bytes = (\d+\.\d+) x the features as raw bf16 \((\d+) B/token; features stored as (\w+)\)", line
+    )
+    assert match, line
+    ratio, raw, stored = match.groups()
+    assert float(ratio) == round(report["bytes_vs_raw_bf16_features"], 3) and float(ratio) > 1  # fp32: over 1
+    assert int(raw) == report["raw_bf16_feature_bytes_per_token"] and stored == "float32"
