@@ -84,7 +84,7 @@ def replay_length(sample, length, drafter, embed, lm_head, columns, options, win
     reset_peak()
     before = current_rss()
     start = began = time.perf_counter()
-    result = empty_anchor_tensors(sample, length, drafter.config.block_size)
+    result = empty_anchor_tensors(sample, length, drafter.config)
     packed = pack_samples(drafter, [sample], columns, options)
     context_s = time.perf_counter() - start
     count = result.anchors.numel()

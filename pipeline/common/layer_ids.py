@@ -37,13 +37,22 @@ def parse_layer_ids(text: str) -> list[int]:
 
 
 def check_layer_ids(layer_ids: list[int], num_target_layers: int, where: str = "--layer-ids") -> None:
-    """Every id names one of the target's decoder layers."""
-    bad = [i for i in layer_ids if not 0 <= i < num_target_layers]
+    """Every id names one of the target's decoder layers, or the final hidden state before the
+    norm (id L, see final_prenorm_id)."""
+    bad = [i for i in layer_ids if not 0 <= i <= num_target_layers]
     if bad:
         raise UserError(
             f"{where}: layer ids {bad} out of range; the target has {num_target_layers} decoder layers "
-            f"(valid ids 0..{num_target_layers - 1}; id i is the output of decoder layer i)"
+            f"(valid ids 0..{num_target_layers}; id i is the output of decoder layer i, id {num_target_layers} "
+            f"the final hidden state before the final norm)"
         )
+
+
+def final_prenorm_id(num_target_layers: int) -> int:
+    """The stored layer id of the target's final hidden state BEFORE its final norm: L, one past
+    the last layer's id. (Id L - 1 is after the norm, as transformers reports the last hidden
+    state; speculators' before-layer id L and MTP heads read the pre-norm one.)"""
+    return num_target_layers
 
 
 def requested_layer_ids(settings: dict) -> list[int]:

@@ -117,9 +117,11 @@ def ties_last_hidden_state(decoder) -> bool:
 
 
 @contextmanager
-def layer_outputs(layers: torch.nn.ModuleList, layer_ids: list[int], put):
-    """Forward hooks on just the layers in `layer_ids`, each handing its output [T, H] to
-    `put(layer id, output)` at once (the windowed forward overwrites it with the next layer's)."""
+def layer_outputs(layers: torch.nn.ModuleList, hooks: list[tuple[int, int]], put):
+    """Forward hooks on just the layers of `hooks` [(layer index, stored layer id)], each handing
+    its output [T, H] to `put(stored id, output)` at once (the windowed forward overwrites it with
+    the next layer's). Two ids may come from one layer (the last one's output, stored as id L - 1
+    and as id L, the final hidden state before the norm)."""
     handles = []
 
     def hook_for(layer_id):
@@ -129,8 +131,8 @@ def layer_outputs(layers: torch.nn.ModuleList, layer_ids: list[int], put):
         return hook
 
     try:
-        for layer_id in sorted(set(layer_ids)):
-            handles.append(layers[layer_id].register_forward_hook(hook_for(layer_id)))
+        for index, layer_id in sorted(set(hooks)):
+            handles.append(layers[index].register_forward_hook(hook_for(layer_id)))
         yield
     finally:
         for handle in handles:
@@ -271,7 +273,8 @@ def capture_features(model, input_ids: list[int], config: CaptureConfig) -> tupl
     layers = decoder_layers(model)
     last = len(layers) - 1
     from_norm = ties_last_hidden_state(decoder)
-    hooked = [i for i in config.layer_ids if not (i == last and from_norm)]
+    # id L (one past the last layer) is the last layer's own output: the final hidden state before the norm
+    hooked = [(min(i, last), i) for i in config.layer_ids if not (i == last and from_norm)]
     ids = torch.tensor([input_ids], dtype=torch.long, device=model_device(model))
     text, itemsize = text_config(model), next(decoder.parameters()).element_size()
     rows = forward_rows(text, config.head_budget_bytes, itemsize, len(input_ids))

@@ -27,7 +27,7 @@ from scoring.config import DEFAULT_DIAGNOSE_SAMPLES, DiagnoseConfig
 from scoring.diagnose.stats import Comparison, Drawn, SampleStats, by_position, compare_all, sample_stats, verdict
 from scoring.diagnose.variants import CONFIGURED, VARIANTS, Variant, missing_layers, not_applicable, parse_variants
 from scoring.drafters.checkpoint import load_drafter, read_drafter_config
-from scoring.drafters.compatibility import check_compatibility
+from scoring.drafters.compatibility import check_compatibility, target_layers
 from scoring.replay.anchors import replay_sample
 from scoring.replay.packing import ReplayOptions, prepare_target_head, select_feature_columns
 from scoring.score.outputs import results_lock
@@ -169,8 +169,9 @@ def prepare(config: DiagnoseConfig, shardset: ShardSet, progress=None) -> Setup:
     """Load the checkpoint (compatibility checked first), the target head and the samples."""
     device, dtype = resolve_device_dtype(config.device, config.dtype)
     manifest, settings = shardset.manifest, shardset.settings
-    check_compatibility(read_drafter_config(config.ckpt), manifest, config.ckpt)
-    drafter, info = load_drafter(config.ckpt, dtype=dtype, device=device)
+    layers = target_layers(manifest)
+    check_compatibility(read_drafter_config(config.ckpt, target_layers=layers), manifest, config.ckpt)
+    drafter, info = load_drafter(config.ckpt, dtype=dtype, device=device, target_layers=layers)
     chosen = set(choose(shardset, config))
     samples = list(shardset.samples(tensors=SAMPLE_TENSORS, keep=chosen.__contains__))  # as score reads them
     options = ReplayOptions(

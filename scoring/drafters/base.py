@@ -59,6 +59,10 @@ class DrafterConfig:
     # a reduced draft vocabulary (speculators `draft_vocab_size`): its own lm_head rows and d2t
     draft_vocab_size: int | None = None
     family_options: dict = field(default_factory=dict)  # the family's own fields (DFlash2 selector, DSpark heads)
+    # the feature layer ids as the checkpoint states them, in its layout's convention ("output" of
+    # layer i, this project's; "before" layer i, speculators'): compatibility checks them against the target
+    stated_layer_ids: list[int] | None = None
+    layer_convention: str = "output"
 
     def layer_is_causal(self, index: int) -> bool:
         """As the reference: sliding layers are causal (unless speculators' sliding_window_non_causal)
@@ -70,23 +74,22 @@ class DrafterConfig:
     @property
     def max_drafts(self) -> int:
         """Draft tokens one full block proposes."""
-        return self.block_size if self.drafts_from_anchor else self.block_size - 1
+        return self.depth(self.block_size)
 
-    def block_len(self, remaining):
-        """Block queries at an anchor with `remaining` positions left in the budget (an int or a
-        tensor): as `dflash_generate`, the block never drafts past the budget, so its last draft
-        is at most the budget's last position."""
-        if self.drafts_from_anchor:
-            return (
-                (remaining - 1).clamp(min=0, max=self.block_size)
-                if hasattr(remaining, "clamp")
-                else max(0, min(self.block_size, remaining - 1))
-            )
-        return remaining.clamp(max=self.block_size) if hasattr(remaining, "clamp") else min(self.block_size, remaining)
+    def block_len(self, remaining: torch.Tensor) -> torch.Tensor:
+        """Block queries at anchors with `remaining` positions left in the budget: as
+        `dflash_generate` truncates its block, a block never drafts past the budget's last
+        position (drafts from the anchor: one query fewer for the same last draft)."""
+        return (remaining - int(self.drafts_from_anchor)).clamp(min=0, max=self.block_size)
+
+    @property
+    def first_draft_slot(self) -> int:
+        """The block query whose hidden state gives draft 1 (0: the anchor's own slot drafts)."""
+        return 0 if self.drafts_from_anchor else 1
 
     def depth(self, block_len: int) -> int:
         """Drafts a block of `block_len` queries proposes."""
-        return block_len if self.drafts_from_anchor else max(0, block_len - 1)
+        return max(0, block_len - self.first_draft_slot)
 
     def layer_window(self, index: int) -> int | None:
         return self.sliding_window if self.layer_types[index] == "sliding_attention" else None
@@ -149,3 +152,6 @@ class Family:
     name: str  # e.g. "z-lab DFlash v1"
     parse_config: Callable[[Any, dict, str], DrafterConfig]  # (validated layout, raw config, source)
     build: Callable[[DrafterConfig], torch.nn.Module]
+    # DDTree scores prefixes by per-position marginals: exact only for drafts that are independent
+    # given the block (DFlash); a selector or Markov head makes each draft depend on the last
+    trees: bool = True

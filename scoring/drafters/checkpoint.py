@@ -114,7 +114,7 @@ def check_state_dict(
         )
     wrong = [
         f"{name}: checkpoint {list(state[name].shape)} vs config {list(shape)}"
-        for name, shape in sorted(expected.items())
+        for name, (shape, _) in sorted(expected.items())
         if tuple(state[name].shape) != tuple(shape)
     ]
     if wrong:
@@ -126,9 +126,13 @@ def check_state_dict(
             + "; ".join(wrong[:MAX_LISTED])
             + ". Use the config.json this checkpoint was trained with"
         )
-    not_float = sorted(name for name, tensor in state.items() if not tensor.is_floating_point())
-    if not_float:
-        raise CheckpointError(f"{source}: non-floating-point weights {listing(not_float)}; not a drafter checkpoint")
+    kinds = {name: dtype.is_floating_point for name, (_, dtype) in expected.items()}
+    wrong_kind = sorted(name for name, tensor in state.items() if tensor.is_floating_point() != kinds[name])
+    if wrong_kind:  # integer id maps (d2t, t2d) stay integers; a weight is never one
+        raise CheckpointError(
+            f"{source}: tensors {listing(wrong_kind)} are not of the kind the drafter has (floating-point weights, "
+            f"integer or boolean id maps); not a drafter checkpoint"
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -154,11 +158,25 @@ class CheckpointInfo:
 # loading
 
 
-def _expected_shapes(config: DrafterConfig) -> tuple[torch.nn.Module, dict[str, torch.Size]]:
-    """A drafter skeleton on the meta device: names and shapes without allocating 1e9 weights."""
+def _expected_shapes(config: DrafterConfig) -> tuple[torch.nn.Module, dict[str, tuple[torch.Size, torch.dtype]]]:
+    """A drafter skeleton on the meta device: names, shapes and dtypes without allocating 1e9 weights."""
     with torch.device("meta"):
         skeleton = build_drafter(config)
-    return skeleton, {name: tensor.shape for name, tensor in skeleton.state_dict().items()}
+    return skeleton, _expected_of(skeleton)
+
+
+def _expected_of(skeleton: torch.nn.Module) -> dict[str, tuple[torch.Size, torch.dtype]]:
+    return {name: (tensor.shape, tensor.dtype) for name, tensor in skeleton.state_dict().items()}
+
+
+def _drop_absent_optional(skeleton, state: dict, expected: dict) -> dict:
+    """When the checkpoint leaves out only weights the family may take from the target
+    (DeepSpec's copies of its embedding and lm_head), the skeleton drops them."""
+    absent = set(expected) - set(state)
+    if absent and absent <= set(getattr(skeleton, "optional_weights", ())):
+        skeleton.drop_weights(sorted(absent))
+        return _expected_of(skeleton)
+    return expected
 
 
 def _materialize(skeleton: torch.nn.Module, state: dict, dtype, device, source: str = "checkpoint") -> torch.nn.Module:
@@ -169,7 +187,11 @@ def _materialize(skeleton: torch.nn.Module, state: dict, dtype, device, source: 
     as the reference keeps them (transformers casts only cos/sin to the activation dtype).
     """
     stored = state
-    state = {name: tensor.to(device=device, dtype=dtype).contiguous() for name, tensor in state.items()}
+    # weights in the compute dtype; integer and boolean id maps (d2t, t2d) as they are
+    state = {
+        name: tensor.to(device=device, dtype=dtype if tensor.is_floating_point() else tensor.dtype).contiguous()
+        for name, tensor in state.items()
+    }
     overflow = nonfinite_counts({name: t for name, t in state.items() if stored[name].dtype != dtype})
     if overflow:  # finite as stored (check_finite), so the cast to the compute dtype overflowed
         name, count = next(iter(overflow.items()))
@@ -192,22 +214,26 @@ def _materialize(skeleton: torch.nn.Module, state: dict, dtype, device, source: 
     return skeleton
 
 
-def _read_config(config_file: str) -> tuple[DrafterConfig, dict]:
+def _read_config(config_file: str, target_layers: int | None = None) -> tuple[DrafterConfig, dict]:
     config_raw = read_json_file(config_file)
-    return parse_drafter_config(config_raw, source=config_file), config_raw
+    return parse_drafter_config(config_raw, config_file, target_layers), config_raw
 
 
-def read_drafter_config(path: str, config_path: str | None = None) -> DrafterConfig:
+def read_drafter_config(path: str, config_path: str | None = None, target_layers: int | None = None) -> DrafterConfig:
     """The checkpoint's parsed config without reading any weights, so `check_compatibility`
     can reject a drafter before gigabytes of weights are loaded. A partly written checkpoint is
     refused here already (checkpoint_problem reads headers only)."""
     check_checkpoint(path, config_path)
     _, config_file = resolve_checkpoint_files(path, config_path)
-    return _read_config(config_file)[0]
+    return _read_config(config_file, target_layers)[0]
 
 
 def load_drafter(
-    path: str, dtype: torch.dtype = torch.float32, device="cpu", config_path: str | None = None
+    path: str,
+    dtype: torch.dtype = torch.float32,
+    device="cpu",
+    config_path: str | None = None,
+    target_layers: int | None = None,
 ) -> tuple[torch.nn.Module, CheckpointInfo]:
     """Load a drafter checkpoint strictly; see the module docstring for accepted layouts.
 
@@ -218,13 +244,15 @@ def load_drafter(
     """
     check_checkpoint(path, config_path)
     weight_files, config_file = resolve_checkpoint_files(path, config_path)
-    config, config_raw = _read_config(config_file)
+    config, config_raw = _read_config(config_file, target_layers)
     source = weight_files[0] if len(weight_files) == 1 else os.path.dirname(weight_files[0])
     skeleton, expected = _expected_shapes(config)
     raw_state, metadata = read_state_dict(weight_files)
-    state, stripped = normalize_keys(raw_state, set(expected), source)
+    state, stripped = normalize_keys(skeleton.canonical_names(raw_state), set(expected), source)
+    expected = _drop_absent_optional(skeleton, state, expected)
     check_state_dict(state, expected, config, source, config_file)
     drafter = _materialize(skeleton, state, dtype, device, source)
+    drafter.check_loaded(source)
     info = CheckpointInfo(
         path=os.path.abspath(path),
         content_hash=content_hash(weight_files, config_raw),

@@ -33,6 +33,12 @@ def _manifest_target(manifest: dict) -> tuple[list[int], dict, str]:
     return [int(i) for i in layer_ids], target, str(label)
 
 
+def target_layers(manifest: dict) -> int | None:
+    """The target's decoder layer count an extract records (None when it records none)."""
+    num = ((manifest.get("settings") or {}).get("target") or {}).get("num_layers")
+    return None if num is None else int(num)
+
+
 def check_compatibility(config: DrafterConfig, manifest: dict, ckpt_path: str) -> None:
     """Every drafter/target mismatch as an error naming both sides, before any weight is read.
 
@@ -45,12 +51,13 @@ def check_compatibility(config: DrafterConfig, manifest: dict, ckpt_path: str) -
     stored, target, label = _manifest_target(manifest)
     where = f"drafter {ckpt_path} vs shards of {label}"
     _check_block_and_target(config, target, where)
+    _check_final_layer(config, int(target["num_layers"]), where)
     _check_layers(config, stored, where)
     _check_widths(config, target, where)
 
 
 def _check_block_and_target(config: DrafterConfig, target: dict, where: str) -> None:
-    if config.block_size < 2:
+    if config.max_drafts < 1:
         raise CompatibilityError(
             f"{where}: block_size {config.block_size} drafts nothing (a block is [last token, B-1 masks]); "
             f"block_size must be >= 2"
@@ -62,13 +69,29 @@ def _check_block_and_target(config: DrafterConfig, target: dict, where: str) -> 
         )
 
 
+def _check_final_layer(config: DrafterConfig, num_layers: int, where: str) -> None:
+    """A before-layer id equal to the target's layer count (speculators') names the residual after
+    the last layer BEFORE the final norm, stored as id L, never the post-norm id L - 1
+    (docs/layer-numbering.md): the config must have been read knowing the target's layer count."""
+    stated = config.stated_layer_ids or []
+    if config.layer_convention == "before" and num_layers in stated and num_layers not in config.target_layer_ids:
+        raise CompatibilityError(
+            f"{where}: internal: the drafter's before-layer ids {stated} were read without the target's layer "
+            f"count, so id {num_layers} (the final hidden state before the norm) would be read as the layer after it"
+        )
+
+
 def _check_layers(config: DrafterConfig, stored: list[int], where: str) -> None:
     missing = [i for i in config.target_layer_ids if i not in stored]
     if missing:
         union = sorted(set(stored) | set(config.target_layer_ids))
+        stated = ""
+        if config.layer_convention == "before":
+            stated = f" (its config states {config.stated_layer_ids}, counted before layer i: ours are one lower)"
         raise CompatibilityError(
-            f"{where}: drafter target_layer_ids {config.target_layer_ids} but the shards store layer ids {stored} "
-            f"(missing {missing}); re-run extract with --layer-ids {','.join(map(str, union))}"
+            f"{where}: drafter target_layer_ids {config.target_layer_ids}{stated} but the shards store layer ids "
+            f"{stored} (missing {missing}); re-run extract with --layer-ids {','.join(map(str, union))} (or "
+            f"--draft-config with the drafter's config.json)"
         )
 
 

@@ -12,12 +12,21 @@ from torch import nn
 
 from pipeline.common.drafter_configs import read_drafter_format
 from pipeline.common.schema import SchemaError
-from scoring.drafters import dflash
+from scoring.drafters import dflash, dflash2, dspark
 from scoring.drafters.base import DrafterConfig, DrafterConfigError, Family
 
-FAMILIES: dict[str, Family] = {"dflash": dflash.FAMILY}
+FAMILIES: dict[str, Family] = {"dflash": dflash.FAMILY, "dflash2": dflash2.FAMILY, "dspark": dspark.FAMILY}
 # (layout, family) -> the FAMILIES key that scores it
-SCORED = {("z-lab", "dflash"): "dflash"}
+SCORED = {
+    ("z-lab", "dflash"): "dflash",
+    ("speculators", "dflash"): "dflash",
+    ("z-lab", "dflash2"): "dflash2",
+    ("speculators", "dflash2"): "dflash2",
+    ("speculators", "dspark"): "dspark",
+    ("specforge", "dspark"): "dspark",
+    ("deepspec", "dspark"): "dspark",
+}
+LAYOUT_NAMES = {"z-lab": "z-lab", "speculators": "speculators", "specforge": "SpecForge", "deepspec": "DeepSpec"}
 NAMES = {"dflash": "DFlash", "dflash2": "DFlash2", "dspark": "DSpark", "eagle3": "EAGLE-3", "mtp": "MTP"}
 NOT_YET = "which specreplay does not score yet; refusing rather than scoring it wrong"
 
@@ -38,7 +47,7 @@ def _family_of(checked, source: str) -> str:
     key = SCORED.get((checked.LAYOUT, checked.family))
     if key is None:  # validated, so a broken file was told as broken first
         raise DrafterConfigError(
-            f"{source}: a {NAMES[checked.family]} drafter in {possessive(checked.LAYOUT)} layout ({checked.evidence}), {NOT_YET}"
+            f"{source}: a {NAMES[checked.family]} drafter in {possessive(LAYOUT_NAMES[checked.LAYOUT])} layout ({checked.evidence}), {NOT_YET}"
         )
     return key
 
@@ -47,13 +56,22 @@ def possessive(name: str) -> str:
     return name + ("'" if name.endswith("s") else "'s")
 
 
-def parse_drafter_config(raw: dict, source: str = "config") -> DrafterConfig:
-    """The config in the project's terms, parsed by its family; errors name the field and the file."""
+def parse_drafter_config(raw: dict, source: str = "config", target_layers: int | None = None) -> DrafterConfig:
+    """The config in the project's terms, parsed by its family; errors name the field and the file.
+    `target_layers`: the target's layer count, which tells a before-layer id L (the final hidden
+    state before the norm, stored as id L) from the others (output of layer s - 1)."""
     checked = _validated(raw, source)
     family = _family_of(checked, source)
     config = FAMILIES[family].parse_config(checked, raw, source)
     config.family = family
+    if checked.CONVENTION == "before" and target_layers is not None:
+        config.target_layer_ids = checked.feature_layers(source, target_layers)
     return config
+
+
+def supports_trees(config: DrafterConfig) -> bool:
+    """Whether DDTree applies to the family of `config` (Family.trees)."""
+    return FAMILIES[config.family].trees
 
 
 def build_drafter(config: DrafterConfig) -> nn.Module:

@@ -21,31 +21,10 @@ from __future__ import annotations
 from pipeline.common.drafter_configs.speculators import SpeculatorsDFlash2
 from pipeline.common.drafter_configs.zlab import DFLASH2_KEYS, ZlabDFlash
 from scoring.drafters.base import DrafterConfig, DrafterConfigError, Family
-from scoring.drafters.dflash import attention_layout
+from scoring.drafters.dflash import decoder_fields, speculators_decoder, stated_layers
 from scoring.drafters.dflash2_model import DFlash2Drafter
-from scoring.drafters.dflash_model import qwen3_config
 
 ARCHITECTURE = "DFlash2DraftModel"
-
-
-def decoder_fields(decoder: dict, source: str) -> dict:
-    """The DrafterConfig fields of the decoder, as the reference's Qwen3Config resolves them
-    (its defaults included: head_dim 128, num_key_value_heads = heads)."""
-    layer_types, sliding_window = attention_layout(decoder, source)
-    hf = qwen3_config(decoder)
-    return dict(
-        hidden_size=hf.hidden_size,
-        num_hidden_layers=hf.num_hidden_layers,
-        num_attention_heads=hf.num_attention_heads,
-        num_key_value_heads=hf.num_key_value_heads,
-        head_dim=hf.head_dim,
-        intermediate_size=hf.intermediate_size,
-        vocab_size=hf.vocab_size,
-        rms_norm_eps=float(hf.rms_norm_eps),
-        attention_bias=bool(hf.attention_bias),
-        layer_types=layer_types,
-        sliding_window=sliding_window,
-    )
 
 
 def parse_zlab(checked: ZlabDFlash, raw: dict, source: str) -> DrafterConfig:
@@ -77,12 +56,7 @@ def parse_zlab(checked: ZlabDFlash, raw: dict, source: str) -> DrafterConfig:
 
 
 def parse_speculators(checked: SpeculatorsDFlash2, raw: dict, source: str) -> DrafterConfig:
-    decoder = raw["transformer_layer_config"]
-    if decoder.get("model_type", "qwen3") != "qwen3":
-        raise DrafterConfigError(
-            f"{source}: transformer_layer_config.model_type is {decoder['model_type']!r}; specreplay scores "
-            f"DFlash2 drafters with a Qwen3 decoder (model_type 'qwen3') only"
-        )
+    decoder = speculators_decoder(raw, source, "DFlash2")
     fields = decoder_fields(decoder, source)
     if checked.draft_vocab_size != fields["vocab_size"]:
         raise DrafterConfigError(
@@ -102,6 +76,7 @@ def parse_speculators(checked: SpeculatorsDFlash2, raw: dict, source: str) -> Dr
         sliding_non_causal=checked.sliding_window_non_causal,
         drafts_from_anchor=checked.sample_from_anchor,
         family_options={key: int(getattr(checked, key)) for key in DFLASH2_KEYS},
+        **stated_layers(checked),
     )
     check_options(config, source, {key: key for key in DFLASH2_KEYS})
     return config
@@ -136,4 +111,4 @@ def parse_drafter_config(checked: ZlabDFlash | SpeculatorsDFlash2, raw: dict, so
     return parse_zlab(checked, raw, source)
 
 
-FAMILY = Family("DFlash2", parse_drafter_config, DFlash2Drafter)
+FAMILY = Family("DFlash2", parse_drafter_config, DFlash2Drafter, trees=False)

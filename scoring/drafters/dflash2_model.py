@@ -42,12 +42,11 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 from transformers import Qwen3Config
-from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, Qwen3RotaryEmbedding
 
 from pipeline.common.sampling import Sampling, token_logprob
 from scoring.drafters.base import DrafterConfig, Drafts
 from scoring.drafters.conventions import REFERENCE, Conventions
-from scoring.drafters.dflash_model import DFlashDrafter, DrafterLayer, qwen3_config
+from scoring.drafters.dflash_model import DFlashDrafter, DrafterLayer
 
 # Names some savers give the codebooks: z-lab's module keeps them in nn.Embedding, so its own
 # save_pretrained writes `.weight` (its from_pretrained maps the published names onto those).
@@ -61,14 +60,6 @@ def canonical_names(state: dict) -> dict:
     """`state` with the codebooks under the names this model (and speculators, vLLM and the
     published checkpoints) use."""
     return {SAVED_NAME_ALIASES.get(name, name): tensor for name, tensor in state.items()}
-
-
-def decoder_hf_config(config: DrafterConfig) -> Qwen3Config:
-    """The Qwen3Config of the decoder (`config.raw` holds its fields in both layouts: the top
-    level of a z-lab config.json, `transformer_layer_config` of a speculators one)."""
-    hf = qwen3_config(config.raw)
-    hf.head_dim = config.head_dim
-    return hf
 
 
 def grouped_dynamic_conv(x: torch.Tensor, delta: torch.Tensor, base: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -136,15 +127,13 @@ class CandidateSelector(nn.Module):
 
 
 class DFlash2Drafter(DFlashDrafter):
+    rowwise_drafts = False  # each draft depends on its predecessor (the selector)
+
+    layer_class = DFlash2Layer
+    canonical_names = staticmethod(canonical_names)
+
     def __init__(self, config: DrafterConfig):
-        nn.Module.__init__(self)  # DFlashDrafter's modules, with DFlash2 layers built once, not replaced
-        self.config = config
-        hf = decoder_hf_config(config)
-        self.fc = nn.Linear(len(config.target_layer_ids) * config.hidden_size, config.hidden_size, bias=False)
-        self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.layers = nn.ModuleList(DFlash2Layer(config, hf) for _ in range(config.num_hidden_layers))
-        self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.rotary = Qwen3RotaryEmbedding(hf)  # buffers only, not in the state dict
+        super().__init__(config)
         self.candidate_selector = CandidateSelector(config)
 
     def drafts(self, hidden, lm_head, previous, conventions: Conventions = REFERENCE) -> Drafts:

@@ -28,6 +28,7 @@ from pipeline.common.sampling import Sampling, token_logprob
 from scoring.drafters.attention import MASK_BUILDERS, attend
 from scoring.drafters.base import DrafterConfig, Drafts
 from scoring.drafters.conventions import REFERENCE, Conventions
+from scoring.drafters.vocab import check_vocab_mapping, to_target_vocab
 
 
 def qwen3_config(raw: dict) -> Qwen3Config:
@@ -36,7 +37,9 @@ def qwen3_config(raw: dict) -> Qwen3Config:
     return Qwen3Config(**{k: v for k, v in raw.items() if k not in ("architectures", "auto_map", "dflash_config")})
 
 
-def _hf_config(config: DrafterConfig) -> Qwen3Config:
+def decoder_hf_config(config: DrafterConfig) -> Qwen3Config:
+    """The Qwen3Config of the decoder (`config.raw` holds its fields in every layout: the top
+    level of a z-lab config.json, `transformer_layer_config` of a speculators one)."""
     hf = qwen3_config(config.raw)
     hf.head_dim = config.head_dim
     return hf
@@ -101,15 +104,53 @@ class DrafterLayer(nn.Module):
 
 
 class DFlashDrafter(nn.Module):
+    rowwise_drafts = True  # drafts = logits row by row: chunks may share one lm_head GEMM (replay/anchors.py)
+    layer_class = DrafterLayer  # a family with other decoder layers (DFlash2) names its own
+
     def __init__(self, config: DrafterConfig):
         super().__init__()
         self.config = config
-        hf = _hf_config(config)
+        hf = decoder_hf_config(config)
         self.fc = nn.Linear(len(config.target_layer_ids) * config.hidden_size, config.hidden_size, bias=False)
         self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.layers = nn.ModuleList(DrafterLayer(config, hf) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(self.layer_class(config, hf) for _ in range(config.num_hidden_layers))
         self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary = Qwen3RotaryEmbedding(hf)  # buffers only, not in the state dict
+        self.add_draft_vocab(config)
+
+    def add_draft_vocab(self, config: DrafterConfig) -> None:
+        """A reduced draft vocabulary's own head and id map (vocab.py); none: the target's lm_head."""
+        if config.draft_vocab_size is None:
+            self.lm_head = self.d2t = self.t2d = None
+            return
+        self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
+
+    @staticmethod
+    def canonical_names(state: dict) -> dict:
+        """The checkpoint's tensors under this model's names (a family whose savers disagree on
+        some names maps them here; DFlash's agree)."""
+        return state
+
+    optional_weights: tuple[str, ...] = ()  # weights a checkpoint may leave out (the target's used instead)
+
+    def embedding_table(self, target_embed: torch.Tensor) -> torch.Tensor:
+        """The [V, H] table block tokens are embedded with: the target's (the drafter has none)."""
+        return target_embed
+
+    def head_weight(self, lm_head: torch.Tensor) -> torch.Tensor:
+        """The output head [Vo, H]: the drafter's own (a reduced vocabulary), else the target's."""
+        return lm_head if self.lm_head is None else self.lm_head.weight
+
+    def to_target(self, scores: torch.Tensor) -> torch.Tensor:
+        """Scores over the output vocabulary -> over the target's (-inf outside a reduced one)."""
+        return scores if self.d2t is None else to_target_vocab(scores, self.d2t, self.config.vocab_size)
+
+    def check_loaded(self, source: str) -> None:
+        """After loading: the vocabulary mapping is one the drafter can score with."""
+        if self.d2t is not None:
+            check_vocab_mapping(self.d2t, self.t2d, self.config.vocab_size, source)
 
     def rope(self, like: torch.Tensor, positions: torch.Tensor):
         """cos/sin [*positions.shape, d] in like's dtype."""
@@ -191,7 +232,11 @@ class DFlashDrafter(nn.Module):
         return self.norm(h)
 
     def logits(self, hidden: torch.Tensor, lm_head: torch.Tensor, conventions: Conventions = REFERENCE) -> torch.Tensor:
-        """Target lm_head on drafter states, then output_multiplier and optional soft-capping."""
+        """Draft logits [..., V] over the target's vocabulary (head_logits, mapped by to_target)."""
+        return self.to_target(self.head_logits(hidden, self.head_weight(lm_head), conventions))
+
+    def head_logits(self, hidden: torch.Tensor, lm_head: torch.Tensor, conventions: Conventions = REFERENCE):
+        """`lm_head` on drafter states, then output_multiplier and optional soft-capping."""
         # One [rows, H] x [H, V] GEMM: F.linear on a non-contiguous [a, L, H] view (the block
         # minus its first position) falls back to a slower batched matmul on CPU (bench/README.md).
         with timing.stage("lm_head", rows=hidden.shape[0] * hidden.shape[1]):

@@ -19,8 +19,7 @@ from dataclasses import asdict
 from pipeline.common.drafter_configs.dspark_layouts import DeepSpecDSpark, DSparkHeads, SpecForgeDSpark, resolve_heads
 from pipeline.common.drafter_configs.speculators import SpeculatorsDSpark
 from scoring.drafters.base import DrafterConfig, DrafterConfigError, Family
-from scoring.drafters.dflash import attention_layout
-from scoring.drafters.dflash_model import qwen3_config
+from scoring.drafters.dflash import decoder_fields, draft_vocab, speculators_decoder, stated_layers
 from scoring.drafters.dspark_model import DSparkDrafter
 
 
@@ -38,22 +37,10 @@ def parse_drafter_config(checked, raw: dict, source: str = "config") -> DrafterC
 def _drafter_config(decoder: dict, source: str, heads: DSparkHeads, **fields) -> DrafterConfig:
     """The DrafterConfig of a DSpark drafter whose Qwen3 decoder fields are `decoder`: the shapes
     as transformers' Qwen3Config resolves them (its defaults fill what the file leaves out)."""
-    layer_types, sliding_window = attention_layout(decoder, source)
-    hf = qwen3_config(decoder)
     return DrafterConfig(
-        hidden_size=hf.hidden_size,
-        num_hidden_layers=hf.num_hidden_layers,
-        num_attention_heads=hf.num_attention_heads,
-        num_key_value_heads=hf.num_key_value_heads,
-        head_dim=hf.head_dim,
-        intermediate_size=hf.intermediate_size,
-        vocab_size=hf.vocab_size,
-        rms_norm_eps=float(hf.rms_norm_eps),
-        layer_types=layer_types,
-        sliding_window=sliding_window,
+        **decoder_fields(decoder, source),
         is_causal=None,
-        attention_bias=bool(hf.attention_bias),
-        raw=decoder,  # what the backbone builds its Qwen3Config from (dflash_model._hf_config)
+        raw=decoder,  # what the backbone builds its Qwen3Config from (dflash_model.decoder_hf_config)
         family="dspark",
         family_options=asdict(heads),
         **fields,
@@ -79,7 +66,7 @@ def _speculators(checked: SpeculatorsDSpark, raw: dict, source: str) -> DrafterC
             f"that case; specreplay scores rnn heads with sample_from_anchor true only"
         )
     config = _drafter_config(
-        raw["transformer_layer_config"],
+        speculators_decoder(raw, source, "DSpark"),
         source,
         heads,
         block_size=checked.block_size,
@@ -89,14 +76,9 @@ def _speculators(checked: SpeculatorsDSpark, raw: dict, source: str) -> DrafterC
         layout="speculators",
         sliding_non_causal=checked.sliding_window_non_causal,
         drafts_from_anchor=checked.sample_from_anchor,
+        **stated_layers(checked),
     )
-    if checked.draft_vocab_size > config.vocab_size:
-        raise DrafterConfigError(
-            f"{source}: field 'draft_vocab_size' is {checked.draft_vocab_size}, larger than "
-            f"transformer_layer_config.vocab_size {config.vocab_size}; a draft vocabulary is a subset of the target's"
-        )
-    if checked.draft_vocab_size < config.vocab_size:
-        config.draft_vocab_size = checked.draft_vocab_size
+    config.draft_vocab_size = draft_vocab(checked.draft_vocab_size, config.vocab_size, source)
     return config
 
 
@@ -160,4 +142,4 @@ def _threshold(value, source: str) -> float:
     return float(value)
 
 
-FAMILY = Family("DSpark", parse_drafter_config, DSparkDrafter)
+FAMILY = Family("DSpark", parse_drafter_config, DSparkDrafter, trees=False)

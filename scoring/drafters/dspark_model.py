@@ -33,7 +33,6 @@ from pipeline.common.sampling import Sampling
 from scoring.drafters.base import DrafterConfig, Drafts
 from scoring.drafters.conventions import REFERENCE, Conventions
 from scoring.drafters.dflash_model import DFlashDrafter
-from scoring.drafters.vocab import check_vocab_mapping, to_target_vocab
 
 # Early SpecForge DSpark checkpoints saved the heads under a `logit_head.` container; SpecForge
 # maps them back on load (specforge/modeling/draft/dflash.py:296-332), and so does this model.
@@ -105,6 +104,9 @@ class ConfidenceHead(nn.Module):
 
 
 class DSparkDrafter(DFlashDrafter):
+    rowwise_drafts = False  # each draft depends on its predecessor (the Markov head)
+    canonical_names = staticmethod(rename_legacy_keys)
+
     def __init__(self, config: DrafterConfig):
         super().__init__(config)
         options, hidden = config.family_options, config.hidden_size
@@ -115,16 +117,10 @@ class DSparkDrafter(DFlashDrafter):
         )
         with_markov = options["confidence_head_with_markov"]
         self.confidence_head = ConfidenceHead(hidden + rank * with_markov) if options["confidence_head"] else None
-        self.embed_tokens = self.lm_head = None
-        if config.draft_vocab_size is not None:
-            self.lm_head = nn.Linear(hidden, out_vocab, bias=False)
-            self.register_buffer("d2t", torch.zeros(out_vocab, dtype=torch.long))
-            self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
-        elif config.layout == "deepspec":  # its own copies of the target's (qwen3/modeling.py:227-246)
-            self.embed_tokens = nn.Embedding(config.vocab_size, hidden)
+        self.embed_tokens = None
+        if config.draft_vocab_size is None and config.layout == "deepspec":  # its own copies of the target's
+            self.embed_tokens = nn.Embedding(config.vocab_size, hidden)  # (qwen3/modeling.py:227-246)
             self.lm_head = nn.Linear(hidden, config.vocab_size, bias=False)
-        if config.draft_vocab_size is None:
-            self.d2t = self.t2d = None
         self.register_load_state_dict_pre_hook(_rename_legacy_heads)
 
     # -- weights the replay takes from the target unless the checkpoint has its own ----------
@@ -145,25 +141,6 @@ class DSparkDrafter(DFlashDrafter):
     def embedding_table(self, target_embed: torch.Tensor) -> torch.Tensor:
         """The [V, H] table block tokens are embedded with: the drafter's own, else the target's."""
         return target_embed if self.embed_tokens is None else self.embed_tokens.weight
-
-    def head_weight(self, lm_head: torch.Tensor) -> torch.Tensor:
-        """The output head [Vo, H]: the drafter's own (reduced vocabulary, DeepSpec), else the target's."""
-        return lm_head if self.lm_head is None else self.lm_head.weight
-
-    def check_loaded(self, source: str) -> None:
-        """After loading: the vocabulary mapping is one the drafter can score with."""
-        if self.d2t is not None:
-            check_vocab_mapping(self.d2t, self.t2d, self.config.vocab_size, source)
-
-    # -- drafts ----------------------------------------------------------------------------------
-
-    def to_target(self, scores: torch.Tensor) -> torch.Tensor:
-        """Scores over the output vocabulary -> over the target's (-inf outside a reduced one)."""
-        return scores if self.d2t is None else to_target_vocab(scores, self.d2t, self.config.vocab_size)
-
-    def logits(self, hidden: torch.Tensor, lm_head: torch.Tensor, conventions: Conventions = REFERENCE) -> torch.Tensor:
-        """The base logits [..., V] WITHOUT the Markov bias (which needs the predecessors: `drafts`)."""
-        return self.to_target(super().logits(hidden, self.head_weight(lm_head), conventions))
 
     def markov_bias(self, hidden: torch.Tensor, previous: torch.Tensor) -> torch.Tensor | None:
         """[a, D, Vo] bias over the output vocabulary, None without a Markov head."""
@@ -198,7 +175,7 @@ class DSparkDrafter(DFlashDrafter):
         """Teacher-forced drafts at the draft slots `hidden` [a, D, H], `previous` [a, D] the
         token before each draft's target: logits base + Markov bias over the target vocabulary
         (greedy draft = their argmax, as DeepSpec's), and the confidence head's cut."""
-        scores = super().logits(hidden, self.head_weight(lm_head), conventions)
+        scores = self.head_logits(hidden, self.head_weight(lm_head), conventions)
         bias = self.markov_bias(hidden, previous)
         if bias is not None:
             scores = scores.add_(bias.to(scores.dtype))

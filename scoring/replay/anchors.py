@@ -21,14 +21,9 @@ import torch
 
 from pipeline.common import timing
 from pipeline.shards import Sample
-from scoring.drafters.base import DraftModel
+from scoring.drafters.base import DrafterConfig, DraftModel, Drafts
 from scoring.replay import metrics
-from scoring.replay.chunk import (
-    chunk_anchors,
-    chunk_hidden,
-    chunk_logits,
-    score_chunk,
-)
+from scoring.replay.chunk import chunk_anchors, chunk_drafts, chunk_hidden, score_chunk
 from scoring.replay.ddtree import NOT_IN_TREE
 from scoring.replay.packing import (
     PackedSamples,
@@ -40,12 +35,14 @@ from scoring.replay.walk import next_stop_positions, walk_finished, walk_in_roun
 
 @dataclass
 class AnchorTensors:
-    """Per-anchor results of one sample; A anchors, L = block_size - 1 draft positions.
+    """Per-anchor results of one sample; A anchors, L = the drafts of a full block (block_size - 1,
+    or block_size for families that draft from the anchor's own slot).
     Entries past an anchor's (possibly truncated) block or past the known response are -1
     (token ids), NaN (floats) or NOT_IN_TREE (pop indices)."""
 
     anchors: torch.Tensor  # [A] absolute positions of the block's first token
-    block_len: torch.Tensor  # [A]
+    block_len: torch.Tensor  # [A] block queries
+    depth: torch.Tensor  # [A] drafts the block proposes (block_len - 1, or block_len drafting from the anchor)
     draft_tokens: torch.Tensor  # [A, L] drafter argmax
     target_tokens: torch.Tensor  # [A, L] stored (greedy) tokens, -1 where unknown
     target_logprob: torch.Tensor  # [A, L] log q_k(y_k)
@@ -56,13 +53,15 @@ class AnchorTensors:
     nonfinite: torch.Tensor  # [A] bool: the drafter's logits held NaN/Inf there (the sample is not scored)
 
 
-def empty_anchor_tensors(sample: Sample, max_new_tokens: int, block_size: int) -> AnchorTensors:
+def empty_anchor_tensors(sample: Sample, max_new_tokens: int, config: DrafterConfig) -> AnchorTensors:
     """Per-anchor tensors for every anchor of a sample, nothing computed yet."""
     anchors = torch.arange(sample.prompt_len, sample.input_ids.numel() - 1)
-    A, L = anchors.numel(), block_size - 1
+    A, L = anchors.numel(), config.max_drafts
+    block_len = config.block_len(sample.prompt_len + max_new_tokens - anchors)
     return AnchorTensors(
         anchors=anchors,
-        block_len=torch.clamp(sample.prompt_len + max_new_tokens - anchors, max=block_size),
+        block_len=block_len,
+        depth=(block_len - config.first_draft_slot).clamp(min=0),
         draft_tokens=torch.full((A, L), -1, dtype=torch.long),
         target_tokens=torch.full((A, L), -1, dtype=torch.long),
         target_logprob=torch.full((A, L), float("nan")),
@@ -102,50 +101,59 @@ def _replay_anchors(drafter, embed, lm_head, packed, results, wanted, options) -
     block_lens = torch.stack([results[s].block_len[r] for s, r in wanted])
     vocab = lm_head.shape[0]
     ctx_len = int(packed.lengths.sum())
-    chunks = []  # (positions in `wanted`, block length)
+    chunks = []  # (positions in `wanted`, block length, drafts)
     for block_len in block_lens.unique().tolist():
         group = torch.nonzero(block_lens == block_len).flatten()
+        depth = drafter.config.depth(block_len)
+        if depth == 0:  # the budget's last position: no draft, the step is the target's token alone
+            _mark_computed(results, sample_idx[group], rows[group])
+            continue
         size = chunk_anchors(drafter, block_len, ctx_len, vocab, options)
-        chunks += [(group[begin : begin + size], block_len) for begin in range(0, group.numel(), size)]
-    # A sample's tail (the last block_size - 1 anchors, one block length each) makes chunks of
-    # a few rows; alone, each would read the whole lm_head for them. They share one GEMM.
-    is_small = [part.numel() * (block_len - 1) < SMALL_CHUNK_ROWS for part, block_len in chunks]
+        chunks += [(group[begin : begin + size], block_len, depth) for begin in range(0, group.numel(), size)]
+    # A sample's tail (the last anchors, one block length each) makes chunks of a few rows;
+    # alone, each would read the whole lm_head for them. They share one GEMM.
+    is_small = [part.numel() * depth < SMALL_CHUNK_ROWS for part, _, depth in chunks]
     batches = [[c] for c, small in zip(chunks, is_small) if not small]
     batches += _batches_of([c for c, small in zip(chunks, is_small) if small], SMALL_CHUNK_ROWS * 4)
     previous = None  # the last chunk, written once its DDTree pops are in (computed meanwhile)
     for batch in batches:
-        on_device = [(sample_idx[p].to(options.device), anchors[p].to(options.device), b) for p, b in batch]
-        logits = _batch_logits(drafter, embed, lm_head, packed, on_device, options)
-        for (part, block_len), (idx, at, _), chunk_logits_ in zip(batch, on_device, logits):
-            scored = score_chunk(drafter, packed, idx, at, block_len, options, chunk_logits_)
+        on_device = [(sample_idx[p].to(options.device), anchors[p].to(options.device), b) for p, b, _ in batch]
+        drafts = _batch_drafts(drafter, embed, lm_head, packed, on_device, options)
+        for (part, _, depth), (idx, at, _), chunk_drafts_ in zip(batch, on_device, drafts):
+            scored = score_chunk(drafter, packed, idx, at, options, chunk_drafts_)
             if previous is not None:
                 _write_chunk(results, *previous)
-            previous = (sample_idx[part], rows[part], block_len - 1, scored)
+            previous = (sample_idx[part], rows[part], depth, scored)
     if previous is not None:
         _write_chunk(results, *previous)
 
 
+def _mark_computed(results: list[AnchorTensors], sample_idx, rows) -> None:
+    for s in sample_idx.unique().tolist():
+        results[s].computed[rows[sample_idx == s]] = True
+
+
 def _batches_of(chunks: list, rows: int) -> list[list]:
-    """Consecutive runs of `chunks` holding about `rows` block rows each."""
+    """Consecutive runs of `chunks` holding about `rows` draft rows each."""
     batches, current, count = [], [], 0
-    for part, block_len in chunks:
-        current.append((part, block_len))
-        count += part.numel() * (block_len - 1)
+    for part, block_len, depth in chunks:
+        current.append((part, block_len, depth))
+        count += part.numel() * depth
         if count >= rows:
             batches, current, count = batches + [current], [], 0
     return batches + ([current] if current else [])
 
 
-def _batch_logits(drafter, embed, lm_head, packed, chunks, options) -> list[torch.Tensor]:
-    """Logits [a, block_len - 1, V] of each chunk (sample_idx, anchors, block_len): the drafter
-    per chunk, then one lm_head GEMM over all their rows."""
-    if len(chunks) == 1:
-        return [chunk_logits(drafter, embed, lm_head, packed, *chunks[0], options)]
+def _batch_drafts(drafter, embed, lm_head, packed, chunks, options) -> list[Drafts]:
+    """Drafts of each chunk (sample_idx, anchors, block_len): the drafter per chunk; for a family
+    whose drafts are row by row (DFlash: logits only), one lm_head GEMM over all their rows."""
+    if len(chunks) == 1 or not getattr(drafter, "rowwise_drafts", False):
+        return [chunk_drafts(drafter, embed, lm_head, packed, *chunk, options) for chunk in chunks]
     hidden = [chunk_hidden(drafter, embed, packed, idx, at, b, options) for idx, at, b in chunks]  # [a, d, H] each
     flat = torch.cat([h.reshape(-1, h.shape[-1]) for h in hidden])  # [sum a*d, H]
     logits = drafter.logits(flat[None], lm_head, options.conventions)[0]  # [sum a*d, V]
     sizes = [h.shape[0] * h.shape[1] for h in hidden]
-    return [part.view(h.shape[0], h.shape[1], -1) for part, h in zip(logits.split(sizes), hidden)]
+    return [Drafts(part.view(h.shape[0], h.shape[1], -1)) for part, h in zip(logits.split(sizes), hidden)]
 
 
 def _write_chunk(results: list[AnchorTensors], sample_idx, rows, depth: int, scored: dict) -> None:
@@ -180,7 +188,7 @@ def replay_sample(
 ) -> AnchorTensors:
     """Score every anchor of one sample (all-anchor mode). `feature_columns(features)` selects
     the drafter's layers; `max_new_tokens` is the max_new_tokens the online loop would run with."""
-    result = empty_anchor_tensors(sample, max_new_tokens, drafter.config.block_size)
+    result = empty_anchor_tensors(sample, max_new_tokens, drafter.config)
     if result.anchors.numel():
         packed = pack_samples(drafter, [sample], feature_columns, options)
         replay_anchors(
@@ -203,8 +211,7 @@ def replay_walks(
     """Walk-only mode: score just the anchors the simulated walks visit. One walk per (sample,
     method), a method being the chain (None) or a DDTree of n nodes; each round batches the
     current anchor of every unfinished walk (anchors shared between methods scored once)."""
-    block_size = drafter.config.block_size
-    results = [empty_anchor_tensors(s, b, block_size) for s, b in zip(samples, max_new_tokens)]
+    results = [empty_anchor_tensors(s, b, drafter.config) for s, b in zip(samples, max_new_tokens)]
     packed = pack_samples(drafter, samples, feature_columns, options)
     next_stop = [next_stop_positions(m) for m in is_stop]
 

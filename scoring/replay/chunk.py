@@ -12,7 +12,7 @@ import torch
 
 from pipeline.common import timing
 from scoring.drafters.attention import KEY_CHUNK
-from scoring.drafters.base import DraftModel
+from scoring.drafters.base import DraftModel, Drafts
 from scoring.replay import metrics
 from scoring.replay.ddtree import NOT_IN_TREE
 from scoring.replay.ddtree_kernels import tree_pops
@@ -26,7 +26,7 @@ def anchors_per_chunk(drafter: DraftModel, block_len: int, ctx_len: int, vocab: 
     """How many anchors fit the working-memory budget: logits and their float copies
     (~4 x L x V floats) plus attention scores (~3 x heads x b x (T + b) floats) per anchor."""
     cfg = drafter.config
-    per_anchor = 4 * 4 * (block_len - 1) * vocab
+    per_anchor = 4 * 4 * cfg.depth(block_len) * vocab
     per_anchor += 3 * 4 * cfg.num_attention_heads * block_len * (ctx_len + block_len)
     per_anchor += 8 * 4 * block_len * max(cfg.intermediate_size, cfg.hidden_size)
     return max(1, int(memory_bytes // per_anchor))
@@ -43,15 +43,31 @@ def chunk_anchors(drafter: DraftModel, block_len: int, ctx_len: int, vocab: int,
     return anchors_per_chunk(drafter, block_len, attended_keys(options, ctx_len), vocab, options.memory_bytes)
 
 
+def chunk_drafts(drafter, embed, lm_head, packed: PackedSamples, sample_idx, anchors, block_len, options) -> Drafts:
+    """The drafts [a, D, ...] of blocks [x_t, mask, ...] at `anchors` (each in its sample
+    `sample_idx` of `packed`), under `options.conventions`, teacher-forced along the stored tokens."""
+    hidden = chunk_hidden(drafter, embed, packed, sample_idx, anchors, block_len, options)  # [a, D, H]
+    previous = stored_tokens(packed, sample_idx, anchors, hidden.shape[1], first=0)  # token before each draft
+    return drafter.drafts(hidden, lm_head, previous, options.conventions)
+
+
 def chunk_logits(drafter, embed, lm_head, packed: PackedSamples, sample_idx, anchors, block_len, options):
-    """The drafter's logits [a, block_len - 1, V] for blocks [x_t, mask, ...] at `anchors` (each
-    in its sample `sample_idx` of `packed`), under `options.conventions`."""
-    hidden = chunk_hidden(drafter, embed, packed, sample_idx, anchors, block_len, options)
-    return drafter.logits(hidden, lm_head, options.conventions)  # [a, depth, V]
+    """The drafter's logits [a, D, V] for blocks at `anchors` (chunk_drafts' logits)."""
+    return chunk_drafts(drafter, embed, lm_head, packed, sample_idx, anchors, block_len, options).logits
+
+
+def stored_tokens(packed: PackedSamples, sample_idx, anchors, depth: int, first: int = 1) -> torch.Tensor:
+    """[a, depth] the stored token at sample position anchor + first + j for j < depth, clamped
+    to the sample's last token where the position is past its end (such a draft is never
+    verified: a caller masks it by the position's `known`)."""
+    starts, lengths = packed.starts[sample_idx], packed.lengths[sample_idx]
+    positions = anchors[:, None] + first + torch.arange(depth, device=anchors.device)[None, :]
+    positions = torch.minimum(positions, lengths[:, None] - 1)
+    return packed.ids[starts[:, None] + positions]
 
 
 def chunk_hidden(drafter, embed, packed: PackedSamples, sample_idx, anchors, block_len, options):
-    """The drafter's final hidden states [a, block_len - 1, H] at the draft positions."""
+    """The drafter's final hidden states [a, D, H] at the draft slots (D = config.depth(block_len))."""
     cfg, conventions = drafter.config, options.conventions
     starts = packed.starts[sample_idx]
     block_ids = torch.full((anchors.numel(), block_len), cfg.mask_token_id, dtype=torch.long, device=anchors.device)
@@ -59,7 +75,8 @@ def chunk_hidden(drafter, embed, packed: PackedSamples, sample_idx, anchors, blo
     # The embedding may be kept in a narrower stored dtype (prepare_target_head): cast the
     # gathered rows, which gives the values of a cast table.
     embed_scale = cfg.scales(conventions)[0]
-    block_embeds = torch.nn.functional.embedding(block_ids, embed).to(options.dtype) * embed_scale  # [a, b, H]
+    table = drafter.embedding_table(embed)  # the target's, unless the drafter keeps its own copy (DeepSpec)
+    block_embeds = torch.nn.functional.embedding(block_ids, table).to(options.dtype) * embed_scale  # [a, b, H]
     # no anchor here sees context at or past this key
     visible_ctx = int((starts + anchors).max()) + conventions.context_offset
     chunk_context = [(k[:, :visible_ctx], v[:, :visible_ctx]) for k, v in packed.context]
@@ -71,21 +88,21 @@ def chunk_hidden(drafter, embed, packed: PackedSamples, sample_idx, anchors, blo
         ctx_starts=starts,
         conventions=conventions,
     )
-    return hidden[:, 1:]
+    return hidden[:, cfg.first_draft_slot :]
 
 
-def score_chunk(drafter, packed: PackedSamples, sample_idx, anchors, block_len, options, logits) -> dict:
-    """From the drafter's logits [a, depth, V] of a chunk of anchors (each in its sample of
-    `packed`): per-anchor draft tokens, target tokens, log q(target), KL on the stored top-k,
-    DDTree pop indices (a Future: computed in the worker thread)."""
+def score_chunk(drafter, packed: PackedSamples, sample_idx, anchors, options, drafts: Drafts) -> dict:
+    """From the drafts of a chunk of anchors (each in its sample of `packed`; logits [a, depth,
+    V]): per-anchor draft tokens, target tokens, log q(target), KL on the stored top-k, DDTree
+    pop indices (a Future: computed in the worker thread)."""
     device = anchors.device
-    depth = block_len - 1
+    depth = drafts.logits.shape[1]
     starts, lengths = packed.starts[sample_idx], packed.lengths[sample_idx]
-    logits, nonfinite = finite_logits(logits)
+    logits, nonfinite = finite_logits(drafts.logits)
     if packed.nonfinite_from is not None:  # anchor t sees context 0 .. t - 1 + context_offset
         sees_bad = anchors + options.conventions.context_offset > packed.nonfinite_from[sample_idx]
         nonfinite = nonfinite | sees_bad
-    draft = logits.argmax(dim=-1)
+    draft = logits.argmax(dim=-1) if drafts.tokens is None else drafts.tokens
 
     positions = anchors[:, None] + torch.arange(1, depth + 1, device=device)[None, :]  # within the sample
     known = positions < lengths[:, None]
@@ -103,6 +120,10 @@ def score_chunk(drafter, packed: PackedSamples, sample_idx, anchors, block_len, 
     sampled = unknown
     if not options.sampling.greedy:  # log q_j(y_j), the family's rule (docs/sampling.md)
         sampled = torch.where(known, drafter.draft_logprob(logits, targets, options.sampling), sampled)
+    if drafts.limit is not None:  # drafts past a confidence head's cut are never proposed
+        cut = torch.arange(depth, device=device)[None, :] >= drafts.limit[:, None]
+        draft = draft.masked_fill(cut, NOT_PROPOSED)
+        sampled = sampled.masked_fill(cut & known, float("-inf"))
 
     pops = torch.full((anchors.numel(), depth), NOT_IN_TREE, dtype=torch.long)
     if options.max_tree_nodes > 0:
@@ -117,6 +138,8 @@ def score_chunk(drafter, packed: PackedSamples, sample_idx, anchors, block_len, 
         "nonfinite": nonfinite.cpu(),
     }
 
+
+NOT_PROPOSED = -2  # the draft token at a slot the drafter did not propose: it matches no stored token
 
 LSE_ROWS = 16  # rows of the vocabulary per logsumexp call on CPU (see logsumexp_rows)
 
@@ -140,10 +163,12 @@ def finite_logits(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     damaged or overflowing drafter), their logits zeroed so that nothing after this (argmax,
     DDTree, KL) runs on NaN; Collector leaves their samples out and reports them.
 
-    One reduction over the chunk, allocating [a, L] only: a row's float32 sum is non-finite when
-    the row holds NaN/Inf (also when finite logits sum past 3.4e38, ~2e33 each over 150k tokens:
-    a drafter that far gone is worth the same report)."""
-    nonfinite = ~torch.isfinite(logits.sum(dim=-1, dtype=torch.float32)).all(dim=-1)
+    One reduction over the chunk, allocating [a, L] only: a row's float32 sum is NaN or +Inf when
+    the row holds NaN or +Inf (also when finite logits sum past 3.4e38, ~2e33 each over 150k
+    tokens: a drafter that far gone is worth the same report). -Inf alone is a token the family
+    never proposes (a reduced draft vocabulary, DFlash2's candidates): the sum is -Inf, not flagged."""
+    sums = logits.sum(dim=-1, dtype=torch.float32)
+    nonfinite = (torch.isnan(sums) | (sums == float("inf"))).any(dim=-1)
     if bool(nonfinite.any()):  # rare: the copy is made only then
         logits = logits.masked_fill(nonfinite[:, None, None], 0.0)
     return logits, nonfinite

@@ -79,8 +79,8 @@ def tokens_hash(input_ids: torch.Tensor) -> str:
 
 
 def draft_block(result: AnchorTensors, i: int) -> list[int]:
-    """The drafter's chain draft at anchor index i: block positions 1 .. block_len - 1."""
-    return result.draft_tokens[i, : int(result.block_len[i]) - 1].tolist()
+    """The drafter's chain draft at anchor index i: its block's drafts 1 .. depth."""
+    return result.draft_tokens[i, : int(result.depth[i])].tolist()
 
 
 @dataclass
@@ -156,7 +156,7 @@ class Collector:
         self,
         tree_nodes: list[int],
         stop_token_ids: list[int],
-        block_size: int,
+        positions: int,
         drafts: bool = False,
         sampling: Sampling = GREEDY,
     ):
@@ -165,7 +165,7 @@ class Collector:
         self.drafts = drafts  # anchors.parquet keeps every anchor's draft block
         self.methods = results.method_names(tree_nodes)
         self.stop_token_ids = stop_token_ids
-        self.positions = block_size - 1
+        self.positions = positions  # drafts of a full block
         self.parts: dict[int, tuple] = {}  # sample index -> (anchor columns or None, walk columns, sample rows)
         # sample index -> {sample_id, dataset, anchors}: the drafter's logits held NaN/Inf at those
         # anchors; such a sample is in no table and no summary, only in run.json's nonfinite_drafter

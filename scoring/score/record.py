@@ -35,12 +35,15 @@ def shards_identity(manifest: dict) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def planned_record(info: CheckpointInfo, shardset: ShardSet, config: ScoreConfig, dtype, selection: dict) -> dict:
-    """The settings part of run.json, known before any replay: what `differences` compares."""
+def planned_record(
+    info: CheckpointInfo, shardset: ShardSet, config: ScoreConfig, dtype, selection: dict, trees: bool = True
+) -> dict:
+    """The settings part of run.json, known before any replay: what `differences` compares.
+    `trees`: whether the DDTree budgets are replayed (not for a family DDTree does not apply to)."""
     return {
         "checkpoint": {"content_hash": info.content_hash},
         "shards": {"identity": shards_identity(shardset.manifest), "samples": selection["samples"]},
-        "ddtree_budgets": list(config.tree_nodes),
+        "ddtree_budgets": list(config.tree_nodes) if trees else [],
         "anchor_set": config.anchors,
         "anchor_drafts": config.anchor_drafts,
         "dtype": dtype_name(dtype),

@@ -19,7 +19,8 @@ from pipeline.shards import ShardSet
 from scoring import results
 from scoring.config import ScoreConfig
 from scoring.drafters.checkpoint import CheckpointInfo, load_drafter, read_drafter_config
-from scoring.drafters.compatibility import check_compatibility
+from scoring.drafters.compatibility import check_compatibility, target_layers
+from scoring.drafters.detect import supports_trees
 from scoring.replay.anchors import replay_sample, replay_walks
 from scoring.replay.packing import ReplayOptions, select_feature_columns
 from scoring.replay.walk import stop_mask
@@ -75,14 +76,16 @@ def prepare_job(ckpt: str, shardset: ShardSet, out_dir: str, config: ScoreConfig
     """Load the checkpoint for replay; None when out_dir already holds its results."""
     device, dtype = resolve_device_dtype(config.device, config.dtype, dist)
     manifest = shardset.manifest
-    check_compatibility(read_drafter_config(ckpt), manifest, ckpt)  # before reading gigabytes of weights
+    layers = target_layers(manifest)
+    check_compatibility(read_drafter_config(ckpt, target_layers=layers), manifest, ckpt)  # before any weight
     with timing.stage("load drafter"):
-        drafter, info = load_drafter(ckpt, dtype=dtype, device=device)
+        drafter, info = load_drafter(ckpt, dtype=dtype, device=device, target_layers=layers)
     chosen, selection = choose_samples(shardset, config)
-    planned = planned_record(info, shardset, config, dtype, selection)
+    trees = supports_trees(info.config)  # else the chain alone
+    tree_nodes = sorted(set(config.tree_nodes)) if trees else []
+    planned = planned_record(info, shardset, config, dtype, selection, trees)
     if check_previous(out_dir, planned, config.force):
         return None
-    tree_nodes = sorted(set(config.tree_nodes))
     options = ReplayOptions(
         max_tree_nodes=max(tree_nodes) if tree_nodes else 0,
         memory_bytes=config.memory_bytes,

@@ -13,17 +13,23 @@ then the keys of `dflash_config`.
 
 from __future__ import annotations
 
+from pipeline.common.drafter_configs.dspark_layouts import DeepSpecDSpark, SpecForgeDSpark
 from pipeline.common.drafter_configs.speculators import SPECULATORS_FORMATS, SpeculatorsFormat
 from pipeline.common.drafter_configs.zlab import ZlabDFlash
 from pipeline.common.schema import SchemaError, found, validate
 
-ZLAB_ARCHITECTURES = {"DFlashDraftModel": ZlabDFlash, "DFlash2DraftModel": ZlabDFlash}
+ARCHITECTURES = {
+    "DFlashDraftModel": ZlabDFlash,
+    "DFlash2DraftModel": ZlabDFlash,
+    "DSparkDraftModel": SpecForgeDSpark,  # speculators' saves carry it too, with speculators_model_type
+    "Qwen3DSparkModel": DeepSpecDSpark,
+}
 # Known layouts this version does not declare yet: refused by name rather than read wrong.
 KNOWN_ELSEWHERE = {
     "LlamaForCausalLMEagle3": "SpecForge's EAGLE-3",
-    "Qwen3DSparkModel": "DeepSpec's DSpark",
+    "Gemma4DSparkModel": "DeepSpec's Gemma 4 DSpark",
 }
-DrafterFormat = ZlabDFlash | SpeculatorsFormat
+DrafterFormat = ZlabDFlash | SpeculatorsFormat | SpecForgeDSpark | DeepSpecDSpark
 
 
 def layout_of(raw: dict, source: str) -> type:
@@ -45,19 +51,16 @@ def layout_of(raw: dict, source: str) -> type:
                 f"{source}: architecture {arch!r} is {KNOWN_ELSEWHERE[arch]} layout, which specreplay does not "
                 f"read yet; refusing rather than scoring it wrong"
             )
-        if arch not in ZLAB_ARCHITECTURES:
+        if arch not in ARCHITECTURES:
             raise SchemaError(
                 f"{source}: architecture {arch!r} is not a drafter layout specreplay reads (it reads "
-                f"{sorted(ZLAB_ARCHITECTURES)} and speculators_model_type {sorted(SPECULATORS_FORMATS)}); "
+                f"{sorted(ARCHITECTURES)} and speculators_model_type {sorted(SPECULATORS_FORMATS)}); "
                 f"refusing rather than scoring it wrong"
             )
     dflash_config = raw.get("dflash_config")
     if isinstance(dflash_config, dict) and dflash_config.get("projector_type") == "dspark":
-        raise SchemaError(
-            f"{source}: dflash_config.projector_type 'dspark' is SpecForge's DSpark layout, which specreplay "
-            f"does not read yet; refusing rather than scoring it wrong"
-        )
-    return ZLAB_ARCHITECTURES[architectures[0]]
+        return SpecForgeDSpark  # SpecForge's DSpark, whichever architecture it names
+    return ARCHITECTURES[architectures[0]]
 
 
 def read_drafter_format(raw, source: str, complete: bool = True) -> DrafterFormat:

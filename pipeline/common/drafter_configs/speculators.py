@@ -80,24 +80,18 @@ class SpeculatorsFormat(Schema):
 
     def feature_layers(self, source: str, num_target_layers: int | None = None) -> list[int]:
         """Feature layer ids in this project's convention: a before-layer id s is the output of
-        layer s - 1. The embedding output (s = 0) and the residual after the last layer before
-        the final norm (s = L) are no layer output that extract stores today."""
+        layer s - 1, except s = L (the target's layer count: the residual after the last layer,
+        before the final norm), which is this project's id L (layer_ids.final_prenorm_id); telling
+        it apart needs `num_target_layers`. The embedding output (s = 0) is never stored."""
         ids = self.stored_layer_ids()
         if ids is None:
             raise SchemaError(f"{source}: {self.IDS_FIELD} is not set, so the feature layers are unknown")
-        for s in ids:
-            if s == 0:
-                raise SchemaError(
-                    f"{source}: {self.IDS_FIELD} lists 0, the embedding output (before layer 0), which "
-                    f"specreplay does not store"
-                )
-            if num_target_layers is not None and s == num_target_layers:
-                raise SchemaError(
-                    f"{source}: {self.IDS_FIELD} lists {s}, the residual after the target's last layer "
-                    f"before its final norm (the target has {num_target_layers} layers), which specreplay "
-                    f"does not store yet"
-                )
-        return [s - 1 for s in ids]
+        if 0 in ids:
+            raise SchemaError(
+                f"{source}: {self.IDS_FIELD} lists 0, the embedding output (before layer 0), which specreplay "
+                f"does not store"
+            )
+        return [s if s == num_target_layers else s - 1 for s in ids]
 
 
 class SpeculatorsDFlash(SpeculatorsFormat):

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from pipeline.common.errors import UserError
 from pipeline.common.layer_ids import build_target_layer_ids
 from pipeline.extract.generate import cut_at_stop, left_pad
 from pipeline.extract.prompts import load_prompts, render_prompt, render_response
@@ -396,3 +397,28 @@ def interrupt(out: Path) -> None:
     last.unlink()
     last.with_suffix(".json").unlink()
     (out / "manifest.json").write_text(json.dumps({**manifest, "complete": False}))
+
+
+def test_layer_id_L_is_the_final_hidden_state_before_the_norm(tiny_qwen3_dir, prompts_file, tmp_path):
+    """Id L - 1 is transformers' hidden_states[L] (after the final norm); id L is the last layer's
+    own output, before the norm, which speculators' before-layer id L and MTP heads read."""
+    model, _, info = load_target(tiny_qwen3_dir, dtype="float32")
+    last = info.num_layers
+    extract(tiny_qwen3_dir, prompts_file, tmp_path / "out", layer_ids=[last - 1, last], limit=2)
+    captured = []
+    def keep(module, args, out):  # a decoder layer returns its hidden states, or a tuple led by them
+        captured.append((out[0] if isinstance(out, (tuple, list)) else out)[0].clone())
+
+    hook = model.model.layers[last - 1].register_forward_hook(keep)
+    try:
+        for sample in ShardSet(str(tmp_path / "out")).samples():
+            captured.clear()
+            output = fresh(model, sample.input_ids.tolist())
+            post, pre = sample.features.chunk(2, dim=-1)
+            assert torch.equal(post, output.hidden_states[last][0])
+            assert torch.equal(pre, captured[0]) and not torch.allclose(pre, post)
+            assert torch.allclose(model.model.norm(pre), post, atol=1e-5)  # the norm of the one is the other
+    finally:
+        hook.remove()
+    with pytest.raises(UserError, match=rf"layer ids \[{last + 1}\] out of range.*id {last} the final hidden state"):
+        extract(tiny_qwen3_dir, prompts_file, tmp_path / "bad", layer_ids=[last + 1], limit=1)

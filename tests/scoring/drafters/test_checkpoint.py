@@ -220,19 +220,17 @@ def test_wrong_hidden_size_names_tensor_and_both_shapes(tmp_path, config_raw):
     assert "hidden_size 48" in message and "config.json" in message
 
 
-def test_unknown_variants_are_refused_by_name(tmp_path, config_raw):
+def test_a_dflash2_config_is_read_as_dflash2_never_as_v1(tmp_path, config_raw):
+    """The DFlash2 architecture or one DFlash2 field makes the file a DFlash2 config: read as
+    DFlash v1 its selector and convolutions would be dropped silently; without the rest of its
+    fields it is refused naming the first missing one."""
     reference_drafter(tmp_path / "d")
     write_config(tmp_path / "d", {**config_raw, "architectures": ["DFlash2DraftModel"]})
-    with pytest.raises(
-        DrafterConfigError,
-        match=r"DFlash2 drafter in z-lab's layout \(architectures \['DFlash2DraftModel'\]\), which specreplay does not score",
-    ):
+    with pytest.raises(DrafterConfigError, match=r"DFlash2 field dflash_config.conv_kernel_size is missing"):
         load_drafter(str(tmp_path / "d"))
     dflash2 = {**config_raw["dflash_config"], "conv_kernel_size": 4}
     write_config(tmp_path / "d", {**config_raw, "dflash_config": dflash2})
-    with pytest.raises(
-        DrafterConfigError, match="DFlash2 drafter in z-lab's layout .field 'dflash_config.conv_kernel_size'"
-    ):
+    with pytest.raises(DrafterConfigError, match=r"DFlash2 field dflash_config.conv_group_size is missing"):
         load_drafter(str(tmp_path / "d"))
 
 

@@ -21,7 +21,7 @@ def test_a_zlab_config_is_dflash_v1_with_its_ids_as_stored():
     config = parse_drafter_config(raw, "config.json")
     assert config.family == "dflash" and config.target_layer_ids == [1, 3]
     assert isinstance(build_drafter(config), DFlashDrafter)
-    assert FAMILIES["dflash"].name == "z-lab DFlash v1"
+    assert FAMILIES["dflash"].name == "DFlash"
 
 
 def speculators_config(kind: str, **top) -> dict:
@@ -37,19 +37,24 @@ def speculators_config(kind: str, **top) -> dict:
         "speculators_model_type": kind,
         "transformer_layer_config": decoder,
         "mask_token_id": 3,
+        "draft_vocab_size": zlab["vocab_size"],
         "aux_hidden_state_layer_ids": [2, 4],
         "eagle_aux_hidden_state_layer_ids": [2, 4],
         **top,
     }
 
 
-@pytest.mark.parametrize(
-    ("kind", "name"),
-    [("dflash", "DFlash"), ("dflash2", "DFlash2"), ("dspark", "DSpark"), ("eagle3", "EAGLE-3"), ("mtp", "MTP")],
-)
-def test_speculators_type_wins_over_a_zlab_architecture(kind, name):
-    # speculators exports say "architectures": ["DFlashDraftModel"] too; read as z-lab's they would
-    # be one layer off, so the speculators type is checked first (and, not scored yet, refused by name)
+@pytest.mark.parametrize("kind", ["dflash", "dflash2", "dspark"])
+def test_speculators_type_wins_over_a_zlab_architecture(kind):
+    # speculators exports say "architectures": ["DFlashDraftModel"] too; read as z-lab's their ids
+    # would be one layer off, so the speculators type is checked first
+    config = parse_drafter_config(speculators_config(kind), "config.json")
+    assert (config.family, config.layout, config.layer_convention) == (kind, "speculators", "before")
+    assert config.stated_layer_ids == [2, 4] and config.target_layer_ids == [1, 3]
+
+
+@pytest.mark.parametrize(("kind", "name"), [("eagle3", "EAGLE-3"), ("mtp", "MTP")])
+def test_families_not_scored_yet_are_refused_by_name(kind, name):
     raw = speculators_config(kind)
     with pytest.raises(
         DrafterConfigError,
@@ -73,13 +78,13 @@ def test_architecture_then_dflash_config_keys():
         parse_drafter_config({**drafter_config(), "architectures": ["LlamaForCausalLMEagle3"]}, "c.json")
     with pytest.raises(DrafterConfigError, match="architecture 'GPT2LMHeadModel' is not a drafter layout"):
         parse_drafter_config({**drafter_config(), "architectures": ["GPT2LMHeadModel"]}, "c.json")
-    raw = drafter_config(dflash_extra={"projector_type": "dspark"})
-    with pytest.raises(DrafterConfigError, match="SpecForge's DSpark"):
-        parse_drafter_config(raw, "c.json")
+    raw = drafter_config(dflash_extra={"projector_type": "dspark", "attention_mode": "mha"})
+    assert (parse_drafter_config(raw, "c.json").family, parse_drafter_config(raw, "c.json").layout) == (
+        "dspark",
+        "specforge",
+    )
     raw = drafter_config(dflash_extra={"selector_rank": 8})
-    with pytest.raises(
-        DrafterConfigError, match=r"a DFlash2 drafter in z-lab's layout \(field 'dflash_config.selector_rank'\)"
-    ):
+    with pytest.raises(DrafterConfigError, match=r"DFlash2 field dflash_config.conv_kernel_size is missing"):
         parse_drafter_config(raw, "c.json")
 
 
@@ -99,9 +104,9 @@ def test_one_resolver_for_extract_and_score():
     # a speculators config's before-layer ids are translated, never read one layer off
     assert drafter_layer_ids(speculators_config("dflash"), "c.json", 8) == [1, 3]
     assert drafter_layer_ids(speculators_config("eagle3"), "c.json", 8) == [1, 3]
-    # before-layer id L is the residual after the last layer before the final norm: no stored layer
-    with pytest.raises(UserError, match="lists 8, the residual after the target's last layer"):
-        drafter_layer_ids(speculators_config("dflash", aux_hidden_state_layer_ids=[2, 8]), "c.json", 8)
+    # before-layer id L is the residual after the last layer before the final norm: our id L
+    # (stored apart from the post-norm L - 1), never L - 1
+    assert drafter_layer_ids(speculators_config("dflash", aux_hidden_state_layer_ids=[2, 8]), "c.json", 8) == [1, 8]
     with pytest.raises(UserError, match="lists 0, the embedding output"):
         drafter_layer_ids(speculators_config("dflash", aux_hidden_state_layer_ids=[0, 4]), "c.json", 8)
 
@@ -117,7 +122,7 @@ def test_one_resolver_for_extract_and_score():
         ),
         ({"hidden_size": 64.5}, "'hidden_size' is 64.5", "an integer"),
         ({"num_hidden_layers": True}, "'num_hidden_layers' is True", "an integer"),
-        ({"rms_norm_eps": "1e-6"}, "'rms_norm_eps'", "a number"),
+        ({"rms_norm_eps": "1e-6"}, "'rms_norm_eps'", "a number with a decimal point or exponent, like 1e-06"),
         ({"attention_bias": "no"}, "'attention_bias'", "true or false"),
     ],
 )

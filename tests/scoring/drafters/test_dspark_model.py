@@ -162,7 +162,9 @@ def test_without_markov_head_matches_reference(tmp_path):
 
 def comparable(config):
     """A DrafterConfig without what legitimately differs between layouts of the same drafter."""
-    return dataclasses.replace(config, raw={}, layout="", num_target_layers=None)
+    return dataclasses.replace(
+        config, raw={}, layout="", num_target_layers=None, stated_layer_ids=None, layer_convention=""
+    )
 
 
 @pytest.mark.parametrize("head_type", ["vanilla", "gated", "rnn"])

@@ -1,0 +1,360 @@
+"""Exactness of DSpark replay: offline walks and expected tau against an online decoding loop.
+
+The online loop (tests/helpers/dspark_online.py) is written from the public references'
+modules only: speculators' `DSparkDraftModel` (its `_backbone_forward`, `markov_head`,
+`confidence_head`), DeepSpec's proposal rule (drafts slot by slot, each Markov bias given the
+previous draft; the confidence cut) and z-lab's `dflash_generate` step, budget and stop rules
+(its `_rejection_sample` at T > 0). The drafters are fitted with speculators' own training
+forward on the tiny target's real features until blocks accept several tokens, and saved with
+its save_pretrained; specreplay then scores the saved checkpoint from extracted shards.
+
+- greedy: walk.parquet's `produced` per sample equals the online loop's list, for a vanilla
+  and an rnn Markov head, also with a confidence threshold that cuts some proposals;
+- the same weights in SpecForge's and DeepSpec's layouts walk exactly as the speculators one;
+- T = 0.7: the offline expected tau per prompt equals the mean over seeds of the online tau
+  within 3 combined standard errors, and the same statistic rejects the Markov head fed its own
+  greedy draft as predecessor instead of the stored token (not teacher-forced).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections import Counter
+
+import numpy as np
+import polars as pl
+import pytest
+import torch
+
+from pipeline.extract.run import ExtractConfig, run_extract
+from pipeline.shards import ShardSet
+from scoring.config import ScoreConfig
+from scoring.drafters.dspark_model import DSparkDrafter
+from scoring.score.run import run_score
+from tests.helpers import dspark_online as online
+from tests.helpers.dspark_reference import (
+    OUTPUT_IDS,
+    reference_drafts,
+    speculators_dspark,
+    write_deepspec,
+    write_specforge,
+)
+from tests.helpers.prompts import write_prompts
+
+MAX_NEW = 24
+BLOCK = 4
+PROMPTS = 6
+TEMPERATURE = 0.7
+HEADS = ["vanilla", "rnn"]
+
+
+# ---------------------------------------------------------------------------------------------
+# the online loop's backbone call is the reference's per-anchor output (fast)
+
+
+def test_online_block_is_the_references_block_at_that_anchor(tmp_path):
+    """The loop's block at anchor t (the sequence up to t padded, one anchor) equals the block
+    speculators' training path computes at t with every anchor of the whole sequence at once
+    (tests/helpers/dspark_reference.py `reference_drafts`), and the pick from every-anchor
+    calls on the padded sequence; full-attention drafter (its sliding-window training mask
+    differs from serving)."""
+    model, _, _ = speculators_dspark(tmp_path, head_type="rnn", block_size=BLOCK)
+    generator = torch.Generator().manual_seed(3)
+    length = 16
+    features = torch.randn(length, len(OUTPUT_IDS) * model.config.transformer_layer_config.hidden_size, generator=generator)
+    ids = torch.randint(0, model.config.draft_vocab_size, (length,), generator=generator)
+    expected = reference_drafts(model, features, ids)
+    for anchor in expected["anchors"].tolist():
+        hidden, base = online.block_hidden(model, features, ids, anchor, BLOCK)
+        torch.testing.assert_close(hidden, expected["hidden"][anchor], atol=1e-5, rtol=0)
+        every, _ = online.block_hidden(model, features, ids, anchor, BLOCK, every_anchor=True)
+        torch.testing.assert_close(every, hidden, atol=1e-5, rtol=0)
+        # teacher-forced predecessors: the loop's Markov logits are the reference's biased logits
+        prev = expected["previous"][anchor][None]
+        bias = model.markov_head.block_bias(prev_token_ids=prev, hidden_states=hidden[None])[0]
+        torch.testing.assert_close(base + bias, expected["logits"][anchor], atol=1e-5, rtol=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# the tiny target, its shards, the fitted drafters
+
+
+def _prompt_ids() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(4)
+    return [torch.randint(3, 60, (6 + i % 4,), generator=gen).tolist() for i in range(PROMPTS)]
+
+
+def _greedy_response(target, prompt: list[int]) -> list[int]:
+    ids = torch.tensor(prompt)
+    for _ in range(MAX_NEW):
+        ids = torch.cat([ids, online.target_states(target, ids)[0][-1].argmax()[None]])
+    return ids[len(prompt) :].tolist()
+
+
+def _stop_token(target) -> int:
+    """A token the target's greedy responses hold after a few steps in about half of the
+    prompts: some responses end at it, the others run into the budget."""
+    responses = [_greedy_response(target, prompt) for prompt in _prompt_ids()]
+    counts = Counter(token for response in responses for token in set(response[6:]) - set(response[:1]))
+    token, _ = min(counts.items(), key=lambda kv: (abs(kv[1] - PROMPTS / 2), kv[0]))
+    return int(token)
+
+
+def _extract(out, model_dir, prompts, temperature: float = 0.0, num_samples: int = 1, seed: int = 11) -> str:
+    options = {}
+    if temperature > 0:
+        options = dict(temperature=temperature, num_samples=num_samples, seed=seed)
+    run_extract(
+        ExtractConfig(
+            model=model_dir,
+            prompts=prompts,
+            out=str(out),
+            max_new_tokens=MAX_NEW,
+            layer_ids=list(OUTPUT_IDS),  # the drafters' before-layer ids 1, 3, 5
+            top_k=8,
+            dtype="fp32",
+            batch_size=32,
+            **options,
+        )
+    )
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    tmp = tmp_path_factory.mktemp("dspark_parity")
+    model_dir = online.build_target(tmp / "target")
+    target = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with open(f"{model_dir}/generation_config.json") as f:
+        generation = json.load(f)
+    generation["eos_token_id"] = _stop_token(target)
+    with open(f"{model_dir}/generation_config.json", "w") as f:
+        json.dump(generation, f)
+    prompts = write_prompts(tmp / "prompts.jsonl", [{"id": f"p{i}", "input_ids": p} for i, p in enumerate(_prompt_ids())])
+    greedy = _extract(tmp / "greedy", model_dir, prompts)
+    stop_ids = ShardSet(greedy).settings["target"]["stop_token_ids"]
+    return tmp, model_dir, prompts, target, greedy, stop_ids
+
+
+def _documents(target, shards: str) -> list[dict]:
+    samples = list(ShardSet(shards).samples(tensors=[]))
+    return online.training_documents(target, [s.input_ids for s in samples], [s.prompt_len for s in samples])
+
+
+@pytest.fixture(scope="module")
+def drafters(setup):
+    """head type -> (speculators' DSparkDraftModel fitted to the target, its saved checkpoint).
+    Fitted on the greedy responses (repeated: the greedy walks should accept several tokens)
+    and on sampled responses of another seed than the T > 0 test's, so that the responses that
+    test scores are fresh draws for the drafter as the online loop's are."""
+    tmp, model_dir, prompts, target, greedy, _ = setup
+    train = _extract(tmp / "train", model_dir, prompts, TEMPERATURE, num_samples=12, seed=5)
+    documents = _documents(target, greedy) * 6 + _documents(target, train)
+    out = {}
+    for head in HEADS:
+        model = online.new_drafter(target, head_type=head, block_size=BLOCK)
+        online.fit(model, documents, steps=400, lr=5e-3)
+        model.save_pretrained(str(tmp / f"ckpt-{head}"))
+        out[head] = (model, str(tmp / f"ckpt-{head}"))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# scoring
+
+
+def _score(ckpt: str, shards: str, out) -> str:
+    [outcome] = run_score(ScoreConfig(ckpts=[ckpt], shards=shards, out=str(out), tree_nodes=[], force=True))
+    assert outcome.status == "scored", outcome.error
+    return outcome.out_dir
+
+
+def _walks(out_dir: str) -> dict[str, pl.DataFrame]:
+    """sample id -> its chain steps (produced, the teacher-forced draft tokens), in order."""
+    rows = pl.read_parquet(f"{out_dir}/walk.parquet", glob=False).filter(pl.col("method") == "chain")
+    rows = rows.sort("sample_id", "step")
+    return {sid: group for (sid,), group in rows.group_by("sample_id", maintain_order=True)}
+
+
+def _assert_walks_equal(walks: dict[str, pl.DataFrame], runs: dict[str, online.OnlineRun]) -> None:
+    """Per sample, the offline `produced` list is the online loop's; at each step the offline
+    drafts up to the first rejected one are the online proposal's (after a rejection the
+    online Markov head conditions on its own wrong draft, the offline one on the stored token)."""
+    for sample_id, run in runs.items():
+        walk = walks.get(sample_id, pl.DataFrame({"produced": [], "draft_tokens": []}))
+        assert walk["produced"].to_list() == run.produced, sample_id
+        for step, (offline, drafts, produced) in enumerate(zip(walk["draft_tokens"].to_list(), run.drafts, run.produced)):
+            verified = min(produced, len(drafts))  # the accepted drafts and the first rejected one
+            assert offline[:verified] == drafts[:verified], (sample_id, step)
+
+
+def _with_threshold(ckpt: str, out: str, threshold: float) -> str:
+    """A copy of the checkpoint with `confidence_threshold` in its config.json (how specreplay
+    reads DeepSpec's evaluator flag for every layout)."""
+    shutil.copytree(ckpt, out)
+    with open(f"{out}/config.json") as f:
+        raw = json.load(f)
+    raw["confidence_threshold"] = threshold
+    with open(f"{out}/config.json", "w") as f:
+        json.dump(raw, f, indent=2)
+    return out
+
+
+def _online_walks(model, target, shards, stop_ids, threshold=0.0) -> dict[str, online.OnlineRun]:
+    runs = {}
+    for sample in ShardSet(shards).samples(tensors=[]):
+        prompt = sample.input_ids[: sample.prompt_len]
+        run = online.online_dspark(model, target, prompt, MAX_NEW, stop_ids, threshold=threshold)
+        assert run.output_ids.tolist() == sample.input_ids.tolist(), sample.sample_id
+        runs[sample.sample_id] = run
+    return runs
+
+
+# ---------------------------------------------------------------------------------------------
+# greedy
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("head", HEADS)
+def test_greedy_walks_equal_the_online_loop(setup, drafters, head):
+    tmp, _, _, target, greedy, stop_ids = setup
+    model, ckpt = drafters[head]
+    runs = _online_walks(model, target, greedy, stop_ids)
+    _assert_walks_equal(_walks(_score(ckpt, greedy, tmp / f"results-{head}")), runs)
+    steps = [n for run in runs.values() for n in run.produced]
+    finish = Counter(s.finish_reason for s in ShardSet(greedy).samples(tensors=[]))
+    print(f"{head}: greedy tau {sum(steps) / len(steps):.3f} over {len(steps)} steps, finish {dict(finish)}")
+    # non-trivial: both endings, several tokens a step, full blocks, truncated blocks at the budget
+    assert finish["eos"] and finish["length"], finish
+    assert sum(steps) / len(steps) > 1.5, steps
+    assert BLOCK + 1 in steps, steps
+    assert any(q < BLOCK for run in runs.values() for q in run.queries)
+
+    # a confidence threshold that cuts some proposals and not others: the median over steps of
+    # the lowest sigmoid(c_k) in the block
+    lowest = [float(c.min()) for run in runs.values() for c in run.confidence]
+    threshold = float(np.median(lowest))
+    cut_ckpt = _with_threshold(ckpt, str(tmp / f"ckpt-{head}-threshold"), threshold)
+    runs = _online_walks(model, target, greedy, stop_ids, threshold=threshold)
+    _assert_walks_equal(_walks(_score(cut_ckpt, greedy, tmp / f"results-{head}-threshold")), runs)
+    cut = [len(d) < q for run in runs.values() for d, q in zip(run.drafts, run.queries)]
+    print(f"{head}: threshold {threshold:.3f} cuts {sum(cut)} of {len(cut)} proposals")
+    assert 0 < sum(cut) < len(cut), cut
+
+
+# ---------------------------------------------------------------------------------------------
+# the same weights in SpecForge's and DeepSpec's layouts
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("head", HEADS)
+def test_specforge_and_deepspec_layouts_walk_as_speculators(setup, drafters, head):
+    tmp, _, _, target, greedy, _ = setup
+    model, ckpt = drafters[head]
+    # DeepSpec saves its own copies of the target's embedding and lm_head
+    embed, lm_head = target.get_input_embeddings().weight.detach(), target.lm_head.weight.detach()
+    layouts = {
+        "speculators": ckpt,
+        "deepspec": str(tmp / f"deepspec-{head}"),
+        "specforge": str(tmp / f"specforge-{head}"),
+    }
+    write_deepspec(layouts["deepspec"], model, embed, lm_head)
+    write_specforge(layouts["specforge"], model)
+    tables = {}
+    for name, path in layouts.items():
+        out_dir = _score(path, greedy, tmp / f"layouts-{head}-{name}")
+        walk = pl.read_parquet(f"{out_dir}/walk.parquet", glob=False).filter(pl.col("method") == "chain")
+        tables[name] = walk.sort("sample_id", "step").select("sample_id", "step", "anchor", "produced", "draft_tokens")
+    assert tables["speculators"].height > PROMPTS
+    for name in ("deepspec", "specforge"):
+        assert tables[name].equals(tables["speculators"]), name
+
+
+# ---------------------------------------------------------------------------------------------
+# sampled, T = 0.7
+
+SAMPLED_DRAWS = 40  # extracted responses per prompt, and online runs per prompt
+
+
+def _mean_se(values) -> tuple[float, float]:
+    values = np.asarray(values, dtype=np.float64)
+    return float(values.mean()), float(values.std(ddof=1) / np.sqrt(values.size))
+
+
+def _per_prompt(values: dict[str, list[float]]) -> dict[str, tuple[float, float]]:
+    return {prompt: _mean_se(v) for prompt, v in sorted(values.items())}
+
+
+def _offline_taus(ckpt: str, shards: str, out) -> dict[str, list[float]]:
+    """Prompt id -> the expected tau of each of its sampled responses (draws `<id>#<k>`); a
+    response whose first token is a stop token has none, as the online loop takes no step."""
+    samples = pl.read_parquet(f"{_score(ckpt, shards, out)}/samples.parquet").filter(pl.col("method") == "chain")
+    taus: dict[str, list[float]] = {}
+    for sample_id, tau in samples.select("sample_id", "tau").drop_nulls().iter_rows():
+        taus.setdefault(sample_id.split("#")[0], []).append(tau)
+    return taus
+
+
+def _online_taus(model, target, stop_ids) -> dict[str, list[float]]:
+    taus: dict[str, list[float]] = {}
+    for i, prompt in enumerate(_prompt_ids()):
+        for run in range(SAMPLED_DRAWS):
+            torch.manual_seed(1000 * i + run)
+            tau = online.online_dspark(model, target, torch.tensor(prompt), MAX_NEW, stop_ids, TEMPERATURE).tau
+            if tau is not None:
+                taus.setdefault(f"p{i}", []).append(tau)
+    return taus
+
+
+def _z_scores(offline: dict, online_stats: dict) -> tuple[dict[str, float], float]:
+    """Per prompt, and over the prompts (mean of the per-prompt means, errors combined), the
+    offline minus online mean in combined standard errors."""
+    per_prompt, diffs, variances = {}, [], []
+    for prompt, (mean_on, se_on) in online_stats.items():
+        mean_off, se_off = offline[prompt]
+        per_prompt[prompt] = (mean_off - mean_on) / np.hypot(se_off, se_on)
+        diffs.append(mean_off - mean_on)
+        variances.append(se_off**2 + se_on**2)
+    return per_prompt, float(np.mean(diffs) / (np.sqrt(np.sum(variances)) / len(diffs)))
+
+
+def _greedy_predecessors(drafts):
+    """DSparkDrafter.drafts with the wrong predecessors: slot k's Markov head (and confidence
+    head) fed the drafter's own greedy draft of slot k - 1 instead of the stored token before
+    slot k's target (the anchor token stays the first), as an online loop that drafts greedily
+    would; computed slot by slot, since slot k - 1's draft depends on its own predecessor."""
+
+    def wrong(self, hidden, lm_head, previous, *args, **kwargs):
+        previous = previous.clone()
+        for k in range(1, previous.shape[1]):
+            previous[:, k] = drafts(self, hidden, lm_head, previous, *args, **kwargs).logits[:, k - 1].argmax(dim=-1)
+        return drafts(self, hidden, lm_head, previous, *args, **kwargs)
+
+    return wrong
+
+
+@pytest.mark.slow
+def test_sampled_expected_tau_equals_the_online_mean_over_seeds(setup, drafters, monkeypatch):
+    tmp, model_dir, prompts, target, _, stop_ids = setup
+    model, ckpt = drafters["vanilla"]
+    shards = _extract(tmp / "sampled", model_dir, prompts, TEMPERATURE, num_samples=SAMPLED_DRAWS, seed=11)
+    online_stats = _per_prompt(_online_taus(model, target, stop_ids))
+    offline = _per_prompt(_offline_taus(ckpt, shards, tmp / "sampled-results"))
+    with monkeypatch.context() as patch:
+        patch.setattr(DSparkDrafter, "drafts", _greedy_predecessors(DSparkDrafter.drafts))
+        wrong = _per_prompt(_offline_taus(ckpt, shards, tmp / "sampled-results-wrong"))
+    z_prompts, z = _z_scores(offline, online_stats)
+    z_wrong_prompts, z_wrong = _z_scores(wrong, online_stats)
+    for prompt, (mean_on, se_on) in online_stats.items():
+        print(
+            f"{prompt}: online {mean_on:.4f} ± {se_on:.4f}, offline {offline[prompt][0]:.4f} ± "
+            f"{offline[prompt][1]:.4f} (z {z_prompts[prompt]:+.2f}), greedy predecessors "
+            f"{wrong[prompt][0]:.4f} (z {z_wrong_prompts[prompt]:+.2f})"
+        )
+    print(f"over the prompts: z {z:+.2f}, greedy predecessors z {z_wrong:+.2f}")
+    assert np.mean([m for m, _ in online_stats.values()]) > 1.3, online_stats  # several tokens a step
+    assert all(abs(v) < 3 for v in z_prompts.values()) and abs(z) < 3, (z_prompts, z)
+    assert abs(z_wrong) > 3, (z_wrong_prompts, z_wrong)
