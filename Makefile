@@ -52,11 +52,14 @@ RUFF    ?= .venv/bin/ruff
 lint:
 	$(RUFF) check . && $(RUFF) format --check .
 
+# Every core (pytest-xdist); a module's tests stay on one worker, so its fixtures (tiny targets
+# and the reference drafters fitted on them) are built once; the slowest tests are listed last.
+XDIST   ?= -n auto --dist loadscope
 test: lint
-	$(PY) -m pytest tests $(ARGS)
+	$(PY) -m pytest tests $(XDIST) --durations=15 $(ARGS)
 
 test-fast:
-	$(PY) -m pytest tests -m "not slow" $(ARGS)
+	$(PY) -m pytest tests -m "not slow" $(XDIST) --durations=15 $(ARGS)
 
 extract:
 	$(CLI) extract --model $(MODEL) --prompts $(PROMPTS) --out $(SHARDS) $(ARGS)

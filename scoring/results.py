@@ -25,6 +25,9 @@ import pyarrow.parquet as pq
 from pipeline.common.schema import Count, Number, Schema, SchemaError, found, validate
 
 ALL_DATASETS = "(all)"  # the dataset label of rows pooling every dataset
+# results' drafter_family values, as messages and the headline name them
+FAMILY_NAMES = {"dflash": "DFlash", "dflash2": "DFlash2", "dspark": "DSpark", "eagle3": "EAGLE-3", "mtp": "MTP"}
+LAYOUT_NAMES = {"z-lab": "z-lab", "speculators": "speculators", "specforge": "SpecForge", "deepspec": "DeepSpec"}
 CHAIN = "chain"
 # A per-position acceptance rate resting on fewer anchors than this is no reading: one or two
 # anchors at the far block positions swing between 0 and 100% and would read as a cliff. The
@@ -89,6 +92,8 @@ def results_dirs_below(path: str, need: tuple[str, ...] = ("summary",)) -> list[
 
 class RunCheckpoint(Schema):
     content_hash: str | None = None
+    family: str | None = None
+    layout: str | None = None
     path: str | None = None
     name: str | None = None
     step: Count | None = None
@@ -151,6 +156,13 @@ def read_run_record(directory: str) -> dict | None:
         raise SchemaError(f"{path}: the file holds {found(record)}; expected a JSON object; {RUN_FIX}")
     validate(RunRecord, record, path, RUN_FIX)
     return record
+
+
+def drafter_label(family: str | None, layout: str | None) -> str:
+    """'DSpark, speculators layout' ('' for results older than the family columns)."""
+    if not family:
+        return ""
+    return f"{FAMILY_NAMES.get(family, family)}, {LAYOUT_NAMES.get(layout, layout)} layout"
 
 
 # --------------------------------------------------------------------------- method names
@@ -219,6 +231,8 @@ IDENTITY = [
     pa.field("checkpoint", pa.string()),
     pa.field("checkpoint_hash", pa.string()),
     pa.field("checkpoint_step", pa.int64()),
+    pa.field("drafter_family", pa.string()),  # FAMILY_NAMES' keys: dflash, dflash2, dspark
+    pa.field("drafter_layout", pa.string()),  # whose config.json layout: z-lab, speculators, specforge, deepspec
 ]
 WALK = [
     pa.field("dataset", pa.string()),

@@ -14,6 +14,7 @@ from pipeline.common.drafter_configs import read_drafter_format
 from pipeline.common.schema import SchemaError
 from scoring.drafters import dflash, dflash2, dspark
 from scoring.drafters.base import DrafterConfig, DrafterConfigError, Family
+from scoring.results import FAMILY_NAMES, LAYOUT_NAMES
 
 FAMILIES: dict[str, Family] = {"dflash": dflash.FAMILY, "dflash2": dflash2.FAMILY, "dspark": dspark.FAMILY}
 # (layout, family) -> the FAMILIES key that scores it
@@ -26,8 +27,8 @@ SCORED = {
     ("specforge", "dspark"): "dspark",
     ("deepspec", "dspark"): "dspark",
 }
-LAYOUT_NAMES = {"z-lab": "z-lab", "speculators": "speculators", "specforge": "SpecForge", "deepspec": "DeepSpec"}
-NAMES = {"dflash": "DFlash", "dflash2": "DFlash2", "dspark": "DSpark", "eagle3": "EAGLE-3", "mtp": "MTP"}
+
+
 NOT_YET = "which specreplay does not score yet; refusing rather than scoring it wrong"
 
 
@@ -47,7 +48,7 @@ def _family_of(checked, source: str) -> str:
     key = SCORED.get((checked.LAYOUT, checked.family))
     if key is None:  # validated, so a broken file was told as broken first
         raise DrafterConfigError(
-            f"{source}: a {NAMES[checked.family]} drafter in {possessive(LAYOUT_NAMES[checked.LAYOUT])} layout ({checked.evidence}), {NOT_YET}"
+            f"{source}: a {FAMILY_NAMES[checked.family]} drafter in {possessive(LAYOUT_NAMES[checked.LAYOUT])} layout ({checked.evidence}), {NOT_YET}"
         )
     return key
 

@@ -51,9 +51,12 @@ def best_tree(pooled: dict[str, dict]) -> tuple[str, float] | None:
 
 
 def headline(name: str, summary: pa.Table) -> str:
-    """'tiny/step_600: tau chain 1.340 (all, 16 samples, exact 16/16), best ddtree-256 2.665, streak 0.318'."""
+    """'tiny/step_600 (DFlash, z-lab layout): tau chain 1.340 (all, 16 samples, exact 16/16), best
+    ddtree-256 2.665, streak 0.318'."""
     pooled = pooled_rows(summary)
     chain = pooled[results.CHAIN]
+    drafter = results.drafter_label(chain.get("drafter_family"), chain.get("drafter_layout"))
+    name = f"{name} ({drafter})" if drafter else name
     exact = chain["samples"] - chain["inexact_samples"]
     line = f"{name}: tau chain {fmt(chain['tau'])} (all, {chain['samples']} samples, exact {exact}/{chain['samples']})"
     if results.sampling_of_row(chain) is not None:

@@ -58,7 +58,14 @@ def run_record(planned: dict, ckpt: str, info: CheckpointInfo, shardset: ShardSe
     their anchors) and shards.excluded_samples (NaN/Inf target values the extract never stored)."""
     manifest = shardset.manifest
     record = copy.deepcopy(planned)  # the planned record stays as planned
-    record["checkpoint"].update(path=os.path.abspath(ckpt), name=info.name, step=info.step, config=info.config_raw)
+    record["checkpoint"].update(
+        path=os.path.abspath(ckpt),
+        name=info.name,
+        step=info.step,
+        family=info.config.family,
+        layout=info.config.layout,
+        config=info.config_raw,
+    )
     record["shards"].update(
         uri=shardset.uri,
         sampling=sampling.as_dict(),

@@ -141,4 +141,10 @@ def replay_group(job: Job, head: dict, group: list, config: ScoreConfig, collect
 
 def identity_of(info: CheckpointInfo) -> dict:
     """The identity columns every results row carries."""
-    return {"checkpoint": info.name, "checkpoint_hash": info.content_hash[:16], "checkpoint_step": info.step}
+    return {
+        "checkpoint": info.name,
+        "checkpoint_hash": info.content_hash[:16],
+        "checkpoint_step": info.step,
+        "drafter_family": info.config.family,
+        "drafter_layout": info.config.layout,
+    }

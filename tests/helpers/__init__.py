@@ -16,6 +16,9 @@ as `from tests.helpers.<module> import ...`. tests/conftest.py holds only fixtur
   convention_fits  drafters fitted with the public reference under a wrong convention (diagnose tests)
   fake_results     results directories built from scoring/results.py's schemas
   watch_writer     a training run writing checkpoints over time (run as a script by the watch tests)
+  bad_inputs       generated bad inputs (hypothesis) and the schema oracle they are judged by
+  dflash2_reference, dspark_reference   the public references' DFlash2 / DSpark models, built and saved
+  family_fits, dspark_online            reference drafters fitted with their own training forward; online loops
 """
 
 import os
@@ -26,3 +29,9 @@ import os
 # makes GEMM results independent of alignment. Set here, before any helper loads torch (and MKL):
 # tests/conftest.py and the tools/ scripts import these helpers first; subprocesses inherit it.
 os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
+
+# Under pytest-xdist every core runs a worker already: one intra-op thread each (and for the
+# subprocesses they start), rather than two workers each spinning two threads on two cores.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    for _name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(_name, "1")

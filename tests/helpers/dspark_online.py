@@ -10,10 +10,14 @@ previous draft, greedy argmax or a sample from softmax((base + bias) / T), the p
 the first slot with sigmoid(c_k) < threshold. The real target verifies [x_start, d_1..d_q]:
 greedy, the leading drafts equal to its argmax; sampled, z-lab's `_rejection_sample`. Steps,
 the budget and stop tokens follow z-lab's `dflash_generate` (dflash/model.py:179-330): the
-block has min(block_size, max_length - start - 1) queries (no draft past the budget),
-`produced` = accepted + 1 capped by the budget and cut after the first stop token.
+block has min(block_size, max_length - start - 1) queries (no draft past the budget; the
+reference's `block_size` attribute is set to that for the call), `produced` = accepted + 1
+capped by the budget and cut after the first stop token. The target runs from scratch over the
+committed tokens and the proposal at every step (no cache to roll back).
 
-Nothing here imports specreplay's scoring code: the loop is what it is compared against.
+Also here: the tiny target, and speculators' own training forward to fit the drafter on the
+target's real features. Nothing here imports specreplay's code: the loop is what it is
+compared against.
 """
 
 from __future__ import annotations
@@ -24,11 +28,8 @@ from dataclasses import dataclass, field
 import torch
 from dflash.model import _rejection_sample, _sample_probs, sample
 
-from tests.helpers.dspark_reference import AUX_IDS, MASK, decoder_config, qwen3_config
+from tests.helpers.dspark_reference import AUX_IDS, MASK, TARGET_LAYERS, decoder_config, qwen3_config
 from tests.helpers.models import IM_END_ID, save_target, seeded
-
-TARGET_LAYERS = 6
-
 
 # ---------------------------------------------------------------------------------------------
 # the target
@@ -161,14 +162,29 @@ def fit(model, documents: list[dict], *, steps: int, lr=3e-3, per_step: int = 4,
 
 @contextlib.contextmanager
 def block_of(model, queries: int):
-    """The model's blocks `queries` long for the calls inside: `_backbone_forward`, its anchor
-    selection and its mask read the instance's block_size."""
+    """The model's blocks `queries` long for the calls inside (`_backbone_forward`, its anchor
+    selection and its mask read the instance's block_size), and its `_build_attention_mask`
+    memoized: the mask is a function of the loss mask, the length and the block size alone
+    (one document; select_anchors keeps every valid anchor when max_anchors allows, in order),
+    and building it (flex attention's vmap over a mask function) costs more than the forward."""
     saved = model.block_size
     model.block_size = queries
+    cache = model.__dict__.setdefault("_online_masks", {})
+    build = type(model)._build_attention_mask
+
+    def memoized(loss_mask, max_anchors, document_ids, device):
+        assert not document_ids.any(), "one document"
+        key = (loss_mask.shape[1], tuple(loss_mask[0].nonzero().flatten().tolist()), max_anchors, queries)
+        if key not in cache:
+            cache[key] = build(model, loss_mask, max_anchors, document_ids, device)
+        return cache[key]
+
+    model.__dict__["_build_attention_mask"] = memoized
     try:
         yield
     finally:
         model.block_size = saved
+        del model.__dict__["_build_attention_mask"]
 
 
 @torch.no_grad()

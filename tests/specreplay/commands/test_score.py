@@ -66,7 +66,7 @@ def test_several_checkpoints_by_glob_then_skip_and_force(scored_setup):
     )
     assert s["tau"][0] == pytest.approx(per_sample)
     # the console table prints the summary's numbers: step_60's "(all)" row, cell by cell
-    block = result.output[result.output.index("runs/step_30: tau chain") :]  # step_60's table follows
+    block = result.output[result.output.index("runs/step_30 (DFlash, z-lab layout): tau chain") :]  # step_60's table follows
     lines = [line.strip() for line in block.splitlines()]
     header = next(line.split() for line in lines if line.startswith("dataset"))
     cells = dict(zip(header, next(line.split() for line in lines if line.startswith("(all)"))))
@@ -149,7 +149,7 @@ def test_headline_quiet_no_progress_and_json(scored_setup, tmp_path):
     pooled = _pooled(os.path.join(out, "runs_step_60"))
     best = max(("ddtree-4", "ddtree-8"), key=lambda m: pooled[m]["tau"])
     expected = (
-        f"runs/step_60: tau chain {pooled['chain']['tau']:.3f} (all, 5 samples, exact 5/5), "
+        f"runs/step_60 (DFlash, z-lab layout): tau chain {pooled['chain']['tau']:.3f} (all, 5 samples, exact 5/5), "
         f"best {best} {pooled[best]['tau']:.3f}, streak {pooled['chain']['anchor_accepted_len_mean']:.3f}"
     )
     lines = quiet.output.splitlines()
@@ -348,7 +348,7 @@ def test_truncated_checkpoint_fails_alone(scored_setup, tmp_path):
     assert len(errors) == 1 and str(runs / "step_2") in errors[0] and "model.safetensors" in errors[0], errors
     assert sorted(os.listdir(out)) == ["run_step_1", "run_step_3"]
     assert "1 of 3 checkpoints failed:" in result.output
-    assert result.output.index("run/step_3: tau chain") > result.output.index(errors[0])
+    assert result.output.index("run/step_3 (DFlash, z-lab layout): tau chain") > result.output.index(errors[0])
 
 
 def _ckpt_lines(output: str) -> list[str]:
