@@ -274,6 +274,7 @@ SAMPLES = [
     pa.field("tokens_produced", pa.int64()),
     pa.field("tau", pa.float64()),
     pa.field("prompt_text", pa.string()),
+    pa.field("prompt_message", pa.string()),  # the user's own words in prompt_text (scoring/prompts.py)
     # sha256 of the sample's token ids (prompt + response, int64 little-endian), 16 hex: two
     # results are about the same sample only when this matches (compare pairs on it)
     pa.field("tokens_hash", pa.string()),

@@ -88,3 +88,9 @@ def test_every_recipe_gives_a_nonempty_table(results_cwd):
         (pl.col("checkpoint_step") == 300) & (pl.col("dataset") == "(all)") & (pl.col("method") == "chain")
     )["tau"][0]
     assert row["chain"][0] == expected
+    # recipe 3 shows each prompt as the user wrote it, not the chat-template render around it
+    differ = eval(ast.unparse(ast.parse(recipe_blocks()[0]).body[-1]), namespace)
+    written = {f"p{i}": f"Add {i} and {2 * i}." for i in range(4)}
+    assert {r["sample_id"]: r["prompt_message"] for r in differ.iter_rows(named=True)} == {
+        s: written[s] for s in differ["sample_id"]
+    }

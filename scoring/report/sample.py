@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 
 import polars as pl
 
+from scoring.prompts import user_message
 from scoring.report.data import ReportError, Results, fmt, reference_label
-from scoring.report.tables import user_message
 from scoring.results import CHAIN, FILES
 
 PREFILL, ACCEPTED, BONUS, UNWALKED = "pre", "acc", "bon", "unwalked"

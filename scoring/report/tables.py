@@ -8,6 +8,7 @@ import re
 
 import polars as pl
 
+from scoring.prompts import user_message
 from scoring.report.data import (
     TAU_UNIT,
     Results,
@@ -21,36 +22,6 @@ from scoring.report.plots import MIN_ANCHORS, position_rates
 from scoring.results import CHAIN, tree_method
 
 PROMPT_PREVIEW_CHARS = 160
-
-# The last user turn of the chat templates we know, as (start marker, end marker) regexes:
-# ChatML (SmolLM2, Qwen), Llama 3, Gemma, Mistral/Llama 2 [INST].
-_USER_TURNS = [
-    re.compile(r"<\|im_start\|>user\s*\n(.*?)(?:<\|im_end\|>|$)", re.S),
-    re.compile(r"<\|start_header_id\|>user<\|end_header_id\|>\s*(.*?)(?:<\|eot_id\|>|$)", re.S),
-    re.compile(r"<start_of_turn>user\s*\n(.*?)(?:<end_of_turn>|$)", re.S),
-    re.compile(r"\[INST\](.*?)(?:\[/INST\]|$)", re.S),
-]
-# A leading system block (ChatML or Llama 3) and a trailing assistant header, for templates whose
-# user turn we do not recognise.
-_SYSTEM_BLOCK = re.compile(
-    r"^\s*(?:<\|im_start\|>system.*?<\|im_end\|>|<\|start_header_id\|>system<\|end_header_id\|>.*?<\|eot_id\|>)\s*",
-    re.S,
-)
-_ASSISTANT_HEADER = re.compile(r"(?:<\|im_start\|>assistant|<\|start_header_id\|>assistant<\|end_header_id\|>)\s*$")
-
-
-def user_message(prompt_text: str | None) -> str:
-    """The user's question inside a chat-templated prompt: the last user turn when a known
-    template's markers are there; else the text without a leading system block and a trailing
-    assistant header; else the text as it is."""
-    if not prompt_text:
-        return ""
-    for pattern in _USER_TURNS:
-        turns = pattern.findall(prompt_text)
-        if turns and turns[-1].strip():
-            return turns[-1].strip()
-    stripped = _ASSISTANT_HEADER.sub("", _SYSTEM_BLOCK.sub("", prompt_text, count=1))
-    return stripped.strip() or prompt_text
 
 
 def breakable(text: str, after: str = "/_") -> str:

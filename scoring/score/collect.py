@@ -16,6 +16,7 @@ import torch
 
 from pipeline.common.sampling import Sampling
 from scoring import results
+from scoring.prompts import user_message
 from scoring.replay import metrics
 from scoring.replay.anchors import AnchorTensors
 from scoring.replay.walk import (
@@ -64,6 +65,7 @@ def sample_row(sample, method: str, produced: list[int], mismatches: int, chain:
         "tokens_produced": sum(produced),
         "tau": metrics.sample_tau(produced),
         "prompt_text": sample.prompt_text,
+        "prompt_message": user_message(sample.prompt_text),
         "tokens_hash": tokens_hash(sample.input_ids),
     }
 

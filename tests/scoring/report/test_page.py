@@ -349,7 +349,7 @@ def test_layout_scrolls_the_summary_and_wraps_identifiers(built):
 
 
 def test_user_message_is_found_in_chat_templates():
-    from scoring.report.tables import user_message
+    from scoring.prompts import user_message
 
     system = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
     chatml = (
