@@ -406,6 +406,7 @@ def test_layer_id_L_is_the_final_hidden_state_before_the_norm(tiny_qwen3_dir, pr
     last = info.num_layers
     extract(tiny_qwen3_dir, prompts_file, tmp_path / "out", layer_ids=[last - 1, last], limit=2)
     captured = []
+
     def keep(module, args, out):  # a decoder layer returns its hidden states, or a tuple led by them
         captured.append((out[0] if isinstance(out, (tuple, list)) else out)[0].clone())
 

@@ -66,7 +66,9 @@ def test_several_checkpoints_by_glob_then_skip_and_force(scored_setup):
     )
     assert s["tau"][0] == pytest.approx(per_sample)
     # the console table prints the summary's numbers: step_60's "(all)" row, cell by cell
-    block = result.output[result.output.index("runs/step_30 (DFlash, z-lab layout): tau chain") :]  # step_60's table follows
+    block = result.output[
+        result.output.index("runs/step_30 (DFlash, z-lab layout): tau chain") :
+    ]  # step_60's table follows
     lines = [line.strip() for line in block.splitlines()]
     header = next(line.split() for line in lines if line.startswith("dataset"))
     cells = dict(zip(header, next(line.split() for line in lines if line.startswith("(all)"))))
