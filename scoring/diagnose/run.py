@@ -25,7 +25,16 @@ from pipeline.shards import ShardSet
 from scoring import results
 from scoring.config import DEFAULT_DIAGNOSE_SAMPLES, DiagnoseConfig
 from scoring.diagnose.stats import Comparison, Drawn, SampleStats, by_position, compare_all, sample_stats, verdict
-from scoring.diagnose.variants import CONFIGURED, VARIANTS, Variant, missing_layers, not_applicable, parse_variants
+from scoring.diagnose.variants import (
+    CONFIGURED,
+    VARIANTS,
+    Variant,
+    for_checkpoint,
+    missing_layers,
+    not_applicable,
+    parse_variants,
+    same_replay,
+)
 from scoring.drafters.checkpoint import load_drafter, read_drafter_config
 from scoring.drafters.compatibility import check_compatibility, target_layers
 from scoring.replay.anchors import replay_sample
@@ -200,7 +209,7 @@ def plan_variants(config: DiagnoseConfig, setup: Setup, shardset: ShardSet, prog
     names = parse_variants(",".join(config.variants) if config.variants else None)
     planned = []
     for name in names:
-        variant = VARIANTS[name]
+        variant = for_checkpoint(VARIANTS[name], setup.info.config)
         reason = skip_reason(variant, setup, shardset, program)
         asked = bool(config.variants) and name in config.variants
         if reason is not None and asked:
@@ -210,6 +219,18 @@ def plan_variants(config: DiagnoseConfig, setup: Setup, shardset: ShardSet, prog
                 f"not run by default on CPU, where {name} is several times slower than fp32; --variants {name} runs it"
             )
         planned.append(Measured(variant, note=reason))
+    return _without_repeats(planned, config.variants)
+
+
+def _without_repeats(planned: list[Measured], asked: list[str] | None) -> list[Measured]:
+    """A variant not asked for by name that replays exactly as an earlier measured one is noted,
+    not replayed (layers-1 or layers+1 is layers-convention for a given layout)."""
+    for i, later in enumerate(planned):
+        if later.note is not None or (asked and later.variant.name in asked):
+            continue
+        twin = next((m for m in planned[:i] if m.note is None and same_replay(m.variant, later.variant)), None)
+        if twin is not None:
+            later.note = f"the same replay as {twin.variant.name}"
     return planned
 
 

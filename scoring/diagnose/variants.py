@@ -6,7 +6,7 @@ a drafter, and the sentence a user acts on when it beats the checkpoint's own co
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -25,7 +25,10 @@ class Variant:
     convention: bool = True  # False: a numerics probe, never a verdict's cause
 
 
-def _variants() -> list[Variant]:  # 80 lines: a table, one entry per variant
+CONVENTION_VARIANT = "layers-convention"
+
+
+def _variants() -> list[Variant]:  # 90 lines: a table, one entry per variant
     fix = "fix the training code or the evaluation, not the weights"
     return [
         Variant(CONFIGURED, "the checkpoint's config, the reference conventions", ""),
@@ -54,6 +57,14 @@ def _variants() -> list[Variant]:  # 80 lines: a table, one entry per variant
             f"the checkpoint was trained with the context one position shorter than the reference's — {fix}",
             Conventions(context_offset=-1),
         ),
+        Variant(
+            CONVENTION_VARIANT,
+            "the feature layer ids read in the other convention (output of layer i vs the residual entering it)",
+            "the checkpoint's feature layer ids are counted in the other convention from the one its config "
+            "layout declares (z-lab and SpecForge count the output of layer i, speculators and vLLM the residual "
+            "entering layer i, one higher): it was exported with the other layout's ids — fix the ids in its "
+            "config.json, not the weights",
+        ),  # its layer offset depends on the checkpoint's layout: for_checkpoint
         Variant(
             "layers-1",
             "every feature layer id one lower (hidden_states[i] instead of [i + 1])",
@@ -110,6 +121,21 @@ def _variants() -> list[Variant]:  # 80 lines: a table, one entry per variant
 
 
 VARIANTS = {v.name: v for v in _variants()}
+
+
+def for_checkpoint(variant: Variant, config: DrafterConfig) -> Variant:
+    """`variant` as replayed for a drafter of `config`: `layers-convention` reads a before-layer
+    (speculators) id i as the output of layer i, one layer deeper than the project's i - 1, and
+    an output-of-layer (z-lab) id i as the residual entering layer i, one shallower."""
+    if variant.name != CONVENTION_VARIANT:
+        return variant
+    return replace(variant, conventions=Conventions(layer_offset=1 if config.layer_convention == "before" else -1))
+
+
+def same_replay(variant: Variant, other: Variant) -> bool:
+    """Two variants that replay identically (layers-convention is layers-1 or layers+1 made
+    concrete for one checkpoint): only one of them needs measuring."""
+    return (variant.conventions, variant.dtype) == (other.conventions, other.dtype)
 
 
 def not_applicable(variant: Variant, config: DrafterConfig) -> str | None:

@@ -29,6 +29,7 @@ import numpy as np
 import polars as pl
 import pytest
 import torch
+from click.testing import CliRunner
 from safetensors.torch import load_file
 
 import scoring.score.steps as score_module
@@ -39,6 +40,7 @@ from scoring import results
 from scoring.config import ScoreConfig
 from scoring.drafters.dflash2_model import DFlash2Drafter
 from scoring.score.run import run_score
+from specreplay.cli import main
 from tests.helpers import family_fits as fits
 from tests.helpers.models import seeded
 from tests.helpers.prompts import write_prompts
@@ -203,6 +205,17 @@ def test_layer_convention_both_layouts_agree_and_the_mislabelled_one_does_not(gr
     right, wrong = _chain_tau(runs["s"]), _chain_tau(_score(mislabelled, shards, tmp / "results-mislabelled"))
     print(f"chain tau: ids as saved {right:.3f}, speculators ids read as z-lab's {wrong:.3f}")
     assert right > 2.0 and wrong < 1.2, (right, wrong)
+
+    # diagnose names the mis-export: the ids read in the other convention win, by a clear margin
+    diagnosis = tmp / "diagnose-mislabelled"
+    run = CliRunner().invoke(
+        main, ["diagnose", "--ckpt", mislabelled, "--shards", shards, "--out", str(diagnosis), "--no-progress"]
+    )
+    assert run.exit_code == 0, run.output
+    [record] = [json.load(open(path)) for path in diagnosis.glob("*/diagnose.json")]
+    assert record["verdict"][0].startswith(f"tau {wrong:.2f} as configured"), record["verdict"]
+    assert "with the feature layer ids read in the other convention" in record["verdict"][0], record["verdict"]
+    assert "the same replay as layers-convention" in run.output  # layers-1 is not replayed twice
 
 
 def _draft_vocab_logits(ckpt: str):
