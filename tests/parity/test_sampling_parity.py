@@ -213,9 +213,11 @@ def _beyond(stat: tuple[float, float], sigmas: float = 3.0) -> bool:
 # leaving out top-p changes the drafter's q only where its top-1 mass passes p, i.e. on a sharp
 # target at T = 1 (at T = 2 top-k 2 always cuts first); leaving out top-k, and a_j = q_j(y_j),
 # only where the filtered distributions keep several tokens, i.e. at T = 2 (at T = 1 a sharply
-# fitted drafter leaves them too little to show). `pytest -s` prints each one's residual.
+# fitted drafter leaves them too little to show). `pytest -s` prints each one's residual. Top-p
+# 0.7 rather than 0.8: it binds at more anchors (measured with one thread, as under xdist: at 0.8
+# the top-p mutant's step residual was 2.4 SE, at 0.7 it is 11.8 SE).
 PAIRED_CASES = {
-    "T1-topp0.8-topk2": (Sampling(1.0, 0.8, 2), 250, ["drafter without top-p"]),
+    "T1-topp0.7-topk2": (Sampling(1.0, 0.7, 2), 250, ["drafter without top-p"]),
     "T2-topp0.9-topk2": (Sampling(2.0, 0.9, 2), 150, ["a_j = q_j(y_j)", "drafter without top-k"]),
 }
 

@@ -61,7 +61,7 @@ def test_duplicate_prompt_ids(tmp_path, tiny_qwen3_dir):
     assert_nothing_written(out)
 
 
-@pytest.mark.parametrize("layer_ids, message", [("0,6", "out of range"), ("1,1", "duplicates"), ("1,x", "integers")])
+@pytest.mark.parametrize("layer_ids, message", [("0,7", "out of range"), ("1,1", "duplicates"), ("1,x", "integers")])
 def test_bad_layer_ids(tmp_path, tiny_qwen3_dir, prompts_file, layer_ids, message):
     out = tmp_path / "out"
     result = cli("--model", tiny_qwen3_dir, "--prompts", prompts_file, "--out", str(out), "--layer-ids", layer_ids)
