@@ -103,7 +103,7 @@ def _check_widths(config: DrafterConfig, target: dict, where: str) -> None:
             f"{config.hidden_size} feature columns) != target hidden_size {hidden}; the drafter was trained for a "
             f"different target model"
         )
-    if not 0 <= config.mask_token_id < vocab:
+    if config.mask_token_id is not None and not 0 <= config.mask_token_id < vocab:
         raise CompatibilityError(
             f"{where}: drafter mask_token_id {config.mask_token_id} is not a row of the target embedding "
             f"(vocab_size {vocab}, valid ids 0..{vocab - 1}); the drafter was trained for a different tokenizer"
