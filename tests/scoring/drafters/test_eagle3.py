@@ -137,6 +137,28 @@ def test_extract_stores_the_aux_layers_and_both_layouts_score_alike(world):
     assert set(tables["speculators"]["drafter_family"]) == {"eagle3"}
     assert set(tables["specforge"]["drafter_layout"]) == {"specforge"}
     assert tables["speculators"].drop("drafter_layout").equals(tables["specforge"].drop("drafter_layout"))
+    # walk-only replay packs the samples together: the same walks
+    out = world["tmp"] / "results-walk"
+    walked = CliRunner().invoke(
+        main,
+        ["score", "--ckpt", world["ckpt"], "--shards", world["shards"]["speculators"], "--out", str(out), "--quiet"]
+        + ["--anchors", "walk"],
+    )
+    assert walked.exit_code == 0, walked.output
+    [results] = out.iterdir()
+    walk = pl.read_parquet(results / "walk.parquet").select(tables["speculators"].columns)
+    assert walk.equals(tables["speculators"])
+
+
+def test_diagnose_runs_the_variants_that_apply(world):
+    out = world["tmp"] / "diagnose"
+    args = ["diagnose", "--ckpt", world["ckpt"], "--shards", world["shards"]["speculators"], "--out", str(out)]
+    asked = CliRunner().invoke(main, [*args, "--variants", "positions+1", "--no-progress", "--device", "cpu"])
+    assert asked.exit_code == 2 and "positions+1: cannot be measured" in asked.output, asked.output
+    assert "no block to shift" in asked.output
+    result = CliRunner().invoke(main, [*args, "--limit", "2", "--no-progress", "--device", "cpu", "--force"])
+    assert result.exit_code == 0, result.output
+    assert "no block to shift" in result.output and "Traceback" not in result.output, result.output
 
 
 def test_aux_layers_missing_from_the_shards_print_the_extract_command(world):
