@@ -231,7 +231,7 @@ IDENTITY = [
     pa.field("checkpoint", pa.string()),
     pa.field("checkpoint_hash", pa.string()),
     pa.field("checkpoint_step", pa.int64()),
-    pa.field("drafter_family", pa.string()),  # FAMILY_NAMES' keys: dflash, dflash2, dspark
+    pa.field("drafter_family", pa.string()),  # FAMILY_NAMES' keys: dflash, dflash2, dspark, eagle3
     pa.field("drafter_layout", pa.string()),  # whose config.json layout: z-lab, speculators, specforge, deepspec
 ]
 WALK = [

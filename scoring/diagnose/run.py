@@ -36,7 +36,7 @@ from scoring.diagnose.variants import (
     same_replay,
 )
 from scoring.drafters.checkpoint import load_drafter, read_drafter_config
-from scoring.drafters.compatibility import check_compatibility, target_layers
+from scoring.drafters.compatibility import check_compatibility, extract_words, target_layers
 from scoring.replay.anchors import replay_sample
 from scoring.replay.packing import ReplayOptions, prepare_target_head, select_feature_columns
 from scoring.score.outputs import results_lock
@@ -139,28 +139,9 @@ def neighbour_hint(shardset: ShardSet, program: str) -> str:
     `program` is how the user runs specreplay (the CLI's specreplay.hints.program())."""
     from pipeline.common.layer_ids import requested_layer_ids
 
-    manifest, settings = shardset.manifest, shardset.settings
-    target, prompts = manifest.get("target", {}), manifest.get("prompts", {})
-    sampling = settings.get("sampling") or {}
-    flags = {
-        "--model": target.get("path") or target.get("name"),
-        "--prompts": prompts.get("name"),
-        "--layer-ids": ",".join(map(str, requested_layer_ids(settings))),
-        "--max-new-tokens": settings.get("max_new_tokens"),
-        "--top-k": settings.get("top_k"),
-        "--dtype": target.get("dtype"),
-        "--feature-dtype": settings.get("feature_dtype"),
-        "--temperature": sampling.get("temperature"),
-        "--top-p": sampling.get("top_p"),
-        "--sample-top-k": sampling.get("top_k"),
-        "--num-samples": sampling.get("num_samples"),
-        "--seed": sampling.get("seed"),
-        "--out": f"{shardset.uri.rstrip('/')}-neighbours",
-    }
-    words = " ".join(f"{flag} {value}" for flag, value in flags.items() if value is not None)
-    thinking = settings.get("enable_thinking")
-    if thinking is not None:
-        words += " --enable-thinking" if thinking else " --disable-thinking"
+    words = extract_words(
+        shardset.manifest, requested_layer_ids(shardset.settings), f"{shardset.uri.rstrip('/')}-neighbours"
+    )
     return f"store them with `{program} extract --neighbour-layers {words}`"
 
 
@@ -179,7 +160,7 @@ def prepare(config: DiagnoseConfig, shardset: ShardSet, progress=None) -> Setup:
     device, dtype = resolve_device_dtype(config.device, config.dtype)
     manifest, settings = shardset.manifest, shardset.settings
     layers = target_layers(manifest)
-    check_compatibility(read_drafter_config(config.ckpt, target_layers=layers), manifest, config.ckpt)
+    check_compatibility(read_drafter_config(config.ckpt, target_layers=layers), manifest, config.ckpt, shardset.uri)
     drafter, info = load_drafter(config.ckpt, dtype=dtype, device=device, target_layers=layers)
     chosen = set(choose(shardset, config))
     samples = list(shardset.samples(tensors=SAMPLE_TENSORS, keep=chosen.__contains__))  # as score reads them

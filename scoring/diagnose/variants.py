@@ -142,6 +142,9 @@ def not_applicable(variant: Variant, config: DrafterConfig) -> str | None:
     """Why `variant` changes nothing for a drafter of `config` (None when it applies)."""
     has_window = config.sliding_window is not None
     sliding = "sliding_attention" in config.layer_types
+    shifts = variant.conventions.block_position_offset or variant.conventions.context_offset
+    if shifts and not config.block_conventions:
+        return "the family drafts step by step from its own context rows: no block to shift"
     if variant.name == "no-window" and not sliding:
         return "no sliding-attention layer"
     if variant.name == "window-everywhere" and (

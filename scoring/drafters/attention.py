@@ -20,7 +20,7 @@ import torch
 
 class DenseMask(NamedTuple):
     ctx_visible: torch.Tensor  # [A, b, T] bool
-    block_visible: torch.Tensor  # [b, b] bool
+    block_visible: torch.Tensor  # [b, m] bool: block query i sees block key k (m = b, or with_block_keys')
 
 
 def block_masks(
@@ -157,7 +157,7 @@ class ContextTile(NamedTuple):
 
 class BlockwisePlan(NamedTuple):
     tiles: list[ContextTile]  # anchors that see no context key are in none
-    block_visible: torch.Tensor  # [b, b] bool
+    block_visible: torch.Tensor  # [b, m] bool: block query i sees block key k (m = b, or with_block_keys')
 
 
 def blockwise_plan(
@@ -264,8 +264,8 @@ def blockwise_attention(q, k, v, ctx_k, ctx_v, plan: BlockwisePlan, scale: float
     # query axis (n = groups x b rows per kv head), no repeated keys.
     q = q.contiguous().view(A, kv, h // kv * b, d) * scale
     state = _context_state(q, ctx_k, ctx_v, plan, b)
-    block_scores = (q @ k.transpose(-1, -2)).float()  # [A, kv, n, b]
-    block_scores.view(A, kv, h // kv, b, b).masked_fill_(~plan.block_visible, float("-inf"))
+    block_scores = (q @ k.transpose(-1, -2)).float()  # [A, kv, n, m]: m block keys (b, or with_block_keys')
+    block_scores.view(A, kv, h // kv, b, -1).masked_fill_(~plan.block_visible, float("-inf"))
     # every query sees its own block position, so the total is > 0
     state = state.add(block_scores, v)
     return (state.acc / state.total[..., None]).to(q.dtype).view(A, h, b, d)
@@ -353,7 +353,7 @@ def dense_attention(q, k, v, ctx_k, ctx_v, mask: DenseMask, scale: float) -> tor
     # Grouped-query attention without materialising repeated keys: the query heads of
     # one kv group are stacked along the query axis.
     scores = torch.cat([q @ ctx_k.transpose(-1, -2), q @ k.transpose(-1, -2)], dim=-1) * scale
-    visible = torch.cat([ctx_visible, block_visible.expand(A, b, b)], dim=-1)  # [A, b, T+b]
+    visible = torch.cat([ctx_visible, block_visible.expand(A, *block_visible.shape)], dim=-1)  # [A, b, T+m]
     visible = visible[:, None, None].expand(A, 1, groups, b, visible.shape[-1]).reshape(A, 1, groups * b, -1)
     scores = scores.masked_fill(~visible, float("-inf"))
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
@@ -369,6 +369,14 @@ def attend(q, k, v, ctx_k, ctx_v, mask, scale: float) -> torch.Tensor:
     if isinstance(mask, BlockwisePlan):
         return blockwise_attention(q, k, v, ctx_k, ctx_v, mask, scale)
     return flex_block_attention(q, k, v, ctx_k, ctx_v, mask, scale)
+
+
+def with_block_keys(mask: DenseMask | BlockwisePlan, keys: int) -> DenseMask | BlockwisePlan:
+    """`mask`, built for blocks of one query, with `keys` block keys per anchor that the query sees
+    all of: an autoregressive step attending to its own earlier steps at the same anchor beside the
+    context (EAGLE-3's chain, the diagonal extension of speculators' training-time-test mask)."""
+    rows = mask.block_visible.shape[0]
+    return mask._replace(block_visible=torch.ones(rows, keys, dtype=torch.bool, device=mask.block_visible.device))
 
 
 # --attention name -> the mask (or plan) its backend takes, built once per layer kind.

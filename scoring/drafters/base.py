@@ -38,7 +38,7 @@ class DrafterConfig:
     vocab_size: int
     rms_norm_eps: float
     block_size: int
-    mask_token_id: int
+    mask_token_id: int | None  # None: the family's block holds no mask token (teacher_forced_block)
     target_layer_ids: list[int]
     num_target_layers: int | None
     layer_types: list[str]
@@ -56,6 +56,12 @@ class DrafterConfig:
     # every block query drafts (DSpark, `sample_from_anchor`): slot k of [x_t, mask, ...] proposes
     # t + k + 1, B drafts a block; else slot 0 is the anchor and B - 1 drafts
     drafts_from_anchor: bool = False
+    # every block slot after the anchor's holds the stored token there, not the mask token: each slot's
+    # input is the draft before it, teacher-forced along the stored response (EAGLE-3's chain)
+    teacher_forced_block: bool = False
+    # the block position and context offsets of Conventions apply (diagnose); False for a family whose
+    # steps read its own context rows, with no block to shift (EAGLE-3)
+    block_conventions: bool = True
     # a reduced draft vocabulary (speculators `draft_vocab_size`): its own lm_head rows and d2t
     draft_vocab_size: int | None = None
     family_options: dict = field(default_factory=dict)  # the family's own fields (DFlash2 selector, DSpark heads)
@@ -127,8 +133,20 @@ class DraftModel(Protocol):
 
     config: DrafterConfig
 
-    def context_kv(self, features: torch.Tensor, dtype=None, chunk_rows: int | None = None) -> list:
-        """Per drafter layer, the keys and values of every context position, from target features."""
+    def context_kv(
+        self,
+        features: torch.Tensor,
+        dtype=None,
+        chunk_rows: int | None = None,
+        *,
+        tokens=None,
+        embed=None,
+        attention="dense",
+    ) -> list:
+        """Per drafter layer, the keys and values of every context position, from target features.
+        `tokens` [T] (the sample's ids), `embed` [V, H] (the target's embedding) and `attention`
+        (the backend) are for a family whose context rows read the next token and attend to each
+        other (EAGLE-3: eagle3_model.py, which also appends each position's last hidden state)."""
 
     def __call__(self, block_embeds, anchors, context, attention, ctx_starts, conventions) -> torch.Tensor:
         """Hidden states [A, b, H] of the blocks starting at `anchors`."""
@@ -155,3 +173,6 @@ class Family:
     # DDTree scores prefixes by per-position marginals: exact only for drafts that are independent
     # given the block (DFlash); a selector or Markov head makes each draft depend on the last
     trees: bool = True
+    # parse_config takes a 4th argument, the target's layer count (None when unknown): a layout
+    # whose default feature layers depend on it (EAGLE-3)
+    reads_target_layers: bool = False

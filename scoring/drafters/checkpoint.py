@@ -16,6 +16,7 @@ import os
 from dataclasses import dataclass, field
 
 import torch
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
 from scoring.drafters.base import DrafterConfig
@@ -34,6 +35,9 @@ from scoring.drafters.files import (
     read_state_dict,
     resolve_checkpoint_files,
 )
+
+# transformers' rotary embeddings the drafters use (Llama's: EAGLE-3 drafters with Llama layers)
+ROTARY_CLASSES = (Qwen3RotaryEmbedding, LlamaRotaryEmbedding)
 
 # Prefixes added by DDP/DeepSpeed (`module.`), torch.compile (`_orig_mod.`) and training wrappers.
 WRAPPER_PREFIXES = ("module.", "_orig_mod.", "model.", "draft_model.", "drafter.")
@@ -203,10 +207,10 @@ def _materialize(skeleton: torch.nn.Module, state: dict, dtype, device, source: 
         )
     skeleton.load_state_dict(state, strict=True, assign=True)
     for module_name, module in list(skeleton.named_modules()):
-        if isinstance(module, Qwen3RotaryEmbedding):
+        if isinstance(module, ROTARY_CLASSES):
             parent_name, _, attr = module_name.rpartition(".")
             parent = skeleton.get_submodule(parent_name) if parent_name else skeleton
-            setattr(parent, attr, Qwen3RotaryEmbedding(module.config).to(device))  # built on CPU, outside meta
+            setattr(parent, attr, type(module)(module.config).to(device))  # built on CPU, outside meta
     leftover = [name for name, t in list(skeleton.named_parameters()) + list(skeleton.named_buffers()) if t.is_meta]
     if leftover:  # a new kind of non-persistent buffer in drafter.py; fail rather than run on garbage
         raise CheckpointError(f"internal: drafter tensors {leftover} were not materialized by the loader")

@@ -39,7 +39,35 @@ def target_layers(manifest: dict) -> int | None:
     return None if num is None else int(num)
 
 
-def check_compatibility(config: DrafterConfig, manifest: dict, ckpt_path: str) -> None:
+def extract_words(manifest: dict, layer_ids: list[int], out: str) -> str:
+    """The `extract` flags that re-run the extract that wrote `manifest` with its own settings,
+    storing `layer_ids` into `out` (one line a user can paste)."""
+    settings = manifest.get("settings") or {}
+    target, prompts = manifest.get("target") or {}, manifest.get("prompts") or {}
+    sampling = settings.get("sampling") or {}
+    flags = {
+        "--model": target.get("path") or target.get("name"),
+        "--prompts": prompts.get("name"),
+        "--layer-ids": ",".join(map(str, layer_ids)),
+        "--max-new-tokens": settings.get("max_new_tokens"),
+        "--top-k": settings.get("top_k"),
+        "--dtype": target.get("dtype"),
+        "--feature-dtype": settings.get("feature_dtype"),
+        "--temperature": sampling.get("temperature"),
+        "--top-p": sampling.get("top_p"),
+        "--sample-top-k": sampling.get("top_k"),
+        "--num-samples": sampling.get("num_samples"),
+        "--seed": sampling.get("seed"),
+        "--out": out,
+    }
+    words = " ".join(f"{flag} {value}" for flag, value in flags.items() if value is not None)
+    thinking = settings.get("enable_thinking")
+    if thinking is not None:
+        words += " --enable-thinking" if thinking else " --disable-thinking"
+    return words
+
+
+def check_compatibility(config: DrafterConfig, manifest: dict, ckpt_path: str, shards: str | None = None) -> None:
     """Every drafter/target mismatch as an error naming both sides, before any weight is read.
 
     The drafter has no embedding or head of its own: block inputs are the target's embeddings
@@ -52,7 +80,7 @@ def check_compatibility(config: DrafterConfig, manifest: dict, ckpt_path: str) -
     where = f"drafter {ckpt_path} vs shards of {label}"
     _check_block_and_target(config, target, where)
     _check_final_layer(config, int(target["num_layers"]), where)
-    _check_layers(config, stored, where)
+    _check_layers(config, stored, where, _rerun(manifest, shards))
     _check_widths(config, target, where)
 
 
@@ -81,17 +109,25 @@ def _check_final_layer(config: DrafterConfig, num_layers: int, where: str) -> No
         )
 
 
-def _check_layers(config: DrafterConfig, stored: list[int], where: str) -> None:
+def _rerun(manifest: dict, shards: str | None):
+    """layer ids -> the extract command storing them beside the shards' (None: the shards are unnamed)."""
+    if shards is None:
+        return None
+    return lambda ids: f"specreplay extract {extract_words(manifest, ids, shards.rstrip('/') + '-layers')}"
+
+
+def _check_layers(config: DrafterConfig, stored: list[int], where: str, rerun=None) -> None:
     missing = [i for i in config.target_layer_ids if i not in stored]
     if missing:
         union = sorted(set(stored) | set(config.target_layer_ids))
         stated = ""
         if config.layer_convention == "before":
             stated = f" (its config states {config.stated_layer_ids}, counted before layer i: ours are one lower)"
+        command = "" if rerun is None else f": `{rerun(union)}`"
         raise CompatibilityError(
             f"{where}: drafter target_layer_ids {config.target_layer_ids}{stated} but the shards store layer ids "
             f"{stored} (missing {missing}); re-run extract with --layer-ids {','.join(map(str, union))} (or "
-            f"--draft-config with the drafter's config.json)"
+            f"--draft-config with the drafter's config.json){command}"
         )
 
 
@@ -103,7 +139,7 @@ def _check_widths(config: DrafterConfig, target: dict, where: str) -> None:
             f"{config.hidden_size} feature columns) != target hidden_size {hidden}; the drafter was trained for a "
             f"different target model"
         )
-    if not 0 <= config.mask_token_id < vocab:
+    if config.mask_token_id is not None and not 0 <= config.mask_token_id < vocab:
         raise CompatibilityError(
             f"{where}: drafter mask_token_id {config.mask_token_id} is not a row of the target embedding "
             f"(vocab_size {vocab}, valid ids 0..{vocab - 1}); the drafter was trained for a different tokenizer"

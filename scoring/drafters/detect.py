@@ -12,11 +12,16 @@ from torch import nn
 
 from pipeline.common.drafter_configs import read_drafter_format
 from pipeline.common.schema import SchemaError
-from scoring.drafters import dflash, dflash2, dspark
+from scoring.drafters import dflash, dflash2, dspark, eagle3
 from scoring.drafters.base import DrafterConfig, DrafterConfigError, Family
 from scoring.results import FAMILY_NAMES, LAYOUT_NAMES
 
-FAMILIES: dict[str, Family] = {"dflash": dflash.FAMILY, "dflash2": dflash2.FAMILY, "dspark": dspark.FAMILY}
+FAMILIES: dict[str, Family] = {
+    "dflash": dflash.FAMILY,
+    "dflash2": dflash2.FAMILY,
+    "dspark": dspark.FAMILY,
+    "eagle3": eagle3.FAMILY,
+}
 # (layout, family) -> the FAMILIES key that scores it
 SCORED = {
     ("z-lab", "dflash"): "dflash",
@@ -26,6 +31,8 @@ SCORED = {
     ("speculators", "dspark"): "dspark",
     ("specforge", "dspark"): "dspark",
     ("deepspec", "dspark"): "dspark",
+    ("speculators", "eagle3"): "eagle3",
+    ("specforge", "eagle3"): "eagle3",
 }
 
 
@@ -63,7 +70,12 @@ def parse_drafter_config(raw: dict, source: str = "config", target_layers: int |
     state before the norm, stored as id L) from the others (output of layer s - 1)."""
     checked = _validated(raw, source)
     family = _family_of(checked, source)
-    config = FAMILIES[family].parse_config(checked, raw, source)
+    parse = FAMILIES[family].parse_config
+    config = (
+        parse(checked, raw, source, target_layers)
+        if FAMILIES[family].reads_target_layers
+        else parse(checked, raw, source)
+    )
     config.family = family
     if checked.CONVENTION == "before" and target_layers is not None:
         config.target_layer_ids = checked.feature_layers(source, target_layers)

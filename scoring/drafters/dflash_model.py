@@ -24,11 +24,10 @@ from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding
 
 from pipeline.common import timing
-from pipeline.common.sampling import Sampling, token_logprob
 from scoring.drafters.attention import MASK_BUILDERS, attend
-from scoring.drafters.base import DrafterConfig, Drafts
+from scoring.drafters.base import DrafterConfig
 from scoring.drafters.conventions import REFERENCE, Conventions
-from scoring.drafters.vocab import check_vocab_mapping, to_target_vocab
+from scoring.drafters.head import DraftHead
 
 
 def qwen3_config(raw: dict) -> Qwen3Config:
@@ -56,23 +55,44 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class DrafterAttention(nn.Module):
-    def __init__(self, config: DrafterConfig):
+    """Qwen3's attention; `in_features` other than hidden_size for a layer whose q/k/v read a wider
+    input (EAGLE-3's first layer: [embedding ; hidden]), `qk_norm` False for Llama's (no q/k norm)."""
+
+    def __init__(self, config: DrafterConfig, in_features: int | None = None, qk_norm: bool = True):
         super().__init__()
         d, bias = config.head_dim, config.attention_bias
+        width = in_features or config.hidden_size
         self.heads, self.kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, d
-        self.q_proj = nn.Linear(config.hidden_size, self.heads * d, bias=bias)
-        self.k_proj = nn.Linear(config.hidden_size, self.kv_heads * d, bias=bias)
-        self.v_proj = nn.Linear(config.hidden_size, self.kv_heads * d, bias=bias)
+        self.q_proj = nn.Linear(width, self.heads * d, bias=bias)
+        self.k_proj = nn.Linear(width, self.kv_heads * d, bias=bias)
+        self.v_proj = nn.Linear(width, self.kv_heads * d, bias=bias)
         self.o_proj = nn.Linear(self.heads * d, config.hidden_size, bias=bias)
-        self.q_norm = Qwen3RMSNorm(d, eps=config.rms_norm_eps)
-        self.k_norm = Qwen3RMSNorm(d, eps=config.rms_norm_eps)
+        self.q_norm = Qwen3RMSNorm(d, eps=config.rms_norm_eps) if qk_norm else None
+        self.k_norm = Qwen3RMSNorm(d, eps=config.rms_norm_eps) if qk_norm else None
+
+    def queries(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [..., T, in] -> roped, normed queries [..., heads, T, d]."""
+        q = self.q_proj(x).view(*x.shape[:-1], self.heads, self.head_dim)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+        return apply_rope(q.transpose(-2, -3), cos, sin)
 
     def keys_values(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """x [..., T, H] -> roped, normed keys and values [..., kv_heads, T, d]."""
+        """x [..., T, in] -> roped, normed keys and values [..., kv_heads, T, d]."""
         shape = (*x.shape[:-1], self.kv_heads, self.head_dim)
-        k = self.k_norm(self.k_proj(x).view(shape)).transpose(-2, -3)
+        k = self.k_proj(x).view(shape)
+        if self.k_norm is not None:
+            k = self.k_norm(k)
         v = self.v_proj(x).view(shape).transpose(-2, -3)
-        return apply_rope(k, cos, sin), v
+        return apply_rope(k.transpose(-2, -3), cos, sin), v
+
+    def attend_to(self, q, k, v, ctx_k, ctx_v, mask) -> torch.Tensor:
+        """Queries q [A, heads, b, d] to [context ; block keys k, v [A, kv_heads, m, d]] under
+        `mask`, through o_proj -> [A, b, H]."""
+        A, _, b, _ = q.shape
+        with timing.stage("attention"):
+            out = attend(q, k, v, ctx_k, ctx_v, mask, self.head_dim**-0.5)
+        return self.o_proj(out.transpose(1, 2).reshape(A, b, -1))
 
     def forward(self, x, cos, sin, ctx_k, ctx_v, mask):
         """Block queries attend to [context ; block].
@@ -81,13 +101,9 @@ class DrafterAttention(nn.Module):
         mask is a `DenseMask` (explicit boolean masks, the reference path), a `BlockwisePlan`
         (context keys in chunks, CPU) or a flex_attention BlockMask (CUDA).
         """
-        A, b, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(A, b, self.heads, self.head_dim)).transpose(1, 2)
-        q = apply_rope(q, cos, sin)
+        q = self.queries(x, cos, sin)
         k, v = self.keys_values(x, cos, sin)  # [A, kv_heads, b, d]
-        with timing.stage("attention"):
-            out = attend(q, k, v, ctx_k, ctx_v, mask, self.head_dim**-0.5)
-        return self.o_proj(out.transpose(1, 2).reshape(A, b, -1))
+        return self.attend_to(q, k, v, ctx_k, ctx_v, mask)
 
 
 class DrafterLayer(nn.Module):
@@ -103,8 +119,7 @@ class DrafterLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class DFlashDrafter(nn.Module):
-    rowwise_drafts = True  # drafts = logits row by row: chunks may share one lm_head GEMM (replay/anchors.py)
+class DFlashDrafter(DraftHead):
     layer_class = DrafterLayer  # a family with other decoder layers (DFlash2) names its own
 
     def __init__(self, config: DrafterConfig):
@@ -118,50 +133,18 @@ class DFlashDrafter(nn.Module):
         self.rotary = Qwen3RotaryEmbedding(hf)  # buffers only, not in the state dict
         self.add_draft_vocab(config)
 
-    def add_draft_vocab(self, config: DrafterConfig) -> None:
-        """A reduced draft vocabulary's own head and id map (vocab.py); none: the target's lm_head."""
-        if config.draft_vocab_size is None:
-            self.lm_head = self.d2t = self.t2d = None
-            return
-        self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
-        self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
-        self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
-
-    @staticmethod
-    def canonical_names(state: dict) -> dict:
-        """The checkpoint's tensors under this model's names (a family whose savers disagree on
-        some names maps them here; DFlash's agree)."""
-        return state
-
-    optional_weights: tuple[str, ...] = ()  # weights a checkpoint may leave out (the target's used instead)
-
-    def embedding_table(self, target_embed: torch.Tensor) -> torch.Tensor:
-        """The [V, H] table block tokens are embedded with: the target's (the drafter has none)."""
-        return target_embed
-
-    def head_weight(self, lm_head: torch.Tensor) -> torch.Tensor:
-        """The output head [Vo, H]: the drafter's own (a reduced vocabulary), else the target's."""
-        return lm_head if self.lm_head is None else self.lm_head.weight
-
-    def to_target(self, scores: torch.Tensor) -> torch.Tensor:
-        """Scores over the output vocabulary -> over the target's (-inf outside a reduced one)."""
-        return scores if self.d2t is None else to_target_vocab(scores, self.d2t, self.config.vocab_size)
-
-    def check_loaded(self, source: str) -> None:
-        """After loading: the vocabulary mapping is one the drafter can score with."""
-        if self.d2t is not None:
-            check_vocab_mapping(self.d2t, self.t2d, self.config.vocab_size, source)
-
-    def rope(self, like: torch.Tensor, positions: torch.Tensor):
-        """cos/sin [*positions.shape, d] in like's dtype."""
-        flat = positions.reshape(1, -1)
-        cos, sin = self.rotary(like, flat)
-        return cos.view(*positions.shape, -1), sin.view(*positions.shape, -1)
-
     def context_kv(
-        self, features: torch.Tensor, dtype: torch.dtype | None = None, chunk_rows: int | None = None
+        self,
+        features: torch.Tensor,
+        dtype: torch.dtype | None = None,
+        chunk_rows: int | None = None,
+        *,
+        tokens=None,
+        embed=None,
+        attention="dense",
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per layer (k, v) [kv_heads, T, d] of context positions 0..T-1 from target features [T, n*H].
+        """Per layer (k, v) [kv_heads, T, d] of context positions 0..T-1 from target features [T, n*H]
+        (alone: `tokens`, `embed` and `attention` are for families whose context reads more, base.py).
 
         `features` may be in their stored dtype and on another device: they are moved and cast
         to `dtype` (default: their own) `chunk_rows` positions at a time (all at once when None
@@ -230,29 +213,3 @@ class DFlashDrafter(nn.Module):
             ctx_k, ctx_v = context[index]
             h = layer(h, cos, sin, ctx_k, ctx_v, masks[kind])
         return self.norm(h)
-
-    def logits(self, hidden: torch.Tensor, lm_head: torch.Tensor, conventions: Conventions = REFERENCE) -> torch.Tensor:
-        """Draft logits [..., V] over the target's vocabulary (head_logits, mapped by to_target)."""
-        return self.to_target(self.head_logits(hidden, self.head_weight(lm_head), conventions))
-
-    def head_logits(self, hidden: torch.Tensor, lm_head: torch.Tensor, conventions: Conventions = REFERENCE):
-        """`lm_head` on drafter states, then output_multiplier and optional soft-capping."""
-        # One [rows, H] x [H, V] GEMM: F.linear on a non-contiguous [a, L, H] view (the block
-        # minus its first position) falls back to a slower batched matmul on CPU (bench/README.md).
-        with timing.stage("lm_head", rows=hidden.shape[0] * hidden.shape[1]):
-            logits = torch.nn.functional.linear(hidden.reshape(-1, hidden.shape[-1]), lm_head)
-        logits = logits.view(*hidden.shape[:-1], -1)
-        _, multiplier, cap = self.config.scales(conventions)
-        if multiplier != 1.0:
-            logits = logits * multiplier
-        if cap is not None:
-            logits = torch.tanh(logits / cap) * cap
-        return logits
-
-    def drafts(self, hidden, lm_head, previous, conventions: Conventions = REFERENCE) -> Drafts:
-        """Independent drafts per block position: the logits alone (greedy draft = argmax)."""
-        return Drafts(self.logits(hidden, lm_head, conventions))
-
-    def draft_logprob(self, logits: torch.Tensor, tokens: torch.Tensor, sampling: Sampling) -> torch.Tensor:
-        """The drafter samples every block position with the target's settings, independently."""
-        return token_logprob(logits, tokens, sampling)

@@ -190,7 +190,7 @@ def replay_sample(
     the drafter's layers; `max_new_tokens` is the max_new_tokens the online loop would run with."""
     result = empty_anchor_tensors(sample, max_new_tokens, drafter.config)
     if result.anchors.numel():
-        packed = pack_samples(drafter, [sample], feature_columns, options)
+        packed = pack_samples(drafter, [sample], feature_columns, options, embed)
         replay_anchors(
             drafter, embed, lm_head, packed, [result], [(0, r) for r in range(result.anchors.numel())], options
         )
@@ -212,7 +212,7 @@ def replay_walks(
     method), a method being the chain (None) or a DDTree of n nodes; each round batches the
     current anchor of every unfinished walk (anchors shared between methods scored once)."""
     results = [empty_anchor_tensors(s, b, drafter.config) for s, b in zip(samples, max_new_tokens)]
-    packed = pack_samples(drafter, samples, feature_columns, options)
+    packed = pack_samples(drafter, samples, feature_columns, options, embed)
     next_stop = [next_stop_positions(m) for m in is_stop]
 
     def row(s: int, position: int) -> int:

@@ -70,8 +70,7 @@ def chunk_hidden(drafter, embed, packed: PackedSamples, sample_idx, anchors, blo
     """The drafter's final hidden states [a, D, H] at the draft slots (D = config.depth(block_len))."""
     cfg, conventions = drafter.config, options.conventions
     starts = packed.starts[sample_idx]
-    block_ids = torch.full((anchors.numel(), block_len), cfg.mask_token_id, dtype=torch.long, device=anchors.device)
-    block_ids[:, 0] = packed.ids[starts + anchors]
+    block_ids = block_tokens(cfg, packed, sample_idx, anchors, block_len)
     # The embedding may be kept in a narrower stored dtype (prepare_target_head): cast the
     # gathered rows, which gives the values of a cast table.
     embed_scale = cfg.scales(conventions)[0]
@@ -79,7 +78,7 @@ def chunk_hidden(drafter, embed, packed: PackedSamples, sample_idx, anchors, blo
     block_embeds = torch.nn.functional.embedding(block_ids, table).to(options.dtype) * embed_scale  # [a, b, H]
     # no anchor here sees context at or past this key
     visible_ctx = int((starts + anchors).max()) + conventions.context_offset
-    chunk_context = [(k[:, :visible_ctx], v[:, :visible_ctx]) for k, v in packed.context]
+    chunk_context = [tuple(t[:, :visible_ctx] for t in entry) for entry in packed.context]
     hidden = drafter(
         block_embeds,
         anchors,
@@ -89,6 +88,18 @@ def chunk_hidden(drafter, embed, packed: PackedSamples, sample_idx, anchors, blo
         conventions=conventions,
     )
     return hidden[:, cfg.first_draft_slot :]
+
+
+def block_tokens(cfg, packed: PackedSamples, sample_idx, anchors, block_len: int) -> torch.Tensor:
+    """[a, b] the block's token ids: [x_t, mask, ...], or for a family whose slots read the draft
+    before them (`teacher_forced_block`) the stored tokens [x_t, y_{t+1}, ...]: a draft is verified
+    only while every earlier one equalled the stored token, so the stored tokens are the drafts
+    that matter (docs/sampling.md#drafters-whose-drafts-depend-on-earlier-drafts)."""
+    if cfg.teacher_forced_block:
+        return stored_tokens(packed, sample_idx, anchors, block_len, first=0)
+    block_ids = torch.full((anchors.numel(), block_len), cfg.mask_token_id, dtype=torch.long, device=anchors.device)
+    block_ids[:, 0] = packed.ids[packed.starts[sample_idx] + anchors]
+    return block_ids
 
 
 def score_chunk(drafter, packed: PackedSamples, sample_idx, anchors, options, drafts: Drafts) -> dict:

@@ -73,7 +73,7 @@ class PackedSamples:
     topk_ids: torch.Tensor  # [sum (R + 1), k]
     topk_logprobs: torch.Tensor  # [sum (R + 1), k]
     topk_starts: torch.Tensor  # [S]
-    context: list  # per drafter layer (k, v) [kv_heads, sum N, d]
+    context: list  # per drafter layer (k, v) [kv_heads, sum N, d] (EAGLE-3: then (last hidden [1, sum N, H],))
     # [S] first position of each sample whose context keys/values held NaN/Inf (then zeroed, see
     # finite_context); N when none. An anchor that sees it is reported as non-finite.
     nonfinite_from: torch.Tensor | None = None
@@ -101,16 +101,31 @@ def context_rows(drafter: DraftModel, feature_width: int, dtype: torch.dtype, me
     return min(MAX_CONTEXT_ROWS, max(MIN_CONTEXT_ROWS, int(memory_bytes // 4 // per_row)))
 
 
-def pack_samples(drafter: DraftModel, samples: list[Sample], feature_columns, options: ReplayOptions) -> PackedSamples:
+def pack_samples(
+    drafter: DraftModel,
+    samples: list[Sample],
+    feature_columns,
+    options: ReplayOptions,
+    embed: torch.Tensor | None = None,
+) -> PackedSamples:
     """Context keys/values of every layer, computed once per sample (RoPE on positions within
-    the sample) and concatenated."""
+    the sample) and concatenated. `embed`: the target's embedding, for a family whose context
+    rows read tokens (EAGLE-3)."""
     device, dtype = options.device, options.dtype
     contexts, nonfinite_from = [], []
     for s in samples:
         features = feature_columns(s.features)
         rows = context_rows(drafter, features.shape[-1], dtype, options.memory_bytes)
         with timing.stage("context keys/values", tokens=features.shape[0]):
-            context, first_bad = finite_context(drafter.context_kv(features, dtype=dtype, chunk_rows=rows))
+            kv = drafter.context_kv(
+                features,
+                dtype=dtype,
+                chunk_rows=rows,
+                tokens=s.input_ids,
+                embed=embed,
+                attention=options.attention_backend,
+            )
+            context, first_bad = finite_context(kv)
         contexts.append(context)
         nonfinite_from.append(s.input_ids.numel() if first_bad is None else first_bad)
     context = []
@@ -120,7 +135,8 @@ def pack_samples(drafter: DraftModel, samples: list[Sample], feature_columns, op
             c[layer] = None
         context.append(
             tuple(
-                torch.cat([p[i] for p in parts], dim=1) if len(parts) > 1 else parts[0][i].contiguous() for i in (0, 1)
+                torch.cat([p[i] for p in parts], dim=1) if len(parts) > 1 else parts[0][i].contiguous()
+                for i in range(len(parts[0]))
             )
         )
         del parts

@@ -77,7 +77,9 @@ def prepare_job(ckpt: str, shardset: ShardSet, out_dir: str, config: ScoreConfig
     device, dtype = resolve_device_dtype(config.device, config.dtype, dist)
     manifest = shardset.manifest
     layers = target_layers(manifest)
-    check_compatibility(read_drafter_config(ckpt, target_layers=layers), manifest, ckpt)  # before any weight
+    check_compatibility(
+        read_drafter_config(ckpt, target_layers=layers), manifest, ckpt, shardset.uri
+    )  # before any weight
     with timing.stage("load drafter"):
         drafter, info = load_drafter(ckpt, dtype=dtype, device=device, target_layers=layers)
     chosen, selection = choose_samples(shardset, config)

@@ -1,4 +1,5 @@
-"""Drafter config.json layouts, declared: one module per layout (zlab.py, speculators.py), the
+"""Drafter config.json layouts, declared: one module per layout (zlab.py, speculators.py, the other
+projects' DSpark and EAGLE-3 layouts in dspark_layouts.py and eagle3_layouts.py), the
 decoder fields they share (decoder.py), and `read_drafter_format`, which picks the layout and
 validates the file against it before anything else reads it.
 
@@ -14,6 +15,7 @@ then the keys of `dflash_config`.
 from __future__ import annotations
 
 from pipeline.common.drafter_configs.dspark_layouts import DeepSpecDSpark, SpecForgeDSpark
+from pipeline.common.drafter_configs.eagle3_layouts import SpecForgeEagle3
 from pipeline.common.drafter_configs.speculators import SPECULATORS_FORMATS, SpeculatorsFormat
 from pipeline.common.drafter_configs.zlab import ZlabDFlash
 from pipeline.common.schema import SchemaError, found, validate
@@ -23,13 +25,13 @@ ARCHITECTURES = {
     "DFlash2DraftModel": ZlabDFlash,
     "DSparkDraftModel": SpecForgeDSpark,  # speculators' saves carry it too, with speculators_model_type
     "Qwen3DSparkModel": DeepSpecDSpark,
+    "LlamaForCausalLMEagle3": SpecForgeEagle3,
 }
 # Known layouts this version does not declare yet: refused by name rather than read wrong.
 KNOWN_ELSEWHERE = {
-    "LlamaForCausalLMEagle3": "SpecForge's EAGLE-3",
     "Gemma4DSparkModel": "DeepSpec's Gemma 4 DSpark",
 }
-DrafterFormat = ZlabDFlash | SpeculatorsFormat | SpecForgeDSpark | DeepSpecDSpark
+DrafterFormat = ZlabDFlash | SpeculatorsFormat | SpecForgeDSpark | DeepSpecDSpark | SpecForgeEagle3
 
 
 def layout_of(raw: dict, source: str) -> type:

@@ -138,6 +138,9 @@ class SpeculatorsDSpark(SpeculatorsDFlash):
 
 
 class SpeculatorsEagle3(SpeculatorsFormat):
+    """speculators' EAGLE-3 (models/eagle3/config.py): without ids, its default is [2, L // 2, L - 3]
+    before-layer ids of an L-layer target (utils.resolve_target_layer_ids), so reading them needs L."""
+
     FAMILY: ClassVar[str] = "eagle3"
     IDS_FIELD: ClassVar[str] = "eagle_aux_hidden_state_layer_ids"
 
@@ -159,6 +162,34 @@ class SpeculatorsEagle3(SpeculatorsFormat):
 
     def stored_layer_ids(self) -> list[int] | None:
         return self.eagle_aux_hidden_state_layer_ids
+
+    def feature_layers(self, source: str, num_target_layers: int | None = None) -> list[int]:
+        if self.eagle_aux_hidden_state_layer_ids is not None:
+            return super().feature_layers(source, num_target_layers)
+        ids = default_eagle_ids((2, 0, -3), num_target_layers, source, "eagle_aux_hidden_state_layer_ids")
+        return [s if s == num_target_layers else s - 1 for s in ids]
+
+
+def default_eagle_ids(
+    offsets: tuple[int, int, int], num_target_layers: int | None, source: str, field: str
+) -> list[int]:
+    """An EAGLE-3 layout's default aux ids for an L-layer target, [a, L // 2 + b, L + c] for
+    `offsets` (a, b, c): speculators' (2, 0, -3) and SpecForge's (1, -1, -4) name the same three
+    layers, each in its own numbering. Refused when L is unknown or the ids collide (a target too
+    shallow for the default; speculators refuses it too)."""
+    if num_target_layers is None:
+        raise SchemaError(
+            f"{source}: {field} is not set, so the feature layers are the layout's default for the target's "
+            f"layer count, which is unknown here"
+        )
+    first, middle, last = offsets
+    ids = [first, num_target_layers // 2 + middle, num_target_layers + last]
+    if len(set(ids)) != 3 or min(ids) < 0:
+        raise SchemaError(
+            f"{source}: {field} is not set and its default {ids} for a {num_target_layers}-layer target names a "
+            f"layer twice; set {field} explicitly"
+        )
+    return ids
 
 
 class SpeculatorsMTP(SpeculatorsFormat):

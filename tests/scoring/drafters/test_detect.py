@@ -44,7 +44,7 @@ def speculators_config(kind: str, **top) -> dict:
     }
 
 
-@pytest.mark.parametrize("kind", ["dflash", "dflash2", "dspark"])
+@pytest.mark.parametrize("kind", ["dflash", "dflash2", "dspark", "eagle3"])
 def test_speculators_type_wins_over_a_zlab_architecture(kind):
     # speculators exports say "architectures": ["DFlashDraftModel"] too; read as z-lab's their ids
     # would be one layer off, so the speculators type is checked first
@@ -53,7 +53,7 @@ def test_speculators_type_wins_over_a_zlab_architecture(kind):
     assert config.stated_layer_ids == [2, 4] and config.target_layer_ids == [1, 3]
 
 
-@pytest.mark.parametrize(("kind", "name"), [("eagle3", "EAGLE-3"), ("mtp", "MTP")])
+@pytest.mark.parametrize(("kind", "name"), [("mtp", "MTP")])
 def test_families_not_scored_yet_are_refused_by_name(kind, name):
     raw = speculators_config(kind)
     with pytest.raises(
@@ -74,8 +74,8 @@ def test_a_speculators_config_is_validated_before_it_is_refused():
 
 
 def test_architecture_then_dflash_config_keys():
-    with pytest.raises(DrafterConfigError, match="architecture 'LlamaForCausalLMEagle3' is SpecForge's EAGLE-3"):
-        parse_drafter_config({**drafter_config(), "architectures": ["LlamaForCausalLMEagle3"]}, "c.json")
+    with pytest.raises(DrafterConfigError, match="architecture 'Gemma4DSparkModel' is DeepSpec's Gemma 4 DSpark"):
+        parse_drafter_config({**drafter_config(), "architectures": ["Gemma4DSparkModel"]}, "c.json")
     with pytest.raises(DrafterConfigError, match="architecture 'GPT2LMHeadModel' is not a drafter layout"):
         parse_drafter_config({**drafter_config(), "architectures": ["GPT2LMHeadModel"]}, "c.json")
     raw = drafter_config(dflash_extra={"projector_type": "dspark", "attention_mode": "mha"})

@@ -1,0 +1,256 @@
+"""The EAGLE-3 drafter model, written for batched teacher-forced replay of its chain.
+
+Weights, named as speculators saves them (models/eagle3/core.py; SpecForge's `midlayer.*` is
+`layers.0.*`, `canonical_names`): `fc` [H, n*H] (optional `input_norm` [n*H] before it,
+`norm_before_fc`, or one norm per aux layer `fc_norm.{i}`), `layers.0` a decoder layer whose
+q/k/v read [input_layernorm(embedding) ; hidden_norm(hidden)] (2H), `layers.{i > 0}` plain decoder
+layers, `norm`, `lm_head` [Vo, H] (always its own), `d2t`/`t2d` (a reduced vocabulary; SpecForge
+always), `embed_tokens` (the target's copy; the target's own is used when it is absent).
+Llama layers (SpecForge, speculators `model_type: "llama"`) or Qwen3 layers (q/k norms).
+
+Inference (vLLM's EagleProposer): slot s of the draft KV is written from (embed(x_{s+1}),
+fc(g_s)) at position s, target features g only. Step 1 at anchor t is slot t - 1 itself: its
+last hidden state h_1 gives draft 1. Step j > 1 reads (embed(d_{j-1}), h_{j-1}) at position
+t + j - 2 (h pre-norm, or post-norm with speculators' `norm_output`), attending to slots < t and
+to its own earlier steps' keys at that anchor. Logits lm_head(norm(h)), mapped through d2t.
+
+Offline (the replay): `context_kv` runs every slot of a sample once, causally, layer by layer,
+and keeps each layer's keys/values and the last layer's output of every slot (step 1 at every
+anchor). `forward` then runs steps 2.. for a chunk of anchors together, step by step, d_{j-1}
+the stored token (teacher-forced: a draft is verified only while the earlier ones equalled the
+stored tokens), each step's query seeing the context before its anchor and its own earlier steps
+(attention.with_block_keys): speculators' training-time-test forward with its diagonal mask, one
+anchor at a time in vLLM, all anchors at once here.
+"""
+
+from __future__ import annotations
+
+import torch
+from huggingface_hub.errors import StrictDataclassError
+from torch import nn
+from transformers import LlamaConfig, PretrainedConfig, Qwen3Config
+from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRotaryEmbedding
+from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding
+
+from pipeline.common import timing
+from scoring.drafters.attention import MASK_BUILDERS, with_block_keys
+from scoring.drafters.base import DrafterConfig, DrafterConfigError
+from scoring.drafters.conventions import REFERENCE, Conventions
+from scoring.drafters.dflash_model import DrafterAttention
+from scoring.drafters.head import DraftHead
+
+DECODERS = {
+    "llama": (LlamaConfig, LlamaMLP, LlamaRotaryEmbedding),
+    "qwen3": (Qwen3Config, Qwen3MLP, Qwen3RotaryEmbedding),
+}
+# the fields of a config.json that are not the decoder's (passed to transformers' config class otherwise)
+NOT_DECODER = ("architectures", "auto_map", "eagle_config", "draft_vocab_size", "fc_norm", "norm_output")
+
+
+def decoder_config(raw: dict, kind: str, source: str = "config") -> PretrainedConfig:
+    """transformers' config of the decoder (`kind` llama or qwen3) as the reference builds it from
+    the file's fields, its defaults filling the rest (head_dim, RoPE, the MLP activation)."""
+    config_class = DECODERS[kind][0]
+    try:
+        return config_class(**{k: v for k, v in raw.items() if k not in NOT_DECODER and k != "model_type"})
+    except (TypeError, ValueError, StrictDataclassError) as error:  # what the schema does not declare
+        said = " ".join(str(error).split())
+        raise DrafterConfigError(f"{source}: transformers' {config_class.__name__} refuses it: {said}") from None
+
+
+class Eagle3Layer(nn.Module):
+    """One decoder layer; the first reads [embedding ; hidden], its residual the hidden alone."""
+
+    def __init__(self, config: DrafterConfig, hf: PretrainedConfig, first: bool):
+        super().__init__()
+        options, hidden = config.family_options, config.hidden_size
+        self.first, self.norm_before_residual = first, options["norm_before_residual"]
+        qk_norm = options["decoder"] == "qwen3"
+        self.self_attn = DrafterAttention(config, in_features=2 * hidden if first else hidden, qk_norm=qk_norm)
+        self.mlp = DECODERS[options["decoder"]][1](hf)
+        self.input_layernorm = Qwen3RMSNorm(hidden, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = Qwen3RMSNorm(hidden, eps=config.rms_norm_eps)
+        if first:
+            self.hidden_norm = Qwen3RMSNorm(hidden, eps=config.rms_norm_eps)
+
+    def attention_input(self, h: torch.Tensor, embeds: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(what q/k/v read [..., in], the residual [..., H]) of hidden h [..., H] (and, first
+        layer, the token embeddings [..., H])."""
+        if not self.first:
+            return self.input_layernorm(h), h
+        normed = self.hidden_norm(h)
+        residual = normed if self.norm_before_residual else h
+        return torch.cat([self.input_layernorm(embeds), normed], dim=-1), residual
+
+    def finish(self, attended: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        h = residual + attended
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Eagle3Drafter(DraftHead):
+    optional_weights = ("embed_tokens.weight",)
+
+    def __init__(self, config: DrafterConfig):
+        super().__init__()
+        self.config = config
+        options, hidden, width = config.family_options, config.hidden_size, len(config.target_layer_ids)
+        hf = decoder_config(config.raw, options["decoder"])
+        hf.head_dim = config.head_dim
+        eps = config.rms_norm_eps
+        self.input_norm = Qwen3RMSNorm(width * hidden, eps=eps) if options["norm_before_fc"] else None
+        self.fc_norm = (
+            nn.ModuleList(Qwen3RMSNorm(hidden, eps=eps) for _ in range(width)) if options["fc_norm"] else None
+        )
+        self.fc = nn.Linear(width * hidden, hidden, bias=False)
+        self.layers = nn.ModuleList(Eagle3Layer(config, hf, i == 0) for i in range(config.num_hidden_layers))
+        self.norm = Qwen3RMSNorm(hidden, eps=eps)
+        self.rotary = DECODERS[options["decoder"]][2](hf)  # buffers only, not in the state dict
+        self.embed_tokens = nn.Embedding(config.vocab_size, hidden)
+        self.lm_head = nn.Linear(hidden, config.draft_vocab_size or config.vocab_size, bias=False)
+        if config.draft_vocab_size is not None or options["id_map"]:
+            self.add_id_map(config)
+        else:
+            self.d2t = self.t2d = None
+
+    # -- names and the embedding: the checkpoint's copy of the target's, else the target's ----
+
+    @staticmethod
+    def canonical_names(state: dict) -> dict:
+        """SpecForge's single `midlayer.*` is speculators' and vLLM's `layers.0.*`."""
+        prefix = "midlayer."
+        return {"layers.0." + n[len(prefix) :] if n.startswith(prefix) else n: t for n, t in state.items()}
+
+    def drop_weights(self, names) -> None:
+        """Use the target's embedding: the checkpoint has no copy of it."""
+        if list(names) != ["embed_tokens.weight"]:
+            raise ValueError(f"{names} are not optional weights of this drafter")
+        self.embed_tokens = None
+
+    def embedding_table(self, target_embed: torch.Tensor) -> torch.Tensor:
+        return target_embed if self.embed_tokens is None else self.embed_tokens.weight
+
+    # -- the context: every slot once, causally --------------------------------------------
+
+    def project(self, features: torch.Tensor) -> torch.Tensor:
+        """fc of the aux features [..., n*H] -> [..., H], after the configured norms."""
+        if self.input_norm is not None:
+            features = self.input_norm(features)
+        if self.fc_norm is not None:
+            chunks = features.chunk(len(self.fc_norm), dim=-1)
+            features = torch.cat([norm(chunk) for norm, chunk in zip(self.fc_norm, chunks)], dim=-1)
+        return self.fc(features)
+
+    def feedback(self, h: torch.Tensor) -> torch.Tensor:
+        """What the next step reads of this step's last hidden state h."""
+        return self.norm(h) if self.config.family_options["feed_post_norm"] else h
+
+    def context_kv(
+        self,
+        features: torch.Tensor,
+        dtype: torch.dtype | None = None,
+        chunk_rows: int | None = None,
+        *,
+        tokens=None,
+        embed=None,
+        attention="dense",
+    ) -> list[tuple]:
+        """Per layer (k, v) [kv_heads, T, d] of the slots 0..T-1 (slot s = (embed(x_{s+1}), fc(g_s))
+        at position s), then (h [1, T, H],): the last layer's output at every slot, pre-norm.
+
+        Layer by layer, `chunk_rows` slots at a time in order: a chunk's keys are written before its
+        queries attend to the keys of every slot up to them (causal), so the pass never holds more
+        than the keys, values and two [T, H] layer outputs. The last slot has no next token; its row
+        is never visible to an anchor (anchor t sees slots < t <= T - 2), its own token stands in."""
+        if tokens is None or embed is None:
+            raise ValueError("EAGLE-3's context rows read the sample's tokens and the target's embedding")
+        device, dtype = self.fc.weight.device, dtype or features.dtype
+        total = features.shape[0]
+        rows = chunk_rows or total
+        nxt = torch.cat([tokens[1:], tokens[-1:]]).to(device)  # [T] the token slot s reads
+        table = self.embedding_table(embed)
+        with timing.stage("drafter context", tokens=total):
+            kv, h = [], None
+            for layer in self.layers:
+                shape = (self.config.num_key_value_heads, total, self.config.head_dim)
+                keys, values = (
+                    torch.empty(shape, dtype=dtype, device=device),
+                    torch.empty(shape, dtype=dtype, device=device),
+                )
+                out = torch.empty(total, self.config.hidden_size, dtype=dtype, device=device)
+                for start in range(0, total, rows):
+                    end = min(total, start + rows)
+                    if h is None:  # the first layer reads the target's features and the next tokens
+                        inputs = self.project(features[start:end].to(device=device, dtype=dtype, non_blocking=True))
+                        embeds = nn.functional.embedding(nxt[start:end], table).to(dtype)
+                    else:
+                        inputs, embeds = h[start:end], None
+                    out[start:end] = self._context_rows(layer, inputs, embeds, keys, values, start, attention)
+                kv.append((keys, values))
+                h = out
+        return kv + [(h[None],)]
+
+    def _context_rows(self, layer: Eagle3Layer, inputs, embeds, keys, values, start: int, attention: str):
+        """Layer output [c, H] of slots start..start + c - 1 (inputs [c, H]); writes their keys and
+        values into keys/values [kv_heads, T, d], which must hold every slot before them."""
+        end = start + inputs.shape[0]
+        x, residual = layer.attention_input(inputs, embeds)
+        positions = torch.arange(start, end, device=x.device)
+        cos, sin = self.rope(x, positions)
+        k, v = layer.self_attn.keys_values(x, cos, sin)  # [kv_heads, c, d]
+        keys[:, start:end], values[:, start:end] = k, v
+        q = layer.self_attn.queries(x, cos, sin)  # [heads, c, d]
+        # slot s: the slots before it as context, its own key as a block of one
+        mask = MASK_BUILDERS[_backend(attention)](positions, 1, end, False, None)
+        one = [x.transpose(0, 1)[:, :, None] for x in (q, k, v)]  # [c, heads or kv_heads, 1, d]
+        attended = layer.self_attn.attend_to(*one, keys[:, :end], values[:, :end], mask)  # [c, 1, H]
+        return layer.finish(attended[:, 0], residual)
+
+    # -- the chain: steps 2.. of a chunk of anchors ------------------------------------------
+
+    def forward(
+        self,
+        block_embeds: torch.Tensor,
+        anchors: torch.Tensor,
+        context: list,
+        attention: str = "dense",
+        ctx_starts: torch.Tensor | None = None,
+        conventions: Conventions = REFERENCE,
+    ) -> torch.Tensor:
+        """Post-norm hidden states [A, b, H] of steps 1..b at `anchors` (positions in their samples,
+        which start at `ctx_starts` in the packed context); block_embeds [A, b, H] embed the stored
+        tokens x_t, y_{t+1}, ..., the input of each step."""
+        if conventions.block_position_offset or conventions.context_offset:
+            raise ValueError("EAGLE-3's chain has no block whose positions or context could shift")
+        with timing.stage("drafter steps", anchors=block_embeds.shape[0], block=block_embeds.shape[1]):
+            return self._steps(block_embeds, anchors, context, _backend(attention), ctx_starts)
+
+    def _steps(self, block_embeds, anchors, context, attention, ctx_starts) -> torch.Tensor:
+        *layer_kv, (last,) = context
+        starts = torch.zeros_like(anchors) if ctx_starts is None else ctx_starts
+        h = last[0, starts + anchors - 1]  # [A, H] step 1: slot t - 1's last hidden state
+        hidden = [self.norm(h)]
+        with timing.stage("masks"):  # each step sees the slots before its anchor; its own steps added below
+            base = MASK_BUILDERS[attention](anchors, 1, layer_kv[0][0].shape[-2], False, None, starts)
+        cache = [([], []) for _ in self.layers]  # per layer, the keys and values of steps 2..j [A, kv_heads, 1, d]
+        for j in range(1, block_embeds.shape[1]):
+            positions = (anchors + j - 1)[:, None]  # [A, 1] step j + 1 sits at t - 1 + j
+            h, embeds = self.feedback(h)[:, None], block_embeds[:, j : j + 1]
+            for layer, (ks, vs), (ctx_k, ctx_v) in zip(self.layers, cache, layer_kv):
+                x, residual = layer.attention_input(h, embeds)
+                cos, sin = self.rope(x, positions)
+                k, v = layer.self_attn.keys_values(x, cos, sin)  # [A, kv_heads, 1, d]
+                ks.append(k)
+                vs.append(v)
+                q = layer.self_attn.queries(x, cos, sin)  # [A, heads, 1, d]
+                mask = with_block_keys(base, len(ks))
+                attended = layer.self_attn.attend_to(q, torch.cat(ks, 2), torch.cat(vs, 2), ctx_k, ctx_v, mask)
+                h = layer.finish(attended, residual)
+            h = h[:, 0]
+            hidden.append(self.norm(h))
+        return torch.stack(hidden, dim=1)
+
+
+def _backend(attention: str) -> str:
+    """flex is DFlash's block-sparse kernel for blocks of many queries; EAGLE-3's steps have one
+    query per anchor, which the blockwise path (running softmax over key chunks) serves on any device."""
+    return "blockwise" if attention == "flex" else attention

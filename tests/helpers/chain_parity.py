@@ -1,0 +1,105 @@
+"""What an end-to-end chain parity test needs around its family's online loop (the EAGLE-3 one,
+tests/parity/test_eagle3_parity.py; tests/parity/test_dspark_parity.py keeps its own copies):
+prompts for the tiny target of tests/helpers/dspark_online.py, a stop token its greedy responses
+reach in about half of them, extract and score through specreplay's own entry points, the walk
+and expected-tau tables read back from the results, and the statistics the sampled comparison
+uses (per-prompt means, standard errors, z in combined standard errors)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import polars as pl
+import torch
+
+from pipeline.extract.run import ExtractConfig, run_extract
+from scoring.config import ScoreConfig
+from scoring.score.run import run_score
+from tests.helpers.dspark_online import target_states
+
+
+def prompt_ids(count: int, seed: int = 4) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 60, (6 + i % 4,), generator=gen).tolist() for i in range(count)]
+
+
+def greedy_response(target, prompt: list[int], max_new: int) -> list[int]:
+    ids = torch.tensor(prompt)
+    for _ in range(max_new):
+        ids = torch.cat([ids, target_states(target, ids)[0][-1].argmax()[None]])
+    return ids[len(prompt) :].tolist()
+
+
+def stop_token(target, prompts: list[list[int]], max_new: int) -> int:
+    """A token the target's greedy responses hold after a few steps in about half of the
+    prompts: some responses end at it, the others run into the budget."""
+    responses = [greedy_response(target, prompt, max_new) for prompt in prompts]
+    counts = Counter(token for response in responses for token in set(response[6:]) - set(response[:1]))
+    token, _ = min(counts.items(), key=lambda kv: (abs(kv[1] - len(prompts) / 2), kv[0]))
+    return int(token)
+
+
+def extract(out, model_dir, prompts, max_new: int, layer_ids, temperature=0.0, num_samples=1, seed=11) -> str:
+    options = dict(temperature=temperature, num_samples=num_samples, seed=seed) if temperature > 0 else {}
+    config = ExtractConfig(
+        model=model_dir,
+        prompts=prompts,
+        out=str(out),
+        max_new_tokens=max_new,
+        layer_ids=list(layer_ids),
+        top_k=8,
+        dtype="fp32",
+        batch_size=32,
+        **options,
+    )
+    run_extract(config)
+    return str(out)
+
+
+def score(ckpt: str, shards: str, out, **options) -> str:
+    [outcome] = run_score(ScoreConfig(ckpts=[ckpt], shards=shards, out=str(out), tree_nodes=[], force=True, **options))
+    assert outcome.status == "scored", outcome.error
+    return outcome.out_dir
+
+
+def walk_table(out_dir: str) -> pl.DataFrame:
+    walk = pl.read_parquet(f"{out_dir}/walk.parquet", glob=False).filter(pl.col("method") == "chain")
+    return walk.sort("sample_id", "step").select("sample_id", "step", "anchor", "produced", "draft_tokens")
+
+
+def walks(out_dir: str) -> dict[str, pl.DataFrame]:
+    """sample id -> its chain steps (produced, the teacher-forced draft tokens), in order."""
+    rows = walk_table(out_dir)
+    return {sid: group for (sid,), group in rows.group_by("sample_id", maintain_order=True)}
+
+
+def offline_taus(out_dir: str) -> dict[str, list[float]]:
+    """Prompt id -> the expected tau of each of its sampled responses (draws `<id>#<k>`); a
+    response whose first token is a stop token has none, as the online loop takes no step."""
+    samples = pl.read_parquet(f"{out_dir}/samples.parquet").filter(pl.col("method") == "chain")
+    taus: dict[str, list[float]] = {}
+    for sample_id, tau in samples.select("sample_id", "tau").drop_nulls().iter_rows():
+        taus.setdefault(sample_id.split("#")[0], []).append(tau)
+    return taus
+
+
+def mean_se(values) -> tuple[float, float]:
+    values = np.asarray(values, dtype=np.float64)
+    return float(values.mean()), float(values.std(ddof=1) / np.sqrt(values.size))
+
+
+def per_prompt(values: dict[str, list[float]]) -> dict[str, tuple[float, float]]:
+    return {prompt: mean_se(v) for prompt, v in sorted(values.items())}
+
+
+def z_scores(offline: dict, online: dict) -> tuple[dict[str, float], float]:
+    """Per prompt, and over the prompts (mean of the per-prompt means, errors combined), the
+    offline minus online mean in combined standard errors."""
+    each, diffs, variances = {}, [], []
+    for prompt, (mean_on, se_on) in online.items():
+        mean_off, se_off = offline[prompt]
+        each[prompt] = (mean_off - mean_on) / np.hypot(se_off, se_on)
+        diffs.append(mean_off - mean_on)
+        variances.append(se_off**2 + se_on**2)
+    return each, float(np.mean(diffs) / (np.sqrt(np.sum(variances)) / len(diffs)))

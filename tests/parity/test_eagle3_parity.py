@@ -1,0 +1,243 @@
+"""Exactness of EAGLE-3 replay: offline walks and expected tau against an online decoding loop.
+
+The online loop (tests/helpers/eagle3_online.py) is written from the public reference's modules
+only: speculators' `Eagle3DraftModel` (its fc, first decoder layer, norm, lm_head and d2t) on a
+real growing transformers KV cache, one step at a time as vLLM's EagleProposer runs it (the draft
+KV of verified positions written from target features only, the draft slots cut after each
+verification), and z-lab's `dflash_generate` step, budget and stop rules (its `_rejection_sample`
+at T > 0). The drafter, with a reduced draft vocabulary, is fitted with speculators' own training
+forward on the tiny target's real features until chains accept several tokens, and saved with its
+own save_pretrained; specreplay then scores the saved checkpoint from extracted shards.
+
+- greedy: walk.parquet's `produced` per sample equals the online loop's list, and each step's
+  drafts up to the first rejected one equal the online proposal's; at every response anchor the
+  replay's chain (anchors.parquet, --anchor-drafts) equals the online proposer's on a fresh cache;
+- the same weights in SpecForge's layout (`LlamaForCausalLMEagle3`, `midlayer.*`, output-of-layer
+  ids) walk exactly as the speculators checkpoint;
+- T = 0.7: the offline expected tau per prompt equals the mean over seeds of the online tau within
+  3 combined standard errors, and the same statistic rejects the post-norm hidden state fed back
+  to the next step where the config says pre-norm.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import numpy as np
+import polars as pl
+import pytest
+import torch
+
+from pipeline.shards import ShardSet
+from scoring.drafters.eagle3_model import Eagle3Drafter
+from tests.helpers import chain_parity as parity, eagle3_online as online
+from tests.helpers.dspark_online import build_target
+from tests.helpers.dspark_reference import AUX_IDS, OUTPUT_IDS
+from tests.helpers.eagle3_reference import write_specforge
+from tests.helpers.family_fits import frequent_tokens
+from tests.helpers.prompts import write_prompts
+
+MAX_NEW = 24
+PROMPTS = 6
+STEPS = 4  # speculative tokens a step drafts
+DRAFT_VOCAB = 48  # of the target's 64
+TEMPERATURE = 0.7
+SAMPLED_DRAWS = 120  # extracted responses per prompt, and online runs per prompt
+TARGET_LAYERS = 6
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One intra-op thread: tiny matrices gain nothing from more, and on shared cores
+    OpenMP's spinning workers slow every call of these loops by an order of magnitude."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    tmp = tmp_path_factory.mktemp("eagle3_parity")
+    model_dir = build_target(tmp / "target")
+    target = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    prompt_ids = parity.prompt_ids(PROMPTS)
+    with open(f"{model_dir}/generation_config.json") as f:
+        generation = json.load(f)
+    generation["eos_token_id"] = parity.stop_token(target, prompt_ids, MAX_NEW)
+    with open(f"{model_dir}/generation_config.json", "w") as f:
+        json.dump(generation, f)
+    prompts = write_prompts(tmp / "prompts.jsonl", [{"id": f"p{i}", "input_ids": p} for i, p in enumerate(prompt_ids)])
+    greedy = parity.extract(tmp / "greedy", model_dir, prompts, MAX_NEW, OUTPUT_IDS)
+    stop_ids = ShardSet(greedy).settings["target"]["stop_token_ids"]
+    return tmp, model_dir, prompts, target, greedy, stop_ids
+
+
+def _sequences(shards: str) -> list[tuple[torch.Tensor, int]]:
+    return [(s.input_ids, s.prompt_len) for s in ShardSet(shards).samples(tensors=[])]
+
+
+@pytest.fixture(scope="module")
+def drafter(setup):
+    """(speculators' Eagle3DraftModel fitted to the target, its saved checkpoint, the same weights
+    in SpecForge's layout). Fitted on the greedy responses (repeated: the greedy walks should accept
+    several tokens) and on sampled responses of another seed than the T > 0 test's, so the responses
+    that test scores are fresh draws for the drafter, as the online loop's are; its draft vocabulary
+    the DRAFT_VOCAB most frequent response tokens, as speculators' data prep selects them."""
+    tmp, model_dir, prompts, target, greedy, _ = setup
+    train = parity.extract(tmp / "train", model_dir, prompts, MAX_NEW, OUTPUT_IDS, TEMPERATURE, 48, seed=5)
+    sequences = _sequences(greedy) * 6 + _sequences(train)
+    t2d, _ = frequent_tokens(sequences, DRAFT_VOCAB, target.config.vocab_size)
+    model = online.new_drafter(target, aux_ids=AUX_IDS, steps=STEPS, draft_vocab=t2d.nonzero().flatten())
+    documents = online.training_documents(target, [ids for ids, _ in sequences], [n for _, n in sequences])
+    online.fit(model, documents, steps=1500, lr=5e-3)
+    ckpt = str(tmp / "ckpt")
+    model.save_pretrained(ckpt)
+    return model, ckpt, write_specforge(ckpt, tmp / "ckpt-specforge", TARGET_LAYERS)
+
+
+def _online_walks(model, target, shards, stop_ids) -> dict[str, online.OnlineRun]:
+    """The online loop on every stored greedy response's prompt; it must emit that response."""
+    runs = {}
+    for sample in ShardSet(shards).samples(tensors=[]):
+        run = online.online_eagle3(model, target, sample.input_ids[: sample.prompt_len], MAX_NEW, stop_ids)
+        assert run.output_ids.tolist() == sample.input_ids.tolist(), sample.sample_id
+        runs[sample.sample_id] = run
+    return runs
+
+
+# ---------------------------------------------------------------------------------------------
+# greedy
+
+
+@pytest.mark.slow
+def test_greedy_walks_equal_the_online_loop(setup, drafter):
+    tmp, _, _, target, greedy, stop_ids = setup
+    model, ckpt, _ = drafter
+    runs = _online_walks(model, target, greedy, stop_ids)
+    walks = parity.walks(parity.score(ckpt, greedy, tmp / "results"))
+    equal = 0
+    for sample_id, run in runs.items():
+        walk = walks[sample_id]
+        assert walk["produced"].to_list() == run.produced, sample_id
+        for step, (offline, drafts, accepted) in enumerate(
+            zip(walk["draft_tokens"].to_list(), run.drafts, run.accepted)
+        ):
+            verified = min(accepted + 1, len(drafts))  # the accepted drafts and the first rejected one
+            assert offline[:verified] == drafts[:verified], (sample_id, step)
+        equal += 1
+    accepted = [n for run in runs.values() for n in run.accepted]
+    produced = [n for run in runs.values() for n in run.produced]
+    finish = Counter(s.finish_reason for s in ShardSet(greedy).samples(tensors=[]))
+    print(
+        f"greedy: walks equal {equal}/{len(runs)}, {len(produced)} steps, tau {np.mean(produced):.3f}, "
+        f"mean accepted {np.mean(accepted):.3f}, finish {dict(finish)}"
+    )
+    # non-trivial: both endings, several drafts accepted a step, whole chains accepted
+    assert finish["eos"] and finish["length"], finish
+    assert np.mean(accepted) > 1.5, accepted
+    assert STEPS in accepted, accepted
+
+
+@torch.no_grad()
+def _online_chain(model, target, ids: torch.Tensor, anchor: int, count: int) -> list[int]:
+    """The online proposer's greedy drafts at `anchor` of the committed sequence `ids`, on a fresh
+    cache: the target's causal features of the committed positions are those of the whole sequence."""
+    _, features, _ = online.target_states(target, ids)
+    return online.propose(online.DraftCache(model), features, ids, anchor, count, 0.0).drafts.tolist()
+
+
+@pytest.mark.slow
+def test_every_anchors_chain_equals_the_online_proposer(setup, drafter):
+    """anchors.parquet's draft block at every response anchor (score --anchor-drafts) equals the
+    online proposer's greedy chain there up to its first draft that is not the stored token (after
+    it the online chain reads its own wrong draft, the replay the stored token, and it is never
+    verified)."""
+    tmp, _, _, target, greedy, _ = setup
+    model, ckpt, _ = drafter
+    out_dir = parity.score(ckpt, greedy, tmp / "results-anchors", anchor_drafts=True)
+    rows = pl.read_parquet(f"{out_dir}/anchors.parquet").select("sample_id", "anchor", "draft_tokens")
+    samples = {s.sample_id: s.input_ids for s in ShardSet(greedy).samples(tensors=[])}
+    compared = drafts = 0
+    for sample_id, anchor, offline in rows.iter_rows():
+        ids = samples[sample_id]
+        # drafts of tokens the response holds (a block near a stop token drafts past it, never verified)
+        known = min(len(offline), ids.numel() - 1 - anchor)
+        if known == 0:  # the budget's last position drafts nothing
+            continue
+        chain = _online_chain(model, target, ids, anchor, known)
+        stored = ids[anchor + 1 : anchor + 1 + known].tolist()
+        verified = next((i + 1 for i, (d, y) in enumerate(zip(chain, stored)) if d != y), known)
+        assert offline[:verified] == chain[:verified], (sample_id, anchor, offline, chain)
+        compared, drafts = compared + 1, drafts + verified
+    print(f"every anchor: {compared} anchors' chains equal the online proposer's ({drafts} drafts compared)")
+    assert compared > 60
+
+
+# ---------------------------------------------------------------------------------------------
+# the same weights in SpecForge's layout
+
+
+@pytest.mark.slow
+def test_specforge_layout_walks_as_speculators(setup, drafter):
+    tmp, _, _, _, greedy, _ = setup
+    _, ckpt, specforge = drafter
+    layouts = {"speculators": ckpt, "specforge": specforge}
+    tables = {
+        name: parity.walk_table(parity.score(path, greedy, tmp / f"layout-{name}")) for name, path in layouts.items()
+    }
+    assert tables["speculators"].height > PROMPTS
+    assert tables["specforge"].equals(tables["speculators"])
+    print(f"SpecForge layout: {tables['specforge'].height} walk steps equal to the speculators checkpoint's")
+
+
+# ---------------------------------------------------------------------------------------------
+# sampled, T = 0.7
+
+
+def _online_taus(model, target, stop_ids) -> dict[str, list[float]]:
+    taus: dict[str, list[float]] = {}
+    for i, prompt in enumerate(parity.prompt_ids(PROMPTS)):
+        for run in range(SAMPLED_DRAWS):
+            torch.manual_seed(1000 * i + run)
+            tau = online.online_eagle3(model, target, torch.tensor(prompt), MAX_NEW, stop_ids, TEMPERATURE).tau
+            if tau is not None:
+                taus.setdefault(f"p{i}", []).append(tau)
+    return taus
+
+
+def _post_norm_feedback(self, h):
+    """Eagle3Drafter.feedback with the wrong rule: the post-norm hidden state fed to the next step
+    where the config (norm_output false) says pre-norm."""
+    return self.norm(h)
+
+
+@pytest.mark.slow
+def test_sampled_expected_tau_equals_the_online_mean_over_seeds(setup, drafter, monkeypatch):
+    """Per prompt, the mean offline expected tau over SAMPLED_DRAWS extracted responses (T 0.7,
+    samples.parquet) against the mean tau of as many seeded online runs, within 3 combined standard
+    errors, and over the prompts. The wrong rule is the same replay re-run with the post-norm hidden
+    state fed back (`_post_norm_feedback`): it must fall outside 3 standard errors."""
+    tmp, model_dir, prompts, target, _, stop_ids = setup
+    model, ckpt, _ = drafter
+    shards = parity.extract(tmp / "sampled", model_dir, prompts, MAX_NEW, OUTPUT_IDS, TEMPERATURE, SAMPLED_DRAWS)
+    online_stats = parity.per_prompt(_online_taus(model, target, stop_ids))
+    offline = parity.per_prompt(parity.offline_taus(parity.score(ckpt, shards, tmp / "sampled-results")))
+    with monkeypatch.context() as patch:
+        patch.setattr(Eagle3Drafter, "feedback", _post_norm_feedback)
+        wrong = parity.per_prompt(parity.offline_taus(parity.score(ckpt, shards, tmp / "sampled-results-wrong")))
+    z_prompts, z = parity.z_scores(offline, online_stats)
+    z_wrong_prompts, z_wrong = parity.z_scores(wrong, online_stats)
+    for prompt, (mean_on, se_on) in online_stats.items():
+        print(
+            f"{prompt}: online {mean_on:.4f} ± {se_on:.4f}, offline {offline[prompt][0]:.4f} ± "
+            f"{offline[prompt][1]:.4f} (z {z_prompts[prompt]:+.2f}), post-norm fed back "
+            f"{wrong[prompt][0]:.4f} (z {z_wrong_prompts[prompt]:+.2f})"
+        )
+    print(f"over the prompts: z {z:+.2f}, post-norm fed back z {z_wrong:+.2f}")
+    assert np.mean([m for m, _ in online_stats.values()]) > 1.5, online_stats  # several tokens a step
+    assert all(abs(v) < 3 for v in z_prompts.values()) and abs(z) < 3, (z_prompts, z)
+    assert abs(z_wrong) > 3, (z_wrong_prompts, z_wrong)
