@@ -204,12 +204,12 @@ def plan_variants(config: DiagnoseConfig, setup: Setup, shardset: ShardSet, prog
 
 
 def _without_repeats(planned: list[Measured], asked: list[str] | None) -> list[Measured]:
-    """A variant not asked for by name that replays exactly as an earlier measured one is noted,
-    not replayed (layers-1 or layers+1 is layers-convention for a given layout)."""
+    """A variant not asked for by name that replays exactly as an earlier one is noted as such,
+    not replayed or explained twice (layers-1 or layers+1 is layers-convention for a layout)."""
     for i, later in enumerate(planned):
-        if later.note is not None or (asked and later.variant.name in asked):
+        if asked and later.variant.name in asked:
             continue
-        twin = next((m for m in planned[:i] if m.note is None and same_replay(m.variant, later.variant)), None)
+        twin = next((m for m in planned[:i] if same_replay(m.variant, later.variant)), None)
         if twin is not None:
             later.note = f"the same replay as {twin.variant.name}"
     return planned

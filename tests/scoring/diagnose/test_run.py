@@ -173,9 +173,12 @@ def test_missing_neighbour_layers_say_which_extract_to_run(layered, tmp_path):
     assert args[1] == "--neighbour-layers" and f"{shards}-neighbours" in args
     everything = CliRunner().invoke(main, [*base, "--shards", shards])
     assert everything.exit_code == 0, everything.output
-    assert f"not measured: layers-1: layers [0, 2] not in the shards; store them with `{' '.join(command)}`" in (
-        everything.output
+    # by default layers-convention (for a z-lab checkpoint the same replay as layers-1) says it
+    assert (
+        f"not measured: layers-convention: layers [0, 2] not in the shards; store them with `{' '.join(command)}`"
+        in everything.output
     )
+    assert "the same replay as layers-convention" in everything.output
     assert CliRunner().invoke(main, [*args, "--quiet"]).exit_code == 0  # as printed
     now = CliRunner().invoke(main, [*base, "--shards", f"{shards}-neighbours", "--variants", "layers-1"])
     assert now.exit_code == 0, now.output
