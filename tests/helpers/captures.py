@@ -189,3 +189,60 @@ def read_specforge(path) -> dict:
         with gzip.open(path, "rb") as file:
             return torch.load(io.BytesIO(file.read()), weights_only=False)
     return torch.load(path, weights_only=False, mmap=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# the reference: extract's own output for the same tokens
+
+
+def teacher_forced_records(count: int = 5) -> list[dict]:
+    """Prompt and response token ids of different lengths, one past 64 positions (extract's
+    forward and lm_head then run in windows)."""
+    records = []
+    for i in range(count):
+        prompt = [1, *range(40 + i, 44 + 2 * i)]
+        response = [(7 * j + 11 * i) % 380 + 10 for j in range(6 + 5 * i + (80 if i == count - 1 else 0))]
+        records.append({"id": f"s{i}", "input_ids": prompt, "response": response})
+    return records
+
+
+def reference(tmp, model_dir: str, records: list[dict], layer_ids: list[int], top_k: int = 8):
+    """(extract's samples by id, their States): extract over the given responses (fp32, CPU),
+    and a plain transformers forward of the same tokens for the capture files."""
+    from transformers import AutoModelForCausalLM
+
+    from pipeline.extract.run import ExtractConfig, run_extract
+    from pipeline.shards import ShardSet
+    from tests.helpers.prompts import write_prompts
+
+    prompts = write_prompts(Path(tmp) / "prompts.jsonl", records)
+    out = str(Path(tmp) / "extract")
+    run_extract(ExtractConfig(model=model_dir, prompts=prompts, out=out, layer_ids=layer_ids, top_k=top_k, quiet=True))
+    samples = {s.sample_id: s for s in ShardSet(out).samples()}
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    found = {k: states(model, s.input_ids.tolist(), s.prompt_len) for k, s in samples.items()}
+    return samples, found
+
+
+def columns(sample, stored: list[int], wanted: list[int]) -> torch.Tensor:
+    """The features of layer ids `wanted` out of a sample storing `stored` [N, n*H]."""
+    hidden = sample.features.shape[1] // len(stored)
+    return torch.cat([sample.features[:, stored.index(i) * hidden : (stored.index(i) + 1) * hidden] for i in wanted], 1)
+
+
+def make_tokenizer_for(model_dir: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def lm_head(model_dir: str) -> torch.Tensor:
+    """The target's lm_head weight [V, H], read from its checkpoint."""
+    from safetensors.torch import load_file
+
+    return load_file(str(Path(model_dir) / "model.safetensors"))["lm_head.weight"]
+
+
+def gunzip(path) -> bytes:
+    with gzip.open(path, "rb") as file:
+        return file.read()
