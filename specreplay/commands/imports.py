@@ -118,7 +118,7 @@ def import_(format_, **options):
       specreplay import data/sharegpt --format speculators --model path/to/Qwen3-8B \\
           --capture-config speculative_config.json --out data/shards/qwen3-8b-sharegpt
       specreplay import cache/hidden_states/sharegpt --format specforge --model path/to/Qwen3-8B \\
-          --capture-config configs/qwen3-8b-dflash.json --layer-ids 1,9,17,25,33
+          --capture-config configs/qwen3-8b-dspark.json --out data/shards/qwen3-8b-specforge
     """
     from pipeline.common.layer_ids import parse_layer_ids
     from pipeline.imports.run import run_import

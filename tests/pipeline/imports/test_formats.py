@@ -22,8 +22,9 @@ TOP_K = 8
 
 @pytest.fixture(scope="module")
 def ref(tiny_qwen3_dir, tmp_path_factory):
-    samples, found = C.reference(tmp_path_factory.mktemp("ref"), tiny_qwen3_dir, C.teacher_forced_records(), STORED)
-    return tiny_qwen3_dir, samples, found
+    tmp = tmp_path_factory.mktemp("ref")
+    samples, found = C.reference(tmp, tiny_qwen3_dir, C.teacher_forced_records(), STORED)
+    return tiny_qwen3_dir, samples, found, tmp / "extract"
 
 
 def imported(source, out, model_dir, fmt, **options) -> dict:
@@ -46,7 +47,7 @@ def assert_equals_extract(got: dict, want: dict, layer_ids: list[int], ids_of=la
 
 @pytest.mark.parametrize("layer_ids", [None, [4, 5, 6]])
 def test_vllm_capture_equals_extract(ref, tmp_path, layer_ids):
-    model_dir, samples, found = ref
+    model_dir, samples, found, _ = ref
     before = [1, 3, 5, 6]  # vLLM numbering: the residual entering layers 1, 3, 5, and 6 = L, the final state
     for key, state in found.items():
         C.write_vllm(tmp_path / "cap" / f"{key}.safetensors", state, before)
@@ -74,7 +75,7 @@ def test_speculators_capture_equals_extract(ref, tmp_path):
     from hs_connectors import FileTransfer
     from speculators.data_generation.offline import check_hidden_states
 
-    model_dir, samples, found = ref
+    model_dir, samples, found, _ = ref
     keys = sorted(samples)
     tokenizer = C.make_tokenizer_for(model_dir)
     before = [2, 3, 3, 6]  # speculators' launch_vllm.py default [2, L // 2, L - 3, L] on this 6-layer target
@@ -94,7 +95,7 @@ def test_speculators_capture_equals_extract(ref, tmp_path):
 
 @pytest.mark.parametrize("layout, compress", [("eagle3", False), ("dspark", True)])
 def test_specforge_capture_equals_extract(ref, tmp_path, layout, compress):
-    model_dir, samples, found = ref
+    model_dir, samples, found, _ = ref
     output = [0, 2, 5]  # SpecForge numbering: outputs of layers 0, 2 and 5 (the last: before the norm)
     for index, key in enumerate(sorted(samples)):
         record = C.specforge_record(found[key], output, layout, dtype=torch.float32)
@@ -112,7 +113,7 @@ def test_fp8_capture_from_hs_connectors_is_kept_exactly(ref, tmp_path):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    model_dir, samples, found = ref
+    model_dir, samples, found, _ = ref
     before = [1, 3, 6]
     for key, state in found.items():
         C.write_fp8(tmp_path / "cap" / f"{key}.safetensors", state, before)
@@ -156,3 +157,31 @@ def test_real_specforge_file(ref, tmp_path):
     gz = C.SPECFORGE_FIXTURES / "dflash" / "rows_0-2000" / "data_0.ckpt.gz"
     again = C.write_specforge(tmp_path / "helper", 0, dict(C.read_specforge(gz)), compress=True)
     assert C.gunzip(again) == C.gunzip(gz)
+
+
+def test_score_reads_imported_shards_as_extracted_ones(ref, tmp_path):
+    """`score` of one drafter over imported shards gives the walk it gives over extract's."""
+    import polars as pl
+    from click.testing import CliRunner
+
+    from specreplay.cli import main
+    from tests.helpers.drafters import reference_drafter
+    from tests.helpers.models import TINY_TARGET
+
+    model_dir, samples, found, extracted = ref
+    for key, state in found.items():
+        C.write_vllm(tmp_path / "cap" / f"{key}.safetensors", state, [1, 3, 6])
+    lens = C.write_prompt_lens(tmp_path / "lens.jsonl", {k: s.prompt_len for k, s in samples.items()})
+    imported(tmp_path / "cap", tmp_path / "shards", model_dir, "vllm", captured_layer_ids="1,3,6", prompt_lens=lens)
+    drafter = tmp_path / "drafter"
+    reference_drafter(drafter, target=TINY_TARGET, layer_ids=(0, 2), num_heads=4, intermediate_size=64)
+    walks = []
+    for shards in (tmp_path / "shards", extracted):
+        out = tmp_path / f"results-{shards.name}"
+        result = CliRunner().invoke(main, ["score", "--ckpt", str(drafter), "--shards", str(shards), "--out", str(out)])
+        assert result.exit_code == 0, result.output
+        walk = pl.read_parquet(str(out / "*" / "walk.parquet"))
+        walks.append(
+            walk.select("sample_id", "method", "step", "anchor", "produced").sort("sample_id", "method", "step")
+        )
+    assert walks[0].equals(walks[1]) and walks[0].height > 0
