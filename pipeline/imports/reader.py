@@ -1,6 +1,6 @@
 """The one interface every capture format implements, and the checks they share.
 
-A format lists its capture as `Entry`s, one per sample, from headers only (shapes, dtypes, token
+A format lists its capture's files, and makes each an `Entry` (one per sample) from headers only (shapes, dtypes, token
 counts: no tensor data beyond a probe of the first and last positions), so a malformed capture is
 refused before anything is written; it then loads one sample at a time (`Captured`), so a capture
 of many GB never has to fit in memory. Formats: vllm.py, speculators.py, specforge.py.
@@ -59,7 +59,12 @@ class CaptureFormat:
     name: str = ""
     convention: str = ""  # "before" | "output" (pipeline/imports/layers.py)
 
-    def entries(self) -> list[Entry]:
+    def files(self) -> list:
+        """The capture's sample files (in sample order), from a directory listing alone."""
+        raise NotImplementedError
+
+    def entry(self, file) -> Entry:
+        """One of `files()` as an Entry, from its header (UserError naming it when malformed)."""
         raise NotImplementedError
 
     def load(self, entry: Entry) -> Captured:

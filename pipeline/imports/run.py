@@ -113,14 +113,20 @@ def check_entry(entry: Entry, capture: CaptureFormat, head: TargetHead, wanted: 
     return layer_ids
 
 
-def list_capture(capture: CaptureFormat, limit: int | None) -> list[Entry]:
-    entries = capture.entries()
-    entries = entries[:limit] if limit is not None else entries
-    seen = {}
-    for entry in entries:
+def list_capture(capture: CaptureFormat, limit: int | None, progress=None) -> list[Entry]:
+    """Every sample's Entry (the first `limit`), each file's header read and checked."""
+    files = capture.files()
+    files = files[:limit] if limit is not None else files
+    bar = progress(len(files), "check", unit="file") if progress is not None else SilentProgress()
+    entries, seen = [], {}
+    for file in files:
+        entry = capture.entry(file)
         if entry.sample_id in seen:
             raise UserError(f"{entry.path}: sample id {entry.sample_id!r} again (also {seen[entry.sample_id]})")
         seen[entry.sample_id] = entry.path
+        entries.append(entry)
+        bar.update(1)
+    bar.close()  # not on an error: that is the one line printed then
     return entries
 
 
@@ -303,11 +309,12 @@ def write_samples(config, capture, head, plan: ImportPlan, dataset: str, progres
 
 def run_import(config: ImportConfig, progress=None) -> dict:
     """Run (or resume) an import; returns the final manifest. See the module docstring.
-    `progress`: as extract's (a bar factory, called once with the tokens to import)."""
+    `progress`: as extract's, a bar factory (specreplay/progress.py), called for the files to check
+    and then for the tokens to import; None: nothing is shown."""
     validate_numbers(config)
     head = load_head(config.model)
     capture = open_capture(config, head.num_layers)
-    entries = list_capture(capture, config.limit)
+    entries = list_capture(capture, config.limit, progress)
     plan = plan_import(config, capture, entries, head)
     head.to(compute_dtype(plan.capture_dtype))
     dataset = config.dataset or Path(config.source.rstrip("/")).name or config.format

@@ -111,9 +111,6 @@ class SpecForgeCapture(CaptureFormat):
             raise UserError(f"{self.path}: holds no data_<i>.ckpt(.gz) capture files")
         return files
 
-    def entries(self) -> list[Entry]:
-        return [self.entry(file) for file in self.files()]
-
     def entry(self, file: Path) -> Entry:
         path = str(file)
         record = read_record(path)

@@ -97,10 +97,8 @@ class SpeculatorsCapture(CaptureFormat):
             raise UserError(f"{self.hidden_dir}: holds no hs_<i>.safetensors capture files")
         return found
 
-    def entries(self) -> list[Entry]:
-        return [self.entry(index, file) for index, file in self.files()]
-
-    def entry(self, index: int, file: Path) -> Entry:
+    def entry(self, item: tuple[int, Path]) -> Entry:
+        index, file = item
         path = str(file)
         tokens, hidden, dtype = check_layout(path, header(path), self.stated)
         if index >= len(self.rows):

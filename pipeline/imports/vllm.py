@@ -151,9 +151,6 @@ class VllmCapture(CaptureFormat):
             raise UserError(f"{self.path}: holds no .safetensors capture files")
         return files
 
-    def entries(self) -> list[Entry]:
-        return [self.entry(path) for path in self.files()]
-
     def entry(self, file: Path) -> Entry:
         path = str(file)
         tokens, hidden, dtype = check_layout(path, header(path), self.stated)
