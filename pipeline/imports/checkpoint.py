@@ -123,15 +123,16 @@ class TargetHead:
     def num_layers(self) -> int:
         return self.info.num_layers
 
-    def to(self, dtype: torch.dtype) -> TargetHead:
-        self.norm.to(dtype)
-        self.head.to(dtype)
+    def to(self, dtype: torch.dtype, device: str = "cpu") -> TargetHead:
+        self.norm.to(device=device, dtype=dtype)
+        self.head.to(device=device, dtype=dtype)
         return self
 
     @torch.inference_mode()
     def post(self, pre: torch.Tensor) -> torch.Tensor:
-        """The final hidden state after the norm [N, H] from the one before it [N, H]."""
-        return self.norm(pre.to(self.head.weight.dtype)[None])[0]
+        """The final hidden state after the norm [N, H] from the one before it [N, H] (on the head's device)."""
+        weight = self.head.weight
+        return self.norm(pre.to(device=weight.device, dtype=weight.dtype)[None])[0]
 
     @torch.inference_mode()
     def distribution(self, post: torch.Tensor, input_ids: torch.Tensor, prompt_len: int, top_k: int, budget: int):

@@ -28,5 +28,6 @@ class ImportConfig:
     shard_bytes: int = DEFAULT_SHARD_BYTES
     zstd_level: int = DEFAULT_ZSTD_LEVEL
     memory_bytes: int = DEFAULT_MEMORY_BYTES
+    device: str = "cpu"  # where the final norm and lm_head run: cpu, cuda, cuda:1
     overwrite: bool = False
     quiet: bool = False

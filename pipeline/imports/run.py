@@ -219,7 +219,7 @@ def new_manifest(plan: ImportPlan, config: ImportConfig, head: TargetHead) -> di
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "world_size": 1,
-        "device": "cpu",
+        "device": config.device,
         "shard_bytes": config.shard_bytes,
         "zstd_level": config.zstd_level,
         "memory_bytes": config.memory_bytes,
@@ -312,11 +312,12 @@ def run_import(config: ImportConfig, progress=None) -> dict:
     `progress`: as extract's, a bar factory (specreplay/progress.py), called for the files to check
     and then for the tokens to import; None: nothing is shown."""
     validate_numbers(config)
+    check_device(config.device)
     head = load_head(config.model)
     capture = open_capture(config, head.num_layers)
     entries = list_capture(capture, config.limit, progress)
     plan = plan_import(config, capture, entries, head)
-    head.to(compute_dtype(plan.capture_dtype))
+    head.to(compute_dtype(plan.capture_dtype), config.device)
     dataset = config.dataset or Path(config.source.rstrip("/")).name or config.format
     lock = local_lock(config.out, str(Path(config.out) / LOCK_NAME), f"import --out {config.out}")
     with lock or _nothing():
@@ -340,6 +341,15 @@ def validate_numbers(config: ImportConfig) -> None:
         raise UserError(f"--limit must be >= 1, got {config.limit}; leave it out to import every sample")
     if config.format not in FORMATS:
         raise UserError(f"--format {config.format!r} is not one of {', '.join(FORMATS)}")
+
+
+def check_device(device: str) -> None:
+    try:
+        kind = torch.device(device).type
+    except RuntimeError:
+        raise UserError(f"--device {device!r} is not a device; use cpu, cuda or cuda:N") from None
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"--device {device}: no CUDA device here; use --device cpu")
 
 
 def _nothing():

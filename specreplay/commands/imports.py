@@ -93,6 +93,12 @@ def check_paths(config: ImportConfig) -> None:
     show_default=True,
     help="Working memory beyond one sample: half for the lm_head window, half for the shard chunk.",
 )
+@click.option(
+    "--device",
+    default=d("device"),
+    show_default=True,
+    help="Where the final norm and lm_head run (cpu, cuda, cuda:1): the top-k is the import's only compute.",
+)
 @click.option("--overwrite", is_flag=True, help="Delete old outputs in --out (needed when settings changed).")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def import_(format_, **options):
