@@ -50,8 +50,10 @@ class States:
 @torch.inference_mode()
 def states(model, input_ids: list[int], prompt_len: int) -> States:
     """A plain full forward over one sequence (fp32 on CPU, as extract's reference is)."""
+    from pipeline.extract.target import decoder_layers
+
     captured = {}
-    last = model.model.layers[-1]
+    last = decoder_layers(model)[-1]
     handle = last.register_forward_hook(
         lambda m, a, out: captured.update(pre=(out[0] if isinstance(out, tuple) else out))
     )

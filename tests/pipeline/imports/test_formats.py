@@ -185,3 +185,29 @@ def test_score_reads_imported_shards_as_extracted_ones(ref, tmp_path):
             walk.select("sample_id", "method", "step", "anchor", "produced").sort("sample_id", "method", "step")
         )
     assert walks[0].equals(walks[1]) and walks[0].height > 0
+
+
+@pytest.mark.parametrize("target", ["tiny_qwen35_hybrid_dir", "tiny_qwen35_vlm_dir"])
+def test_qwen35_targets(request, tmp_path, target):
+    """Qwen3.5 (Gated DeltaNet hybrid; the vision-language wrapper): id L - 1 is its zero-centred
+    final norm of the captured state, read from the checkpoint alone, equal to extract's."""
+    model_dir = request.getfixturevalue(target)
+    stored = [0, 2, 3, 4]  # 4 layers: id 3 = L - 1 (after the norm), id 4 = L (before it)
+    samples, found = C.reference(tmp_path / "ref", model_dir, C.teacher_forced_records(3), stored)
+    for key, state in found.items():
+        C.write_vllm(tmp_path / "cap" / f"{key}.safetensors", state, [1, 3, 4])
+    lens = C.write_prompt_lens(tmp_path / "lens.jsonl", {k: s.prompt_len for k, s in samples.items()})
+    got = imported(
+        tmp_path / "cap",
+        tmp_path / "out",
+        model_dir,
+        "vllm",
+        captured_layer_ids="1,3,4",
+        prompt_lens=lens,
+        layer_ids=stored,
+    )
+    for key, sample in got.items():
+        other = samples[key]
+        assert torch.equal(sample.features, other.features), key
+        for name in ("topk_ids", "topk_logprobs", "argmax_mismatch"):
+            assert torch.equal(sample.tensors[name], other.tensors[name]), (key, name)
