@@ -23,6 +23,7 @@ of the three formats records that a response was the target's own greedy output.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 from dataclasses import dataclass
@@ -320,7 +321,7 @@ def run_import(config: ImportConfig, progress=None) -> dict:
     head.to(compute_dtype(plan.capture_dtype), config.device)
     dataset = config.dataset or Path(config.source.rstrip("/")).name or config.format
     lock = local_lock(config.out, str(Path(config.out) / LOCK_NAME), f"import --out {config.out}")
-    with lock or _nothing():
+    with lock or contextlib.nullcontext():
         existing = check_out_dir(config.out, plan.settings, config.overwrite)
         if existing is not None and existing.get("complete") and not missing_shards(config.out, existing):
             return existing  # already done with these settings: touch nothing
@@ -350,9 +351,3 @@ def check_device(device: str) -> None:
         raise UserError(f"--device {device!r} is not a device; use cpu, cuda or cuda:N") from None
     if kind == "cuda" and not torch.cuda.is_available():
         raise UserError(f"--device {device}: no CUDA device here; use --device cpu")
-
-
-def _nothing():
-    import contextlib
-
-    return contextlib.nullcontext()
