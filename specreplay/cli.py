@@ -15,9 +15,11 @@ import warnings
 
 import click
 
-# verb -> module under specreplay.commands defining a click command of the same name
+# verb -> module under specreplay.commands defining a click command of the same name (`import_`
+# for `import`, a Python keyword)
 COMMANDS = {
     "extract": "extract",
+    "import": "imports",
     "inspect": "inspect",
     "score": "score",
     "fit": "fit",
@@ -80,7 +82,7 @@ class LazyGroup(click.Group):
         if name not in COMMANDS:
             return None
         module = importlib.import_module(f"specreplay.commands.{COMMANDS[name]}")
-        return getattr(module, name)
+        return getattr(module, name, None) or getattr(module, f"{name}_")
 
     def invoke(self, ctx):
         from pipeline.common.errors import UserError
@@ -104,6 +106,7 @@ def main():
     \b
     Typical use:
       specreplay extract --model smollm2 --prompts default --out data/shards/smollm2
+      specreplay import data/sharegpt --format speculators --model path/to/target   # captured elsewhere
       specreplay score --ckpt path/to/drafter --shards data/shards/smollm2 --out data/results
       specreplay inspect data/shards/smollm2
       specreplay compare data/results/run7_step_1000 data/results/run7_step_2000

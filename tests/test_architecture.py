@@ -48,7 +48,14 @@ def test_the_rule_checker_sees_function_level_imports():
 
 
 def test_help_imports_neither_torch_nor_pyarrow():
-    for args in (["--help"], ["score", "--help"], ["extract", "--help"], ["compare", "--help"], ["diagnose", "--help"]):
+    for args in (
+        ["--help"],
+        ["score", "--help"],
+        ["extract", "--help"],
+        ["import", "--help"],
+        ["compare", "--help"],
+        ["diagnose", "--help"],
+    ):
         proc = subprocess.run(
             [sys.executable, "-X", "importtime", "-m", "specreplay", *args],
             cwd=ROOT,

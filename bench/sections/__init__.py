@@ -13,6 +13,7 @@ DEFAULT = (
     "extract",
     "codecs",
     "reader",
+    "imports",
     "fp32",
     "score",
     "ddtree",
@@ -29,6 +30,7 @@ RESEARCH = ("research",)
 REQUIRES = {
     "codecs": ("extract",),
     "reader": ("extract",),
+    "imports": ("extract",),
     "research": ("extract",),
     "fp8": ("score",),
 }

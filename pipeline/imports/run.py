@@ -1,0 +1,353 @@
+"""`specreplay import`: captures made elsewhere -> ordinary checksummed shards (the shard format
+is extract's, unchanged), resumable with extract's own output-directory machinery.
+
+A run is extract's four steps (pipeline/extract/run.py), with a capture in place of a model:
+  1. plan, read-only: the target's facts, final norm and lm_head from its checkpoint (never the
+     model, checkpoint.py); every capture file listed from its header (reader.py) and checked:
+     its layers against what is asked, a final hidden state to compute the top-k from, hidden
+     size, tokens, no all-zero states at its first and last position. A bad capture is one error
+     naming its file, and nothing is written. Then OUT is checked (another import's settings are
+     refused, listing what differs);
+  2. OUT is prepared: the target head (embedding, lm_head) and tokenizer stored once, the manifest
+     written with complete=false;
+  3. the samples are streamed one at a time: loaded, checked whole (all-zero hidden vectors stop
+     the import naming the file; NaN/Inf ones are left out and recorded, as extract does), their
+     top-k computed and written to shards that land atomically;
+  4. the manifest is finished (complete=true, totals).
+Rerunning the same command resumes: samples in finished shards are skipped by id.
+
+Imported samples are teacher-forced along their captured tokens: finish reason "given", not
+greedy, as extract marks a given response (`score` then reports their walks as not exact). None
+of the three formats records that a response was the target's own greedy output.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pipeline import shards
+from pipeline.common.dtypes import FP8, STORAGE_NAMES
+from pipeline.common.errors import UserError
+from pipeline.common.layer_ids import check_layer_ids
+from pipeline.common.lock import local_lock
+from pipeline.common.versions import specreplay_version
+from pipeline.extract.capture import nonfinite_values
+from pipeline.extract.outdir import (
+    LOCK_NAME,
+    check_entries,
+    check_out_dir,
+    delete_outputs,
+    finish_manifest,
+    missing_shards,
+    next_shard_index,
+    previous_entry,
+    stored_tokenizer,
+    totals,
+)
+from pipeline.extract.plan import parse_feature_dtype, split_memory_budget, stored_bytes_per_token, tensor_dtypes
+from pipeline.extract.progress import SilentProgress
+from pipeline.imports.checkpoint import TargetHead, load_head
+from pipeline.imports.config import FORMATS, ImportConfig
+from pipeline.imports.features import compute_dtype, sample_tensors
+from pipeline.imports.layers import POST, default_layers, describe_held, missing_layers, servable, sources_of
+from pipeline.imports.reader import CaptureFormat, Entry, refuse_zeros
+
+# ---------------------------------------------------------------------------------------------
+# step 1: the capture, listed and checked
+
+
+def open_capture(config: ImportConfig, num_layers: int) -> CaptureFormat:
+    """The capture in its format (vllm.py, speculators.py, specforge.py)."""
+    common = {"capture_config": config.capture_config, "captured_layer_ids": config.captured_layer_ids}
+    if config.format == "vllm":
+        from pipeline.imports.vllm import VllmCapture
+
+        return VllmCapture(config.source, num_layers, prompt_lens=config.prompt_lens, **common)
+    if config.format == "speculators":
+        from pipeline.imports.speculators import SpeculatorsCapture
+
+        return SpeculatorsCapture(config.source, num_layers, hidden_states=config.hidden_states, **common)
+    if config.format == "specforge":
+        from pipeline.imports.specforge import SpecForgeCapture
+
+        return SpecForgeCapture(config.source, num_layers, **common)
+    raise UserError(f"--format {config.format!r} is not one of {', '.join(FORMATS)}")
+
+
+def held_sources(entry: Entry, capture: CaptureFormat, num_layers: int) -> tuple[list, set]:
+    """(the source key of each block column, every source the file holds) (layers.py)."""
+    keys = sources_of(entry.stated, capture.convention, num_layers, entry.path)
+    return keys, set(keys) | ({POST} if entry.final else set())
+
+
+def check_entry(entry: Entry, capture: CaptureFormat, head: TargetHead, wanted: list[int] | None) -> list[int]:
+    """The stored ids this file serves (`wanted`, or its own default); UserError naming it when
+    it cannot: another hidden size, no final hidden state, a wanted layer it does not hold."""
+    info = head.info
+    if entry.hidden != info.hidden_size:
+        raise UserError(
+            f"{entry.path}: captured hidden size {entry.hidden} (over {len(entry.stated)} layers), the target's is "
+            f"{info.hidden_size}: the layers do not match what was captured, or it was captured from another target"
+        )
+    _, held = held_sources(entry, capture, info.num_layers)
+    have = servable(held, info.num_layers)
+    if POST not in have:
+        raise UserError(
+            f"{entry.path}: no final hidden state (it holds {describe_held(held, info.num_layers)}), so the target's "
+            f"next-token distribution cannot be computed; capture the final layer too "
+            f"({'id ' + str(info.num_layers) if capture.convention == 'before' else 'a strategy that stores it, e.g. eagle3 or dspark'})"
+        )
+    layer_ids = wanted if wanted is not None else default_layers(held, info.num_layers)
+    missing = missing_layers(layer_ids, held, info.num_layers, head.ties_norm)
+    if missing or not layer_ids:
+        raise UserError(
+            f"{entry.path}: the layers do not match what was asked: layer ids {missing or '(none)'} are not in the "
+            f"capture, which holds {describe_held(held, info.num_layers)} (ids in this project's numbering, "
+            f"docs/layer-numbering.md); pass --layer-ids from those"
+        )
+    return layer_ids
+
+
+def list_capture(capture: CaptureFormat, limit: int | None, progress=None) -> list[Entry]:
+    """Every sample's Entry (the first `limit`), each file's header read and checked."""
+    files = capture.files()
+    files = files[:limit] if limit is not None else files
+    bar = progress(len(files), "check", unit="file") if progress is not None else SilentProgress()
+    entries, seen = [], {}
+    for file in files:
+        entry = capture.entry(file)
+        if entry.sample_id in seen:
+            raise UserError(f"{entry.path}: sample id {entry.sample_id!r} again (also {seen[entry.sample_id]})")
+        seen[entry.sample_id] = entry.path
+        entries.append(entry)
+        bar.update(1)
+    bar.close()  # not on an error: that is the one line printed then
+    return entries
+
+
+# ---------------------------------------------------------------------------------------------
+# the plan: what is stored, and the identity a resume compares
+
+
+@dataclass
+class ImportPlan:
+    entries: list[Entry]
+    layer_ids: list[int]
+    capture_dtype: torch.dtype
+    feature_dtype: str
+    tensors: dict[str, str]
+    head_window_bytes: int
+    chunk_tokens: int
+    raw_bytes_per_token: int
+    settings: dict
+
+
+def capture_dtype(entries: list[Entry]) -> torch.dtype:
+    kinds = {entry.dtype for entry in entries}
+    if len(kinds) != 1:
+        first = {e.dtype: e.path for e in entries}
+        raise UserError(f"the capture mixes dtypes: {', '.join(f'{d} ({p})' for d, p in first.items())}")
+    return kinds.pop()
+
+
+def samples_hash(entries: list[Entry]) -> str:
+    """sha256 of (id, positions, prompt length) of every sample: the capture a resume must find."""
+    facts = [[e.sample_id, e.tokens, e.prompt_len, e.kept] for e in entries]
+    return hashlib.sha256(json.dumps(facts).encode()).hexdigest()
+
+
+def settings_identity(config, capture, head: TargetHead, entries, layer_ids, feature_dtype) -> dict:
+    """What must not change between an import and its resume (extract's keys, see plan.py)."""
+    info = head.info
+    target = {key: getattr(info, key) for key in ("architecture", "num_layers", "hidden_size", "vocab_size")}
+    target.update(config_hash=info.config_hash, dtype=info.dtype, stop_token_ids=info.stop_token_ids)
+    target.update(pad_token_id=info.pad_token_id, bos_token_id=info.bos_token_id)
+    target.update(chat_template_hash=info.chat_template_hash, checkpoint_fingerprint=head.fingerprint)
+    return {
+        "format_version": shards.FORMAT_VERSION,
+        "target": target,
+        "layer_ids": list(layer_ids),
+        "feature_dtype": feature_dtype,
+        "top_k": config.top_k,
+        "max_new_tokens": 0,  # nothing is generated: score takes each response's own length
+        "enable_thinking": None,
+        "decoding": "greedy",  # no sampling settings: the responses are teacher-forced ("given")
+        "prompts": {"hash": samples_hash(entries), "count": len(entries), "rendered_hash": None},
+        "imported": capture.identity(),
+    }
+
+
+def plan_import(config: ImportConfig, capture: CaptureFormat, entries: list[Entry], head: TargetHead) -> ImportPlan:
+    info = head.info
+    if config.layer_ids is not None:
+        check_layer_ids(config.layer_ids, info.num_layers)
+    if config.top_k > info.vocab_size:
+        raise UserError(f"--top-k {config.top_k} exceeds the target's vocabulary ({info.vocab_size})")
+    chosen = {tuple(check_entry(entry, capture, head, config.layer_ids)) for entry in entries}
+    if len(chosen) != 1:
+        raise UserError(f"the capture's files hold different layers {sorted(chosen)}; pass --layer-ids they share")
+    layer_ids = list(chosen.pop())
+    dtype = capture_dtype(entries)
+    native = FP8 if dtype == torch.float8_e4m3fn else STORAGE_NAMES[dtype]
+    feature_dtype = parse_feature_dtype(config.feature_dtype, native)
+    tensors = tensor_dtypes(feature_dtype)
+    per_token = stored_bytes_per_token(tensors, len(layer_ids), info.hidden_size, config.top_k)
+    head_bytes, chunk_tokens = split_memory_budget(config.memory_bytes, per_token)
+    return ImportPlan(
+        entries=entries,
+        layer_ids=layer_ids,
+        capture_dtype=dtype,
+        feature_dtype=feature_dtype,
+        tensors=tensors,
+        head_window_bytes=head_bytes,
+        chunk_tokens=chunk_tokens,
+        raw_bytes_per_token=len(layer_ids) * info.hidden_size * 2,
+        settings=settings_identity(config, capture, head, entries, layer_ids, feature_dtype),
+    )
+
+
+def new_manifest(plan: ImportPlan, config: ImportConfig, head: TargetHead) -> dict:
+    import transformers
+
+    run = {
+        "specreplay": specreplay_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "world_size": 1,
+        "device": config.device,
+        "shard_bytes": config.shard_bytes,
+        "zstd_level": config.zstd_level,
+        "memory_bytes": config.memory_bytes,
+        "chunk_tokens": plan.chunk_tokens,
+        "head_window_bytes": plan.head_window_bytes,
+    }
+    return {
+        "format_version": shards.FORMAT_VERSION,
+        "complete": False,
+        "settings": plan.settings,
+        "target": {**head.info.to_json(), "checkpoint_fingerprint": head.fingerprint},
+        "tensors": plan.tensors,
+        "prompts": {"name": config.source, **plan.settings["prompts"]},
+        "run": run,
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# steps 2-4: OUT prepared, samples streamed, manifest finished
+
+
+def prepare_out(config: ImportConfig, head: TargetHead, plan: ImportPlan, manifest: dict) -> None:
+    """extract's prepare_out_dir with the head read from the checkpoint."""
+    if config.overwrite:
+        delete_outputs(config.out)
+    shards.remove_unfinished(config.out)
+    fs, root = shards.open_fs(config.out)
+    fs.create_dir(root, recursive=True)
+    previous = previous_entry(config.out, "target_head")
+    if previous and shards.exists(fs, shards.join(root, shards.TARGET_HEAD_NAME)):
+        manifest["target_head"] = previous
+    else:
+        manifest["target_head"] = shards.save_target_head(config.out, head.embed_tokens, head.lm_head)
+    manifest["tokenizer"] = stored_tokenizer(config.out, head.tokenizer)
+    entries = shards.finished_shard_entries(config.out)
+    manifest.update(shards=entries, totals=totals(entries, plan.raw_bytes_per_token))
+    shards.write_manifest(config.out, manifest)
+
+
+def to_sample(entry: Entry, capture, head: TargetHead, plan: ImportPlan, config: ImportConfig, dataset: str):
+    """(Sample to write, None) or (None, excluded record) for one capture file."""
+    captured = capture.load(entry)
+    ids = captured.input_ids
+    if int(ids.min()) < 0 or int(ids.max()) >= head.info.vocab_size:
+        raise UserError(f"{entry.path}: token ids outside the target's vocabulary (0..{head.info.vocab_size - 1})")
+    refuse_zeros(entry.path, captured.block, [f"captured layer {s}" for s in entry.stated])
+    keys, _ = held_sources(entry, capture, head.num_layers)
+    tensors = sample_tensors(
+        captured, keys, plan.layer_ids, head, plan.feature_dtype, entry.prompt_len, config.top_k, plan.head_window_bytes
+    )
+    bad = nonfinite_values(tensors, plan.layer_ids, entry.prompt_len)
+    if bad is not None:
+        return None, {"sample_id": entry.sample_id, "dataset": dataset, **bad}
+    prompt_text = head.tokenizer.decode(ids[: entry.prompt_len].tolist())
+    sample = shards.Sample(entry.sample_id, dataset, prompt_text, ids, entry.prompt_len, "given", False, tensors)
+    return sample, None
+
+
+def write_samples(config, capture, head, plan: ImportPlan, dataset: str, progress=None) -> None:
+    """Every sample not in a finished shard, loaded one at a time, into this run's shards."""
+    finished = shards.finished_shard_entries(config.out)
+    done = check_entries(finished, {entry.sample_id for entry in plan.entries})
+    pending = [entry for entry in plan.entries if entry.sample_id not in done]
+    writer = shards.ShardWriter(
+        config.out,
+        0,
+        plan.tensors,
+        shard_bytes=config.shard_bytes,
+        zstd_level=config.zstd_level,
+        first_index=next_shard_index(finished, 0),
+        chunk_tokens=plan.chunk_tokens,
+    )
+    total = sum(entry.kept for entry in pending)
+    bar = progress(total, "import", unit="tok") if progress is not None else SilentProgress()
+    try:
+        for number, entry in enumerate(pending, 1):
+            sample, excluded = to_sample(entry, capture, head, plan, config, dataset)
+            if sample is not None:
+                writer.write(sample)
+            else:
+                writer.exclude(excluded)
+            bar.update(entry.kept, samples=f"{number}/{len(pending)}")
+        writer.close()
+    finally:
+        bar.close()
+
+
+def run_import(config: ImportConfig, progress=None) -> dict:
+    """Run (or resume) an import; returns the final manifest. See the module docstring.
+    `progress`: as extract's, a bar factory (specreplay/progress.py), called for the files to check
+    and then for the tokens to import; None: nothing is shown."""
+    validate_numbers(config)
+    check_device(config.device)
+    head = load_head(config.model)
+    capture = open_capture(config, head.num_layers)
+    entries = list_capture(capture, config.limit, progress)
+    plan = plan_import(config, capture, entries, head)
+    head.to(compute_dtype(plan.capture_dtype), config.device)
+    dataset = config.dataset or Path(config.source.rstrip("/")).name or config.format
+    lock = local_lock(config.out, str(Path(config.out) / LOCK_NAME), f"import --out {config.out}")
+    with lock or contextlib.nullcontext():
+        existing = check_out_dir(config.out, plan.settings, config.overwrite)
+        if existing is not None and existing.get("complete") and not missing_shards(config.out, existing):
+            return existing  # already done with these settings: touch nothing
+        manifest = new_manifest(plan, config, head)
+        prepare_out(config, head, plan, manifest)
+        write_samples(config, capture, head, plan, dataset, progress)
+        finish_manifest(config.out, manifest, plan.entries, plan.raw_bytes_per_token)
+    return manifest
+
+
+def validate_numbers(config: ImportConfig) -> None:
+    for name, value in (("--top-k", config.top_k), ("--shard-bytes", config.shard_bytes)):
+        if value < 1:
+            raise UserError(f"{name} must be >= 1, got {value}")
+    if config.memory_bytes < 1:
+        raise UserError(f"--memory-budget must be >= 1, got {config.memory_bytes}")
+    if config.limit is not None and config.limit < 1:
+        raise UserError(f"--limit must be >= 1, got {config.limit}; leave it out to import every sample")
+    if config.format not in FORMATS:
+        raise UserError(f"--format {config.format!r} is not one of {', '.join(FORMATS)}")
+
+
+def check_device(device: str) -> None:
+    try:
+        kind = torch.device(device).type
+    except RuntimeError:
+        raise UserError(f"--device {device!r} is not a device; use cpu, cuda or cuda:N") from None
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"--device {device}: no CUDA device here; use --device cpu")
