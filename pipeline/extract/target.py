@@ -192,7 +192,7 @@ def gguf_to_cache(gguf_path: str | Path) -> Path:
     return cache_dir
 
 
-def _resolve_model_dir(path: str) -> tuple[str, Path, Path]:
+def resolve_model_dir(path: str) -> tuple[str, Path, Path]:
     """(name, source path, transformers directory to load from)."""
     if path == SMOLLM2_NAME:
         gguf = smollm2_gguf_path()
@@ -257,7 +257,7 @@ def _load_model(model_dir: Path, dtype: torch.dtype, device):
     return model
 
 
-def _stop_token_ids(model, tokenizer) -> list[int]:
+def read_stop_token_ids(model, tokenizer) -> list[int]:
     """generation_config.eos_token_id (int or list), else tokenizer.eos_token_id (as DFlash's benchmark)."""
     generation_config = getattr(model, "generation_config", None)
     eos = getattr(generation_config, "eos_token_id", None) if generation_config is not None else None
@@ -272,7 +272,7 @@ def _stop_token_ids(model, tokenizer) -> list[int]:
     return list(dict.fromkeys(ids))  # de-duplicated, order kept
 
 
-def _prepare_tokenizer(tokenizer, stop_token_ids: list[int]):
+def prepare_tokenizer(tokenizer, stop_token_ids: list[int]):
     # Batched greedy generation left-pads; a pad token must exist for that.
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.convert_ids_to_tokens(stop_token_ids[0])
@@ -280,14 +280,14 @@ def _prepare_tokenizer(tokenizer, stop_token_ids: list[int]):
     return tokenizer
 
 
-def _config_hash(model_dir: Path) -> str:
+def hash_config(model_dir: Path) -> str:
     config = json.loads((model_dir / "config.json").read_text())
     # The transformers version that happened to write the file is not part of the model's identity.
     config.pop("transformers_version", None)
     return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()
 
 
-def _chat_template_hash(tokenizer) -> str | None:
+def hash_chat_template(tokenizer) -> str | None:
     template = getattr(tokenizer, "chat_template", None)
     if not template:
         return None
@@ -305,12 +305,12 @@ def load_target(path: str, dtype: str | torch.dtype = "auto", device="cpu"):
     """
     from transformers import AutoTokenizer
 
-    name, source, model_dir = _resolve_model_dir(str(path))
+    name, source, model_dir = resolve_model_dir(str(path))
     torch_dtype = resolve_dtype(dtype, device)
     model = _load_model(model_dir, torch_dtype, device)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    stop_ids = _stop_token_ids(model, tokenizer)
-    tokenizer = _prepare_tokenizer(tokenizer, stop_ids)
+    stop_ids = read_stop_token_ids(model, tokenizer)
+    tokenizer = prepare_tokenizer(tokenizer, stop_ids)
     if getattr(model, "generation_config", None) is not None and model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id
 
@@ -322,12 +322,12 @@ def load_target(path: str, dtype: str | torch.dtype = "auto", device="cpu"):
         num_layers=len(decoder_layers(model)),
         hidden_size=int(text_config(model).hidden_size),
         vocab_size=int(embedding.shape[0]),
-        config_hash=_config_hash(model_dir),
+        config_hash=hash_config(model_dir),
         dtype=dtype_name(embedding.dtype),
         stop_token_ids=stop_ids,
         pad_token_id=int(tokenizer.pad_token_id),
         bos_token_id=None if tokenizer.bos_token_id is None else int(tokenizer.bos_token_id),
         tokenizer_name=Path(str(tokenizer.name_or_path)).name or name,
-        chat_template_hash=_chat_template_hash(tokenizer),
+        chat_template_hash=hash_chat_template(tokenizer),
     )
     return model, tokenizer, info

@@ -21,12 +21,12 @@ from pipeline.common.errors import UserError
 from pipeline.extract.capture import head_rows, next_token_distribution, text_decoder, ties_last_hidden_state
 from pipeline.extract.target import (
     TargetInfo,
-    _chat_template_hash,
-    _config_hash,
-    _prepare_tokenizer,
-    _resolve_model_dir,
-    _stop_token_ids,
     decoder_layers,
+    hash_chat_template,
+    hash_config,
+    prepare_tokenizer,
+    read_stop_token_ids,
+    resolve_model_dir,
     text_config,
 )
 
@@ -175,8 +175,8 @@ def target_info(model_dir: Path, name: str, source: str, model, embed: torch.Ten
         generation = GenerationConfig.from_pretrained(str(model_dir))
     except OSError:  # no generation_config.json: the tokenizer's eos
         generation = None
-    stop_ids = _stop_token_ids(SimpleNamespace(generation_config=generation), tokenizer)
-    tokenizer = _prepare_tokenizer(tokenizer, stop_ids)
+    stop_ids = read_stop_token_ids(SimpleNamespace(generation_config=generation), tokenizer)
+    tokenizer = prepare_tokenizer(tokenizer, stop_ids)
     return TargetInfo(
         name=name,
         path=source,
@@ -184,13 +184,13 @@ def target_info(model_dir: Path, name: str, source: str, model, embed: torch.Ten
         num_layers=len(decoder_layers(model)),
         hidden_size=int(text_config(model).hidden_size),
         vocab_size=int(embed.shape[0]),
-        config_hash=_config_hash(model_dir),
+        config_hash=hash_config(model_dir),
         dtype=dtype_name(embed.dtype),
         stop_token_ids=stop_ids,
         pad_token_id=int(tokenizer.pad_token_id),
         bos_token_id=None if tokenizer.bos_token_id is None else int(tokenizer.bos_token_id),
         tokenizer_name=Path(str(tokenizer.name_or_path)).name or name,
-        chat_template_hash=_chat_template_hash(tokenizer),
+        chat_template_hash=hash_chat_template(tokenizer),
     )
 
 
@@ -199,7 +199,7 @@ def load_head(path: str) -> TargetHead:
     extract takes it), read tensor by tensor; the model itself is never loaded."""
     from transformers import AutoTokenizer
 
-    name, source, model_dir = _resolve_model_dir(str(path))
+    name, source, model_dir = resolve_model_dir(str(path))
     model = skeleton(model_dir)
     files = weight_files(model_dir)
     embed = read_weight(files, find_key(files, f"{qualified(model, model.get_input_embeddings())}.weight", model_dir))
