@@ -117,6 +117,22 @@ class DrafterConfig:
         return self.scales() != (1.0, 1.0, None)
 
 
+def decoder_shape(hf) -> dict:
+    """The DrafterConfig shape fields of a transformers decoder config, as it resolves them (its
+    defaults included: head_dim, num_key_value_heads)."""
+    return dict(
+        hidden_size=hf.hidden_size,
+        num_hidden_layers=hf.num_hidden_layers,
+        num_attention_heads=hf.num_attention_heads,
+        num_key_value_heads=hf.num_key_value_heads,
+        head_dim=hf.head_dim,
+        intermediate_size=hf.intermediate_size,
+        vocab_size=hf.vocab_size,
+        rms_norm_eps=float(hf.rms_norm_eps),
+        attention_bias=bool(hf.attention_bias),
+    )
+
+
 @dataclass
 class Drafts:
     """What a family proposes at a chunk of anchors, teacher-forced along the stored response:

@@ -14,7 +14,7 @@ from huggingface_hub.errors import StrictDataclassError
 
 from pipeline.common.drafter_configs.speculators import SpeculatorsDFlash
 from pipeline.common.drafter_configs.zlab import ZlabDFlash
-from scoring.drafters.base import DrafterConfig, DrafterConfigError, Family
+from scoring.drafters.base import DrafterConfig, DrafterConfigError, Family, decoder_shape
 from scoring.drafters.dflash_model import DFlashDrafter, qwen3_config
 
 ARCHITECTURE = "DFlashDraftModel"
@@ -50,19 +50,7 @@ def decoder_fields(decoder: dict, source: str) -> dict:
     (its defaults included: head_dim 128, num_key_value_heads = heads)."""
     layer_types, sliding_window = attention_layout(decoder, source)
     hf = qwen3_config(decoder)
-    return dict(
-        hidden_size=hf.hidden_size,
-        num_hidden_layers=hf.num_hidden_layers,
-        num_attention_heads=hf.num_attention_heads,
-        num_key_value_heads=hf.num_key_value_heads,
-        head_dim=hf.head_dim,
-        intermediate_size=hf.intermediate_size,
-        vocab_size=hf.vocab_size,
-        rms_norm_eps=float(hf.rms_norm_eps),
-        attention_bias=bool(hf.attention_bias),
-        layer_types=layer_types,
-        sliding_window=sliding_window,
-    )
+    return dict(**decoder_shape(hf), layer_types=layer_types, sliding_window=sliding_window)
 
 
 def speculators_decoder(raw: dict, source: str, family: str) -> dict:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from pipeline.common.drafter_configs.eagle3_layouts import SpecForgeEagle3
 from pipeline.common.drafter_configs.speculators import SpeculatorsEagle3
-from scoring.drafters.base import DrafterConfig, DrafterConfigError, Family
+from scoring.drafters.base import DrafterConfig, DrafterConfigError, Family, decoder_shape
 from scoring.drafters.dflash import draft_vocab
 from scoring.drafters.eagle3_model import Eagle3Drafter, decoder_config
 
@@ -108,15 +108,7 @@ def _config(decoder: dict, kind: str, source: str, checked, target_layers, *, st
     hf = decoder_config(decoder, kind, source)
     _check_decoder(decoder, hf, checked, source)
     config = DrafterConfig(
-        hidden_size=hf.hidden_size,
-        num_hidden_layers=hf.num_hidden_layers,
-        num_attention_heads=hf.num_attention_heads,
-        num_key_value_heads=hf.num_key_value_heads,
-        head_dim=hf.head_dim,
-        intermediate_size=hf.intermediate_size,
-        vocab_size=hf.vocab_size,
-        rms_norm_eps=float(hf.rms_norm_eps),
-        attention_bias=bool(hf.attention_bias),
+        **decoder_shape(hf),
         block_size=steps,
         mask_token_id=None,
         target_layer_ids=checked.feature_layers(source, target_layers),
