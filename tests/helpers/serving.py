@@ -25,6 +25,22 @@ def llama_server_binary() -> Path:
     return path
 
 
+def llama_server_env(binary: Path) -> dict:
+    """Its shared libraries are installed beside it (site-packages/lib, llama_cpp/lib), not on the loader's path."""
+    site = binary.parent.parent
+    return {**os.environ, "LD_LIBRARY_PATH": f"{site / 'lib'}:{site / 'llama_cpp' / 'lib'}"}
+
+
+def llama_server_runs() -> bool:
+    """Whether the installed llama-server starts (`make setup` builds it when not)."""
+    try:
+        binary = llama_server_binary()
+        done = subprocess.run([str(binary), "--version"], env=llama_server_env(binary), capture_output=True, timeout=60)
+    except (AssertionError, OSError, subprocess.TimeoutExpired):
+        return False
+    return done.returncode == 0
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -44,10 +60,7 @@ class LlamaServer:
 
     def start(self, timeout_s: float = 120) -> LlamaServer:
         binary = llama_server_binary()
-        env = {
-            **os.environ,
-            "LD_LIBRARY_PATH": f"{binary.parent.parent / 'llama_cpp' / 'lib'}:{binary.parent.parent / 'lib'}",
-        }
+        env = llama_server_env(binary)
         command = [str(binary), "-m", str(self.gguf), "--host", "127.0.0.1", "--port", str(self.port)]
         command += ["--ctx-size", "4096", "--parallel", "2", "--threads", "2", *self.extra]
         with open(self.log, "ab") as log:
@@ -77,12 +90,12 @@ def wait_healthy(url: str, process, log: Path, timeout_s: float) -> None:
 
 class Proxy:
     """A counting HTTP proxy on 127.0.0.1 in front of `upstream` (settable, for a restarted server):
-    `requests` lists every (method, path, JSON body or None); `most_in_flight` the most requests
-    it held at once; `after_post(n)` runs after the n-th POST to `hook_path` was answered."""
+    `requests` lists every (method, path, JSON body or None, upstream status); `most_in_flight` the
+    most requests it held at once; `after_post(n)` runs after the n-th POST to `hook_path` was answered."""
 
     def __init__(self, upstream: str, hook_path: str = "/completion", after_post=None):
         self.upstream, self.hook_path, self.after_post = upstream, hook_path, after_post
-        self.requests: list[tuple[str, str, object]] = []
+        self.requests: list[list] = []
         self.in_flight = self.most_in_flight = 0
         self.lock = threading.Lock()
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
@@ -93,8 +106,11 @@ class Proxy:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.server.server_address[1]}"
 
-    def posts(self, path: str) -> list:
-        return [body for method, p, body in self.requests if method == "POST" and p == path]
+    def posts(self, path: str, status: int | None = None) -> list:
+        """Bodies of the POSTs to `path` (those the upstream answered with `status`, when given)."""
+        return [
+            body for method, p, body, got in self.requests if method == "POST" and p == path and status in (None, got)
+        ]
 
     def close(self) -> None:
         self.server.shutdown()
@@ -117,13 +133,15 @@ class Proxy:
         return Handler
 
     def forward(self, handler, method: str, raw: bytes | None) -> None:
+        record = [method, handler.path, None if raw is None else json.loads(raw), None]
         with self.lock:
-            self.requests.append((method, handler.path, None if raw is None else json.loads(raw)))
+            self.requests.append(record)
             self.in_flight += 1
             self.most_in_flight = max(self.most_in_flight, self.in_flight)
             posts = len(self.posts(self.hook_path)) if method == "POST" and handler.path == self.hook_path else None
         try:
             status, body = self._upstream(method, handler.path, raw)
+            record[3] = status
         finally:
             with self.lock:
                 self.in_flight -= 1
@@ -187,3 +205,7 @@ class FakeServer:
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+
+if __name__ == "__main__":  # `make setup`: exit 0 when llama-server is built and starts
+    raise SystemExit(0 if llama_server_runs() else 1)
