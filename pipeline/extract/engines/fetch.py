@@ -6,9 +6,9 @@ the target's forward teacher-forces.
 A response is checked before it is stored: its ids lie in the target's vocabulary, and the
 server did not cut it with its own limit (context size, n_predict, max_model_len): such a
 response is neither the target's full answer nor one that stopped at --max-new-tokens, so the
-run stops naming the sample. On the first error the requests not yet sent are dropped, those in
-flight finish (and are stored when they succeeded), and the error is raised: a rerun asks only
-for what is missing.
+run stops naming the sample. After the first error nothing more is sent, the requests in flight
+finish (and are stored when they succeeded), and the error is raised: a rerun asks only for what
+is missing.
 
 Marks (pipeline/extract/generate.py Response): greedy engine responses are greedy=True (the
 capture's argmax_mismatch then says per position whether the target's own forward agrees; with
@@ -21,7 +21,7 @@ the target does not stop on: stored as it is, and scored like a response cut at 
 from __future__ import annotations
 
 from collections.abc import Callable
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 
 from pipeline.common.sampling import Sampling
 from pipeline.extract.engines.cache import ResponseStore, request_key
@@ -68,41 +68,54 @@ def fetch_responses(
     for request in requests:
         if found[request.sample_id] is not None:
             on_response(request)
+
+    def take(request: Request, reply: Reply) -> None:
+        finish = finish_reason(reply, request, vocab_size)
+        found[request.sample_id] = store.add(request.sample_id, keys[request.sample_id], reply.token_ids, finish)
+        on_response(request)
+
     try:
-        for request, reply in fetched(engine, todo, concurrency):
-            finish = finish_reason(reply, request, vocab_size)
-            found[request.sample_id] = store.add(request.sample_id, keys[request.sample_id], reply.token_ids, finish)
-            on_response(request)
+        fetched(engine, todo, concurrency, take)
     finally:
         store.flush()
     greedy = all(r.sampling is None for r in requests)
     return {sid: Response(list(s.token_ids), s.finish_reason, greedy) for sid, s in found.items()}
 
 
-def fetched(engine: Engine, requests: list[Request], concurrency: int):
-    """(request, Reply) as they complete; on the first error the rest are dropped (module docstring)."""
-    if not requests:
-        return
-    with ThreadPoolExecutor(max_workers=max(1, concurrency), thread_name_prefix="engine") as pool:
-        futures = {
-            pool.submit(ask, engine, engine.clients[i % len(engine.clients)], request): request
-            for i, request in enumerate(requests)
-        }
-        pending = set(futures)
-        while pending:
-            done, pending = wait(pending, return_when=FIRST_EXCEPTION)
-            failed = [f for f in done if f.exception() is not None]
+def fetched(engine: Engine, requests: list[Request], concurrency: int, take: Callable[[Request, Reply], None]) -> None:
+    """take(request, reply) for every request as its reply arrives, `concurrency` in flight (the
+    next one is sent when one returns). After the first EngineError (a failed request, or `take`
+    refusing a reply) nothing more is sent, those in flight are still taken, and that error is
+    raised. Ctrl-C does not wait for requests in flight."""
+    pool = ThreadPoolExecutor(max_workers=max(1, concurrency), thread_name_prefix="engine")
+    queue = iter(enumerate(requests))
+    in_flight: dict = {}
+
+    def send_next() -> None:
+        for i, request in queue:
+            in_flight[pool.submit(ask, engine, engine.clients[i % len(engine.clients)], request)] = request
+            return
+
+    first = None
+    try:
+        for _ in range(max(1, concurrency)):
+            send_next()
+        while in_flight:
+            done, _ = wait(in_flight, return_when=FIRST_COMPLETED)
             for future in done:
-                if future.exception() is None:
-                    yield futures[future], future.result()
-            if failed:
-                for future in pending:
-                    future.cancel()
-                finished, _ = wait(pending)
-                for future in finished:
-                    if not future.cancelled() and future.exception() is None:
-                        yield futures[future], future.result()
-                raise failed[0].exception()
+                request = in_flight.pop(future)
+                try:
+                    take(request, future.result())
+                except EngineError as error:
+                    first = first or error
+                if first is None:
+                    send_next()
+    except BaseException:
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    pool.shutdown(wait=True)
+    if first is not None:
+        raise first
 
 
 def ask(engine: Engine, client, request: Request) -> Reply:

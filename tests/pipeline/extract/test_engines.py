@@ -185,3 +185,31 @@ def test_vllm_and_sglang_fields():
     assert (path, body["input_ids"], body["sampling_params"]["sampling_seed"]) == ("/generate", [5, 6], 3)
     answer = {"output_ids": [7], "meta_info": {"finish_reason": {"type": "length"}}}
     assert Sglang().reply(answer, "u", request()).cut == "its context length (1 of 8 tokens)"
+
+
+def test_fetch_stops_at_the_first_bad_response_and_a_rerun_asks_only_for_the_rest(fake, tmp_path):
+    """One request at a time: q2's response is cut by the server, so q3 and q4 are never sent;
+    q1 is stored, and the rerun (server fixed) asks for q2, q3 and q4 only."""
+    from pipeline.extract.engines.fetch import fetch_responses
+    from pipeline.extract.engines.probe import Engine
+
+    cut = {"on": True}
+
+    def completion(body):
+        prompt = json.loads(body)["prompt"]
+        if prompt == [13] and cut["on"]:
+            return 200, json.dumps({"tokens": [5], "stop_type": "limit", "truncated": False}).encode()
+        return 200, json.dumps({"tokens": [prompt[0], 2], "stop_type": "eos"}).encode()
+
+    server = fake({("POST", "/completion"): completion})
+    engine = Engine(LlamaCpp(), [Client(server.url, FAST)], "m")
+    requests = [request(sample_id=f"q{i}", prompt_ids=[9 + 2 * i]) for i in range(1, 5)]
+    with pytest.raises(EngineError, match=r"sample 'q2': the serving engine cut its response at its n_predict"):
+        fetch_responses(engine, requests, ResponseStore(str(tmp_path), 0), 100, concurrency=1)
+    assert len(server.hits) == 2
+    cut["on"] = False
+    got = fetch_responses(engine, requests, ResponseStore(str(tmp_path), 0), 100, concurrency=2)
+    assert len(server.hits) == 5  # q2, q3, q4 only
+    assert {sid: (r.token_ids, r.finish_reason, r.greedy) for sid, r in got.items()} == {
+        f"q{i}": ([9 + 2 * i, 2], "eos", True) for i in range(1, 5)
+    }
