@@ -62,7 +62,11 @@ class LlamaServer:
         binary = llama_server_binary()
         env = llama_server_env(binary)
         command = [str(binary), "-m", str(self.gguf), "--host", "127.0.0.1", "--port", str(self.port)]
-        command += ["--ctx-size", "4096", "--parallel", "2", "--threads", "2", *self.extra]
+        # One slot: with several, llama.cpp decodes requests together in one batch, and its CPU
+        # kernels then round differently, so a response depends on what ran beside it (measured:
+        # 2 of 6 greedy responses changed between two runs with --parallel 2). Requests beyond the
+        # slot wait in the server's queue, so a client still has several in flight.
+        command += ["--ctx-size", "4096", "--parallel", "1", "--threads", "2", *self.extra]
         with open(self.log, "ab") as log:
             self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
         wait_healthy(self.url, self.process, self.log, timeout_s)

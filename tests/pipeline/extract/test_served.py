@@ -76,7 +76,7 @@ def test_greedy_responses_from_llama_server(uninterrupted, target):
     assert manifest["settings"]["responses"]["engine"] == "llama.cpp"
     entries = shards.finished_shard_entries(str(out))
     mismatched = {sid: n for e in entries for sid, n in e.get("mismatched_samples", {}).items()}
-    samples = list(shards.ShardSet(str(out)))
+    samples = list(shards.ShardSet(str(out)).samples())
     counts = {}
     for sample in samples:
         assert sample.greedy and sample.finish_reason in ("eos", "length")
@@ -106,6 +106,7 @@ def test_server_killed_mid_extract_resumes_without_asking_twice(uninterrupted, t
         assert not list((out / "shards").glob("*.arrow"))  # nothing written to the shards
         fetched_first = len(proxy.posts("/completion", status=200))
         assert 3 <= fetched_first < LIMIT
+        print(f"\nserver killed after {fetched_first} of {LIMIT} responses: {result.output.strip()}")
         restarted = LlamaServer(gguf, log, port=killed.port).start()  # same address, new process
         try:
             run_extract(config(out, proxy.url), loaded=target)
@@ -116,7 +117,13 @@ def test_server_killed_mid_extract_resumes_without_asking_twice(uninterrupted, t
         proxy.close()
     answered = Counter(tuple(b["prompt"]) for b in proxy.posts("/completion", status=200))
     assert len(answered) == LIMIT and set(answered.values()) == {1}  # every response fetched exactly once
+    print(f"completion requests answered over both runs: {sum(answered.values())} for {LIMIT} prompts")
+    assert responses(out) == responses(uninterrupted[0])
     assert shard_files(out) == shard_files(uninterrupted[0])
+
+
+def responses(out) -> dict[str, list[int]]:
+    return {s.sample_id: s.input_ids[s.prompt_len :].tolist() for s in shards.ShardSet(str(out)).samples()}
 
 
 def cli_args(out, url, *more) -> list[str]:
@@ -186,10 +193,15 @@ def test_server_with_another_vocabulary(server, target, tmp_path):
 
 
 def test_response_cut_by_the_servers_own_limit(target, tmp_path):
-    capped = LlamaServer(smollm2_gguf_path(), tmp_path / "server.log", extra=("--n-predict", "8")).start()
+    """A server whose context (256 tokens a slot) ends before prompt + --max-new-tokens 512: the
+    response it cuts (truncated) is refused naming the sample, nothing written to the shards."""
+    small = ("--ctx-size", "256", "--parallel", "1")
+    capped = LlamaServer(smollm2_gguf_path(), tmp_path / "server.log", extra=small).start()
     try:
-        with pytest.raises(EngineError, match=r"sample 'gsm8k/\d+': the serving engine cut its response at"):
-            run_extract(config(tmp_path / "o", capped.url), loaded=target)
+        with pytest.raises(
+            EngineError, match=r"sample 'gsm8k/0000': the serving engine cut its response at its context"
+        ):
+            run_extract(config(tmp_path / "o", capped.url, limit=1, max_new_tokens=512), loaded=target)
     finally:
         capped.stop()
     assert not list((tmp_path / "o" / "shards").glob("*.arrow"))
@@ -202,7 +214,7 @@ def test_sampled_responses_from_llama_server(server, target, tmp_path):
     manifest = run_extract(config(tmp_path / "a", server.url, **sampled), loaded=target)
     rule = manifest["settings"]["responses"]["sampling_rule"]
     assert rule.startswith("llama.cpp samplers temperature -> top_k -> top_p")
-    samples = {s.sample_id: s for s in shards.ShardSet(str(tmp_path / "a"))}
+    samples = {s.sample_id: s for s in shards.ShardSet(str(tmp_path / "a")).samples()}
     assert sorted(samples) == ["gsm8k/0000#0", "gsm8k/0000#1", "gsm8k/0001#0", "gsm8k/0001#1"]
     for sample in samples.values():
         assert not sample.greedy and sample.sample_logprob.shape == (sample.response_len,)
