@@ -3,11 +3,18 @@ setup` from the llama-cpp-python 0.3.36 source package) serving the bundled Smol
 whose dequantized weights are extract's `--model smollm2` target: greedy responses through a
 counting proxy with --concurrency 2 and their argmax mismatches recounted here; the server killed
 mid-extract and restarted (nothing fetched twice, shards identical to an uninterrupted run's);
-servers that cannot be used, each one `error:` line with nothing written to the shards."""
+sampled responses; two torchrun ranks on one server; servers that cannot be used, each one
+`error:` line with nothing written to the shards."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+import urllib.request
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,6 +28,7 @@ from pipeline.extract.inspect import format_report, inspect_extract
 from pipeline.extract.run import run_extract
 from pipeline.extract.target import load_target, smollm2_gguf_path
 from specreplay.cli import main
+from tests.helpers.processes import REPO
 from tests.helpers.serving import FakeServer, LlamaServer, Proxy, free_port
 
 pytestmark = pytest.mark.slow
@@ -170,8 +178,6 @@ def test_model_the_server_does_not_serve(server, tmp_path):
 def test_server_with_another_vocabulary(server, target, tmp_path):
     """A server of another model: its /tokenize gives other ids for the same text (here the
     real server's answer, shifted by one by a proxy-like fake in front of it)."""
-    import json
-    import urllib.request
 
     def shifted(body):
         request = urllib.request.Request(server.url + "/tokenize", data=body, method="POST")
@@ -224,3 +230,23 @@ def test_sampled_responses_from_llama_server(server, target, tmp_path):
     )
     run_extract(config(tmp_path / "b", server.url, **sampled), loaded=target)
     assert shard_files(tmp_path / "a") == shard_files(tmp_path / "b")
+
+
+def test_torchrun_ranks_share_the_server(server, uninterrupted, tmp_path):
+    """Two ranks, one server: each rank asks for its own share of the prompts (each asked once in
+    all), stores its responses as its own files, and the samples are those of one process."""
+
+    proxy = Proxy(server.url)
+    out = tmp_path / "out"
+    torchrun = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc_per_node", "2"]
+    command = [*torchrun, "-m", "specreplay", *cli_args(out, proxy.url, "--device", "cpu")]
+    try:
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+    finally:
+        proxy.close()
+    assert done.returncode == 0, done.stdout + done.stderr
+    answered = Counter(tuple(b["prompt"]) for b in proxy.posts("/completion", status=200))
+    assert len(answered) == LIMIT and set(answered.values()) == {1}
+    assert sorted(p.name for p in (out / "responses").iterdir()) == ["r000-00000.json", "r001-00000.json"]
+    assert responses(out) == responses(uninterrupted[0])
