@@ -248,5 +248,5 @@ def test_torchrun_ranks_share_the_server(server, uninterrupted, tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     answered = Counter(tuple(b["prompt"]) for b in proxy.posts("/completion", status=200))
     assert len(answered) == LIMIT and set(answered.values()) == {1}
-    assert sorted(p.name for p in (out / "responses").iterdir()) == ["r000-00000.json", "r001-00000.json"]
+    assert {p.name[:5] for p in (out / "responses").iterdir()} == {"r000-", "r001-"}  # a file or more per rank
     assert responses(out) == responses(uninterrupted[0])
