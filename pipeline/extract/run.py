@@ -15,6 +15,11 @@ A run is four steps (`run_extract`); every check happens before the first byte i
   4. rank 0 finishes the manifest (`finish_manifest`): every finished shard entry (sorted by file
      name), complete=true, totals.
 
+With --responses-from (pipeline/extract/engines/) a serving engine makes the responses: step 1
+also checks every server (reachable, the model, the tokenizer) and names the engine in the
+settings identity; in step 3 each rank first fetches its share's responses (kept in
+OUT/responses/, never asked for twice), then runs the capture forwards.
+
 Resume is exact because a sample is either in a finished shard (never touched again) or redone
 from scratch: shards land atomically (pipeline/shards/writer.py) and settings cannot change
 between runs without `--overwrite`.
