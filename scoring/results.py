@@ -114,6 +114,8 @@ class RunShards(Schema):
     target: str | None = None
     feature_dtype: str | None = None
     excluded_samples: Count = 0
+    responses: dict | None = None  # extract --responses-from: {engine, model, sampling_rule}; None: the target's
+    mismatched_samples: dict[str, Count] = {}  # greedy samples of the shards with argmax mismatches: positions
 
 
 class RunRecord(Schema):

@@ -39,3 +39,10 @@ class ExtractConfig:
     sample_top_k: int = 0  # the sampling filter; not `top_k`, the log-probs stored per position
     num_samples: int = 1  # sampled responses per prompt (ids <id>#<k>)
     seed: int = 0  # with the prompt id and the draw, seeds each response's generator
+    # Responses from a serving engine (pipeline/extract/engines/): None generates them with the target.
+    responses_from: list[str] | None = None  # base URLs of OpenAI-compatible servers (llama.cpp, vLLM, SGLang)
+    engine: str = "auto"  # auto: from GET /v1/models owned_by; or llama.cpp, vllm, sglang
+    served_model: str | None = None  # the model name the servers serve; None: the one they serve
+    concurrency: int = 4  # requests in flight per rank
+    request_timeout: float = 600.0  # seconds per request
+    retries: int = 3  # more tries after a failed request (exponential backoff)

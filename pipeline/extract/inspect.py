@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pipeline import shards
 from pipeline.common.sampling import sampling_of
-from pipeline.extract.outdir import totals
+from pipeline.extract.outdir import mismatched_samples, totals
 from pipeline.shards.writer import describe_excluded
 
 
@@ -90,6 +90,10 @@ def inspect_extract(uri: str, verify: bool = True) -> dict:  # 50 lines: mostly 
         "greedy_samples": t["greedy_samples"],
         "given_samples": t["finish_reasons"].get("given", 0),  # teacher-forced; the rest are greedy or sampled
         "argmax_mismatches": t["greedy_argmax_mismatches"],
+        # greedy samples whose walk is exact (no argmax mismatch), and the others by id
+        "exact_samples": exact_samples(t, mismatched_samples(entries)),
+        "mismatched_samples": mismatched_samples(entries),
+        "responses": settings.get("responses"),  # what made them with --responses-from; None: the target
         "greedy_consistency": 1 - t["greedy_argmax_mismatches"] / greedy_tokens if greedy_tokens else None,
         **sampling_report(settings, t),
         # samples with NaN/Inf in a feature layer or the logits: never written, never scored
@@ -100,6 +104,14 @@ def inspect_extract(uri: str, verify: bool = True) -> dict:  # 50 lines: mostly 
         report["checksums"] = verify_checksums(uri, entries)
         report["target_head"] = verify_target_head(uri, manifest)
     return report
+
+
+def exact_samples(t: dict, mismatched: dict) -> int | None:
+    """Greedy samples with no argmax mismatch; None when the entries do not say which samples
+    have them (written before they recorded it) but some do."""
+    if t["greedy_argmax_mismatches"] and not mismatched:
+        return None
+    return t["greedy_samples"] - len(mismatched)
 
 
 def sampling_report(settings: dict, t: dict) -> dict:
@@ -122,13 +134,34 @@ def sampling_report(settings: dict, t: dict) -> dict:
 
 
 def consistency_lines(report: dict) -> list[str]:
-    """Greedy: how often the full forward agrees with the stored tokens. Sampled: the decoding
-    settings, and stored tokens the full forward's sampling distribution gives probability 0."""
-    if report.get("sampling") is None:
-        return [
-            f"  greedy-consistency {_pct(report['greedy_consistency'])} "
-            f"({report['argmax_mismatches']} response tokens differ from the full-forward argmax)"
-        ]
+    """Greedy: how often the full forward agrees with the stored tokens, and which samples are
+    exact walks. Sampled: the decoding settings, and stored tokens the full forward's sampling
+    distribution gives probability 0. Either: what made the responses, when an engine did."""
+    return responses_lines(report) + (greedy_lines(report) if report.get("sampling") is None else sampled_lines(report))
+
+
+def responses_lines(report: dict) -> list[str]:
+    made = report.get("responses")
+    if not made:
+        return []
+    return [f"  responses       from {made['engine']} serving {made['model']!r} ({made['sampling_rule']})"]
+
+
+def greedy_lines(report: dict, listed: int = 8) -> list[str]:
+    mismatched = report.get("mismatched_samples") or {}
+    named = ", ".join(f"{sid} ({n})" for sid, n in list(mismatched.items())[:listed])
+    more = f", {len(mismatched) - listed} more" if len(mismatched) > listed else ""
+    rest = f"; not exact (teacher-forced along the stored tokens; positions): {named}{more}" if mismatched else ""
+    exact = report.get("exact_samples")
+    exact = "not recorded (extracted by an older specreplay) of" if exact is None else f"{exact} of"
+    return [
+        f"  greedy-consistency {_pct(report['greedy_consistency'])} "
+        f"({report['argmax_mismatches']} response tokens differ from the full-forward argmax)",
+        f"  exact walks     {exact} {report['greedy_samples']} greedy samples{rest}",
+    ]
+
+
+def sampled_lines(report: dict) -> list[str]:
     return [
         f"  decoding        {report['decoding']}",
         f"  sample log-probs {report['zero_prob_tokens']} of {report['sampled_response_tokens']} sampled tokens have "

@@ -71,13 +71,16 @@ def check_out_dir(out: str, settings: dict, overwrite: bool) -> dict | None:
 
 
 def delete_outputs(out: str) -> None:
-    """Remove what extract writes in OUT (manifest, target head, shards/, tokenizer/); nothing else."""
+    """Remove what extract writes in OUT (manifest, target head, shards/, tokenizer/, the engine
+    responses/ of --responses-from); nothing else."""
+    from pipeline.extract.engines.cache import RESPONSES_DIR
+
     fs, root = shards.open_fs(out)
     for name in (shards.MANIFEST_NAME, shards.TARGET_HEAD_NAME):
         path = shards.join(root, name)
         if shards.exists(fs, path):
             fs.delete_file(path)
-    for name in (shards.SHARD_DIR, shards.TOKENIZER_DIR):
+    for name in (shards.SHARD_DIR, shards.TOKENIZER_DIR, RESPONSES_DIR):
         path = shards.join(root, name)
         if shards.exists(fs, path):
             fs.delete_dir(path)
@@ -115,11 +118,19 @@ def totals(entries: list[dict], raw_feature_bytes_per_token: int) -> dict:
     for key in ("sampled_response_tokens", "zero_prob_tokens"):  # sampled extracts only
         if any(key in entry for entry in entries):
             out[key] = sum(entry.get(key, 0) for entry in entries)
+    mismatched = mismatched_samples(entries)
+    if mismatched:  # greedy samples that are not exact walks; key absent when every one is
+        out["mismatched_greedy_samples"] = len(mismatched)
     excluded = excluded_records(entries)
     if excluded:  # samples with NaN/Inf, never written; keys absent when there are none
         out["excluded_samples"] = len(excluded)
         out["excluded"] = excluded
     return out
+
+
+def mismatched_samples(entries: list[dict]) -> dict[str, int]:
+    """{sample id: argmax mismatches} of every greedy sample with any, in entry order."""
+    return {sample_id: n for entry in entries for sample_id, n in entry.get("mismatched_samples", {}).items()}
 
 
 def check_entries(entries: list[dict], wanted: set[str] | None = None) -> set[str]:

@@ -112,9 +112,20 @@ def validate_numbers(config: ExtractConfig) -> None:
     for name, value in checks:
         if value < 1:
             raise UserError(f"{name} must be >= 1, got {value}")
+    validate_engine_numbers(config)
     if config.limit is not None and config.limit < 1:
         raise UserError(f"--limit must be >= 1, got {config.limit}; leave it out to use every prompt")
     validate_sampling(config)
+
+
+def validate_engine_numbers(config: ExtractConfig) -> None:
+    """--concurrency, --request-timeout and --retries (read only with --responses-from)."""
+    if config.concurrency < 1:
+        raise UserError(f"--concurrency must be >= 1, got {config.concurrency}")
+    if not config.request_timeout > 0:
+        raise UserError(f"--request-timeout must be > 0 seconds, got {config.request_timeout}")
+    if config.retries < 0:
+        raise UserError(f"--retries must be >= 0, got {config.retries}")
 
 
 def validate_sampling(config: ExtractConfig) -> None:

@@ -15,6 +15,11 @@ A run is four steps (`run_extract`); every check happens before the first byte i
   4. rank 0 finishes the manifest (`finish_manifest`): every finished shard entry (sorted by file
      name), complete=true, totals.
 
+With --responses-from (pipeline/extract/engines/) a serving engine makes the responses: step 1
+also checks every server (reachable, the model, the tokenizer) and names the engine in the
+settings identity; in step 3 each rank first fetches its share's responses (kept in
+OUT/responses/, never asked for twice), then runs the capture forwards.
+
 Resume is exact because a sample is either in a finished shard (never touched again) or redone
 from scratch: shards land atomically (pipeline/shards/writer.py) and settings cannot change
 between runs without `--overwrite`.
@@ -36,6 +41,7 @@ exactly what they were before sampling existed.
 from __future__ import annotations
 
 import contextlib
+from dataclasses import replace
 
 import torch
 
@@ -69,8 +75,9 @@ from pipeline.extract.progress import SilentProgress, TokenProgress
 # step 3: every rank writes its share
 
 
-def write_rank_share(model, info, plan: Plan, config: ExtractConfig, dist: Dist, progress=None) -> None:
-    """This rank's samples (pending ones, every world-th from its rank) into its own shards."""
+def write_rank_share(model, info, plan: Plan, config: ExtractConfig, dist: Dist, progress=None, engine=None) -> None:
+    """This rank's samples (pending ones, every world-th from its rank) into its own shards;
+    with an `engine` (--responses-from) their responses are fetched first, then captured."""
     from pipeline.extract.capture import CaptureConfig
 
     entries = shards.finished_shard_entries(config.out)
@@ -96,6 +103,7 @@ def write_rank_share(model, info, plan: Plan, config: ExtractConfig, dist: Dist,
     budget = token_budget(mine, config.max_new_tokens)
     bar = progress(budget, "extract", unit="tok") if progress is not None else SilentProgress()
     try:
+        fetched = None if engine is None else engine_responses(engine, mine, plan, config, info, dist.rank, bar)
         run_items(
             model,
             info,
@@ -107,10 +115,50 @@ def write_rank_share(model, info, plan: Plan, config: ExtractConfig, dist: Dist,
             bar,
             sampling=plan.sampling,
             seed=config.seed,
+            fetched=fetched,
         )
         writer.close()
     finally:
         bar.close()
+
+
+def engine_responses(engine, items: list[Item], plan: Plan, config: ExtractConfig, info, rank: int, bar) -> dict:
+    """{sample_id: Response} from the engine for this rank's items without a given response,
+    kept in OUT/responses/ as they arrive (pipeline/extract/engines/fetch.py); the bar moves by
+    one response's token budget per response."""
+    from pipeline.extract.engines.cache import ResponseStore
+    from pipeline.extract.engines.fetch import fetch_responses, requests_for
+
+    requests = requests_for(items, engine, config.max_new_tokens, info.stop_token_ids, plan.sampling, config.seed)
+    store = ResponseStore(config.out, rank)
+    with timing.stage("engine responses", requests=len(requests)):
+        return fetch_responses(
+            engine,
+            requests,
+            store,
+            info.vocab_size,
+            config.concurrency,
+            on_response=lambda request: bar.update(config.max_new_tokens),
+        )
+
+
+def connect_engine(config: ExtractConfig, tokenizer, info, plan: Plan):
+    """The checked servers of --responses-from (pipeline/extract/engines/probe.py), or None."""
+    if not config.responses_from:
+        return None
+    from pipeline.extract.engines.client import Retry
+    from pipeline.extract.engines.probe import connect
+
+    retry = Retry(timeout=config.request_timeout, retries=config.retries)
+    texts = [item.prompt_text for item in plan.items]
+    return connect(config.responses_from, config.engine, config.served_model, tokenizer, info.vocab_size, texts, retry)
+
+
+def with_engine(plan: Plan, engine) -> Plan:
+    """The plan whose settings identity also names what made the responses (settings["responses"])."""
+    if engine is None:
+        return plan
+    return replace(plan, settings={**plan.settings, "responses": engine.facts(plan.sampling)})
 
 
 def batches(items: list, size: int):
@@ -135,14 +183,22 @@ def run_items(
     progress,
     sampling: Sampling | None = None,
     seed: int = 0,
+    fetched: dict | None = None,
 ) -> None:
     """Generate in batches, then one capture forward per sample, written in item order; `progress`
     (a tqdm-like bar of token_budget(items) tokens) advances every decode step. Responses are
-    drawn from `sampling` when it is set (None: greedy), each draw seeded from `seed` (draw_seed)."""
-    from pipeline.extract.generate import draw_seed, generate_responses
+    drawn from `sampling` when it is set (None: greedy), each draw seeded from `seed` (draw_seed);
+    with `fetched` ({sample_id: Response} from a serving engine) nothing is generated here."""
+    from pipeline.extract.generate import draw_seed, generate_responses, given_response
 
     counter = TokenProgress(progress, len(items))
     for batch in batches(items, batch_size):
+        if fetched is not None:
+            responses = [fetched[i.sample_id] if i.given is None else given_response(i.given) for i in batch]
+            for item, response in zip(batch, responses):
+                capture_and_write(model, item, response, capture_config, writer)
+                counter.written(item)
+            continue
         responses = generate_responses(
             model,
             [i.prompt_ids for i in batch],
@@ -237,6 +293,8 @@ def _run(config: ExtractConfig, dist: Dist, records, progress, loaded) -> dict:
     # Planning and check_out_dir only read: a bad input leaves OUT untouched.
     max_positions = getattr(text_config(model), "max_position_embeddings", None)
     plan = plan_extract(config, records, tokenizer, info, fingerprint, max_positions)
+    engine = connect_engine(config, tokenizer, info, plan)  # its checks too write nothing
+    plan = with_engine(plan, engine)
     existing = check_out_dir(config.out, plan.settings, config.overwrite)  # every rank, so all refuse together
     if existing is not None and existing.get("complete") and not missing_shards(config.out, existing):
         return existing  # already done with these settings: touch nothing
@@ -245,7 +303,7 @@ def _run(config: ExtractConfig, dist: Dist, records, progress, loaded) -> dict:
     if dist.main:
         prepare_out_dir(config, model, tokenizer, plan, manifest)
     barrier(dist)
-    write_rank_share(model, info, plan, config, dist, progress)
+    write_rank_share(model, info, plan, config, dist, progress, engine)
     barrier(dist)
     if dist.main:
         finish_manifest(config.out, manifest, plan.items, plan.raw_bytes_per_token)

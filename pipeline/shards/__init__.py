@@ -9,7 +9,8 @@ Layout of an extract directory (any URI pyarrow.fs opens: a local path, s3://, g
     shards/rR-NNNNN.arrow    Arrow IPC file, one record batch per chunk, tensors as zstd frames
     shards/rR-NNNNN.json     that shard's entry (rows, tokens, bytes, crc32 of the file, and the
                              byte range + xxh3_64 of its schema message and of every record batch;
-                             counts: response tokens, finish reasons, argmax mismatches); written
+                             counts: response tokens, finish reasons, argmax mismatches, and
+                             per greedy sample that has any, how many); written
                              before the .arrow is renamed into place, so a shard counts as
                              finished exactly when both exist
 

@@ -41,6 +41,7 @@ class ShardEntry(Schema):
     greedy_samples: Count = 0
     greedy_response_tokens: Size = 0
     greedy_argmax_mismatches: Count = 0
+    mismatched_samples: dict[str, Count] = {}  # greedy samples with argmax mismatches: {sample id: positions}
     sampled_response_tokens: Size = 0
     zero_prob_tokens: Count = 0
 

@@ -80,6 +80,8 @@ def add_sample_stats(stats: dict, sample: Sample) -> None:
         stats["greedy_samples"] += 1
         stats["greedy_response_tokens"] += sample.response_len
         stats["greedy_argmax_mismatches"] += mismatches
+        if mismatches:  # which greedy samples are not exact walks; key absent when all are
+            stats.setdefault("mismatched_samples", {})[sample.sample_id] = mismatches
 
 
 def chunk_tokens_for(memory_bytes: int, bytes_per_token: int) -> int:

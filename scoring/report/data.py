@@ -36,6 +36,8 @@ SAMPLE_COLUMNS = [
     "prompt_len",
     "response_len",
     "finish_reason",
+    "exact",
+    "argmax_mismatches",
     "prompt_text",
     "tokens_hash",
 ]

@@ -199,7 +199,7 @@ def worst_prompts_table(results: Results, worst: int) -> tuple[str, str]:
     ref = samples.filter((pl.col("label") == reference) & pl.col("tau").is_not_null()).sort("tau").head(worst)
     history = pick_evenly(with_samples, 6) if len(with_samples) > 1 else []
     key_tau = {(r["label"], r["dataset"], r["sample_id"]): r["tau"] for r in samples.iter_rows(named=True)}
-    head = ["#", "Dataset", "Sample", "τ chain", "Steps", "Response tokens", "Finish"]
+    head = ["#", "Dataset", "Sample", "τ chain", "Steps", "Response tokens", "Finish", "Exact walk"]
     if history:
         head.insert(4, "τ across checkpoints")
     out = ["<table class=worst><thead><tr>"] + [f"<th>{h}</th>" for h in head] + ["<th>Prompt</th></tr></thead><tbody>"]
@@ -208,12 +208,23 @@ def worst_prompts_table(results: Results, worst: int) -> tuple[str, str]:
         if history:
             cells.append(" → ".join(fmt(key_tau.get((lab, r["dataset"], r["sample_id"])), 2) for lab in history))
         cells += [fmt(r.get("steps")), fmt(r.get("response_len")), html.escape(str(r.get("finish_reason") or "–"))]
+        cells.append(_exact_cell(r))
         out.append(
             "<tr>" + "".join(f"<td>{c}</td>" for c in cells) + f"<td>{_prompt_cell(r.get('prompt_text'))}</td></tr>"
         )
     out.append("</tbody></table>")
     skipped = samples.filter((pl.col("label") == reference) & pl.col("tau").is_null()).height
     return f"<p>{_worst_intro(results, reference, ref.height, history, skipped)}</p>", "".join(out)
+
+
+def _exact_cell(row: dict) -> str:
+    """'yes', 'no: 3 argmax mismatches' (teacher-forced along the stored tokens), 'no' (given), '–'."""
+    if row.get("exact") is None:
+        return "–"
+    if row["exact"]:
+        return "yes"
+    mismatches = row.get("argmax_mismatches") or 0
+    return f"no: {mismatches} argmax mismatch{'es' if mismatches != 1 else ''}" if mismatches else "no"
 
 
 def _worst_intro(results: Results, reference: str, count: int, history: list[str], skipped: int) -> str:

@@ -114,11 +114,16 @@ def print_table(summary: pa.Table, record: dict, out_dir: str, took: str | None 
 def notes(overall: dict, record: dict) -> list[str]:
     """Caveats on the numbers: inexact walks, lossy features."""
     found = []
+    shards = record["shards"]
+    if shards.get("responses"):
+        made = shards["responses"]
+        found.append(f"responses from {made['engine']} serving {made['model']!r}, teacher-forced through the target")
     if overall["inexact_samples"]:
         found.append(
             f"{overall['inexact_samples']} of {overall['samples']} samples are not exact walks "
             f"(given responses or {overall['argmax_mismatches']} positions where the stored token is not "
             f"the full-forward argmax); their walk numbers approximate the online loop"
+            + named_samples(shards.get("mismatched_samples") or {})
         )
     # pipeline/common/dtypes.py FP8, spelled out: the console and compare never import torch
     if record["shards"].get("feature_dtype") == "float8_e4m3fn":
@@ -127,6 +132,15 @@ def notes(overall: dict, record: dict) -> list[str]:
             "a lossless extract (bench/README.md measures the tau change)"
         )
     return found
+
+
+def named_samples(mismatched: dict, listed: int = 5) -> str:
+    """'; with mismatches in the shards: q3 (2 positions), q7 (1)' (the first `listed`), or ''."""
+    if not mismatched:
+        return ""
+    named = [f"{sid} ({n} position{'s' if n != 1 else ''})" for sid, n in list(mismatched.items())[:listed]]
+    more = [f"{len(mismatched) - listed} more"] if len(mismatched) > listed else []
+    return "; with mismatches in the shards: " + ", ".join(named + more)
 
 
 def at_floor(summary: pa.Table) -> bool:

@@ -72,6 +72,12 @@ def run_record(planned: dict, ckpt: str, info: CheckpointInfo, shardset: ShardSe
         target=manifest.get("target", {}).get("name"),
         feature_dtype=manifest.get("tensors", {}).get("features"),
         excluded_samples=int(manifest.get("totals", {}).get("excluded_samples", 0)),
+        responses=manifest.get("settings", {}).get("responses"),
+        mismatched_samples={
+            sample_id: n
+            for entry in manifest.get("shards", [])
+            for sample_id, n in entry.get("mismatched_samples", {}).items()
+        },
     )
     record.update(facts)
     record["versions"] = {

@@ -201,6 +201,53 @@ def check_paths(config: ExtractConfig) -> None:
     show_default=True,
     help="Sampling: with the prompt id and draw, seeds each response (same seed, same responses).",
 )
+@click.option(
+    "--responses-from",
+    "responses_from",
+    multiple=True,
+    metavar="URL",
+    help="Take each response from an OpenAI-compatible serving engine (llama.cpp's llama-server, vLLM, "
+    "SGLang) at this base URL instead of generating it with the target; repeat for several servers of "
+    "one model. Prompts go out and responses come back as token ids (never text); greedy, or sampled "
+    "with --temperature/--top-p/--sample-top-k/--seed/--num-samples. The target's forward then "
+    "captures features and top-k as usual and counts the positions where a response differs from its "
+    "argmax: a greedy response with none is exact. Fetched responses are kept in OUT/responses/ and "
+    "never asked for again on resume.",
+)
+@click.option(
+    "--engine",
+    default=d("engine"),
+    show_default=True,
+    type=click.Choice(["auto", "llama.cpp", "vllm", "sglang"]),
+    help="With --responses-from: which engine the servers are (auto: from GET /v1/models owned_by).",
+)
+@click.option(
+    "--served-model",
+    default=None,
+    help="With --responses-from: the model name to ask the servers for. [default: the one model they serve]",
+)
+@click.option(
+    "--concurrency",
+    type=int,
+    default=d("concurrency"),
+    show_default=True,
+    help="With --responses-from: requests in flight at once (per torchrun rank).",
+)
+@click.option(
+    "--request-timeout",
+    type=float,
+    default=d("request_timeout"),
+    show_default=True,
+    help="With --responses-from: seconds one request may take before it is tried again.",
+)
+@click.option(
+    "--retries",
+    type=int,
+    default=d("retries"),
+    show_default=True,
+    help="With --responses-from: tries after a failed request (refused connection, timeout, HTTP 429/5xx), "
+    "waiting 0.5 s, 1 s, 2 s, ... between them.",
+)
 @click.option("--overwrite", is_flag=True, help="Delete old outputs in --out (needed when settings changed).")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @click.option(
@@ -212,8 +259,10 @@ def extract(**options):
     Greedy generation (batched), then one full-sequence forward per response capturing the
     feature layers and the target's distribution. With --temperature > 0 responses are sampled
     (top-p/top-k as the reference DFlash loop applies them) and each token's sampling
-    log-probability is stored too. Re-running the same command resumes an interrupted extract;
-    under torchrun, prompts are split by rank.
+    log-probability is stored too. With --responses-from the responses come from a serving
+    engine instead (the target still runs the capture forward). Re-running the same command
+    resumes an interrupted extract; under torchrun, prompts are split by rank (every rank asks
+    the same servers).
 
     \b
     Examples:
@@ -222,6 +271,7 @@ def extract(**options):
           --draft-config path/to/drafter --out data/shards/qwen3-8b-gsm8k
       specreplay extract --temperature 0.6 --top-p 0.95 --sample-top-k 20 --num-samples 4 --seed 0 \\
           --out data/shards/smollm2-sampled
+      specreplay extract --responses-from http://127.0.0.1:8080 --concurrency 8 --out data/shards/smollm2-served
       torchrun --nproc_per_node 8 -m specreplay extract --model path/to/target --prompts my.jsonl --out s3://bucket/x
     """
     from pipeline.common.layer_ids import parse_layer_ids
@@ -233,6 +283,7 @@ def extract(**options):
         layer_ids=None if options["layer_ids"] is None else parse_layer_ids(options["layer_ids"]),
         shard_bytes=parse_size(options["shard_bytes"], "--shard-bytes"),
         memory_bytes=parse_size(options["memory_bytes"], "--memory-budget"),
+        responses_from=list(options["responses_from"]) or None,
     )
     config = ExtractConfig(**options)
     check_paths(config)

@@ -26,3 +26,16 @@ def test_bytes_ratio_names_its_reference_and_the_stored_dtype(tmp_path, tiny_qwe
     ratio, raw, stored = match.groups()
     assert float(ratio) == round(report["bytes_vs_raw_bf16_features"], 3) and float(ratio) > 1  # fp32: over 1
     assert int(raw) == report["raw_bf16_feature_bytes_per_token"] and stored == "float32"
+
+
+def test_exact_walks_line_names_the_samples_with_mismatches():
+    from pipeline.extract.inspect import greedy_lines
+
+    report = {"greedy_consistency": 0.99, "argmax_mismatches": 4, "greedy_samples": 5}
+    named = greedy_lines({**report, "exact_samples": 3, "mismatched_samples": {"q1": 3, "q4": 1}})
+    assert named[1] == (
+        "  exact walks     3 of 5 greedy samples; not exact (teacher-forced along the stored tokens; "
+        "positions): q1 (3), q4 (1)"
+    )
+    older = greedy_lines({**report, "exact_samples": None, "mismatched_samples": {}})  # entries without the ids
+    assert older[1] == "  exact walks     not recorded (extracted by an older specreplay) of 5 greedy samples"

@@ -281,6 +281,7 @@ def test_prompts_are_escaped_ranked_and_expandable(built):
     taus = [float(x) for x in re.findall(r"<tr><td>\d+</td><td>[^<]*</td><td>[^<]*</td><td>([\d.]+)</td>", worst)]
     assert len(taus) == 5 and taus == sorted(taus)
     assert " → " in worst  # the same sample's tau through earlier checkpoints
+    assert "<th>Exact walk</th>" in worst and "<td>yes</td>" in worst
 
 
 def test_missing_pieces_become_notes(tmp_path):

@@ -1,0 +1,65 @@
+"""vLLM's OpenAI-compatible server: POST /v1/completions takes the prompt as token ids and, with
+"return_token_ids": true, returns the generated ids in `choices[0].token_ids`; `finish_reason`
+is "stop" (a stop token: the target's are sent as `stop_token_ids`) or "length". POST /tokenize
+checks the vocabulary.
+
+Penalties and min-p are neutral; temperature, top-k and top-p are vLLM's own (logits /
+temperature, then top-k and top-p), a seed per response. Temperature 0 is vLLM's greedy.
+"""
+
+from __future__ import annotations
+
+from pipeline.common.sampling import Sampling
+from pipeline.extract.engines.client import EngineError
+from pipeline.extract.engines.dialect import Reply, Request, cut_at_length
+from pipeline.extract.engines.schemas import VllmCompletion, read
+
+
+class Vllm:
+    name = "vllm"
+    owned_by = "vllm"
+
+    def generation(self, request: Request) -> tuple[str, dict]:
+        sampling = request.sampling
+        body = {
+            "model": request.model,
+            "prompt": list(request.prompt_ids),
+            "max_tokens": request.max_new_tokens,
+            "return_token_ids": True,
+            "temperature": 0.0 if sampling is None else sampling.temperature,
+            "top_p": 1.0 if sampling is None else sampling.top_p,
+            "top_k": -1 if sampling is None or sampling.top_k == 0 else sampling.top_k,  # -1: off
+            "min_p": 0.0,
+            "repetition_penalty": 1.0,
+            "presence_penalty": 0.0,
+            "frequency_penalty": 0.0,
+            "stop_token_ids": list(request.stop_ids),
+            "skip_special_tokens": False,
+            "n": 1,
+        }
+        if request.engine_seed is not None:
+            body["seed"] = request.engine_seed
+        return "/v1/completions", body
+
+    def reply(self, data: object, where: str, request: Request) -> Reply:
+        choice = read(VllmCompletion, data, where).choices[0]
+        if choice.token_ids is None:
+            raise EngineError(
+                f"serving engine {where} returned no token_ids for sample {request.sample_id!r}; "
+                f"vLLM returns them from version 0.10.2 on (return_token_ids), upgrade the server"
+            )
+        if choice.finish_reason not in ("stop", "length"):
+            raise EngineError(
+                f"serving engine {where}: sample {request.sample_id!r} finished with {choice.finish_reason!r}"
+            )
+        return cut_at_length(
+            choice.token_ids, choice.finish_reason == "stop", request.max_new_tokens, "its max_model_len"
+        )
+
+    def tokenize(self, text: str, model: str) -> tuple[str, dict]:
+        return "/tokenize", {"model": model, "prompt": text, "add_special_tokens": False}
+
+    def sampling_rule(self, sampling: Sampling | None) -> str:
+        if sampling is None:
+            return "vLLM temperature 0 (greedy); penalties off"
+        return "vLLM logits / temperature, then top-k and top-p, seeded per response; penalties and min-p off"
