@@ -18,6 +18,7 @@ DEFAULT = (
     "score",
     "ddtree",
     "checkpoints",
+    "families",
     "gemm",
     "fp8",
     "sampling",
