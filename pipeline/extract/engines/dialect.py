@@ -33,6 +33,23 @@ class Request:
         return None if self.seed is None else self.seed & SEED_MASK
 
 
+def sampling_params(request: Request) -> dict:
+    """The sampling fields vLLM and SGLang share, by the same names: the extract's rule and
+    nothing else (penalties and min-p off, top-k -1 = off, stop at the target's stop ids)."""
+    sampling = request.sampling
+    return {
+        "temperature": 0.0 if sampling is None else sampling.temperature,
+        "top_p": 1.0 if sampling is None else sampling.top_p,
+        "top_k": -1 if sampling is None or sampling.top_k == 0 else sampling.top_k,
+        "min_p": 0.0,
+        "repetition_penalty": 1.0,
+        "presence_penalty": 0.0,
+        "frequency_penalty": 0.0,
+        "stop_token_ids": list(request.stop_ids),
+        "skip_special_tokens": False,
+    }
+
+
 @dataclass(frozen=True)
 class Reply:
     """An engine's response in token ids, and how it ended."""

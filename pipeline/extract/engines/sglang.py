@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pipeline.common.sampling import Sampling
 from pipeline.extract.engines.client import EngineError
-from pipeline.extract.engines.dialect import Reply, Request, cut_at_length
+from pipeline.extract.engines.dialect import Reply, Request, cut_at_length, sampling_params
 from pipeline.extract.engines.schemas import SglangGenerate, read
 
 
@@ -19,19 +19,7 @@ class Sglang:
     owned_by = "sglang"
 
     def generation(self, request: Request) -> tuple[str, dict]:
-        sampling = request.sampling
-        params = {
-            "max_new_tokens": request.max_new_tokens,
-            "temperature": 0.0 if sampling is None else sampling.temperature,
-            "top_p": 1.0 if sampling is None else sampling.top_p,
-            "top_k": -1 if sampling is None or sampling.top_k == 0 else sampling.top_k,  # -1: off
-            "min_p": 0.0,
-            "repetition_penalty": 1.0,
-            "presence_penalty": 0.0,
-            "frequency_penalty": 0.0,
-            "stop_token_ids": list(request.stop_ids),
-            "skip_special_tokens": False,
-        }
+        params = {"max_new_tokens": request.max_new_tokens, **sampling_params(request)}
         if request.engine_seed is not None:
             params["sampling_seed"] = request.engine_seed
         return "/generate", {"input_ids": list(request.prompt_ids), "sampling_params": params, "stream": False}

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pipeline.common.sampling import Sampling
 from pipeline.extract.engines.client import EngineError
-from pipeline.extract.engines.dialect import Reply, Request, cut_at_length
+from pipeline.extract.engines.dialect import Reply, Request, cut_at_length, sampling_params
 from pipeline.extract.engines.schemas import VllmCompletion, read
 
 
@@ -20,21 +20,12 @@ class Vllm:
     owned_by = "vllm"
 
     def generation(self, request: Request) -> tuple[str, dict]:
-        sampling = request.sampling
         body = {
             "model": request.model,
             "prompt": list(request.prompt_ids),
             "max_tokens": request.max_new_tokens,
             "return_token_ids": True,
-            "temperature": 0.0 if sampling is None else sampling.temperature,
-            "top_p": 1.0 if sampling is None else sampling.top_p,
-            "top_k": -1 if sampling is None or sampling.top_k == 0 else sampling.top_k,  # -1: off
-            "min_p": 0.0,
-            "repetition_penalty": 1.0,
-            "presence_penalty": 0.0,
-            "frequency_penalty": 0.0,
-            "stop_token_ids": list(request.stop_ids),
-            "skip_special_tokens": False,
+            **sampling_params(request),
             "n": 1,
         }
         if request.engine_seed is not None:
