@@ -1,5 +1,5 @@
-"""What an end-to-end chain parity test needs around its family's online loop (the EAGLE-3 one,
-tests/parity/test_eagle3_parity.py; tests/parity/test_dspark_parity.py keeps its own copies):
+"""What an end-to-end chain parity test needs around its family's online loop (the EAGLE-3 and
+DSpark ones, tests/parity/test_eagle3_parity.py and test_dspark_parity.py):
 prompts for the tiny target of tests/helpers/dspark_online.py, a stop token its greedy responses
 reach in about half of them, extract and score through specreplay's own entry points, the walk
 and expected-tau tables read back from the results, and the statistics the sampled comparison

@@ -304,6 +304,20 @@ def verify(target_logits: torch.Tensor, proposal: Proposal, temperature: float) 
     return int(accepted), bonus
 
 
+def commit(seq, features, candidate_features, start: int, new_tokens, max_length: int, stop_ids):
+    """One verified step committed, as dflash_generate commits it: the accepted drafts and the
+    bonus (`new_tokens`), cut by the budget and at the first stop token; the target features of
+    x_start and the accepted drafts (the committed positions before the next start) kept.
+    Returns (seq, features, produced, stopped)."""
+    produced = min(len(new_tokens), max_length - start - 1)
+    stops = [i for i, t in enumerate(new_tokens[:produced].tolist()) if t in stop_ids]
+    if stops:
+        produced = stops[0] + 1
+    seq = torch.cat([seq[: start + 1], new_tokens[:produced]])
+    features = torch.cat([features[:start], candidate_features[start : start + produced]])
+    return seq, features, produced, bool(stops)
+
+
 @torch.no_grad()
 def online_dspark(
     model, target, prompt: torch.Tensor, max_new_tokens: int, stop_ids, temperature: float = 0.0, threshold=0.0
@@ -327,13 +341,9 @@ def online_dspark(
         logits, candidate_features, _ = target_states(target, candidate)
         accepted, bonus = verify(logits[start:], proposal, temperature)
         new_tokens = torch.cat([proposal.drafts[:accepted], bonus.reshape(1)])
-        produced = min(accepted + 1, max_length - start - 1)
-        stops = [i for i, t in enumerate(new_tokens[:produced].tolist()) if t in stop_ids]
-        if stops:
-            produced, stopped = stops[0] + 1, True
-        seq = torch.cat([seq[: start + 1], new_tokens[:produced]])
-        # features of x_start and the accepted drafts: the committed positions < the next start
-        features = torch.cat([features[:start], candidate_features[start : start + produced]])
+        seq, features, produced, stopped = commit(
+            seq, features, candidate_features, start, new_tokens, max_length, stop_ids
+        )
         start += produced
         run.produced.append(produced)
         run.drafts.append(proposal.drafts.tolist())

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 from dflash.model import _rejection_sample, _sample_probs, sample
 
-from tests.helpers.dspark_online import target_states
+from tests.helpers.dspark_online import commit, target_states
 from tests.helpers.eagle3_reference import speculators_eagle3
 from tests.helpers.models import seeded
 
@@ -242,12 +242,9 @@ def online_eagle3(model, target, prompt, max_new_tokens: int, stop_ids, temperat
         logits, candidate_features, _ = target_states(target, candidate)
         accepted, bonus = verify(logits[start:], proposal, temperature)
         new_tokens = torch.cat([proposal.drafts[:accepted], bonus.reshape(1)])
-        produced = min(accepted + 1, max_length - start - 1)
-        stops = [i for i, t in enumerate(new_tokens[:produced].tolist()) if t in stop_ids]
-        if stops:
-            produced, stopped = stops[0] + 1, True
-        seq = torch.cat([seq[: start + 1], new_tokens[:produced]])
-        features = torch.cat([features[:start], candidate_features[start : start + produced]])
+        seq, features, produced, stopped = commit(
+            seq, features, candidate_features, start, new_tokens, max_length, stop_ids
+        )
         start += produced
         run.produced.append(produced)
         run.accepted.append(accepted)

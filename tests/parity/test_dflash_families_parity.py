@@ -37,11 +37,9 @@ from pipeline.common.sampling import Sampling, token_logprob
 from pipeline.extract.run import ExtractConfig, run_extract
 from pipeline.shards import ShardSet
 from scoring import results
-from scoring.config import ScoreConfig
 from scoring.drafters.dflash2_model import DFlash2Drafter
-from scoring.score.run import run_score
 from specreplay.cli import main
-from tests.helpers import family_fits as fits
+from tests.helpers import chain_parity as chains, family_fits as fits
 from tests.helpers.models import seeded
 from tests.helpers.prompts import write_prompts
 
@@ -89,12 +87,6 @@ def _extract(out, model_dir, prompts, max_new: int, sampling: Sampling | None = 
 
 def _sequences(shards: str) -> list[tuple[torch.Tensor, int]]:
     return [(s.input_ids.clone(), s.prompt_len) for s in ShardSet(shards).samples(tensors=[])]
-
-
-def _score(ckpt: str, shards: str, out) -> str:
-    [outcome] = run_score(ScoreConfig(ckpts=[ckpt], shards=shards, out=str(out), tree_nodes=[], force=True))
-    assert outcome.status == "scored", outcome.error
-    return outcome.out_dir
 
 
 def _walks(out_dir: str) -> dict[str, list[int]]:
@@ -176,7 +168,7 @@ def test_speculators_dflash_walks_equal_dflash_generate_on_its_zlab_twin(greedy,
     tmp, model_dir, shards, target, sequences = greedy
     ckpt, twin, online = dflash
     assert json.load(open(f"{ckpt}/config.json"))["speculators_model_type"] == "dflash"
-    walks = _walks(_score(ckpt, shards, tmp / "results-speculators-dflash"))
+    walks = _walks(chains.score(ckpt, shards, tmp / "results-speculators-dflash"))
     assert walks == online
     steps = [n for lengths in online.values() for n in lengths]
     finish = Counter(s.finish_reason for s in ShardSet(shards).samples(tensors=[]))
@@ -191,7 +183,10 @@ def test_layer_convention_both_layouts_agree_and_the_mislabelled_one_does_not(gr
     layer too deep) lose almost every draft."""
     tmp, model_dir, shards, target, sequences = greedy
     ckpt, twin, _ = dflash
-    runs = {name: _score(path, shards, tmp / f"results-convention-{name}") for name, path in [("s", ckpt), ("z", twin)]}
+    runs = {
+        name: chains.score(path, shards, tmp / f"results-convention-{name}")
+        for name, path in [("s", ckpt), ("z", twin)]
+    }
     identity = [field.name for field in results.IDENTITY]
     frames = {name: pl.read_parquet(f"{out}/walk.parquet").drop(identity) for name, out in runs.items()}
     assert frames["s"].sort("sample_id", "method", "step").equals(frames["z"].sort("sample_id", "method", "step"))
@@ -202,7 +197,7 @@ def test_layer_convention_both_layouts_agree_and_the_mislabelled_one_does_not(gr
     assert taus["s"] == taus["z"]
 
     mislabelled = fits.zlab_layout(ckpt, tmp / "zlab-mislabelled", num_target_layers=6, layer_ids=[2, 4])
-    right, wrong = _chain_tau(runs["s"]), _chain_tau(_score(mislabelled, shards, tmp / "results-mislabelled"))
+    right, wrong = _chain_tau(runs["s"]), _chain_tau(chains.score(mislabelled, shards, tmp / "results-mislabelled"))
     print(f"chain tau: ids as saved {right:.3f}, speculators ids read as z-lab's {wrong:.3f}")
     assert right > 2.0 and wrong < 1.2, (right, wrong)
 
@@ -253,7 +248,7 @@ def test_reduced_draft_vocabulary_walks_equal_the_online_loop(greedy, dflash):
 
     draft.compute_logits = compute_logits
     online = _reference_walks(draft, target, shards)
-    assert _walks(_score(ckpt, shards, tmp / "results-reduced")) == online
+    assert _walks(chains.score(ckpt, shards, tmp / "results-reduced")) == online
     steps = [n for lengths in online.values() for n in lengths]
     # the draft vocabulary binds (some drafts are not the full vocabulary's argmax) and blocks still accept
     assert sum(differs) > 0 and sum(steps) / len(steps) > 1.5, (sum(differs), steps)
@@ -288,7 +283,7 @@ def test_dflash2_walks_equal_dflash_generate(greedy, dflash2, layout):
     assert saved["architectures"] == ["DFlash2DraftModel"] and ("speculators_model_type" in saved) == (
         layout == "speculators"
     )
-    assert _walks(_score(path, shards, tmp / f"results-dflash2-{layout}")) == online
+    assert _walks(chains.score(path, shards, tmp / f"results-dflash2-{layout}")) == online
     steps = [n for lengths in online.values() for n in lengths]
     assert overturned > 0 and sum(steps) / len(steps) > 1.5, (overturned, steps)
 
@@ -349,22 +344,8 @@ def _online_taus(draft, target, sampling: Sampling, stop_ids) -> dict[str, list[
     return out
 
 
-def _offline_taus(out_dir: str) -> dict[str, list[float]]:
-    """Per prompt, the expected tau of each extracted response (sample ids `p<i>#<j>`)."""
-    samples = pl.read_parquet(f"{out_dir}/samples.parquet").filter(pl.col("method") == "chain")
-    out: dict[str, list[float]] = {}
-    for sample_id, tau in samples.select("sample_id", "tau").drop_nulls().iter_rows():
-        out.setdefault(sample_id.split("#")[0], []).append(tau)
-    return out
-
-
-def _mean_se(values) -> tuple[float, float]:
-    values = np.asarray(values, dtype=np.float64)
-    return float(values.mean()), float(values.std(ddof=1) / np.sqrt(values.size))
-
-
 def _z(offline, online) -> tuple[float, str]:
-    (m_off, se_off), (m_on, se_on) = _mean_se(offline), _mean_se(online)
+    (m_off, se_off), (m_on, se_on) = chains.mean_se(offline), chains.mean_se(online)
     z = (m_off - m_on) / np.hypot(se_off, se_on)
     return z, f"offline {m_off:.4f} ± {se_off:.4f}, online {m_on:.4f} ± {se_on:.4f}, z {z:+.2f}"
 
@@ -384,7 +365,7 @@ def sampled(request, markov):
 
 def test_sampled_expected_tau_equals_the_reference_mean_over_seeds(sampled, tmp_path):
     family, sampling, ckpt, shards, online = sampled
-    offline = _offline_taus(_score(ckpt, shards, tmp_path / "results"))
+    offline = chains.offline_taus(chains.score(ckpt, shards, tmp_path / "results"))
     assert sorted(offline) == sorted(online) and all(len(v) == RUNS for v in offline.values())
     for prompt in sorted(online):
         z, line = _z(offline[prompt], online[prompt])
@@ -393,7 +374,7 @@ def test_sampled_expected_tau_equals_the_reference_mean_over_seeds(sampled, tmp_
     pooled = [t for v in online.values() for t in v]
     z, line = _z([t for v in offline.values() for t in v], pooled)
     print(f"{family} {sampling.describe()} all prompts: {line}")
-    assert _mean_se(pooled)[0] > 1.5, line  # several tokens per step: there is something to measure
+    assert chains.mean_se(pooled)[0] > 1.5, line  # several tokens per step: there is something to measure
     assert abs(z) < 3, line
 
 
@@ -417,7 +398,7 @@ def test_sampled_wrong_rule_is_rejected(sampled, tmp_path, monkeypatch):
     family, sampling, ckpt, shards, online = sampled
     name, owner, attribute, replacement = _wrong_rule(family, sampling)
     monkeypatch.setattr(owner, attribute, replacement)
-    offline = _offline_taus(_score(ckpt, shards, tmp_path / "results-wrong"))
+    offline = chains.offline_taus(chains.score(ckpt, shards, tmp_path / "results-wrong"))
     z, line = _z([t for v in offline.values() for t in v], [t for v in online.values() for t in v])
     print(f"{family} {sampling.describe()} {name}: {line}")
     assert abs(z) > 3, line

@@ -27,12 +27,9 @@ import polars as pl
 import pytest
 import torch
 
-from pipeline.extract.run import ExtractConfig, run_extract
 from pipeline.shards import ShardSet
-from scoring.config import ScoreConfig
 from scoring.drafters.dspark_model import DSparkDrafter
-from scoring.score.run import run_score
-from tests.helpers import dspark_online as online
+from tests.helpers import chain_parity as chains, dspark_online as online
 from tests.helpers.dspark_reference import (
     OUTPUT_IDS,
     reference_drafts,
@@ -87,45 +84,9 @@ def test_online_block_is_the_references_block_at_that_anchor(tmp_path):
 # the tiny target, its shards, the fitted drafters
 
 
-def _prompt_ids() -> list[list[int]]:
-    gen = torch.Generator().manual_seed(4)
-    return [torch.randint(3, 60, (6 + i % 4,), generator=gen).tolist() for i in range(PROMPTS)]
-
-
-def _greedy_response(target, prompt: list[int]) -> list[int]:
-    ids = torch.tensor(prompt)
-    for _ in range(MAX_NEW):
-        ids = torch.cat([ids, online.target_states(target, ids)[0][-1].argmax()[None]])
-    return ids[len(prompt) :].tolist()
-
-
-def _stop_token(target) -> int:
-    """A token the target's greedy responses hold after a few steps in about half of the
-    prompts: some responses end at it, the others run into the budget."""
-    responses = [_greedy_response(target, prompt) for prompt in _prompt_ids()]
-    counts = Counter(token for response in responses for token in set(response[6:]) - set(response[:1]))
-    token, _ = min(counts.items(), key=lambda kv: (abs(kv[1] - PROMPTS / 2), kv[0]))
-    return int(token)
-
-
 def _extract(out, model_dir, prompts, temperature: float = 0.0, num_samples: int = 1, seed: int = 11) -> str:
-    options = {}
-    if temperature > 0:
-        options = dict(temperature=temperature, num_samples=num_samples, seed=seed)
-    run_extract(
-        ExtractConfig(
-            model=model_dir,
-            prompts=prompts,
-            out=str(out),
-            max_new_tokens=MAX_NEW,
-            layer_ids=list(OUTPUT_IDS),  # the drafters' before-layer ids 1, 3, 5
-            top_k=8,
-            dtype="fp32",
-            batch_size=32,
-            **options,
-        )
-    )
-    return str(out)
+    # the drafters' before-layer ids 1, 3, 5
+    return chains.extract(out, model_dir, prompts, MAX_NEW, OUTPUT_IDS, temperature, num_samples, seed)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -147,11 +108,11 @@ def setup(tmp_path_factory):
     target = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     with open(f"{model_dir}/generation_config.json") as f:
         generation = json.load(f)
-    generation["eos_token_id"] = _stop_token(target)
+    generation["eos_token_id"] = chains.stop_token(target, chains.prompt_ids(PROMPTS), MAX_NEW)
     with open(f"{model_dir}/generation_config.json", "w") as f:
         json.dump(generation, f)
     prompts = write_prompts(
-        tmp / "prompts.jsonl", [{"id": f"p{i}", "input_ids": p} for i, p in enumerate(_prompt_ids())]
+        tmp / "prompts.jsonl", [{"id": f"p{i}", "input_ids": p} for i, p in enumerate(chains.prompt_ids(PROMPTS))]
     )
     greedy = _extract(tmp / "greedy", model_dir, prompts)
     stop_ids = ShardSet(greedy).settings["target"]["stop_token_ids"]
@@ -183,19 +144,6 @@ def drafters(setup):
 
 # ---------------------------------------------------------------------------------------------
 # scoring
-
-
-def _score(ckpt: str, shards: str, out) -> str:
-    [outcome] = run_score(ScoreConfig(ckpts=[ckpt], shards=shards, out=str(out), tree_nodes=[], force=True))
-    assert outcome.status == "scored", outcome.error
-    return outcome.out_dir
-
-
-def _walks(out_dir: str) -> dict[str, pl.DataFrame]:
-    """sample id -> its chain steps (produced, the teacher-forced draft tokens), in order."""
-    rows = pl.read_parquet(f"{out_dir}/walk.parquet", glob=False).filter(pl.col("method") == "chain")
-    rows = rows.sort("sample_id", "step")
-    return {sid: group for (sid,), group in rows.group_by("sample_id", maintain_order=True)}
 
 
 def _assert_walks_equal(walks: dict[str, pl.DataFrame], runs: dict[str, online.OnlineRun]) -> None:
@@ -254,7 +202,7 @@ def test_greedy_walks_equal_the_online_loop(setup, drafters, head):
     tmp, _, _, target, greedy, stop_ids = setup
     model, ckpt = drafters[head]
     runs = _online_walks(model, target, greedy, stop_ids)
-    _assert_walks_equal(_walks(_score(ckpt, greedy, tmp / f"results-{head}")), runs)
+    _assert_walks_equal(chains.walks(chains.score(ckpt, greedy, tmp / f"results-{head}")), runs)
     steps = [n for run in runs.values() for n in run.produced]
     finish = Counter(s.finish_reason for s in ShardSet(greedy).samples(tensors=[]))
     print(f"{head}: greedy tau {sum(steps) / len(steps):.3f} over {len(steps)} steps, finish {dict(finish)}")
@@ -267,7 +215,7 @@ def test_greedy_walks_equal_the_online_loop(setup, drafters, head):
     threshold = _cutting_threshold(runs)
     cut_ckpt = _with_threshold(ckpt, tmp / f"ckpt-{head}-threshold", threshold)
     cut_runs = _online_walks(model, target, greedy, stop_ids, threshold=threshold)
-    _assert_walks_equal(_walks(_score(cut_ckpt, greedy, tmp / f"results-{head}-threshold")), cut_runs)
+    _assert_walks_equal(chains.walks(chains.score(cut_ckpt, greedy, tmp / f"results-{head}-threshold")), cut_runs)
     proposals = [(len(d), q) for run in cut_runs.values() for d, q in zip(run.drafts, run.queries)]
     cut = sum(n < q for n, q in proposals)
     print(f"{head}: threshold {threshold:.3f} cuts {cut} of {len(proposals)} proposals, {dict(Counter(proposals))}")
@@ -278,11 +226,6 @@ def test_greedy_walks_equal_the_online_loop(setup, drafters, head):
 
 # ---------------------------------------------------------------------------------------------
 # the same weights in SpecForge's and DeepSpec's layouts
-
-
-def _walk_table(out_dir: str) -> pl.DataFrame:
-    walk = pl.read_parquet(f"{out_dir}/walk.parquet", glob=False).filter(pl.col("method") == "chain")
-    return walk.sort("sample_id", "step").select("sample_id", "step", "anchor", "produced", "draft_tokens")
 
 
 @pytest.mark.slow
@@ -307,7 +250,7 @@ def test_specforge_and_deepspec_layouts_walk_as_speculators(setup, drafters, hea
         for name, path in layouts.items():
             if cut:
                 path = _with_threshold(path, tmp / f"{name}-{head}-threshold", threshold)
-            tables[name] = _walk_table(_score(path, greedy, tmp / f"layouts-{head}-{name}-{cut}"))
+            tables[name] = chains.walk_table(chains.score(path, greedy, tmp / f"layouts-{head}-{name}-{cut}"))
         assert tables["speculators"].height > PROMPTS
         for name in ("deepspec", "specforge"):
             assert tables[name].equals(tables["speculators"]), (name, cut)
@@ -322,46 +265,15 @@ def test_specforge_and_deepspec_layouts_walk_as_speculators(setup, drafters, hea
 SAMPLED_DRAWS = 200  # extracted responses per prompt, and online runs per prompt
 
 
-def _mean_se(values) -> tuple[float, float]:
-    values = np.asarray(values, dtype=np.float64)
-    return float(values.mean()), float(values.std(ddof=1) / np.sqrt(values.size))
-
-
-def _per_prompt(values: dict[str, list[float]]) -> dict[str, tuple[float, float]]:
-    return {prompt: _mean_se(v) for prompt, v in sorted(values.items())}
-
-
-def _offline_taus(ckpt: str, shards: str, out) -> dict[str, list[float]]:
-    """Prompt id -> the expected tau of each of its sampled responses (draws `<id>#<k>`); a
-    response whose first token is a stop token has none, as the online loop takes no step."""
-    samples = pl.read_parquet(f"{_score(ckpt, shards, out)}/samples.parquet").filter(pl.col("method") == "chain")
-    taus: dict[str, list[float]] = {}
-    for sample_id, tau in samples.select("sample_id", "tau").drop_nulls().iter_rows():
-        taus.setdefault(sample_id.split("#")[0], []).append(tau)
-    return taus
-
-
 def _online_taus(model, target, stop_ids) -> dict[str, list[float]]:
     taus: dict[str, list[float]] = {}
-    for i, prompt in enumerate(_prompt_ids()):
+    for i, prompt in enumerate(chains.prompt_ids(PROMPTS)):
         for run in range(SAMPLED_DRAWS):
             torch.manual_seed(1000 * i + run)
             tau = online.online_dspark(model, target, torch.tensor(prompt), MAX_NEW, stop_ids, TEMPERATURE).tau
             if tau is not None:
                 taus.setdefault(f"p{i}", []).append(tau)
     return taus
-
-
-def _z_scores(offline: dict, online_stats: dict) -> tuple[dict[str, float], float]:
-    """Per prompt, and over the prompts (mean of the per-prompt means, errors combined), the
-    offline minus online mean in combined standard errors."""
-    per_prompt, diffs, variances = {}, [], []
-    for prompt, (mean_on, se_on) in online_stats.items():
-        mean_off, se_off = offline[prompt]
-        per_prompt[prompt] = (mean_off - mean_on) / np.hypot(se_off, se_on)
-        diffs.append(mean_off - mean_on)
-        variances.append(se_off**2 + se_on**2)
-    return per_prompt, float(np.mean(diffs) / (np.sqrt(np.sum(variances)) / len(diffs)))
 
 
 def _greedy_predecessors(drafts):
@@ -389,13 +301,13 @@ def test_sampled_expected_tau_equals_the_online_mean_over_seeds(setup, drafters,
     tmp, model_dir, prompts, target, _, stop_ids = setup
     model, ckpt = drafters["vanilla"]
     shards = _extract(tmp / "sampled", model_dir, prompts, TEMPERATURE, num_samples=SAMPLED_DRAWS, seed=11)
-    online_stats = _per_prompt(_online_taus(model, target, stop_ids))
-    offline = _per_prompt(_offline_taus(ckpt, shards, tmp / "sampled-results"))
+    online_stats = chains.per_prompt(_online_taus(model, target, stop_ids))
+    offline = chains.per_prompt(chains.offline_taus(chains.score(ckpt, shards, tmp / "sampled-results")))
     with monkeypatch.context() as patch:
         patch.setattr(DSparkDrafter, "drafts", _greedy_predecessors(DSparkDrafter.drafts))
-        wrong = _per_prompt(_offline_taus(ckpt, shards, tmp / "sampled-results-wrong"))
-    z_prompts, z = _z_scores(offline, online_stats)
-    z_wrong_prompts, z_wrong = _z_scores(wrong, online_stats)
+        wrong = chains.per_prompt(chains.offline_taus(chains.score(ckpt, shards, tmp / "sampled-results-wrong")))
+    z_prompts, z = chains.z_scores(offline, online_stats)
+    z_wrong_prompts, z_wrong = chains.z_scores(wrong, online_stats)
     for prompt, (mean_on, se_on) in online_stats.items():
         print(
             f"{prompt}: online {mean_on:.4f} ± {se_on:.4f}, offline {offline[prompt][0]:.4f} ± "

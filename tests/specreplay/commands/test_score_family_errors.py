@@ -57,7 +57,6 @@ def test_an_unknown_family_names_what_was_found_and_what_is_supported(shards, ti
     config = json.load(open(f"{ckpt}/config.json"))
     json.dump({**config, "speculators_model_type": "medusa"}, open(f"{ckpt}/config.json", "w"))
     line = _refused(ckpt, shards, tmp_path / "out")
-    print(line)
     assert "medusa" in line and all(name in line for name in ("dflash", "dflash2", "dspark")), line
 
 
