@@ -17,7 +17,7 @@ class ExtractConfig:
     out: str = "data/shards/smollm2-default"  # local path or any pyarrow.fs URI
     max_new_tokens: int = 128
     layer_ids: list[int] | None = None  # explicit; else from draft_config; else the DFlash formula
-    draft_config: str | None = None  # drafter config.json (or its directory)
+    draft_config: str | list[str] | None = None  # drafter config.json(s) (or their directories); layers of all
     neighbour_layers: bool = False  # also store ids i - 1 and i + 1 of every feature layer (diagnose)
     beyond_positions: bool = False  # extract samples longer than the target's max_position_embeddings
     num_draft_layers: int = 5  # n of the formula default

@@ -68,6 +68,7 @@ def inspect_extract(uri: str, verify: bool = True) -> dict:  # 50 lines: mostly 
         },
         "layer_ids": layer_ids,
         "neighbour_layers": bool(settings.get("neighbour_layers")),
+        "layer_uses": manifest.get("layer_uses", []),  # absent before specreplay recorded it
         "beyond_positions": bool(settings.get("beyond_positions")),
         "feature_dtype": settings.get("feature_dtype"),
         "top_k": settings.get("top_k"),
@@ -131,6 +132,33 @@ def sampling_report(settings: dict, t: dict) -> dict:
         "sampled_response_tokens": t.get("sampled_response_tokens", 0),
         "zero_prob_tokens": t.get("zero_prob_tokens", 0),
     }
+
+
+def layer_serves(report: dict) -> dict[int, list[str]]:
+    """{stored layer id: who reads it}: each drafter config's family and layout (or --layer-ids, or
+    the default formula), 'neighbour (diagnose)' for the ids --neighbour-layers added."""
+    serves = {i: [] for i in report["layer_ids"]}
+    for use in report["layer_uses"]:
+        what = (
+            f"{use['family']} ({use['layout']}) {use['by'].removeprefix('--draft-config ')}"
+            if use.get("family")
+            else use["by"]
+        )
+        for i in use["layer_ids"]:
+            serves.setdefault(i, []).append(what)
+    return {i: readers or ["neighbour (diagnose)"] for i, readers in serves.items()}
+
+
+def layer_use_lines(report: dict) -> list[str]:
+    """One line per stored layer naming what it serves (none for an extract that did not record it)."""
+    if not report["layer_uses"]:
+        return []
+    final = report["target"].get("num_layers")
+    lines = []
+    for i, readers in sorted(layer_serves(report).items()):
+        name = f"{i} (final, pre-norm)" if i == final else str(i)
+        lines.append(f"    layer {name:<6} {'; '.join(readers)}")
+    return ["  layers serve", *lines]
 
 
 def consistency_lines(report: dict) -> list[str]:
@@ -206,6 +234,7 @@ def format_report(report: dict) -> str:
         f"  layer ids       {report['layer_ids']}{' (with neighbours, for diagnose)' if report['neighbour_layers'] else ''}"
         f"  features {report['feature_dtype']}, top-k {report['top_k']}, "
         f"tensors {', '.join(report['tensors'])}",
+        *layer_use_lines(report),
         f"  prompts         {prompts.get('name')} ({prompts.get('count')} prompts), max_new_tokens {report['max_new_tokens']}",
         *(
             ["  positions       --beyond-positions: samples may run past the target's max_position_embeddings"]

@@ -14,7 +14,7 @@ import torch
 
 from pipeline import shards
 from pipeline.common.distributed import Dist
-from pipeline.common.drafter_configs import feature_layers_of
+from pipeline.common.drafter_configs import read_drafter_format
 from pipeline.common.dtypes import COMPUTE_DTYPES, FP8, FP8_NAMES, STORAGE_DTYPES, STORAGE_NAMES
 from pipeline.common.errors import UserError
 from pipeline.common.layer_ids import build_target_layer_ids, check_layer_ids
@@ -42,39 +42,71 @@ class Item:
         return f"{self.where} (prompt {self.sample_id!r})" if self.where else f"prompt {self.sample_id!r}"
 
 
-def draft_layer_ids(path: str, num_target_layers: int) -> list[int]:
-    """Feature layers the drafter config at `path` asks for (pipeline/common/layer_ids.py)."""
+def read_draft_config(path: str) -> tuple[Path, dict]:
+    """(the config.json path, its JSON) of a --draft-config path (a file or its directory)."""
     config_path = Path(path)
     if config_path.is_dir():
         config_path = config_path / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(f"--draft-config {path}: no such file (pass a drafter config.json or its directory)")
     try:
-        config = json.loads(config_path.read_text())
+        return config_path, json.loads(config_path.read_text())
     except json.JSONDecodeError as error:
         raise UserError(
             f"--draft-config {config_path}: not valid JSON ({error}); pass a drafter config.json"
         ) from error
-    return feature_layers_of(config, f"--draft-config {config_path}", num_target_layers)
 
 
-def resolve_layer_ids(config: ExtractConfig, num_target_layers: int) -> list[int]:
+def draft_layer_use(path: str, num_target_layers: int) -> dict:
+    """What the drafter config at `path` asks extract to store: {by, family, layout, layer_ids}
+    (the ids in this project's convention, pipeline/common/layer_ids.py)."""
+    config_path, raw = read_draft_config(path)
+    source = f"--draft-config {config_path}"
+    checked = read_drafter_format(raw, source, complete=False)
+    ids = checked.feature_layers(source, num_target_layers)
+    return {"by": source, "family": checked.family, "layout": checked.LAYOUT, "layer_ids": list(ids)}
+
+
+def draft_layer_ids(path: str, num_target_layers: int) -> list[int]:
+    """Feature layers the drafter config at `path` asks for."""
+    return draft_layer_use(path, num_target_layers)["layer_ids"]
+
+
+def draft_config_paths(config: ExtractConfig) -> list[str]:
+    """--draft-config, given once or several times (one path in a library call)."""
+    paths = config.draft_config
+    return [] if paths is None else [paths] if isinstance(paths, str) else list(paths)
+
+
+def layer_uses(config: ExtractConfig, num_target_layers: int) -> list[dict]:
+    """Who asks for which feature layers: each --draft-config (several drafters, of any families,
+    share one extract: a layer two of them read is stored once), else --layer-ids, else the
+    DFlash formula. `inspect` shows it per stored layer."""
     if config.layer_ids is not None:
-        ids, where = list(config.layer_ids), "--layer-ids"
-    elif config.draft_config is not None:
-        ids, where = draft_layer_ids(config.draft_config, num_target_layers), f"--draft-config {config.draft_config}"
-    else:
-        ids = build_target_layer_ids(num_target_layers, config.num_draft_layers)
-        where = f"the default layer ids for {config.num_draft_layers} drafter layers"
-    if not ids:
-        raise UserError(f"{where}: no layer ids; pass --layer-ids explicitly")
-    if len(set(ids)) != len(ids):
+        return [{"by": "--layer-ids", "layer_ids": list(config.layer_ids)}]
+    paths = draft_config_paths(config)
+    if paths:
+        return [draft_layer_use(path, num_target_layers) for path in paths]
+    ids = build_target_layer_ids(num_target_layers, config.num_draft_layers)
+    return [{"by": f"the default layer ids for {config.num_draft_layers} drafter layers", "layer_ids": ids}]
+
+
+def resolve_layer_ids(config: ExtractConfig, num_target_layers: int, uses: list[dict] | None = None) -> list[int]:
+    """The feature layers to store: every use's ids, each once, in the order first asked for."""
+    uses = layer_uses(config, num_target_layers) if uses is None else uses
+    where = " and ".join(use["by"] for use in uses)
+    if len(uses) == 1 and len(set(uses[0]["layer_ids"])) != len(uses[0]["layer_ids"]):
         fix = (
             "pass --layer-ids explicitly or fewer --num-draft-layers"
-            if config.layer_ids is None and config.draft_config is None
+            if config.layer_ids is None and not draft_config_paths(config)
             else "list each layer once"
         )
-        raise UserError(f"{where}: duplicate layer ids {ids} (target has {num_target_layers} layers); {fix}")
+        raise UserError(
+            f"{where}: duplicate layer ids {uses[0]['layer_ids']} (target has {num_target_layers} layers); {fix}"
+        )
+    ids = list(dict.fromkeys(i for use in uses for i in use["layer_ids"]))
+    if not ids:
+        raise UserError(f"{where}: no layer ids; pass --layer-ids explicitly")
     check_layer_ids(ids, num_target_layers, where)
     return ids
 
@@ -343,6 +375,7 @@ class Plan:
     prompts: dict  # {name, hash, count, rendered_hash}
     settings: dict  # the identity compared on resume (see settings_identity)
     sampling: Sampling | None = None  # the responses' distribution; None: greedy
+    layer_uses: list[dict] = field(default_factory=list)  # who asked for which layers (layer_uses)
 
 
 def check_token_ids(items: list[Item], vocab_size: int) -> None:
@@ -383,7 +416,8 @@ def plan_extract(
     items = prepare_items(records, tokenizer, config.enable_thinking)
     check_token_ids(items, info.vocab_size)
     check_positions(items, config.max_new_tokens, max_positions, config.beyond_positions)
-    requested = resolve_layer_ids(config, info.num_layers)
+    uses = layer_uses(config, info.num_layers)
+    requested = resolve_layer_ids(config, info.num_layers, uses)
     layer_ids = with_neighbours(requested, info.num_layers) if config.neighbour_layers else requested
     if config.top_k > info.vocab_size:
         raise UserError(
@@ -414,6 +448,7 @@ def plan_extract(
         prompts=prompts,
         settings=settings_identity(config, info, fingerprint, layer_ids, feature_dtype, prompts, requested),
         sampling=sampling,
+        layer_uses=uses,
     )
 
 
@@ -426,6 +461,7 @@ def new_manifest(plan: Plan, info, run: dict) -> dict:
         "target": {**info.to_json(), "weights_fingerprint": plan.settings["target"]["weights_fingerprint"]},
         "tensors": plan.tensors,
         "prompts": plan.prompts,
+        "layer_uses": plan.layer_uses,
         "run": {**run, "chunk_tokens": plan.chunk_tokens, "head_window_bytes": plan.head_window_bytes},
     }
 

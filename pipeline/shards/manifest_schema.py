@@ -107,6 +107,15 @@ class NeighbourLayers(Schema):
     requested: list[Count]
 
 
+class LayerUse(Schema):
+    """layer_uses[]: who asked extract for which feature layers (informational; inspect shows it)."""
+
+    by: str  # "--draft-config <path>", "--layer-ids", or the default formula
+    family: str | None = None  # a drafter config's family and layout
+    layout: str | None = None
+    layer_ids: list[int]
+
+
 class ExtractSettings(Schema):
     """settings: what must not change between an extract and its resume."""
 
@@ -173,6 +182,7 @@ class ManifestFile(Schema):
     target: TargetFacts | None = None
     target_head: TargetHead = TargetHead()
     prompts: PromptSet = PromptSet()
+    layer_uses: list[LayerUse] = []
     run: RunFacts = RunFacts()
     tokenizer: Tokenizer = Tokenizer()
     totals: Totals = Totals()

@@ -98,8 +98,11 @@ def check_paths(config: ExtractConfig) -> None:
 @click.option("--layer-ids", default=None, help="Feature layers, e.g. 1,9,17 (id i = output of decoder layer i).")
 @click.option(
     "--draft-config",
-    default=None,
-    help="Drafter config.json (or its dir): take dflash_config.target_layer_ids from it.",
+    multiple=True,
+    help="Drafter config.json (or its dir): store the feature layers it reads (any family and layout: "
+    "z-lab, speculators, SpecForge, DeepSpec; ids translated to this project's numbering). Repeat it "
+    "to serve several drafters from one extract (a DFlash and an EAGLE-3 drafter: layers both read "
+    "are stored once; `specreplay inspect` shows which drafter each layer serves).",
 )
 @click.option(
     "--neighbour-layers",
@@ -268,7 +271,7 @@ def extract(**options):
     Examples:
       specreplay extract                                   # SmolLM2-135M, bundled default prompts
       specreplay extract --model path/to/Qwen3-8B --prompts gsm8k --limit 200 \\
-          --draft-config path/to/drafter --out data/shards/qwen3-8b-gsm8k
+          --draft-config path/to/dflash --draft-config path/to/eagle3 --out data/shards/qwen3-8b-gsm8k
       specreplay extract --temperature 0.6 --top-p 0.95 --sample-top-k 20 --num-samples 4 --seed 0 \\
           --out data/shards/smollm2-sampled
       specreplay extract --responses-from http://127.0.0.1:8080 --concurrency 8 --out data/shards/smollm2-served
@@ -284,6 +287,7 @@ def extract(**options):
         shard_bytes=parse_size(options["shard_bytes"], "--shard-bytes"),
         memory_bytes=parse_size(options["memory_bytes"], "--memory-budget"),
         responses_from=list(options["responses_from"]) or None,
+        draft_config=list(options["draft_config"]) or None,
     )
     config = ExtractConfig(**options)
     check_paths(config)

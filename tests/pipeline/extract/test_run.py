@@ -163,6 +163,37 @@ def test_draft_config_layer_ids(tiny_qwen3_dir, prompts_file, tmp_path):
     assert manifest["settings"]["layer_ids"] == [0, 5]
 
 
+def test_several_draft_configs_share_layers_and_inspect_says_which_serves_which(tiny_qwen3_dir, prompts_file, tmp_path):
+    """A z-lab DFlash config reading output-of ids [1, 4] and a speculators EAGLE-3 config reading
+    before-layer ids [2, 4, 6] (= output-of [1, 3, 5]) on a 6-layer target: layer 1 is stored once,
+    the union in the order first asked for, and inspect names the readers of every stored layer."""
+    from pipeline.extract.inspect import format_report, inspect_extract
+
+    dflash, eagle = tmp_path / "dflash.json", tmp_path / "eagle"
+    dflash.write_text(json.dumps({"num_hidden_layers": 2, "dflash_config": {"target_layer_ids": [1, 4]}}))
+    eagle.mkdir()
+    decoder = {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 4, "vocab_size": 128}
+    (eagle / "config.json").write_text(
+        json.dumps(
+            {
+                "speculators_model_type": "eagle3",
+                "transformer_layer_config": decoder,
+                "eagle_aux_hidden_state_layer_ids": [2, 4, 6],
+            }
+        )
+    )
+    manifest = extract(tiny_qwen3_dir, prompts_file, tmp_path / "out", draft_config=[str(dflash), str(eagle)], limit=1)
+    assert manifest["settings"]["layer_ids"] == [1, 4, 3, 6]
+    report = inspect_extract(str(tmp_path / "out"))
+    text = format_report(report)
+    lines = {line.split()[1]: line for line in text.splitlines() if line.startswith("    layer ")}
+    assert set(lines) == {"1", "3", "4", "6"}
+    assert "dflash (z-lab)" in lines["1"] and "eagle3 (speculators)" in lines["1"]
+    assert "dflash (z-lab)" in lines["4"] and "eagle3" not in lines["4"]
+    assert "eagle3 (speculators)" in lines["3"] and "dflash" not in lines["3"]
+    assert "(final, pre-norm)" in lines["6"] and "eagle3 (speculators)" in lines["6"]
+
+
 def test_batched_generation_matches_one_at_a_time(tiny_qwen35_hybrid_dir):
     """The left-padded batch path itself, independent of the shard plumbing."""
     from pipeline.extract.generate import generate_batch
