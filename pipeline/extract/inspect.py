@@ -95,6 +95,7 @@ def inspect_extract(uri: str, verify: bool = True) -> dict:  # 50 lines: mostly 
         "exact_samples": exact_samples(t, mismatched_samples(entries)),
         "mismatched_samples": mismatched_samples(entries),
         "responses": settings.get("responses"),  # what made them with --responses-from; None: the target
+        "imported": settings.get("imported"),  # the capture `specreplay import` read; None: extracted
         "greedy_consistency": 1 - t["greedy_argmax_mismatches"] / greedy_tokens if greedy_tokens else None,
         **sampling_report(settings, t),
         # samples with NaN/Inf in a feature layer or the logits: never written, never scored
@@ -169,7 +170,9 @@ def consistency_lines(report: dict) -> list[str]:
 
 
 def responses_lines(report: dict) -> list[str]:
-    made = report.get("responses")
+    imported, made = report.get("imported"), report.get("responses")
+    if imported:
+        return [f"  imported        {imported['format']} capture {imported['source']} (specreplay import)"]
     if not made:
         return []
     return [f"  responses       from {made['engine']} serving {made['model']!r} ({made['sampling_rule']})"]

@@ -185,6 +185,9 @@ def test_score_reads_imported_shards_as_extracted_ones(ref, tmp_path):
             walk.select("sample_id", "method", "step", "anchor", "produced").sort("sample_id", "method", "step")
         )
     assert walks[0].equals(walks[1]) and walks[0].height > 0
+    said = CliRunner().invoke(main, ["inspect", str(tmp_path / "shards")])
+    assert f"imported        vllm capture {(tmp_path / 'cap').resolve()}" in said.output, said.output
+    assert "imported" not in CliRunner().invoke(main, ["inspect", str(extracted)]).output
 
 
 @pytest.mark.parametrize("target", ["tiny_qwen35_hybrid_dir", "tiny_qwen35_vlm_dir"])
