@@ -45,7 +45,7 @@ setup: .venv/bin/python
 	# Measured on this project's 2-core machine, CMAKE_BUILD_PARALLEL_LEVEL=2, shared with other
 	# builds: 20.5 min wall (12.0 min CPU). Skipped once llama-server starts; --no-cache-dir, so
 	# a wheel cached from a build without the server is never reused.
-	$(PY) -m tests.helpers.serving || { $(PIP) uninstall -q -y llama-cpp-python; \
+	$(PY) -m tools.llama_server || { $(PIP) uninstall -q -y llama-cpp-python; \
 	  CMAKE_BUILD_PARALLEL_LEVEL=2 CMAKE_ARGS="$(LLAMA_CMAKE)" nice -n 10 $(PIP) install -q --no-cache-dir 'llama-cpp-python[server]==0.3.36'; }
 
 # llama.cpp's tools (llama-server and the libraries it links) built and installed; the package's

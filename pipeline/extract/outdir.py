@@ -70,6 +70,21 @@ def check_out_dir(out: str, settings: dict, overwrite: bool) -> dict | None:
     return manifest
 
 
+def finished_with_engine(out: str, settings: dict, overwrite: bool) -> dict | None:
+    """OUT's complete manifest when it already holds this extract with engine responses, whichever
+    servers made them: a finished run has nothing left to ask, so it needs no server up."""
+    try:
+        manifest, _ = existing_outputs(out)
+    except shards.ShardError:
+        return None
+    recorded = (manifest or {}).get("settings", {})
+    if overwrite or not (manifest and manifest.get("complete") and "responses" in recorded):
+        return None
+    if settings_diff(recorded, {**settings, "responses": recorded["responses"]}) or missing_shards(out, manifest):
+        return None
+    return manifest
+
+
 def delete_outputs(out: str) -> None:
     """Remove what extract writes in OUT (manifest, target head, shards/, tokenizer/, the engine
     responses/ of --responses-from); nothing else."""

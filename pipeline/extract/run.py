@@ -51,10 +51,12 @@ from pipeline.common.distributed import Dist, barrier, dist_from_env, init_dist,
 from pipeline.common.dtypes import STORAGE_DTYPES
 from pipeline.common.sampling import Sampling
 from pipeline.extract.config import ExtractConfig
+from pipeline.extract.engines.client import Unreachable
 from pipeline.extract.outdir import (
     check_entries,
     check_out_dir,
     finish_manifest,
+    finished_with_engine,
     missing_shards,
     next_shard_index,
     output_lock,
@@ -293,7 +295,13 @@ def _run(config: ExtractConfig, dist: Dist, records, progress, loaded) -> dict:
     # Planning and check_out_dir only read: a bad input leaves OUT untouched.
     max_positions = getattr(text_config(model), "max_position_embeddings", None)
     plan = plan_extract(config, records, tokenizer, info, fingerprint, max_positions)
-    engine = connect_engine(config, tokenizer, info, plan)  # its checks too write nothing
+    try:
+        engine = connect_engine(config, tokenizer, info, plan)  # its checks too write nothing
+    except Unreachable:
+        finished = finished_with_engine(config.out, plan.settings, config.overwrite)
+        if finished is None:
+            raise
+        return finished  # done before: the servers may be down
     plan = with_engine(plan, engine)
     existing = check_out_dir(config.out, plan.settings, config.overwrite)  # every rank, so all refuse together
     if existing is not None and existing.get("complete") and not missing_shards(config.out, existing):

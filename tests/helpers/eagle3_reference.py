@@ -54,19 +54,20 @@ def speculators_eagle3(
     switches: dict | None = None,
     std: float | None = 0.2,
     seed: int = 0,
+    shapes: dict | None = None,
 ):
     """speculators' Eagle3DraftModel: `aux_ids` before-layer ids, `steps` speculative tokens,
     `draft_vocab` the sorted target ids of a reduced vocabulary (None: the whole vocabulary),
     `switches` its norm flags; every weight (norms too, so one in the wrong slot shows) drawn
     N(0, std), or speculators' own init when std is None (then the caller fills the target-owned
-    embedding and lm_head)."""
+    embedding and lm_head); `shapes` the decoder's heads, kv_heads, head_dim, mlp when not the tiny defaults."""
     from speculators.config import SpeculatorsConfig, VerifierConfig
     from speculators.models.eagle3 import Eagle3SpeculatorConfig
     from speculators.models.eagle3.core import Eagle3DraftModel
     from speculators.proposals.greedy import GreedyTokenProposalConfig
 
     config = Eagle3SpeculatorConfig(
-        transformer_layer_config=decoder_config(kind, vocab=vocab, hidden=hidden, layers=layers),
+        transformer_layer_config=decoder_config(kind, vocab=vocab, hidden=hidden, layers=layers, **(shapes or {})),
         draft_vocab_size=vocab if draft_vocab is None else draft_vocab.numel(),
         eagle_aux_hidden_state_layer_ids=list(aux_ids),
         speculators_config=SpeculatorsConfig(

@@ -21,6 +21,7 @@ import torch
 from click.testing import CliRunner
 
 from pipeline import shards
+from pipeline.common.errors import UserError
 from pipeline.extract.config import ExtractConfig
 from pipeline.extract.engines.client import EngineError
 from pipeline.extract.generate import generate_batch
@@ -159,6 +160,18 @@ def test_unreachable_server(tmp_path):
     url = f"http://127.0.0.1:{free_port()}"
     assert_one_error_line(tmp_path / "o", cli_args(tmp_path / "o", url, "--retries", "0"), "is unreachable")
     assert not (tmp_path / "o").exists()
+
+
+def test_finished_extract_reruns_with_the_server_down(uninterrupted, target, tmp_path):
+    """Re-running a finished extract needs no server (nothing is left to ask); a fresh one does."""
+    out, _, manifest = uninterrupted
+    before = shard_files(out)
+    down = f"http://127.0.0.1:{free_port()}"
+    assert run_extract(config(out, down, retries=0), loaded=target)["shards"] == manifest["shards"]
+    assert shard_files(out) == before
+    changed = config(out, down, retries=0, max_new_tokens=MAX_NEW + 1)  # another extract: the server is needed
+    with pytest.raises(UserError, match="is unreachable"):
+        run_extract(changed, loaded=target)
 
 
 def test_server_answering_errors(tmp_path):

@@ -1,0 +1,241 @@
+"""Section `eagle`: what EAGLE-3 costs to score offline, and what its aux layers cost to store.
+
+1. Scoring cost per anchor (issue 25 item 7). Synthetic shards at SmolLM2 shapes (bench/standins.py,
+   as the families section: the cost of a random drafter depends on the shapes) holding the 5 DFlash
+   feature layers and EAGLE-3's 3 aux layers. Two drafters with the same one-layer decoder (SmolLM2's
+   attention and MLP shapes), random weights, each built and saved by its reference's own classes:
+   z-lab's DFlashDraftModel (block 16: 15 drafts) and speculators' Eagle3DraftModel (K_STEPS drafts,
+   the whole vocabulary). Timed, alternated over `--reps` rounds, min per side:
+   * `run_score` of each, all anchors, chain only (ratio EAGLE-3 / DFlash v1 per anchor);
+   * the online EAGLE loop of tests/helpers/eagle3_online.py (speculators' own modules on a growing
+     transformers cache, one anchor at a time as vLLM's proposer runs it) proposing at every anchor of
+     the same shards: per anchor, the slot the target verified before it written, then K_STEPS draft
+     steps, the cache cut back. That is the online work behind the same all-anchor numbers; the ratio
+     offline / online is printed beside the ratio of their FLOPs (torch's FlopCounterMode over one
+     sample on each side), so batching's gain is told apart from arithmetic either side skips.
+2. Storage (issue 25 item 1): SmolLM2-135M `extract` (bf16, --limit 4) with a z-lab DFlash config,
+   then with that config and an EAGLE-3 config (speculators' default aux layers [2, L // 2, L - 3]):
+   the stored bytes per token of each, the extra for the aux layers DFlash does not already store.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+from bench.common import Phase, Rows, log
+from bench.sections.families import DECODER, INIT_STD, score_once, zlab
+from bench.sections.length import PROMPT_TOKENS, SMOLLM2
+
+K_STEPS = 7  # drafts per anchor: a common EAGLE-3 serving setting (--speculative-num-steps)
+STORE_PROMPTS = 4
+
+
+def eagle_aux_ids(num_layers: int) -> list[int]:
+    """EAGLE-3's default aux layers in the project's numbering (speculators' before-layer
+    [2, L // 2, L - 3] = output of [1, L // 2 - 1, L - 4])."""
+    return [1, num_layers // 2 - 1, num_layers - 4]
+
+
+def eagle3_drafter(out: Path, aux_ids: list[int], seed: int):
+    """speculators' Eagle3DraftModel at SmolLM2 shapes, saved by its save_pretrained; returned for the online loop."""
+    from tests.helpers.eagle3_reference import save, speculators_eagle3
+
+    shapes = dict(heads=DECODER["num_attention_heads"], kv_heads=DECODER["num_key_value_heads"])
+    shapes.update(head_dim=DECODER["head_dim"], mlp=DECODER["intermediate_size"])
+    model = speculators_eagle3(
+        vocab=SMOLLM2["vocab_size"],
+        hidden=SMOLLM2["hidden_size"],
+        aux_ids=tuple(i + 1 for i in aux_ids),
+        steps=K_STEPS,
+        std=INIT_STD,
+        seed=seed,
+        shapes=shapes,
+    )
+    save(model, out)
+    return model
+
+
+# ---------------------------------------------------------------------------------------------
+# the online loop at every anchor
+
+
+def drafts_at(anchor: int, prompt_len: int, max_new: int) -> int:
+    """Drafts at `anchor`: K_STEPS, fewer where the budget ends (as the replay's block_len)."""
+    return max(0, min(K_STEPS, prompt_len + max_new - anchor - 1))
+
+
+@torch.inference_mode()
+def online_sample(model, sample, columns: torch.Tensor, max_new: int) -> int:
+    """Propose at every anchor of one sample on a growing cache; returns the anchors."""
+    from tests.helpers.eagle3_online import DraftCache, propose
+
+    seq, features = sample.input_ids, sample.tensors["features"].float()[:, columns]
+    cache, anchors = DraftCache(model), 0
+    for anchor in range(sample.prompt_len, seq.numel() - 1):
+        propose(cache, features, seq, anchor, drafts_at(anchor, sample.prompt_len, max_new), 0.0)
+        cache.crop(anchor)  # the draft slots go; the target-written ones stay, as after verification
+        anchors += 1
+    return anchors
+
+
+def feature_columns(shard_dir: str, aux_ids: list[int]) -> torch.Tensor:
+    """The feature columns of `aux_ids` in their order ([3 * H] indices into the stored features)."""
+    from pipeline.shards import ShardSet
+
+    stored = sorted(ShardSet(shard_dir).manifest["settings"]["layer_ids"])
+    hidden = SMOLLM2["hidden_size"]
+    return torch.cat([torch.arange(hidden) + stored.index(i) * hidden for i in aux_ids])
+
+
+def online_all_anchors(model, shard_dir: str, aux_ids: list[int], limit: int | None = None) -> dict:
+    from pipeline.shards import ShardSet
+
+    shards = ShardSet(shard_dir)
+    columns, max_new = feature_columns(shard_dir, aux_ids), shards.manifest["settings"]["max_new_tokens"]
+    with Phase() as phase:
+        anchors = sum(online_sample(model, s, columns, max_new) for s in list(shards.samples())[:limit])
+    return {"wall_s": phase.seconds, "others_cpu": phase.others_cpu, "anchors": anchors}
+
+
+def flops_per_anchor(run) -> float:
+    """Matmul and attention FLOPs per anchor of `run()` (which returns its anchors), as torch counts them."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter:
+        anchors = run()
+    return counter.get_total_flops() / anchors
+
+
+# ---------------------------------------------------------------------------------------------
+# storage: the aux layers' bytes
+
+
+def stored_bytes_per_token(ctx, out: Path, configs: list[Path]) -> float:
+    from pipeline.extract.config import ExtractConfig
+    from pipeline.extract.run import run_extract
+
+    args = ctx.args
+    config = ExtractConfig(
+        prompts=args.prompt_set,
+        limit=STORE_PROMPTS,
+        out=str(out),
+        max_new_tokens=args.max_new_tokens,
+        dtype="bfloat16",
+        draft_config=[str(c) for c in configs],
+        overwrite=True,
+        quiet=True,
+    )
+    totals = run_extract(config)["totals"]
+    return totals["bytes"] / totals["tokens"]
+
+
+def aux_layer_bytes(ctx, work: Path, dflash_ids: list[int], aux_ids: list[int]) -> dict:
+    num_layers = SMOLLM2["num_layers"]
+    dflash = work / "dflash.json"
+    dflash.write_text(json.dumps({"num_hidden_layers": 1, "dflash_config": {"target_layer_ids": dflash_ids}}))
+    eagle = work / "eagle3.json"
+    decoder = {"hidden_size": SMOLLM2["hidden_size"], "num_hidden_layers": 1, "vocab_size": SMOLLM2["vocab_size"]}
+    eagle.write_text(json.dumps({"speculators_model_type": "eagle3", "transformer_layer_config": decoder}))
+    alone = stored_bytes_per_token(ctx, work / "store-dflash", [dflash])
+    both = stored_bytes_per_token(ctx, work / "store-both", [dflash, eagle])
+    added = sorted(set(aux_ids) - set(dflash_ids))
+    return {
+        "num_layers": num_layers,
+        "dflash_ids": dflash_ids,
+        "aux_ids": aux_ids,
+        "added_layers": added,
+        "bytes_per_token_dflash": alone,
+        "bytes_per_token_both": both,
+        "extra_bytes_per_token": both - alone,
+        "raw_bf16_per_layer": 2 * SMOLLM2["hidden_size"],
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def rounds(ckpts: dict, model, shard_dir: str, aux_ids: list[int], work: Path, reps: int) -> dict:
+    """`reps` rounds of DFlash v1 offline, EAGLE-3 offline and EAGLE-3 online; min per side."""
+    runs = {"dflash": [], "eagle3": [], "online": []}
+    for rep in range(reps):
+        log(f"eagle: round {rep + 1}/{reps} ...")
+        runs["dflash"].append(score_once(ckpts["dflash"], shard_dir, work / "results-dflash"))
+        runs["eagle3"].append(score_once(ckpts["eagle3"], shard_dir, work / "results-eagle3"))
+        runs["online"].append(online_all_anchors(model, shard_dir, aux_ids))
+    return {side: min(r, key=lambda x: x["wall_s"]) for side, r in runs.items()} | {"runs": runs}
+
+
+def measure_flops(ckpt: str, model, shard_dir: str, aux_ids: list[int], work: Path) -> dict:
+    offline = flops_per_anchor(lambda: score_once(ckpt, shard_dir, work / "flops", limit=1)["anchors"])
+    online = flops_per_anchor(lambda: online_all_anchors(model, shard_dir, aux_ids, limit=1)["anchors"])
+    return {"offline_per_anchor": offline, "online_per_anchor": online, "ratio": offline / online}
+
+
+def run(ctx) -> tuple[dict, Rows]:
+    from bench.standins import write_synthetic_shards
+    from pipeline.common.layer_ids import build_target_layer_ids
+
+    args, work = ctx.args, Path(ctx.work) / "eagle"
+    work.mkdir(parents=True, exist_ok=True)
+    lengths = [48] if args.quick else [64, 96, 112, 128]
+    num_layers = SMOLLM2["num_layers"]
+    dflash_ids, aux_ids = build_target_layer_ids(num_layers, 5), eagle_aux_ids(num_layers)
+    try:
+        log(f"eagle: synthetic shards ({lengths} tokens), z-lab DFlash v1 and speculators EAGLE-3 (k={K_STEPS}) ...")
+        shard_dir = str(work / "shards")
+        stored = list(dict.fromkeys(dflash_ids + aux_ids))
+        write_synthetic_shards(
+            Path(shard_dir), lengths, SMOLLM2["hidden_size"], SMOLLM2["vocab_size"], num_layers, stored, PROMPT_TOKENS
+        )
+        zlab(work / "dflash", "dflash", dflash_ids, seed=1)
+        model = eagle3_drafter(work / "eagle3", aux_ids, seed=2).float()
+        ckpts = {"dflash": str(work / "dflash"), "eagle3": str(work / "eagle3")}
+        score_once(ckpts["eagle3"], shard_dir, work / "warm-up", limit=1)
+        figures = rounds(ckpts, model, shard_dir, aux_ids, work, args.reps)
+        log("eagle: FLOPs per anchor, one sample each side ...")
+        figures["flops"] = measure_flops(ckpts["eagle3"], model, shard_dir, aux_ids, work)
+        log(f"eagle: SmolLM2 extract with and without EAGLE-3's aux layers ({STORE_PROMPTS} prompts) ...")
+        start = time.perf_counter()
+        figures["storage"] = aux_layer_bytes(ctx, work, dflash_ids, aux_ids)
+        figures["storage"]["seconds"] = time.perf_counter() - start
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    figures.update(k_steps=K_STEPS, block_size=16, lengths=lengths, threads=torch.get_num_threads())
+    return figures, rows_of(figures)
+
+
+def ms_per_anchor(side: dict) -> float:
+    return 1e3 * side["wall_s"] / side["anchors"]
+
+
+def rows_of(f: dict) -> Rows:
+    rows, dflash, eagle, online = Rows(), f["dflash"], f["eagle3"], f["online"]
+    rows.add(
+        f"eagle: scoring cost per anchor, {eagle['anchors']} anchors at SmolLM2 shapes (synthetic), 1-layer random "
+        f"drafters, all anchors, chain; min of {len(f['runs']['dflash'])} rounds"
+    )
+    rows.add("  z-lab DFlash v1 (15 drafts)", f"{ms_per_anchor(dflash):.1f} ms", others=dflash["others_cpu"])
+    rows.add(
+        f"  speculators EAGLE-3 chain ({f['k_steps']} drafts), offline",
+        f"{ms_per_anchor(eagle):.1f} ms, {ms_per_anchor(eagle) / ms_per_anchor(dflash):.2f}x DFlash v1",
+        others=eagle["others_cpu"],
+    )
+    rows.add(
+        "  the same anchors online (speculators' modules, growing cache)",
+        f"{ms_per_anchor(online):.1f} ms; offline / online {ms_per_anchor(eagle) / ms_per_anchor(online):.2f}x time, "
+        f"{f['flops']['ratio']:.2f}x FLOPs",
+        others=online["others_cpu"],
+    )
+    s = f["storage"]
+    rows.add(
+        f"  extract (SmolLM2 bf16): EAGLE-3 aux layers {s['aux_ids']} beside DFlash's {s['dflash_ids']}",
+        f"+{s['extra_bytes_per_token']:.0f} B/token ({s['bytes_per_token_dflash']:.0f} -> "
+        f"{s['bytes_per_token_both']:.0f}; {len(s['added_layers'])} layers added, raw bf16 "
+        f"{s['raw_bf16_per_layer']} B each)",
+    )
+    return rows
