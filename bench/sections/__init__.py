@@ -19,6 +19,7 @@ DEFAULT = (
     "ddtree",
     "checkpoints",
     "families",
+    "eagle_tree",
     "gemm",
     "fp8",
     "sampling",
