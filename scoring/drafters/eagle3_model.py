@@ -20,7 +20,9 @@ anchor). `forward` then runs steps 2.. for a chunk of anchors together, step by 
 the stored token (teacher-forced: a draft is verified only while the earlier ones equalled the
 stored tokens), each step's query seeing the context before its anchor and its own earlier steps
 (attention.with_block_keys): speculators' training-time-test forward with its diagonal mask, one
-anchor at a time in vLLM, all anchors at once here.
+anchor at a time in vLLM, all anchors at once here. `step` is one such step for any rows: the
+chain's anchors, or the branches of sglang's dynamic tree (scoring/replay/eagle_tree.py), each
+row seeing its own path of earlier steps.
 """
 
 from __future__ import annotations
