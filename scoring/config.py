@@ -10,6 +10,9 @@ from dataclasses import dataclass, field
 from pipeline.common.sizes import DEFAULT_MEMORY_BYTES
 
 DEFAULT_TREE_NODES = (4, 8, 16, 32, 64, 128, 256)  # DDTree budgets: nodes per tree, root not counted
+# EAGLE-3 dynamic trees, topk x depth - draft tokens: sglang's own default (server_args.py
+# auto_choose_speculative_params: 5 steps, topk 4, 8 draft tokens)
+DEFAULT_EAGLE_TREES = ("4x5-8",)
 
 
 @dataclass
@@ -18,6 +21,8 @@ class ScoreConfig:
     shards: str
     out: str
     tree_nodes: list[int] = field(default_factory=lambda: list(DEFAULT_TREE_NODES))  # --ddtree-budgets
+    # --eagle-trees as given ('4x5-8'); None: DEFAULT_EAGLE_TREES for EAGLE-3 drafters, none for the others
+    eagle_trees: list[str] | None = None
     device: str = "auto"
     dtype: str = "auto"
     memory_bytes: int = DEFAULT_MEMORY_BYTES  # working memory for one anchor chunk

@@ -2,7 +2,7 @@
 
 Per checkpoint, one results directory:
     anchors.parquet  one row per (sample, anchor): all-anchor metrics
-    walk.parquet     one row per simulated decoding step (chain and each DDTree budget)
+    walk.parquet     one row per simulated decoding step (chain, each DDTree budget, each EAGLE tree)
     samples.parquet  one row per (sample, method)
     summary.parquet  one row per (dataset, method), plus dataset ALL_DATASETS
     run.json         checkpoint path/hash/config, shards identity, versions, wall time
@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import pyarrow as pa
@@ -34,6 +35,8 @@ CHAIN = "chain"
 # report greys such points; diagnose's console and the loggers (`log`, `watch`) leave them out.
 MIN_ANCHORS = 30
 _TREE = re.compile(r"ddtree-(\d+)")
+_EAGLE_TREE = re.compile(r"eagle-tree-(\d+)x(\d+)-(\d+)")
+EAGLE_TREE_PREFIX = "eagle-tree-"  # polars: pl.col("method").str.starts_with(EAGLE_TREE_PREFIX)
 
 FILES = {
     "anchors": "anchors.parquet",
@@ -125,6 +128,7 @@ class RunRecord(Schema):
     checkpoint: RunCheckpoint = RunCheckpoint()
     shards: RunShards = RunShards()
     ddtree_budgets: list[Count] | None = None
+    eagle_trees: list[str] | None = None  # EAGLE-3 dynamic trees scored, as `score --eagle-trees` spells them
     anchor_set: Literal["all", "walk"] = "all"
     anchor_drafts: bool = False
     dtype: str | None = None
@@ -176,7 +180,8 @@ def tree_method(nodes: int) -> str:
 
 
 def tree_nodes_of(method: str) -> int | None:
-    """16 for 'ddtree-16', None for 'chain'; ValueError for a name that is neither."""
+    """16 for 'ddtree-16', None for 'chain'; ValueError for a name that is neither (an EAGLE tree
+    included: `eagle_tree_of` reads those)."""
     if method == CHAIN:
         return None
     match = _TREE.fullmatch(method)
@@ -185,17 +190,79 @@ def tree_nodes_of(method: str) -> int | None:
     return int(match.group(1))
 
 
-def method_names(tree_nodes) -> list[str]:
-    """['chain', 'ddtree-N' for each budget in the order given]."""
-    return [CHAIN] + [tree_method(n) for n in tree_nodes]
+@dataclass(frozen=True, order=True)
+class EagleTree:
+    """One setting of sglang's EAGLE dynamic tree (docs/eagle-tree.md), in sglang's own numbers: a
+    beam of `topk` nodes per depth (--speculative-eagle-topk), `depth` levels
+    (--speculative-num-steps), `draft_tokens` verified per step, the root included
+    (--speculative-num-draft-tokens: the best draft_tokens - 1 candidates are kept)."""
+
+    topk: int
+    depth: int
+    draft_tokens: int
+
+    @property
+    def name(self) -> str:
+        """As `score --eagle-trees` spells it: '4x5-8'."""
+        return f"{self.topk}x{self.depth}-{self.draft_tokens}"
+
+    @property
+    def method(self) -> str:
+        return EAGLE_TREE_PREFIX + self.name
+
+    @property
+    def column(self) -> str:
+        """anchors.parquet column of its accepted length per anchor (bonus-exclusive)."""
+        return f"eagle_tree_{self.topk}x{self.depth}_{self.draft_tokens}_accepted_len"
+
+
+EAGLE_TREES_SPELLING = "topk x depth - draft tokens, comma-separated, like 4x5-8,8x5-32"
+
+
+def parse_eagle_trees(text: str, option: str = "--eagle-trees") -> list[EagleTree]:
+    """'4x5-8,8x5-32' -> their EagleTrees, in the order given, repeats dropped; '' -> []. A
+    setting sglang would not run is a UserError naming `option`."""
+    from pipeline.common.errors import UserError
+
+    trees = []
+    for part in (p.strip() for p in text.split(",")):
+        match = re.fullmatch(r"(\d+)x(\d+)-(\d+)", part)
+        if not part:
+            continue
+        if not match:
+            raise UserError(f"{option}: {part!r} is not a tree setting; expected {EAGLE_TREES_SPELLING}")
+        tree = EagleTree(*map(int, match.groups()))
+        most = 1 + tree.topk + (tree.depth - 1) * tree.topk**2  # the root and every candidate
+        if min(tree.topk, tree.depth) < 1 or not 2 <= tree.draft_tokens <= most:
+            raise UserError(
+                f"{option} {part}: needs topk >= 1, depth >= 1 and 2 <= draft tokens <= {most} "
+                "(the root plus every candidate the beam proposes)"
+            )
+        trees += [tree] if tree not in trees else []
+    return trees
+
+
+def eagle_tree_of(method: str) -> EagleTree | None:
+    """The EagleTree of 'eagle-tree-4x5-8'; None for any other name."""
+    match = _EAGLE_TREE.fullmatch(method)
+    return EagleTree(*map(int, match.groups())) if match else None
+
+
+def method_names(tree_nodes, eagle_trees=()) -> list[str]:
+    """['chain', 'ddtree-N' for each budget in the order given, then each EAGLE tree's method]."""
+    return [CHAIN] + [tree_method(n) for n in tree_nodes] + [tree.method for tree in eagle_trees]
 
 
 def method_order(method: str) -> tuple:
-    """Sort key: chain first, then ddtree-N by N, then anything else by name."""
+    """Sort key: chain first, then ddtree-N by N, then eagle-tree-KxD-N by N (then K, D), then
+    anything else by name. The second entry is always the tree's size."""
     if method == CHAIN:
         return (0, 0, method)
     match = _TREE.fullmatch(method)
-    return (1, int(match.group(1)), method) if match else (2, 0, method)
+    if match:
+        return (1, int(match.group(1)), method)
+    tree = eagle_tree_of(method)
+    return (2, tree.draft_tokens, tree.topk, tree.depth) if tree else (3, 0, method)
 
 
 def tree_column(nodes: int) -> str:
@@ -206,6 +273,9 @@ def tree_column(nodes: int) -> str:
 def accepted_column(method: str, sampled: bool = False) -> str:
     """anchors.parquet column of a method's accepted length per anchor (bonus-exclusive). On
     sampled shards the chain's is its expectation under rejection sampling."""
+    tree = eagle_tree_of(method)
+    if tree is not None:
+        return tree.column
     nodes = tree_nodes_of(method)
     if nodes is None:
         return "expected_accepted_len" if sampled else "accepted_len"
@@ -246,7 +316,7 @@ WALK = [
     pa.field("accepted_len", pa.int64()),
     # chain rows: the drafter's block at this step (block positions 1..block_len-1); its first
     # `accepted_len` entries were accepted, the next one is the guess the target rejected.
-    # Null on DDTree rows (a tree has no single draft).
+    # Null on DDTree and EAGLE tree rows (a tree has no single draft).
     pa.field("draft_tokens", pa.list_(pa.int32())),
 ]
 ANCHORS = [
@@ -347,8 +417,9 @@ def walk_schema() -> pa.Schema:
 ANCHOR_DRAFTS = pa.field("draft_tokens", pa.list_(pa.int32()))
 
 
-def anchors_schema(tree_nodes, drafts: bool = False) -> pa.Schema:
+def anchors_schema(tree_nodes, drafts: bool = False, eagle_trees=()) -> pa.Schema:
     trees = [pa.field(tree_column(n), pa.int32()) for n in tree_nodes]
+    trees += [pa.field(tree.column, pa.int32()) for tree in eagle_trees]
     return pa.schema(IDENTITY + ANCHORS + trees + ([ANCHOR_DRAFTS] if drafts else []))
 
 

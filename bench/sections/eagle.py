@@ -7,6 +7,9 @@
    z-lab's DFlashDraftModel (block 16: 15 drafts) and speculators' Eagle3DraftModel (K_STEPS drafts,
    the whole vocabulary). Timed, alternated over `--reps` rounds, min per side:
    * `run_score` of each, all anchors, chain only (ratio EAGLE-3 / DFlash v1 per anchor);
+   * `run_score` of the EAGLE-3 drafter with each of TREES (the chain plus sglang's dynamic tree,
+     `--eagle-trees`; its cost also as the product's "eagle tree" stage): every branch is its own
+     drafter step and lm_head row, 1 + (depth - 1) x topk of them per anchor;
    * the online EAGLE loop of tests/helpers/eagle3_online.py (speculators' own modules on a growing
      transformers cache, one anchor at a time as vLLM's proposer runs it) proposing at every anchor of
      the same shards: per anchor, the slot the target verified before it written, then K_STEPS draft
@@ -31,7 +34,8 @@ from bench.common import Phase, Rows, log
 from bench.sections.families import DECODER, INIT_STD, score_once, zlab
 from bench.sections.length import PROMPT_TOKENS, SMOLLM2
 
-K_STEPS = 7  # drafts per anchor: a common EAGLE-3 serving setting (--speculative-num-steps)
+K_STEPS = 5  # chain drafts per anchor: sglang's default --speculative-num-steps
+TREES = ("4x5-8", "8x5-32")  # --eagle-trees: sglang's default (topk 4, 5 steps, 8 draft tokens), a wider one
 STORE_PROMPTS = 4
 
 
@@ -159,19 +163,32 @@ def aux_layer_bytes(ctx, work: Path, dflash_ids: list[int], aux_ids: list[int]) 
 # ---------------------------------------------------------------------------------------------
 
 
+def one_round(ckpts: dict, model, shard_dir: str, aux_ids: list[int], work: Path) -> dict:
+    """Every side once: DFlash v1 and the EAGLE-3 chain offline, the chain plus each tree, online."""
+    sides = {
+        "dflash": lambda: score_once(ckpts["dflash"], shard_dir, work / "results-dflash"),
+        "eagle3": lambda: score_once(ckpts["eagle3"], shard_dir, work / "results-eagle3", eagle_trees=[]),
+        **{
+            t: (lambda t=t: score_once(ckpts["eagle3"], shard_dir, work / f"results-{t}", eagle_trees=[t]))
+            for t in TREES
+        },
+        "online": lambda: online_all_anchors(model, shard_dir, aux_ids),
+    }
+    return {side: measure() for side, measure in sides.items()}
+
+
 def rounds(ckpts: dict, model, shard_dir: str, aux_ids: list[int], work: Path, reps: int) -> dict:
-    """`reps` rounds of DFlash v1 offline, EAGLE-3 offline and EAGLE-3 online; min per side."""
-    runs = {"dflash": [], "eagle3": [], "online": []}
+    """`reps` rounds of every side; per side the fastest."""
+    runs = []
     for rep in range(reps):
         log(f"eagle: round {rep + 1}/{reps} ...")
-        runs["dflash"].append(score_once(ckpts["dflash"], shard_dir, work / "results-dflash"))
-        runs["eagle3"].append(score_once(ckpts["eagle3"], shard_dir, work / "results-eagle3"))
-        runs["online"].append(online_all_anchors(model, shard_dir, aux_ids))
-    return {side: min(r, key=lambda x: x["wall_s"]) for side, r in runs.items()} | {"runs": runs}
+        runs.append(one_round(ckpts, model, shard_dir, aux_ids, work))
+    best = {side: min((r[side] for r in runs), key=lambda x: x["wall_s"]) for side in runs[0]}
+    return best | {"runs": runs}
 
 
 def measure_flops(ckpt: str, model, shard_dir: str, aux_ids: list[int], work: Path) -> dict:
-    offline = flops_per_anchor(lambda: score_once(ckpt, shard_dir, work / "flops", limit=1)["anchors"])
+    offline = flops_per_anchor(lambda: score_once(ckpt, shard_dir, work / "flops", limit=1, eagle_trees=[])["anchors"])
     online = flops_per_anchor(lambda: online_all_anchors(model, shard_dir, aux_ids, limit=1)["anchors"])
     return {"offline_per_anchor": offline, "online_per_anchor": online, "ratio": offline / online}
 
@@ -195,7 +212,7 @@ def run(ctx) -> tuple[dict, Rows]:
         zlab(work / "dflash", "dflash", dflash_ids, seed=1)
         model = eagle3_drafter(work / "eagle3", aux_ids, seed=2).float()
         ckpts = {"dflash": str(work / "dflash"), "eagle3": str(work / "eagle3")}
-        score_once(ckpts["eagle3"], shard_dir, work / "warm-up", limit=1)
+        score_once(ckpts["eagle3"], shard_dir, work / "warm-up", limit=1, eagle_trees=[])
         figures = rounds(ckpts, model, shard_dir, aux_ids, work, args.reps)
         log("eagle: FLOPs per anchor, one sample each side ...")
         figures["flops"] = measure_flops(ckpts["eagle3"], model, shard_dir, aux_ids, work)
@@ -205,7 +222,7 @@ def run(ctx) -> tuple[dict, Rows]:
         figures["storage"]["seconds"] = time.perf_counter() - start
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    figures.update(k_steps=K_STEPS, block_size=16, lengths=lengths, threads=torch.get_num_threads())
+    figures.update(k_steps=K_STEPS, trees=TREES, block_size=16, lengths=lengths, threads=torch.get_num_threads())
     return figures, rows_of(figures)
 
 
@@ -217,7 +234,7 @@ def rows_of(f: dict) -> Rows:
     rows, dflash, eagle, online = Rows(), f["dflash"], f["eagle3"], f["online"]
     rows.add(
         f"eagle: scoring cost per anchor, {eagle['anchors']} anchors at SmolLM2 shapes (synthetic), 1-layer random "
-        f"drafters, all anchors, chain; min of {len(f['runs']['dflash'])} rounds"
+        f"drafters, all anchors; min of {len(f['runs'])} rounds"
     )
     rows.add("  z-lab DFlash v1 (15 drafts)", f"{ms_per_anchor(dflash):.1f} ms", others=dflash["others_cpu"])
     rows.add(
@@ -231,6 +248,14 @@ def rows_of(f: dict) -> Rows:
         f"{f['flops']['ratio']:.2f}x FLOPs",
         others=online["others_cpu"],
     )
+    for tree in f["trees"]:
+        side = f[tree]
+        rows.add(
+            f"  EAGLE-3 chain + eagle-tree-{tree}",
+            f"{ms_per_anchor(side):.1f} ms (the tree {1e3 * side['stages']['seconds']['eagle tree'] / side['anchors']:.1f} ms), "
+            f"{ms_per_anchor(side) / ms_per_anchor(eagle):.2f}x the chain alone",
+            others=side["others_cpu"],
+        )
     s = f["storage"]
     rows.add(
         f"  extract (SmolLM2 bf16): EAGLE-3 aux layers {s['aux_ids']} beside DFlash's {s['dflash_ids']}",

@@ -254,8 +254,9 @@ def build_drafters(work: Path, layer_ids: list[int]) -> dict[str, str]:
 # timing
 
 
-def score_once(ckpt: str, shard_dir: str, out: Path, limit: int | None = None) -> dict:
-    """One `run_score` (all anchors, chain only) of one checkpoint: wall, others' CPU, stages."""
+def score_once(ckpt: str, shard_dir: str, out: Path, limit: int | None = None, eagle_trees=None) -> dict:
+    """One `run_score` (all anchors, chain only; `eagle_trees` [] for an EAGLE-3 drafter's chain
+    alone) of one checkpoint: wall, others' CPU, stages."""
     from pipeline.common import timing
     from scoring.config import ScoreConfig
     from scoring.score.run import run_score
@@ -263,7 +264,15 @@ def score_once(ckpt: str, shard_dir: str, out: Path, limit: int | None = None) -
     clock = StageClock()
     with Phase() as phase, timing.recording(clock):
         [outcome] = run_score(
-            ScoreConfig(ckpts=[ckpt], shards=shard_dir, out=str(out), tree_nodes=[], force=True, limit=limit)
+            ScoreConfig(
+                ckpts=[ckpt],
+                shards=shard_dir,
+                out=str(out),
+                tree_nodes=[],
+                eagle_trees=eagle_trees,
+                force=True,
+                limit=limit,
+            )
         )
     assert outcome.status == "scored", outcome.error
     record = outcome.record

@@ -189,6 +189,8 @@ class Family:
     # DDTree scores prefixes by per-position marginals: exact only for drafts that are independent
     # given the block (DFlash); a selector or Markov head makes each draft depend on the last
     trees: bool = True
+    # sglang's dynamic tree (scoring/replay/eagle_tree.py): every branch drafted by its own step (EAGLE-3)
+    eagle_trees: bool = False
     # parse_config takes a 4th argument, the target's layer count (None when unknown): a layout
     # whose default feature layers depend on it (EAGLE-3)
     reads_target_layers: bool = False

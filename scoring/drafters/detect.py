@@ -87,6 +87,11 @@ def supports_trees(config: DrafterConfig) -> bool:
     return FAMILIES[config.family].trees
 
 
+def supports_eagle_trees(config: DrafterConfig) -> bool:
+    """Whether sglang's EAGLE dynamic tree applies to the family of `config` (Family.eagle_trees)."""
+    return FAMILIES[config.family].eagle_trees
+
+
 def build_drafter(config: DrafterConfig) -> nn.Module:
     """The family's model for `config`, weights not loaded (checkpoint.py loads them)."""
     return FAMILIES[config.family].build(config)

@@ -1,4 +1,5 @@
-"""The EAGLE-3 family: its two config.json layouts in the project's terms (the chain; trees no).
+"""The EAGLE-3 family: its two config.json layouts in the project's terms (the chain; its
+own dynamic tree in scoring/replay/eagle_tree.py; DDTree no).
 
 * speculators (`speculators_model_type: "eagle3"`, pipeline/common/drafter_configs/speculators.py):
   the decoder in `transformer_layer_config` (Llama or Qwen3 layers; Qwen3 when `model_type` is
@@ -148,4 +149,4 @@ def _refuse(source: str, field: str, value, why: str) -> None:
     raise DrafterConfigError(f"{source}: field '{field}' is {value}: {why}; refusing rather than scoring it wrong")
 
 
-FAMILY = Family("EAGLE-3", parse_drafter_config, Eagle3Drafter, trees=False, reads_target_layers=True)
+FAMILY = Family("EAGLE-3", parse_drafter_config, Eagle3Drafter, trees=False, eagle_trees=True, reads_target_layers=True)

@@ -20,7 +20,9 @@ anchor). `forward` then runs steps 2.. for a chunk of anchors together, step by 
 the stored token (teacher-forced: a draft is verified only while the earlier ones equalled the
 stored tokens), each step's query seeing the context before its anchor and its own earlier steps
 (attention.with_block_keys): speculators' training-time-test forward with its diagonal mask, one
-anchor at a time in vLLM, all anchors at once here.
+anchor at a time in vLLM, all anchors at once here. `step` is one such step for any rows: the
+chain's anchors, or the branches of sglang's dynamic tree (scoring/replay/eagle_tree.py), each
+row seeing its own path of earlier steps.
 """
 
 from __future__ import annotations
@@ -225,29 +227,49 @@ class Eagle3Drafter(DraftHead):
             return self._steps(block_embeds, anchors, context, _backend(attention), ctx_starts)
 
     def _steps(self, block_embeds, anchors, context, attention, ctx_starts) -> torch.Tensor:
-        *layer_kv, (last,) = context
-        starts = torch.zeros_like(anchors) if ctx_starts is None else ctx_starts
-        h = last[0, starts + anchors - 1]  # [A, H] step 1: slot t - 1's last hidden state
+        h = self.first_hidden(anchors, context, ctx_starts)  # [A, H]
         hidden = [self.norm(h)]
-        with timing.stage("masks"):  # each step sees the slots before its anchor; its own steps added below
-            base = MASK_BUILDERS[attention](anchors, 1, layer_kv[0][0].shape[-2], False, None, starts)
-        cache = [([], []) for _ in self.layers]  # per layer, the keys and values of steps 2..j [A, kv_heads, 1, d]
+        base, layer_kv = self.step_context(anchors, context, attention, ctx_starts)
+        path = None  # per layer, the keys and values of steps 2..j [A, kv_heads, j - 1, d]
         for j in range(1, block_embeds.shape[1]):
             positions = (anchors + j - 1)[:, None]  # [A, 1] step j + 1 sits at t - 1 + j
-            h, embeds = self.feedback(h)[:, None], block_embeds[:, j : j + 1]
-            for layer, (ks, vs), (ctx_k, ctx_v) in zip(self.layers, cache, layer_kv):
-                x, residual = layer.attention_input(h, embeds)
-                cos, sin = self.rope(x, positions)
-                k, v = layer.self_attn.keys_values(x, cos, sin)  # [A, kv_heads, 1, d]
-                ks.append(k)
-                vs.append(v)
-                q = layer.self_attn.queries(x, cos, sin)  # [A, heads, 1, d]
-                mask = with_block_keys(base, len(ks))
-                attended = layer.self_attn.attend_to(q, torch.cat(ks, 2), torch.cat(vs, 2), ctx_k, ctx_v, mask)
-                h = layer.finish(attended, residual)
-            h = h[:, 0]
+            h, path = self.step(h, block_embeds[:, j], positions, base, layer_kv, path)
             hidden.append(self.norm(h))
         return torch.stack(hidden, dim=1)
+
+    @staticmethod
+    def first_hidden(anchors, context, ctx_starts=None) -> torch.Tensor:
+        """[A, H] step 1 at each anchor t: slot t - 1's last hidden state (pre-norm), from `context_kv`."""
+        starts = torch.zeros_like(anchors) if ctx_starts is None else ctx_starts
+        return context[-1][0][0, starts + anchors - 1]
+
+    def step_context(self, anchors, context, attention="dense", ctx_starts=None):
+        """(the mask letting a step at each of `anchors` [R] see the slots before it, the layers'
+        context (k, v)) for `step`; rows may repeat an anchor (a tree's branches)."""
+        *layer_kv, _ = context
+        starts = torch.zeros_like(anchors) if ctx_starts is None else ctx_starts
+        with timing.stage("masks"):  # a step's own path keys are added per step (with_block_keys)
+            base = MASK_BUILDERS[_backend(attention)](anchors, 1, layer_kv[0][0].shape[-2], False, None, starts)
+        return base, layer_kv
+
+    def step(self, h, embeds, positions, base, layer_kv, path):
+        """One drafter step for rows [R] (a chain's anchors, or a tree's branches): h [R, H] the
+        previous step's last hidden state (fed back), embeds [R, H] the token it reads, positions
+        [R, 1]; each row sees the context `base` lets it see and the keys of `path` (per layer
+        (k, v) [R, kv_heads, m, d], None before any: the earlier steps on its own path) beside its
+        own. Returns (h [R, H] pre-norm, `path` with this step's keys appended)."""
+        h, embeds, grown = self.feedback(h)[:, None], embeds[:, None], []
+        for i, (layer, (ctx_k, ctx_v)) in enumerate(zip(self.layers, layer_kv)):
+            x, residual = layer.attention_input(h, embeds)
+            cos, sin = self.rope(x, positions)
+            k, v = layer.self_attn.keys_values(x, cos, sin)  # [R, kv_heads, 1, d]
+            if path is not None:
+                k, v = torch.cat([path[i][0], k], 2), torch.cat([path[i][1], v], 2)
+            grown.append((k, v))
+            q = layer.self_attn.queries(x, cos, sin)  # [R, heads, 1, d]
+            mask = with_block_keys(base, k.shape[2])
+            h = layer.finish(layer.self_attn.attend_to(q, k, v, ctx_k, ctx_v, mask), residual)
+        return h[:, 0], grown
 
 
 def _backend(attention: str) -> str:

@@ -21,8 +21,9 @@ import torch
 
 from pipeline.common import timing
 from pipeline.shards import Sample
+from scoring import results as names
 from scoring.drafters.base import DrafterConfig, DraftModel, Drafts
-from scoring.replay import metrics
+from scoring.replay import eagle_tree, metrics
 from scoring.replay.chunk import chunk_anchors, chunk_drafts, chunk_hidden, score_chunk
 from scoring.replay.ddtree import NOT_IN_TREE
 from scoring.replay.packing import (
@@ -49,12 +50,13 @@ class AnchorTensors:
     sampled_logprob: torch.Tensor  # [A, L] log q_k(y_k) under the shards' sampling settings (NaN when greedy)
     kl_topk: torch.Tensor  # [A, L] KL(target || draft) on the stored top-k support
     tree_pop_index: torch.Tensor  # [A, L] DDTree pop index of the target-path prefix of depth k
+    eagle_tree_accepted: torch.Tensor  # [A, S] alpha of each EAGLE tree setting (ReplayOptions.eagle_trees)
     computed: torch.Tensor  # [A] bool: scored (all True in all-anchor mode; walk mode scores visited anchors)
     nonfinite: torch.Tensor  # [A] bool: the drafter's logits held NaN/Inf there (the sample is not scored)
 
 
-def empty_anchor_tensors(sample: Sample, max_new_tokens: int, config: DrafterConfig) -> AnchorTensors:
-    """Per-anchor tensors for every anchor of a sample, nothing computed yet."""
+def empty_anchor_tensors(sample: Sample, max_new_tokens: int, config: DrafterConfig, trees: int = 0) -> AnchorTensors:
+    """Per-anchor tensors for every anchor of a sample (`trees` EAGLE tree settings), nothing computed yet."""
     anchors = torch.arange(sample.prompt_len, sample.input_ids.numel() - 1)
     A, L = anchors.numel(), config.max_drafts
     block_len = config.block_len(sample.prompt_len + max_new_tokens - anchors)
@@ -68,6 +70,7 @@ def empty_anchor_tensors(sample: Sample, max_new_tokens: int, config: DrafterCon
         sampled_logprob=torch.full((A, L), float("nan")),
         kl_topk=torch.full((A, L), float("nan")),
         tree_pop_index=torch.full((A, L), NOT_IN_TREE, dtype=torch.long),
+        eagle_tree_accepted=torch.zeros((A, trees), dtype=torch.long),
         computed=torch.zeros(A, dtype=torch.bool),
         nonfinite=torch.zeros(A, dtype=torch.bool),
     )
@@ -121,6 +124,8 @@ def _replay_anchors(drafter, embed, lm_head, packed, results, wanted, options) -
         drafts = _batch_drafts(drafter, embed, lm_head, packed, on_device, options)
         for (part, _, depth), (idx, at, _), chunk_drafts_ in zip(batch, on_device, drafts):
             scored = score_chunk(drafter, packed, idx, at, options, chunk_drafts_)
+            if options.eagle_trees:  # drafted for real at these anchors (eagle_tree.py)
+                scored["eagle_trees"] = eagle_tree.chunk_accepted(drafter, embed, lm_head, packed, idx, at, options)
             if previous is not None:
                 _write_chunk(results, *previous)
             previous = (sample_idx[part], rows[part], depth, scored)
@@ -173,8 +178,26 @@ def _write_chunk(results: list[AnchorTensors], sample_idx, rows, depth: int, sco
         out.sampled_logprob[r, :depth] = scored["sampled_logprob"][mine]
         out.kl_topk[r, :depth] = scored["kl"][mine]
         out.tree_pop_index[r, :depth] = scored["pops"][mine]
+        if "eagle_trees" in scored:
+            out.eagle_tree_accepted[r] = scored["eagle_trees"][mine]
         out.nonfinite[r] = scored["nonfinite"][mine]
         out.computed[r] = True
+
+
+def at_rows(result: AnchorTensors, rows) -> AnchorTensors:
+    """The anchors `rows` (an index, slice or mask) of `result`."""
+    return AnchorTensors(**{name: getattr(result, name)[rows] for name in AnchorTensors.__dataclass_fields__})
+
+
+def method_accepted(result: AnchorTensors, method: str, eagle_trees=()) -> torch.Tensor:
+    """Accepted draft tokens per anchor [A] (bonus-exclusive) of one method of results.py: the
+    chain, a DDTree budget, or one of the EAGLE trees `eagle_trees` (result.eagle_tree_accepted's
+    columns, in that order)."""
+    tree = names.eagle_tree_of(method)
+    if tree is not None:
+        return result.eagle_tree_accepted[:, list(eagle_trees).index(tree)]
+    nodes = names.tree_nodes_of(method)
+    return metrics.accepted_len(result.draft_tokens, result.target_tokens, result.tree_pop_index, nodes)
 
 
 def replay_sample(
@@ -188,7 +211,7 @@ def replay_sample(
 ) -> AnchorTensors:
     """Score every anchor of one sample (all-anchor mode). `feature_columns(features)` selects
     the drafter's layers; `max_new_tokens` is the max_new_tokens the online loop would run with."""
-    result = empty_anchor_tensors(sample, max_new_tokens, drafter.config)
+    result = empty_anchor_tensors(sample, max_new_tokens, drafter.config, len(options.eagle_trees))
     if result.anchors.numel():
         packed = pack_samples(drafter, [sample], feature_columns, options, embed)
         replay_anchors(
@@ -204,14 +227,16 @@ def replay_walks(
     samples: list[Sample],
     feature_columns,
     max_new_tokens: list[int],
-    tree_nodes: list[int | None],
+    methods: list[str],
     is_stop: list[torch.Tensor],
     options: ReplayOptions,
 ) -> list[AnchorTensors]:
     """Walk-only mode: score just the anchors the simulated walks visit. One walk per (sample,
-    method), a method being the chain (None) or a DDTree of n nodes; each round batches the
-    current anchor of every unfinished walk (anchors shared between methods scored once)."""
-    results = [empty_anchor_tensors(s, b, drafter.config) for s, b in zip(samples, max_new_tokens)]
+    method), a method being the chain, a DDTree budget or an EAGLE tree (results.py's names);
+    each round batches the current anchor of every unfinished walk (anchors shared between
+    methods scored once)."""
+    trees = len(options.eagle_trees)
+    results = [empty_anchor_tensors(s, b, drafter.config, trees) for s, b in zip(samples, max_new_tokens)]
     packed = pack_samples(drafter, samples, feature_columns, options, embed)
     next_stop = [next_stop_positions(m) for m in is_stop]
 
@@ -227,10 +252,10 @@ def replay_walks(
     def produced(key: tuple[int, int], position: int) -> int:
         s, m = key
         r, out = slice(row(s, position), row(s, position) + 1), results[s]
-        accepted = metrics.accepted_len(out.draft_tokens[r], out.target_tokens[r], out.tree_pop_index[r], tree_nodes[m])
+        accepted = method_accepted(at_rows(out, r), methods[m], options.eagle_trees)
         anchor = out.anchors[r]
         return int(metrics.produced_tokens(accepted, anchor, samples[s].input_ids.numel(), next_stop[s][anchor])[0])
 
-    starts = {(s, m): sample.prompt_len for s, sample in enumerate(samples) for m in range(len(tree_nodes))}
+    starts = {(s, m): sample.prompt_len for s, sample in enumerate(samples) for m in range(len(methods))}
     walk_in_rounds(starts, lambda key, position: walk_finished(position, is_stop[key[0]]), score, produced)
     return results

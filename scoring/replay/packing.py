@@ -26,6 +26,7 @@ class ReplayOptions:
     sampling: Sampling = Sampling()  # the shards' settings: q_j for rejection sampling at T > 0
     conventions: Conventions = REFERENCE  # score: always the reference; diagnose changes one switch
     distribution_metrics: bool = True  # log q(target) and KL on the top-k; diagnose needs only the drafts
+    eagle_trees: tuple = ()  # results.EagleTree settings drafted at every anchor (EAGLE-3, greedy only)
 
     @property
     def attention_backend(self) -> str:

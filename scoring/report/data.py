@@ -21,6 +21,7 @@ from scoring.results import (
     ALL_DATASETS as ALL,
     CHAIN,
     FILES,
+    eagle_tree_of,
     read_run_record,
     results_dirs_below,
     sampling_of_row,
@@ -291,6 +292,12 @@ def ddtree_budgets(summary: pl.DataFrame) -> list[int]:
         except ValueError:
             continue  # a method this version does not know: not a budget
     return sorted(nodes - {None})
+
+
+def eagle_trees(summary: pl.DataFrame) -> list:
+    """The EAGLE tree settings (results.EagleTree) present in a summary, by size."""
+    found = {eagle_tree_of(m) for m in summary["method"].unique().to_list()} - {None}
+    return sorted(found, key=lambda tree: (tree.draft_tokens, tree.topk, tree.depth))
 
 
 def datasets(summary: pl.DataFrame) -> list[str]:

@@ -14,6 +14,7 @@ from scoring.report.data import (
     Results,
     datasets,
     ddtree_budgets,
+    eagle_trees,
     fmt,
     pick_evenly,
     reference_label,
@@ -49,6 +50,8 @@ SUMMARY_TITLES = {
     "scored: the console's exact k/n",
     "τ DDTree-N": f"τ ({TAU_UNIT}) when each step verifies a tree of the N most probable prefixes of the "
     "same drafter pass, per budget N",
+    "τ EAGLE tree": f"τ ({TAU_UNIT}) when each step verifies sglang's dynamic tree topk x depth - draft tokens "
+    "(EAGLE-3 drafters, docs/eagle-tree.md), per setting",
 }
 
 
@@ -67,20 +70,24 @@ def summary_table(results: Results) -> str:
     """The headline figures first (the console's tau chain, best ddtree-N, streak, exact k/n), then
     τ per DDTree budget under one grouped header, so a narrow window scrolls only the budgets."""
     s = results.summary
-    budgets = ddtree_budgets(s)
+    budgets, trees = ddtree_budgets(s), eagle_trees(s)
     has_streak = "anchor_accepted_len_mean" in s.columns
     head = ["Dataset", "Checkpoint", "Step", "τ chain"] + (["Best τ DDTree"] if budgets else [])
     head += (["All-anchor streak"] if has_streak else []) + ["Exact walks"]
-    span = ' rowspan="2"' if budgets else ""
+    span = ' rowspan="2"' if budgets or trees else ""
     # the wrapper scrolls sideways when the budgets make the table wider than the window
     out = ['<div class="scroll"><table class=summary><thead><tr>']
     out += [_th(h, SUMMARY_TITLES[h], span) for h in head]
     if budgets:
         out.append(_th("τ DDTree-N", SUMMARY_TITLES["τ DDTree-N"], f' colspan="{len(budgets)}" class="group"'))
+    if trees:
+        out.append(_th("τ EAGLE tree", SUMMARY_TITLES["τ EAGLE tree"], f' colspan="{len(trees)}" class="group"'))
+    if budgets or trees:
         out.append("</tr><tr>" + "".join(_th(f"N={n}", _tree_title(n)) for n in budgets))
+        out.append("".join(_th(tree.name, tree.method) for tree in trees))
     out.append("</tr></thead><tbody>")
     for dataset in datasets(s):
-        out += _summary_rows(results, dataset, budgets, has_streak)
+        out += _summary_rows(results, dataset, budgets, has_streak, [tree.method for tree in trees])
     out.append("</tbody></table></div>")
     return "".join(out) + fitted_note(results)
 
@@ -115,7 +122,7 @@ def _exact(chain: dict) -> str:
     return f"{samples - inexact}/{samples}"
 
 
-def _summary_rows(results: Results, dataset: str, budgets: list[int], has_streak: bool) -> list[str]:
+def _summary_rows(results: Results, dataset: str, budgets: list[int], has_streak: bool, trees=()) -> list[str]:
     """One dataset's rows, one per checkpoint; the best chain tau in bold when there are several."""
     by = {
         (r["label"], r["method"]): r for r in results.summary.filter(pl.col("dataset") == dataset).iter_rows(named=True)
@@ -148,6 +155,7 @@ def _summary_rows(results: Results, dataset: str, budgets: list[int], has_streak
             cells.append(fmt(chain.get("anchor_accepted_len_mean")))
         cells.append(_exact(chain))
         cells += [fmt((by.get((label, tree_method(n))) or {}).get("tau")) for n in budgets]
+        cells += [fmt((by.get((label, method)) or {}).get("tau")) for method in trees]
         out.append(f"<tr{css}>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
     return out
 

@@ -18,7 +18,7 @@ from pipeline.common.sampling import Sampling
 from scoring import results
 from scoring.prompts import user_message
 from scoring.replay import metrics
-from scoring.replay.anchors import AnchorTensors
+from scoring.replay.anchors import AnchorTensors, at_rows, method_accepted
 from scoring.replay.walk import (
     expected_tau as walk_expected_tau,
     next_stop_positions,
@@ -147,8 +147,7 @@ def add_walk_rows(columns: dict, sample, method: str, steps: list, accepted: lis
 
 def computed_only(result: AnchorTensors) -> AnchorTensors:
     """The anchors actually scored (walk mode scores only those the walks visit)."""
-    keep = result.computed
-    return AnchorTensors(**{name: getattr(result, name)[keep] for name in AnchorTensors.__dataclass_fields__})
+    return at_rows(result, result.computed)
 
 
 class Collector:
@@ -161,11 +160,13 @@ class Collector:
         positions: int,
         drafts: bool = False,
         sampling: Sampling = GREEDY,
+        eagle_trees=(),
     ):
         self.tree_nodes = tree_nodes
+        self.eagle_trees = tuple(eagle_trees)  # results.EagleTree: their alphas are AnchorTensors columns
         self.sampling = sampling  # the shards' settings: the chain is an expectation at T > 0
         self.drafts = drafts  # anchors.parquet keeps every anchor's draft block
-        self.methods = results.method_names(tree_nodes)
+        self.methods = results.method_names(tree_nodes, self.eagle_trees)
         self.stop_token_ids = stop_token_ids
         self.positions = positions  # drafts of a full block
         self.parts: dict[int, tuple] = {}  # sample index -> (anchor columns or None, walk columns, sample rows)
@@ -188,12 +189,7 @@ class Collector:
 
     def accepted(self, result: AnchorTensors) -> dict[str, torch.Tensor]:
         """Accepted length per anchor (bonus-exclusive) of every method."""
-        return {
-            m: metrics.accepted_len(
-                result.draft_tokens, result.target_tokens, result.tree_pop_index, results.tree_nodes_of(m)
-            )
-            for m in self.methods
-        }
+        return {m: method_accepted(result, m, self.eagle_trees) for m in self.methods}
 
     def nonfinite_samples(self) -> list[dict]:
         """The samples left out for NaN/Inf drafter logits, in sample index order."""
@@ -272,6 +268,8 @@ class Collector:
         }
         for nodes in self.tree_nodes:
             columns[results.tree_column(nodes)] = accepted[results.tree_method(nodes)].numpy().astype(np.int32)
+        for tree in self.eagle_trees:
+            columns[tree.column] = accepted[tree.method].numpy().astype(np.int32)
         if self.drafts:
             columns["draft_tokens"] = [draft_block(result, i) for i in range(A)]
         return columns
@@ -282,7 +280,7 @@ class Collector:
         anchor_parts = [
             results.table(
                 results.with_identity(p[0], identity, len(p[0]["anchor"])),
-                results.anchors_schema(self.tree_nodes, self.drafts),
+                results.anchors_schema(self.tree_nodes, self.drafts, self.eagle_trees),
             )
             for p in ordered
             if p[0] is not None

@@ -45,7 +45,8 @@ def pooled_rows(summary: pa.Table) -> dict[str, dict]:
 
 
 def best_tree(pooled: dict[str, dict]) -> tuple[str, float] | None:
-    """(method, tau) of the DDTree budget with the highest pooled tau; None without DDTree."""
+    """(method, tau) of the tree (DDTree budget or EAGLE tree) with the highest pooled tau, the
+    smaller on a tie; None without trees."""
     trees = [(m, r["tau"]) for m, r in pooled.items() if m != results.CHAIN and r["tau"] is not None]
     return max(trees, key=lambda item: (item[1], -results.method_order(item[0])[1])) if trees else None
 
@@ -93,11 +94,12 @@ def print_table(summary: pa.Table, record: dict, out_dir: str, took: str | None 
     if results.sampling_of_row(pooled_chain) is not None:
         print(f"  {sampled_words(pooled_chain)}; DDTree walks follow the sampled responses")
     print("  tau (mean accepted + bonus per step, simulated walk)")
-    print(f"  {'dataset':<16}" + "".join(f"{m:>12}" for m in methods) + f"{'streak':>10}")
+    widths = {m: max(12, len(m) + 2) for m in methods}  # eagle-tree-4x5-8 is wider than ddtree-256
+    print(f"  {'dataset':<16}" + "".join(f"{m:>{widths[m]}}" for m in methods) + f"{'streak':>10}")
     for dataset in dict.fromkeys(r["dataset"] for r in rows):
         taus = {r["method"]: r for r in rows if r["dataset"] == dataset}
         streak = taus[results.CHAIN].get("anchor_accepted_len_mean")
-        cells = "".join(f"{fmt(taus[m]['tau'] if m in taus else None):>12}" for m in methods)
+        cells = "".join(f"{fmt(taus[m]['tau'] if m in taus else None):>{widths[m]}}" for m in methods)
         print(f"  {dataset:<16}{cells}{fmt(streak):>10}")
     print(f"  {STREAK_NOTE}")
     overall = pooled_rows(summary)[results.CHAIN]

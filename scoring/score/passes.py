@@ -230,7 +230,12 @@ def replay_pass(lanes: list[Lane], shardset: ShardSet, head: dict, config: Score
         job = lane.job
         lane.in_pass = True
         lane.collector = Collector(
-            job.tree_nodes, stop_ids, job.info.config.max_drafts, config.anchor_drafts, job.options.sampling
+            job.tree_nodes,
+            stop_ids,
+            job.info.config.max_drafts,
+            config.anchor_drafts,
+            job.options.sampling,
+            job.options.eagle_trees,
         )
     bar = pass_bar(live, progress, dist)
     try:

@@ -36,14 +36,22 @@ def shards_identity(manifest: dict) -> str:
 
 
 def planned_record(
-    info: CheckpointInfo, shardset: ShardSet, config: ScoreConfig, dtype, selection: dict, trees: bool = True
+    info: CheckpointInfo,
+    shardset: ShardSet,
+    config: ScoreConfig,
+    dtype,
+    selection: dict,
+    trees: bool = True,
+    eagle_trees=(),
 ) -> dict:
     """The settings part of run.json, known before any replay: what `differences` compares.
-    `trees`: whether the DDTree budgets are replayed (not for a family DDTree does not apply to)."""
+    `trees`: whether the DDTree budgets are replayed (not for a family DDTree does not apply to);
+    `eagle_trees`: the results.EagleTree settings replayed."""
     return {
         "checkpoint": {"content_hash": info.content_hash},
         "shards": {"identity": shards_identity(shardset.manifest), "samples": selection["samples"]},
         "ddtree_budgets": list(config.tree_nodes) if trees else [],
+        "eagle_trees": [tree.name for tree in eagle_trees],
         "anchor_set": config.anchors,
         "anchor_drafts": config.anchor_drafts,
         "dtype": dtype_name(dtype),
@@ -113,6 +121,7 @@ def settings_of(record: dict) -> dict:
         "checkpoint content hash": record.get("checkpoint", {}).get("content_hash"),
         "shards identity": record.get("shards", {}).get("identity"),
         "ddtree budgets": record.get("ddtree_budgets"),
+        "eagle trees": record.get("eagle_trees") or [],
         "anchor set": record.get("anchor_set", "all"),
         "anchor drafts": record.get("anchor_drafts", False),
         "dtype": record.get("dtype"),

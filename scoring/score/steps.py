@@ -17,10 +17,10 @@ from pipeline.common.errors import UserError
 from pipeline.common.sampling import sampling_of
 from pipeline.shards import ShardSet
 from scoring import results
-from scoring.config import ScoreConfig
+from scoring.config import DEFAULT_EAGLE_TREES, ScoreConfig
 from scoring.drafters.checkpoint import CheckpointInfo, load_drafter, read_drafter_config
 from scoring.drafters.compatibility import check_compatibility, target_layers
-from scoring.drafters.detect import supports_trees
+from scoring.drafters.detect import FAMILIES, supports_eagle_trees, supports_trees
 from scoring.replay.anchors import replay_sample, replay_walks
 from scoring.replay.packing import ReplayOptions, select_feature_columns
 from scoring.replay.walk import stop_mask
@@ -85,7 +85,9 @@ def prepare_job(ckpt: str, shardset: ShardSet, out_dir: str, config: ScoreConfig
     chosen, selection = choose_samples(shardset, config)
     trees = supports_trees(info.config)  # else the chain alone
     tree_nodes = sorted(set(config.tree_nodes)) if trees else []
-    planned = planned_record(info, shardset, config, dtype, selection, trees)
+    sampling = sampling_of(manifest["settings"])
+    eagle_trees = eagle_trees_of(config, info.config, sampling, ckpt)
+    planned = planned_record(info, shardset, config, dtype, selection, trees, eagle_trees)
     if check_previous(out_dir, planned, config.force):
         return None
     options = ReplayOptions(
@@ -94,7 +96,8 @@ def prepare_job(ckpt: str, shardset: ShardSet, out_dir: str, config: ScoreConfig
         dtype=dtype,
         device=device,
         attention=config.attention,
-        sampling=sampling_of(manifest["settings"]),
+        sampling=sampling,
+        eagle_trees=eagle_trees,
     )
     settings = manifest["settings"]
     return Job(
@@ -108,6 +111,22 @@ def prepare_job(ckpt: str, shardset: ShardSet, out_dir: str, config: ScoreConfig
         settings["layer_ids"],
         planned,
     )
+
+
+def eagle_trees_of(config: ScoreConfig, drafter_config, sampling, ckpt: str) -> tuple:
+    """The results.EagleTree settings to replay: --eagle-trees, else sglang's default, for a family
+    that drafts them (EAGLE-3); none on sampled shards, where sglang verifies a tree by tree
+    speculative sampling, whose outcome the stored response does not decide (docs/eagle-tree.md)."""
+    if not supports_eagle_trees(drafter_config):
+        if config.eagle_trees:
+            family = FAMILIES[drafter_config.family].name
+            raise UserError(
+                f"--eagle-trees: {ckpt} is a {family} drafter, and EAGLE trees are drafted by EAGLE-3 "
+                "drafters only (DDTree: --ddtree-budgets); drop --eagle-trees for it"
+            )
+        return ()
+    given = DEFAULT_EAGLE_TREES if config.eagle_trees is None else config.eagle_trees
+    return tuple(results.parse_eagle_trees(",".join(given))) if sampling.greedy else ()
 
 
 def sample_groups(indexed_samples, anchors_mode: str, group_tokens: int):
@@ -137,8 +156,7 @@ def replay_group(job: Job, head: dict, group: list, config: ScoreConfig, collect
             replay_sample(job.drafter, embed, lm_head, s, columns, m, job.options) for s, m in zip(samples, max_new)
         ]
     is_stop = [stop_mask(s.input_ids, collector.stop_token_ids) for s in samples]
-    tree_nodes = [results.tree_nodes_of(m) for m in collector.methods]
-    return replay_walks(job.drafter, embed, lm_head, samples, columns, max_new, tree_nodes, is_stop, job.options)
+    return replay_walks(job.drafter, embed, lm_head, samples, columns, max_new, collector.methods, is_stop, job.options)
 
 
 def identity_of(info: CheckpointInfo) -> dict:

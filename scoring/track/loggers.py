@@ -21,6 +21,7 @@ from scoring.results import (
     CHAIN,
     FILES,
     MIN_ANCHORS,
+    eagle_tree_of,
     read_run_record,
     results_dirs_below,
     tree_nodes_of,
@@ -129,6 +130,9 @@ def _row_scalars(base: str, row: dict, reached: list[float]) -> dict:
             if n >= MIN_ANCHORS:
                 found[f"{base}/accept_rate_pos_{k}"] = rate
         return found
+    tree = eagle_tree_of(row["method"])
+    if tree is not None:
+        return {f"{base}/tau_eagle_tree_{tree.topk}x{tree.depth}_{tree.draft_tokens}": row.get("tau")}
     try:
         nodes = tree_nodes_of(row["method"])
     except ValueError:  # a method this version does not know: nothing to say about it

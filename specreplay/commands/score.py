@@ -9,7 +9,7 @@ import click
 
 from pipeline.common.errors import UserError
 from pipeline.common.sizes import format_size, parse_size
-from scoring.config import ScoreConfig
+from scoring.config import DEFAULT_EAGLE_TREES, ScoreConfig
 from scoring.score.outcome import Status
 from specreplay.commands.defaults import default
 
@@ -23,6 +23,16 @@ def parse_tree_nodes(text: str) -> list[int]:
     if any(b < 1 for b in budgets):
         raise UserError(f"--ddtree-budgets {text!r}: DDTree budgets (tree nodes) must be >= 1")
     return budgets
+
+
+def parse_eagle_trees(text: str | None) -> list[str] | None:
+    """'4x5-8,8x5-32' -> ['4x5-8', '8x5-32'] (checked); None (not given) -> None: the default for
+    EAGLE-3 drafters, none for the others."""
+    if text is None:
+        return None
+    from scoring.results import parse_eagle_trees as parse
+
+    return [tree.name for tree in parse(text)]
 
 
 def d(name: str):
@@ -47,6 +57,15 @@ def d(name: str):
     default=",".join(map(str, d("tree_nodes"))),
     show_default=True,
     help="DDTree budgets (nodes per tree) to simulate; empty string for chain only.",
+)
+@click.option(
+    "--eagle-trees",
+    "eagle_trees",
+    default=None,
+    help="EAGLE-3 drafters only: sglang's dynamic trees to simulate beside the chain, as "
+    "topk x depth - draft tokens (--speculative-eagle-topk, --speculative-num-steps, "
+    f"--speculative-num-draft-tokens), comma-separated; default {','.join(DEFAULT_EAGLE_TREES)} "
+    "(sglang's own); empty string for none. Greedy shards only. Methods eagle-tree-4x5-8, ...",
 )
 @click.option("--device", default=d("device"), show_default=True, help="auto (GPU if present), cpu, cuda, cuda:1 ...")
 @click.option(
@@ -122,6 +141,7 @@ def score(no_progress, quiet, as_json, **options):
     options.update(
         ckpts=list(options["ckpts"]),
         tree_nodes=parse_tree_nodes(options["tree_nodes"]),
+        eagle_trees=parse_eagle_trees(options["eagle_trees"]),
         memory_bytes=parse_size(options["memory_bytes"], "--memory-budget"),
         datasets=datasets or None,
     )
