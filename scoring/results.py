@@ -28,7 +28,13 @@ from pipeline.common.schema import Count, Number, Schema, SchemaError, found, va
 ALL_DATASETS = "(all)"  # the dataset label of rows pooling every dataset
 # results' drafter_family values, as messages and the headline name them
 FAMILY_NAMES = {"dflash": "DFlash", "dflash2": "DFlash2", "dspark": "DSpark", "eagle3": "EAGLE-3", "mtp": "MTP"}
-LAYOUT_NAMES = {"z-lab": "z-lab", "speculators": "speculators", "specforge": "SpecForge", "deepspec": "DeepSpec"}
+LAYOUT_NAMES = {
+    "z-lab": "z-lab",
+    "speculators": "speculators",
+    "specforge": "SpecForge",
+    "deepspec": "DeepSpec",
+    "native": "the target's own",
+}
 CHAIN = "chain"
 # A per-position acceptance rate resting on fewer anchors than this is no reading: one or two
 # anchors at the far block positions swing between 0 and 100% and would read as a cliff. The

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from pipeline import shards
 from pipeline.common import timing
+from pipeline.common.layer_ids import final_prenorm_id
 from pipeline.common.settings import settings_diff
 from pipeline.extract.config import ExtractConfig
 from pipeline.extract.plan import (
@@ -180,7 +181,7 @@ def prepare_out_dir(config: ExtractConfig, model, tokenizer, plan: Plan, manifes
         delete_outputs(config.out)
     shards.remove_unfinished(config.out)
     with timing.stage("store target head"):
-        manifest["target_head"] = stored_target_head(config.out, model)
+        manifest["target_head"] = stored_target_head(config.out, model, stores_final_prenorm(model, plan.layer_ids))
     if tokenizer is not None:
         manifest["tokenizer"] = stored_tokenizer(config.out, tokenizer)
     entries = shards.finished_shard_entries(config.out)
@@ -188,9 +189,18 @@ def prepare_out_dir(config: ExtractConfig, model, tokenizer, plan: Plan, manifes
     shards.write_manifest(config.out, manifest)
 
 
-def stored_target_head(out: str, model) -> dict:
-    """Store the embedding and lm_head once; a resumed run keeps the file the first run wrote."""
-    from pipeline.extract.target import input_embedding_weight, output_head_weight
+def stores_final_prenorm(model, layer_ids: list[int]) -> bool:
+    """Whether the features include id L, the final hidden state before the norm (MTP heads read it)."""
+    from pipeline.extract.target import decoder_layers
+
+    return final_prenorm_id(len(decoder_layers(model))) in layer_ids
+
+
+def stored_target_head(out: str, model, with_final_norm: bool = False) -> dict:
+    """Store the embedding and lm_head once, and the final norm's weight with the final hidden state
+    before the norm (id L: what an MTP head reads, after that norm); a resumed run keeps the file
+    the first run wrote."""
+    from pipeline.extract.target import final_norm_weight, input_embedding_weight, output_head_weight
 
     fs, root = shards.open_fs(out)
     fs.create_dir(root, recursive=True)
@@ -199,7 +209,8 @@ def stored_target_head(out: str, model) -> dict:
         previous = previous_entry(out, "target_head")
         if previous:
             return previous
-    return shards.save_target_head(out, input_embedding_weight(model), output_head_weight(model))
+    norm = final_norm_weight(model) if with_final_norm else None
+    return shards.save_target_head(out, input_embedding_weight(model), output_head_weight(model), norm)
 
 
 def previous_entry(out: str, key: str):

@@ -91,6 +91,17 @@ def input_embedding_weight(model) -> torch.Tensor:
     return model.get_input_embeddings().weight.detach()
 
 
+def final_norm_weight(model) -> torch.Tensor:
+    """The final norm's weight [H] (after the last decoder layer, before the lm_head), as stored:
+    what makes the post-norm final hidden state from the stored pre-norm one (id L)."""
+    from pipeline.extract.capture import text_decoder
+
+    norm = getattr(text_decoder(model), "norm", None)
+    if norm is None or getattr(norm, "weight", None) is None:
+        raise UserError(f"{type(model).__name__}: no final norm with a weight beside its decoder layers")
+    return norm.weight.detach()
+
+
 def output_head_weight(model) -> torch.Tensor:
     """lm_head matrix [V, H]; the same tensor as the embedding when the model ties them."""
     head = model.get_output_embeddings()

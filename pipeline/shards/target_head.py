@@ -1,5 +1,6 @@
-"""The target head: the target's input embedding and lm_head, stored once per extract as a
-standard safetensors file, written and read as a stream. At large vocabularies the two matrices
+"""The target head: the target's input embedding and lm_head (and, when an MTP head is to be
+scored, its final norm's weight: the MTP head reads the final hidden state after that norm, which
+the shards keep before it, id L), stored once per extract as a standard safetensors file, written and read as a stream. At large vocabularies the two matrices
 are several GiB; safetensors' in-memory save/load would hold the whole file beside the tensors."""
 
 from __future__ import annotations
@@ -18,14 +19,20 @@ from pipeline.shards.schema import TARGET_HEAD_NAME, ShardError
 _STREAM_STEP = 64 << 20
 
 
-def save_target_head(uri: str, embed_tokens: torch.Tensor, lm_head: torch.Tensor) -> dict:
-    """Store the target's input embedding and output head once; returns the manifest entry."""
+def save_target_head(
+    uri: str, embed_tokens: torch.Tensor, lm_head: torch.Tensor, final_norm: torch.Tensor | None = None
+) -> dict:
+    """Store the target's input embedding and output head once (and its final norm's weight [H]
+    when given); returns the manifest entry, whose `final_norm` says whether the file holds it
+    (heads stored before it existed hold none: read as false)."""
     tied = lm_head.data_ptr() == embed_tokens.data_ptr() or (
         lm_head.shape == embed_tokens.shape and torch.equal(lm_head, embed_tokens)
     )
     weights = {"embed_tokens": embed_tokens.detach().cpu().contiguous()}
     if not tied:
         weights["lm_head"] = lm_head.detach().cpu().contiguous()
+    if final_norm is not None:
+        weights["final_norm"] = final_norm.detach().cpu().contiguous()
     fs, root = open_fs(uri)
     crc, size = write_safetensors_stream(fs, join(root, TARGET_HEAD_NAME), weights)
     return {
@@ -34,6 +41,7 @@ def save_target_head(uri: str, embed_tokens: torch.Tensor, lm_head: torch.Tensor
         "crc32": crc,
         "bytes": size,
         "dtype": STORAGE_NAMES[embed_tokens.dtype],
+        "final_norm": final_norm is not None,
     }
 
 
@@ -41,7 +49,7 @@ HEAD_FIX = "restore it from a copy, or re-run the extract with --overwrite"
 
 
 def load_target_head(uri: str, expected: dict | int | None) -> dict[str, torch.Tensor]:
-    """{'embed_tokens', 'lm_head'} of an extract directory (lm_head is embed_tokens when tied),
+    """{'embed_tokens', 'lm_head'[, 'final_norm']} of an extract directory (lm_head is embed_tokens when tied),
     checked against the manifest's entry: its size first (a truncated or extended file is refused
     before anything is allocated), then its crc32. `expected` is that entry (or a bare crc32, or
     None when the manifest records nothing)."""

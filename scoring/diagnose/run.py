@@ -172,10 +172,12 @@ def prepare(config: DiagnoseConfig, shardset: ShardSet, progress=None) -> Setup:
         attention=config.attention,
         sampling=sampling_of(settings),
     )
+    head = prepare_target_head(shardset.target_head(), device, dtype)
+    drafter.attach_target_head(head)
     return Setup(
         drafter,
         info,
-        prepare_target_head(shardset.target_head(), device, dtype),
+        head,
         samples,
         [int(i) for i in settings["layer_ids"]],
         int(settings["max_new_tokens"]),

@@ -110,6 +110,14 @@ def _variants() -> list[Variant]:  # 90 lines: a table, one entry per variant
             Conventions(neutral_scales=True),
         ),
         Variant(
+            "mtp-prenorm",
+            "the MTP head reading the target's final hidden state before its final norm",
+            "the MTP head was trained on the target's final hidden state before the final norm (speculators' "
+            "training data), while vLLM serves it the state after the norm — train it on the post-norm state, "
+            "or serve it the pre-norm one",
+            Conventions(prenorm_hidden=True),
+        ),
+        Variant(
             "bf16",
             "the drafter computed in bf16",
             "acceptance changes with the compute precision: the checkpoint is numerically sensitive (not a "
@@ -153,6 +161,8 @@ def not_applicable(variant: Variant, config: DrafterConfig) -> str | None:
         return "no sliding window to spread" if not has_window else "every layer already has the window"
     if variant.name == "causal-block" and all(config.layer_is_causal(i) for i in range(config.num_hidden_layers)):
         return "every layer is already causal"
+    if variant.conventions.prenorm_hidden and config.family != "mtp":
+        return "only MTP heads read the target's final hidden state"
     if variant.name == "scales" and not config.has_scales:
         return "the config sets no scale"
     return None

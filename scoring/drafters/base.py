@@ -158,11 +158,14 @@ class DraftModel(Protocol):
         tokens=None,
         embed=None,
         attention="dense",
+        conventions=REFERENCE,
     ) -> list:
         """Per drafter layer, the keys and values of every context position, from target features.
         `tokens` [T] (the sample's ids), `embed` [V, H] (the target's embedding) and `attention`
         (the backend) are for a family whose context rows read the next token and attend to each
-        other (EAGLE-3: eagle3_model.py, which also appends each position's last hidden state)."""
+        other (EAGLE-3: eagle3_model.py, which also appends each position's last hidden state);
+        `conventions` for one whose context reads the features under a convention (MTP: whether
+        the target's final hidden state is read after its final norm)."""
 
     def __call__(self, block_embeds, anchors, context, attention, ctx_starts, conventions) -> torch.Tensor:
         """Hidden states [A, b, H] of the blocks starting at `anchors`."""

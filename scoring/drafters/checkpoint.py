@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 import torch
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
+from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5TextRotaryEmbedding
+from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRotaryEmbedding
 
 from scoring.drafters.base import DrafterConfig
 from scoring.drafters.detect import build_drafter, parse_drafter_config
@@ -32,12 +34,15 @@ from scoring.drafters.files import (
     nonfinite_counts,
     parse_step,
     read_json_file,
+    read_prefixed,
     read_state_dict,
     resolve_checkpoint_files,
+    tensors_hash,
 )
 
-# transformers' rotary embeddings the drafters use (Llama's: EAGLE-3 drafters with Llama layers)
-ROTARY_CLASSES = (Qwen3RotaryEmbedding, LlamaRotaryEmbedding)
+# transformers' rotary embeddings the drafters use (Llama's: EAGLE-3 drafters with Llama layers;
+# Qwen3-Next's and Qwen3.5's: MTP heads)
+ROTARY_CLASSES = (Qwen3RotaryEmbedding, LlamaRotaryEmbedding, Qwen3NextRotaryEmbedding, Qwen3_5TextRotaryEmbedding)
 
 # Prefixes added by DDP/DeepSpeed (`module.`), torch.compile (`_orig_mod.`) and training wrappers.
 WRAPPER_PREFIXES = ("module.", "_orig_mod.", "model.", "draft_model.", "drafter.")
@@ -232,6 +237,27 @@ def read_drafter_config(path: str, config_path: str | None = None, target_layers
     return _read_config(config_file, target_layers)[0]
 
 
+# A target's own checkpoint directory holding a drafter beside the target (its native MTP head):
+# layout -> the prefix of the drafter's tensors, read alone
+EMBEDDED_PREFIX = {"native": "mtp."}
+
+
+def _read_weights(config: DrafterConfig, weight_files: list[str], source: str) -> tuple[dict, dict]:
+    """(tensors, training metadata): the whole files, or only the drafter's part of a target's checkpoint."""
+    prefix = EMBEDDED_PREFIX.get(config.layout)
+    if prefix is None:
+        return read_state_dict(weight_files)
+    return read_prefixed(weight_files, prefix, source), {}
+
+
+def _identity(config: DrafterConfig, weight_files: list[str], state: dict, config_raw: dict) -> str:
+    """The content hash: of the weight files, or of the drafter's own tensors inside a target's
+    checkpoint (hashing the whole target would read it all)."""
+    if config.layout in EMBEDDED_PREFIX:
+        return tensors_hash(state, config_raw)
+    return content_hash(weight_files, config_raw)
+
+
 def load_drafter(
     path: str,
     dtype: torch.dtype = torch.float32,
@@ -251,7 +277,7 @@ def load_drafter(
     config, config_raw = _read_config(config_file, target_layers)
     source = weight_files[0] if len(weight_files) == 1 else os.path.dirname(weight_files[0])
     skeleton, expected = _expected_shapes(config)
-    raw_state, metadata = read_state_dict(weight_files)
+    raw_state, metadata = _read_weights(config, weight_files, source)
     state, stripped = normalize_keys(skeleton.canonical_names(raw_state), set(expected), source)
     expected = _drop_absent_optional(skeleton, state, expected)
     check_state_dict(state, expected, config, source, config_file)
@@ -259,7 +285,7 @@ def load_drafter(
     drafter.check_loaded(source)
     info = CheckpointInfo(
         path=os.path.abspath(path),
-        content_hash=content_hash(weight_files, config_raw),
+        content_hash=_identity(config, weight_files, raw_state, config_raw),
         config=config,
         config_raw=config_raw,
         step=parse_step(path, config_raw, metadata),

@@ -81,6 +81,7 @@ def check_compatibility(config: DrafterConfig, manifest: dict, ckpt_path: str, s
     _check_block_and_target(config, target, where)
     _check_final_layer(config, int(target["num_layers"]), where)
     _check_layers(config, stored, where, _rerun(manifest, shards))
+    _check_final_norm(config, manifest, stored, where, _rerun(manifest, shards))
     _check_widths(config, target, where)
 
 
@@ -129,6 +130,20 @@ def _check_layers(config: DrafterConfig, stored: list[int], where: str, rerun=No
             f"{stored} (missing {missing}); re-run extract with --layer-ids {','.join(map(str, union))} (or "
             f"--draft-config with the drafter's config.json){command}"
         )
+
+
+def _check_final_norm(config: DrafterConfig, manifest: dict, stored: list[int], where: str, rerun=None) -> None:
+    """An MTP head reads the target's final hidden state after its final norm (vLLM), made from the
+    stored pre-norm one (id L) with the norm's weight, which the target head holds only when the
+    extract stored id L (target_head.py); shards written before that hold none."""
+    if config.family != "mtp" or (manifest.get("target_head") or {}).get("final_norm"):
+        return
+    command = "" if rerun is None else f": `{rerun(sorted(stored))}`"
+    raise CompatibilityError(
+        f"{where}: an MTP head reads the target's final hidden state after its final norm, and these shards "
+        f"hold no final norm weight in their target head; re-run extract (which stores it with layer id "
+        f"{config.target_layer_ids[0]}){command}"
+    )
 
 
 def _check_widths(config: DrafterConfig, target: dict, where: str) -> None:

@@ -39,6 +39,9 @@ class Conventions:
     # True: input_embedding_scale, output_multiplier and final_logit_softcapping at their
     # neutral values (1, 1, none) instead of the config's.
     neutral_scales: bool = False
+    # True: an MTP head reads the target's final hidden state BEFORE the target's final norm
+    # (speculators' MTP training data); reference: after it, as vLLM serves MTP heads (mtp.py).
+    prenorm_hidden: bool = False
 
     def __post_init__(self):
         if self.window not in WINDOW_MODES:

@@ -12,7 +12,7 @@ from torch import nn
 
 from pipeline.common.drafter_configs import read_drafter_format
 from pipeline.common.schema import SchemaError
-from scoring.drafters import dflash, dflash2, dspark, eagle3
+from scoring.drafters import dflash, dflash2, dspark, eagle3, mtp
 from scoring.drafters.base import DrafterConfig, DrafterConfigError, Family
 from scoring.results import FAMILY_NAMES, LAYOUT_NAMES
 
@@ -21,6 +21,7 @@ FAMILIES: dict[str, Family] = {
     "dflash2": dflash2.FAMILY,
     "dspark": dspark.FAMILY,
     "eagle3": eagle3.FAMILY,
+    "mtp": mtp.FAMILY,
 }
 # (layout, family) -> the FAMILIES key that scores it
 SCORED = {
@@ -33,6 +34,8 @@ SCORED = {
     ("deepspec", "dspark"): "dspark",
     ("speculators", "eagle3"): "eagle3",
     ("specforge", "eagle3"): "eagle3",
+    ("native", "mtp"): "mtp",
+    ("speculators", "mtp"): "mtp",
 }
 
 

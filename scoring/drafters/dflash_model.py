@@ -142,9 +142,11 @@ class DFlashDrafter(DraftHead):
         tokens=None,
         embed=None,
         attention="dense",
+        conventions=None,
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer (k, v) [kv_heads, T, d] of context positions 0..T-1 from target features [T, n*H]
-        (alone: `tokens`, `embed` and `attention` are for families whose context reads more, base.py).
+        (alone: `tokens`, `embed`, `attention` and `conventions` are for families whose context reads
+        more, base.py).
 
         `features` may be in their stored dtype and on another device: they are moved and cast
         to `dtype` (default: their own) `chunk_rows` positions at a time (all at once when None

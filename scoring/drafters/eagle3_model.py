@@ -133,7 +133,7 @@ class Eagle3Drafter(DraftHead):
 
     # -- the context: every slot once, causally --------------------------------------------
 
-    def project(self, features: torch.Tensor) -> torch.Tensor:
+    def project(self, features: torch.Tensor, conventions: Conventions = REFERENCE) -> torch.Tensor:
         """fc of the aux features [..., n*H] -> [..., H], after the configured norms."""
         if self.input_norm is not None:
             features = self.input_norm(features)
@@ -141,6 +141,11 @@ class Eagle3Drafter(DraftHead):
             chunks = features.chunk(len(self.fc_norm), dim=-1)
             features = torch.cat([norm(chunk) for norm, chunk in zip(self.fc_norm, chunks)], dim=-1)
         return self.fc(features)
+
+    def layer_input(self, layer: nn.Module, h: torch.Tensor, embeds: torch.Tensor | None):
+        """(what `layer`'s q/k/v read, its residual) of hidden h [..., H] and, first layer, the
+        token embeddings [..., H] (a family whose first layer combines them otherwise overrides it)."""
+        return layer.attention_input(h, embeds)
 
     def feedback(self, h: torch.Tensor) -> torch.Tensor:
         """What the next step reads of this step's last hidden state h."""
@@ -155,6 +160,7 @@ class Eagle3Drafter(DraftHead):
         tokens=None,
         embed=None,
         attention="dense",
+        conventions: Conventions = REFERENCE,
     ) -> list[tuple]:
         """Per layer (k, v) [kv_heads, T, d] of the slots 0..T-1 (slot s = (embed(x_{s+1}), fc(g_s))
         at position s), then (h [1, T, H],): the last layer's output at every slot, pre-norm.
@@ -182,7 +188,8 @@ class Eagle3Drafter(DraftHead):
                 for start in range(0, total, rows):
                     end = min(total, start + rows)
                     if h is None:  # the first layer reads the target's features and the next tokens
-                        inputs = self.project(features[start:end].to(device=device, dtype=dtype, non_blocking=True))
+                        rows_in = features[start:end].to(device=device, dtype=dtype, non_blocking=True)
+                        inputs = self.project(rows_in, conventions)
                         embeds = nn.functional.embedding(nxt[start:end], table).to(dtype)
                     else:
                         inputs, embeds = h[start:end], None
@@ -195,7 +202,7 @@ class Eagle3Drafter(DraftHead):
         """Layer output [c, H] of slots start..start + c - 1 (inputs [c, H]); writes their keys and
         values into keys/values [kv_heads, T, d], which must hold every slot before them."""
         end = start + inputs.shape[0]
-        x, residual = layer.attention_input(inputs, embeds)
+        x, residual = self.layer_input(layer, inputs, embeds)
         positions = torch.arange(start, end, device=x.device)
         cos, sin = self.rope(x, positions)
         k, v = layer.self_attn.keys_values(x, cos, sin)  # [kv_heads, c, d]
@@ -260,7 +267,7 @@ class Eagle3Drafter(DraftHead):
         own. Returns (h [R, H] pre-norm, `path` with this step's keys appended)."""
         h, embeds, grown = self.feedback(h)[:, None], embeds[:, None], []
         for i, (layer, (ctx_k, ctx_v)) in enumerate(zip(self.layers, layer_kv)):
-            x, residual = layer.attention_input(h, embeds)
+            x, residual = self.layer_input(layer, h, embeds)
             cos, sin = self.rope(x, positions)
             k, v = layer.self_attn.keys_values(x, cos, sin)  # [R, kv_heads, 1, d]
             if path is not None:

@@ -22,6 +22,7 @@ import re
 import zipfile
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file as load_safetensors_file
 
 from pipeline.common.errors import UserError
@@ -316,3 +317,32 @@ def listing(names: list[str]) -> str:
     names = sorted(names)
     more = f", ... ({len(names) - MAX_LISTED} more)" if len(names) > MAX_LISTED else ""
     return ", ".join(names[:MAX_LISTED]) + more
+
+
+def read_prefixed(files: list[str], prefix: str, source: str) -> dict[str, torch.Tensor]:
+    """The tensors named `prefix`... of safetensors files, the prefix stripped, each read alone
+    (safe_open): a target's MTP head out of its checkpoint without reading the target."""
+    state: dict[str, torch.Tensor] = {}
+    for path in files:
+        if not path.endswith(".safetensors"):
+            raise CheckpointError(f"{path}: a target's MTP head is read from safetensors files only")
+        with safe_open(path, framework="pt", device="cpu") as handle:
+            for name in handle.keys():  # noqa: SIM118 - safe_open is not a dict
+                if name.startswith(prefix):
+                    state[name[len(prefix) :]] = handle.get_tensor(name)
+    if not state:
+        raise CheckpointError(
+            f"{source}: no '{prefix}*' tensors in its weights: this target has no native MTP head to score"
+        )
+    check_finite(state, source)
+    return state
+
+
+def tensors_hash(state: dict[str, torch.Tensor], config_raw: dict) -> str:
+    """sha256 over the tensors (by name) and the canonical config JSON: a part of a checkpoint."""
+    digest = hashlib.sha256()
+    for name in sorted(state):
+        digest.update(name.encode())
+        digest.update(state[name].contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    digest.update(json.dumps(config_raw, sort_keys=True, separators=(",", ":")).encode())
+    return digest.hexdigest()

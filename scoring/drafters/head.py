@@ -43,6 +43,10 @@ class DraftHead(nn.Module):
         some names maps them here; DFlash's agree)."""
         return state
 
+    def attach_target_head(self, head: dict[str, torch.Tensor]) -> None:
+        """Take what the family needs of the stored target head beyond the embedding and lm_head
+        the replay passes (MTP: the final norm's weight); most need nothing."""
+
     def embedding_table(self, target_embed: torch.Tensor) -> torch.Tensor:
         """The [V, H] table block tokens are embedded with: the target's (the drafter has none)."""
         return target_embed

@@ -45,7 +45,10 @@ def prepare_target_head(head: dict[str, torch.Tensor], device: str, dtype: torch
     embed, lm_head = head["embed_tokens"], head["lm_head"]
     if embed.element_size() >= torch.empty((), dtype=dtype).element_size():
         embed = embed.to(dtype=dtype)
-    return {"embed_tokens": embed.to(device=device), "lm_head": lm_head.to(device=device, dtype=dtype)}
+    prepared = {"embed_tokens": embed.to(device=device), "lm_head": lm_head.to(device=device, dtype=dtype)}
+    if "final_norm" in head:  # the target's final norm weight [H] (MTP heads)
+        prepared["final_norm"] = head["final_norm"].to(device=device)
+    return prepared
 
 
 def select_feature_columns(
@@ -125,6 +128,7 @@ def pack_samples(
                 tokens=s.input_ids,
                 embed=embed,
                 attention=options.attention_backend,
+                conventions=options.conventions,
             )
             context, first_bad = finite_context(kv)
         contexts.append(context)

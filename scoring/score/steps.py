@@ -151,6 +151,7 @@ def replay_group(job: Job, head: dict, group: list, config: ScoreConfig, collect
     # Given (teacher-forced) responses may be longer than the extract's max_new_tokens.
     max_new = [job.max_new_tokens if s.greedy else max(job.max_new_tokens, s.response_len) for s in samples]
     embed, lm_head = head["embed_tokens"], head["lm_head"]
+    job.drafter.attach_target_head(head)
     if config.anchors == "all":
         return [
             replay_sample(job.drafter, embed, lm_head, s, columns, m, job.options) for s, m in zip(samples, max_new)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from pipeline.common.drafter_configs.dspark_layouts import DeepSpecDSpark, SpecForgeDSpark
 from pipeline.common.drafter_configs.eagle3_layouts import SpecForgeEagle3
+from pipeline.common.drafter_configs.native_mtp import MTP_TARGET_TYPES, NativeMTP
 from pipeline.common.drafter_configs.speculators import SPECULATORS_FORMATS, SpeculatorsFormat
 from pipeline.common.drafter_configs.zlab import ZlabDFlash
 from pipeline.common.schema import SchemaError, found, validate
@@ -31,7 +32,7 @@ ARCHITECTURES = {
 KNOWN_ELSEWHERE = {
     "Gemma4DSparkModel": "DeepSpec's Gemma 4 DSpark",
 }
-DrafterFormat = ZlabDFlash | SpeculatorsFormat | SpecForgeDSpark | DeepSpecDSpark | SpecForgeEagle3
+DrafterFormat = ZlabDFlash | SpeculatorsFormat | SpecForgeDSpark | DeepSpecDSpark | SpecForgeEagle3 | NativeMTP
 
 
 def layout_of(raw: dict, source: str) -> type:
@@ -44,6 +45,8 @@ def layout_of(raw: dict, source: str) -> type:
                 f"{sorted(SPECULATORS_FORMATS)}"
             )
         return SPECULATORS_FORMATS[kind]
+    if raw.get("model_type") in MTP_TARGET_TYPES:  # a target's own config: its native MTP head
+        return NativeMTP
     architectures = raw.get("architectures") or ["DFlashDraftModel"]  # z-lab's, when unsaid
     if not isinstance(architectures, list) or not all(isinstance(a, str) for a in architectures):
         raise SchemaError(f"{source}: field 'architectures' is {found(architectures)}; expected a list of names")

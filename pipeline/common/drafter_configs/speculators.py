@@ -193,15 +193,24 @@ def default_eagle_ids(
 
 
 class SpeculatorsMTP(SpeculatorsFormat):
+    """speculators' MTP export (models/mtp/config.py): `transformer_layer_config` is the verifier's
+    own decoder config, and the head reads its final hidden state before the norm (its
+    `target_layer_ids` is [num_hidden_layers], a before-layer id L: this project's id L)."""
+
     FAMILY: ClassVar[str] = "mtp"
 
     speculators_model_type: Literal["mtp"]
     num_nextn_predict_layers: Literal[1] = 1
 
+    def stored_layer_ids(self) -> list[int] | None:
+        layers = self.decoder.num_hidden_layers
+        return None if layers is None else [layers]
+
     def feature_layers(self, source: str, num_target_layers: int | None = None) -> list[int]:
-        raise SchemaError(
-            f"{source}: an MTP head reads the target's final hidden state, which specreplay does not store yet"
-        )
+        layers = num_target_layers or self.decoder.num_hidden_layers
+        if layers is None:
+            raise SchemaError(f"{source}: missing field 'transformer_layer_config.num_hidden_layers'")
+        return [layers]
 
 
 SPECULATORS_FORMATS = {

@@ -1,0 +1,71 @@
+"""`specreplay score --ckpt <target dir>` refusing an MTP head it cannot score: one `error:` line,
+no traceback, nothing written. A target without `mtp.*` tensors; shards without the final hidden
+state before the norm (id L) or without the final norm's weight, each naming the extract command
+that stores them."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from pipeline.shards import ShardSet, read_manifest, write_manifest
+from specreplay.cli import main
+from tests.helpers import chain_parity as parity, mtp_online as online
+from tests.helpers.prompts import write_prompts
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    """(a tiny Qwen3.5 target with an mtp.* head, the same without one, a prompts file)."""
+    tmp = tmp_path_factory.mktemp("mtp_errors")
+    with_head, _, head = online.build_target(tmp / "with-head")
+    online.save_head(head, with_head)
+    without, _, _ = online.build_target(tmp / "without-head")
+    prompts = write_prompts(tmp / "prompts.jsonl", [{"id": "p0", "input_ids": parity.prompt_ids(1)[0]}])
+    return with_head, without, prompts
+
+
+def _errors(ckpt: str, shards: str, out) -> str:
+    result = CliRunner().invoke(main, ["score", "--ckpt", ckpt, "--shards", shards, "--out", str(out)])
+    errors = [line for line in result.output.splitlines() if line.startswith("error: ")]
+    assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+    assert len(errors) == 1, result.output
+    assert not os.path.exists(out)  # nothing written
+    return errors[0]
+
+
+def test_a_target_without_mtp_weights(target, tmp_path):
+    with_head, without, prompts = target
+    shards = parity.extract(tmp_path / "shards", without, prompts, 6, [online.TEXT["num_hidden_layers"]])
+    line = _errors(without, shards, tmp_path / "out")
+    assert "no 'mtp.*' tensors" in line and "no native MTP head" in line, line
+
+
+def test_shards_without_the_prenorm_final_hidden_state(target, tmp_path):
+    with_head, _, prompts = target
+    shards = parity.extract(tmp_path / "shards", with_head, prompts, 6, [1])
+    line = _errors(with_head, shards, tmp_path / "out")
+    assert "missing [3]" in line and "specreplay extract" in line and "--layer-ids 1,3" in line, line
+
+
+def test_shards_without_the_final_norm_weight(target, tmp_path):
+    with_head, _, prompts = target
+    shards = parity.extract(tmp_path / "shards", with_head, prompts, 6, [online.TEXT["num_hidden_layers"]])
+    manifest = read_manifest(shards)
+    manifest["target_head"].pop("final_norm")  # as written before the norm weight was stored
+    write_manifest(shards, manifest)
+    line = _errors(with_head, shards, tmp_path / "out")
+    assert "no final norm weight" in line and "specreplay extract" in line and "--layer-ids 3" in line, line
+
+
+def test_extract_stores_the_final_norm_weight_with_id_l(target, tmp_path):
+    with_head, _, prompts = target
+    shards = parity.extract(tmp_path / "shards", with_head, prompts, 6, [online.TEXT["num_hidden_layers"]])
+    head = ShardSet(shards).target_head()
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(with_head, dtype=torch.float32)
+    assert torch.equal(head["final_norm"], model.model.norm.weight.detach())
