@@ -23,6 +23,8 @@ class ScoreConfig:
     tree_nodes: list[int] = field(default_factory=lambda: list(DEFAULT_TREE_NODES))  # --ddtree-budgets
     # --eagle-trees as given ('4x5-8'); None: DEFAULT_EAGLE_TREES for EAGLE-3 drafters, none for the others
     eagle_trees: list[str] | None = None
+    # --steps: drafts per anchor of an autoregressive chain (EAGLE-3, MTP); None: the checkpoint's
+    steps: int | None = None
     device: str = "auto"
     dtype: str = "auto"
     memory_bytes: int = DEFAULT_MEMORY_BYTES  # working memory for one anchor chunk

@@ -135,6 +135,7 @@ class RunRecord(Schema):
     shards: RunShards = RunShards()
     ddtree_budgets: list[Count] | None = None
     eagle_trees: list[str] | None = None  # EAGLE-3 dynamic trees scored, as `score --eagle-trees` spells them
+    chain_steps: Count | None = None  # drafts per anchor of an EAGLE-3 or MTP chain (`score --steps`)
     anchor_set: Literal["all", "walk"] = "all"
     anchor_drafts: bool = False
     dtype: str | None = None

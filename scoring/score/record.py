@@ -52,6 +52,8 @@ def planned_record(
         "shards": {"identity": shards_identity(shardset.manifest), "samples": selection["samples"]},
         "ddtree_budgets": list(config.tree_nodes) if trees else [],
         "eagle_trees": [tree.name for tree in eagle_trees],
+        # an autoregressive chain's drafts per anchor (--steps or the checkpoint's); None: a block family's
+        "chain_steps": info.config.block_size if info.config.teacher_forced_block else None,
         "anchor_set": config.anchors,
         "anchor_drafts": config.anchor_drafts,
         "dtype": dtype_name(dtype),
@@ -122,6 +124,7 @@ def settings_of(record: dict) -> dict:
         "shards identity": record.get("shards", {}).get("identity"),
         "ddtree budgets": record.get("ddtree_budgets"),
         "eagle trees": record.get("eagle_trees") or [],
+        "chain steps": record.get("chain_steps"),
         "anchor set": record.get("anchor_set", "all"),
         "anchor drafts": record.get("anchor_drafts", False),
         "dtype": record.get("dtype"),

@@ -82,6 +82,7 @@ def prepare_job(ckpt: str, shardset: ShardSet, out_dir: str, config: ScoreConfig
     )  # before any weight
     with timing.stage("load drafter"):
         drafter, info = load_drafter(ckpt, dtype=dtype, device=device, target_layers=layers)
+    set_chain_steps(config.steps, info.config, ckpt)
     chosen, selection = choose_samples(shardset, config)
     trees = supports_trees(info.config)  # else the chain alone
     tree_nodes = sorted(set(config.tree_nodes)) if trees else []
@@ -111,6 +112,21 @@ def prepare_job(ckpt: str, shardset: ShardSet, out_dir: str, config: ScoreConfig
         settings["layer_ids"],
         planned,
     )
+
+
+def set_chain_steps(steps: int | None, drafter_config, ckpt: str) -> None:
+    """--steps: the drafts per anchor of a family whose chain is autoregressive steps (EAGLE-3,
+    MTP: vLLM's num_speculative_tokens), instead of the checkpoint's. A block family's drafts are
+    its trained block, which a serving engine cannot change either: refused by name."""
+    if steps is None:
+        return
+    if not drafter_config.teacher_forced_block:
+        family = FAMILIES[drafter_config.family].name
+        raise UserError(
+            f"--steps: {ckpt} is a {family} drafter, which drafts its trained block of "
+            f"{drafter_config.max_drafts} tokens at once; --steps sets the chain of EAGLE-3 and MTP drafters: drop it"
+        )
+    drafter_config.block_size = steps
 
 
 def eagle_trees_of(config: ScoreConfig, drafter_config, sampling, ckpt: str) -> tuple:

@@ -67,6 +67,14 @@ def d(name: str):
     f"--speculative-num-draft-tokens), comma-separated; default {','.join(DEFAULT_EAGLE_TREES)} "
     "(sglang's own); empty string for none. Greedy shards only. Methods eagle-tree-4x5-8, ...",
 )
+@click.option(
+    "--steps",
+    type=click.IntRange(min=1),
+    default=None,
+    help="EAGLE-3 and MTP drafters only: drafts per anchor of the chain (vLLM's num_speculative_tokens, "
+    "sglang's --speculative-num-steps); default the checkpoint's (speculators' speculative_tokens; 3 when "
+    "it does not say).",
+)
 @click.option("--device", default=d("device"), show_default=True, help="auto (GPU if present), cpu, cuda, cuda:1 ...")
 @click.option(
     "--dtype", default=d("dtype"), show_default=True, help="auto = fp32 on CPU, bf16 on GPU; or fp32/bf16/fp16."

@@ -6,6 +6,8 @@ not stored (the extract command that adds them), a d2t mapping outside the targe
 
 from __future__ import annotations
 
+import json
+
 import polars as pl
 import pytest
 import torch
@@ -148,6 +150,31 @@ def test_extract_stores_the_aux_layers_and_both_layouts_score_alike(world):
     [results] = out.iterdir()
     walk = pl.read_parquet(results / "walk.parquet").select(tables["speculators"].columns)
     assert walk.equals(tables["speculators"])
+
+
+def test_steps_sets_the_chain_and_is_part_of_the_results_identity(world):
+    """--steps 5 drafts 5 tokens per anchor where the checkpoint says 3: teacher-forced along the
+    stored tokens, its first 3 are the 3-step chain's; run.json records it, and results of
+    another step count in the same --out are refused rather than mixed."""
+    shards = world["shards"]["speculators"]
+    drafts = {}
+    for steps in (None, 5):
+        out = world["tmp"] / f"results-steps-{steps}"
+        extra = ["--anchor-drafts", "--eagle-trees", ""] + ([] if steps is None else ["--steps", str(steps)])
+        result = CliRunner().invoke(
+            main, ["score", "--ckpt", world["ckpt"], "--shards", shards, "--out", str(out)] + extra
+        )
+        assert result.exit_code == 0, result.output
+        [results] = out.iterdir()
+        assert json.loads((results / "run.json").read_text())["chain_steps"] == (steps or 3)
+        drafts[steps] = (
+            pl.read_parquet(results / "anchors.parquet").sort("sample_id", "anchor")["draft_tokens"].to_list()
+        )
+    assert max(len(d) for d in drafts[5]) == 5 and max(len(d) for d in drafts[None]) == 3
+    assert [d[:3] for d in drafts[5]] == drafts[None]
+    again = ["score", "--ckpt", world["ckpt"], "--shards", shards, "--out", str(world["tmp"] / "results-steps-5")]
+    refused = CliRunner().invoke(main, again + ["--anchor-drafts", "--eagle-trees", "", "--steps", "4"])
+    assert refused.exit_code != 0 and "chain steps: 5 -> 4" in refused.output, refused.output
 
 
 def test_diagnose_runs_the_variants_that_apply(world):
