@@ -20,6 +20,7 @@ from scoring.drafters.conventions import Conventions
 from scoring.replay.anchors import replay_walks
 from scoring.replay.packing import ReplayOptions, prepare_target_head
 from scoring.replay.walk import stop_mask
+from scoring.results import CHAIN
 from tests.helpers import chain_parity as parity, mtp_online as online
 from tests.helpers.prompts import write_prompts
 
@@ -99,7 +100,7 @@ def _offline_produced(model_dir: str, shards: str, conventions: Conventions) -> 
         samples,
         lambda f: f,
         [MAX_NEW] * len(samples),
-        [None],
+        [CHAIN],
         [stop_mask(s.input_ids, stop_ids) for s in samples],
         options,
     )
