@@ -2,7 +2,8 @@
 no traceback, nothing written. A target without `mtp.*` tensors; shards without the final hidden
 state before the norm (id L) or without the final norm's weight, each naming the extract command
 that stores them; for speculators' export of the same head (`score --ckpt <export dir>`), the
-same line but for the checkpoint's path."""
+same line but for the checkpoint's path. The export's NaN placeholder for a tensor speculators
+never uses is not read; NaN in a weight the head reads is refused."""
 
 from __future__ import annotations
 
@@ -11,8 +12,11 @@ import os
 import pytest
 import torch
 from click.testing import CliRunner
+from safetensors.torch import load_file
 
 from pipeline.shards import ShardSet, read_manifest, write_manifest
+from scoring.drafters.checkpoint import load_drafter
+from scoring.drafters.files import NonFiniteWeightsError
 from specreplay.cli import main
 from tests.helpers import chain_parity as parity, mtp_export, mtp_online as online
 from tests.helpers.prompts import write_prompts
@@ -84,3 +88,16 @@ def test_extract_stores_the_final_norm_weight_with_id_l(target, tmp_path):
 
     model = AutoModelForCausalLM.from_pretrained(with_head, dtype=torch.float32)
     assert torch.equal(head["final_norm"], model.model.norm.weight.detach())
+
+
+def test_the_exports_nan_placeholder_is_not_read_but_a_nan_weight_is_refused(target, exported, tmp_path):
+    """speculators' converter saves `verifier_lm_head.weight` as NaN, a tensor speculators never
+    uses: the export loads. NaN in a weight the head does read is still refused, by name."""
+    with_head, _, prompts = target
+    assert torch.isnan(load_file(os.path.join(exported, "model.safetensors"))["verifier_lm_head.weight"]).all()
+    load_drafter(exported, target_layers=online.TEXT["num_hidden_layers"])
+    damaged = mtp_export.swapped_copy(
+        exported, tmp_path / "damaged", "mtp_layers.0.final_layernorm.weight", "verifier_lm_head.weight"
+    )
+    with pytest.raises(NonFiniteWeightsError, match="mtp_layers.0.final_layernorm.weight has"):
+        load_drafter(damaged, target_layers=online.TEXT["num_hidden_layers"])
