@@ -242,11 +242,12 @@ def read_drafter_config(path: str, config_path: str | None = None, target_layers
 EMBEDDED_PREFIX = {"native": "mtp."}
 
 
-def _read_weights(config: DrafterConfig, weight_files: list[str], source: str) -> tuple[dict, dict]:
-    """(tensors, training metadata): the whole files, or only the drafter's part of a target's checkpoint."""
+def _read_weights(config: DrafterConfig, skeleton, weight_files: list[str], source: str) -> tuple[dict, dict]:
+    """(tensors, training metadata): the whole files less what the drafter never reads, or only the
+    drafter's part of a target's checkpoint."""
     prefix = EMBEDDED_PREFIX.get(config.layout)
     if prefix is None:
-        return read_state_dict(weight_files)
+        return read_state_dict(weight_files, skip=skeleton.reloaded_weights)
     return read_prefixed(weight_files, prefix, source), {}
 
 
@@ -277,7 +278,7 @@ def load_drafter(
     config, config_raw = _read_config(config_file, target_layers)
     source = weight_files[0] if len(weight_files) == 1 else os.path.dirname(weight_files[0])
     skeleton, expected = _expected_shapes(config)
-    raw_state, metadata = _read_weights(config, weight_files, source)
+    raw_state, metadata = _read_weights(config, skeleton, weight_files, source)
     state, stripped = normalize_keys(skeleton.canonical_names(raw_state), set(expected), source)
     expected = _drop_absent_optional(skeleton, state, expected)
     check_state_dict(state, expected, config, source, config_file)

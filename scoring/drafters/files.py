@@ -217,8 +217,10 @@ def _unwrap_state_dict(obj, source: str) -> tuple[dict[str, torch.Tensor], dict]
     )
 
 
-def read_state_dict(files: list[str]) -> tuple[dict[str, torch.Tensor], dict]:
-    """All tensors of the weight files (CPU, as stored) and any training metadata of a .pt file."""
+def read_state_dict(files: list[str], skip: tuple[str, ...] = ()) -> tuple[dict[str, torch.Tensor], dict]:
+    """All tensors of the weight files (CPU, as stored) but those named in `skip`, and any training
+    metadata of a .pt file. `skip` names tensors the drafter never reads (DraftHead.reloaded_weights),
+    dropped before the NaN check: their values do not matter, so they may be placeholders."""
     state: dict[str, torch.Tensor] = {}
     metadata: dict = {}
     origin: dict[str, str] = {}
@@ -237,6 +239,7 @@ def read_state_dict(files: list[str]) -> tuple[dict[str, torch.Tensor], dict]:
                 ) from error
             part, found = _unwrap_state_dict(obj, path)
             metadata.update(found)
+        part = {name: tensor for name, tensor in part.items() if name not in skip}
         check_finite(part, path)
         for name, tensor in part.items():
             if name in state:

@@ -23,6 +23,9 @@ class DraftHead(nn.Module):
     config: DrafterConfig
     rowwise_drafts = True  # drafts = logits row by row: chunks may share one lm_head GEMM (replay/anchors.py)
     optional_weights: tuple[str, ...] = ()  # weights a checkpoint may leave out (the target's used instead)
+    # tensors a layout's own loader always overwrites from the target, whatever a checkpoint holds:
+    # never read (files.read_state_dict), so a saver's NaN placeholder there is no damage
+    reloaded_weights: tuple[str, ...] = ()
 
     def add_draft_vocab(self, config: DrafterConfig) -> None:
         """A reduced draft vocabulary's own head and id map (vocab.py); none: the target's lm_head."""

@@ -145,6 +145,10 @@ def _native_name(name: str) -> str:
 
 class MtpDrafter(Eagle3Drafter):
     optional_weights = ()
+    # speculators' MTPDraftModel reloads these from the verifier on load (load_verifier_weights,
+    # `_keys_to_ignore_on_load_missing`); its converter's export still saves `verifier_lm_head.weight`
+    # as the NaN it was initialised to (speculators 0.9.0 leaves it out of `_keys_to_ignore_on_save`)
+    reloaded_weights = ("embed_tokens.weight", "lm_head.weight", "verifier_lm_head.weight", "t2d", "d2t")
 
     def __init__(self, config: DrafterConfig):
         nn.Module.__init__(self)

@@ -10,9 +10,12 @@ growing KV cache). The target is a tiny random Qwen3.5 (all layers full attentio
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from pipeline.shards import ShardSet
 from scoring.drafters.checkpoint import load_drafter
@@ -20,7 +23,8 @@ from scoring.drafters.conventions import Conventions
 from scoring.replay.anchors import replay_walks
 from scoring.replay.packing import ReplayOptions, prepare_target_head
 from scoring.replay.walk import stop_mask
-from tests.helpers import chain_parity as parity, mtp_online as online
+from scoring.results import CHAIN
+from tests.helpers import chain_parity as parity, mtp_export, mtp_online as online
 from tests.helpers.prompts import write_prompts
 
 MAX_NEW = 20
@@ -59,11 +63,11 @@ def setup(tmp_path_factory):
     return tmp, model_dir, target, head, shards
 
 
-def _online_runs(head, target, shards) -> dict[str, online.OnlineRun]:
+def _online_runs(head, target, shards, steps: int = STEPS) -> dict[str, online.OnlineRun]:
     stop_ids = ShardSet(shards).settings["target"]["stop_token_ids"]
     runs = {}
     for sample in ShardSet(shards).samples(tensors=[]):
-        run = online.online_mtp(head, target, sample.input_ids[: sample.prompt_len], STEPS, MAX_NEW, stop_ids)
+        run = online.online_mtp(head, target, sample.input_ids[: sample.prompt_len], steps, MAX_NEW, stop_ids)
         assert run.output_ids.tolist() == sample.input_ids.tolist(), sample.sample_id
         runs[sample.sample_id] = run
     return runs
@@ -99,7 +103,7 @@ def _offline_produced(model_dir: str, shards: str, conventions: Conventions) -> 
         samples,
         lambda f: f,
         [MAX_NEW] * len(samples),
-        [None],
+        [CHAIN],
         [stop_mask(s.input_ids, stop_ids) for s in samples],
         options,
     )
@@ -136,3 +140,75 @@ def test_the_other_norm_rule_walks_differently(setup):
     )
     assert same == len(runs)
     assert wrong > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# speculators' export of the same head (tests/helpers/mtp_export.py: its own converter, model class
+# and save_pretrained): `score --ckpt <export dir>` is the same drafter as `score --ckpt <target dir>`
+
+
+@pytest.fixture(scope="module")
+def exported(setup):
+    tmp, model_dir, *_ = setup
+    return mtp_export.export(model_dir, tmp / "export", STEPS)
+
+
+@pytest.mark.slow
+def test_the_export_is_the_native_head_in_speculators_classes(setup, exported):
+    """Every native tensor saved under the converter's name, bit for bit, and speculators' own
+    MTP layer computing the online loop's h' from them."""
+    tmp, model_dir, target, head, shards = setup
+    native = mtp_export.native_as_exported(model_dir)
+    saved = load_file(os.path.join(exported, "model.safetensors"))
+    assert {k for k in saved if k.startswith("mtp_layers.")} == native.keys()
+    assert all(torch.equal(saved[k], v) for k, v in native.items())
+    ids = next(iter(ShardSet(shards).samples(tensors=[]))).input_ids
+    embeds, hidden = target.model.embed_tokens(ids[1:])[None], online.target_states(target, ids)[1][None, :-1]
+    with torch.no_grad():
+        expected = head.norm(online._forward(head, embeds, hidden, torch.arange(ids.numel() - 1)[None], None))
+    got = mtp_export.layer_output(mtp_export.draft_model(exported), embeds, hidden)
+    print(f"speculators' layer vs the native head: max |diff| {float((got - expected).abs().max()):.2e}")
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_export_walks_equal_the_target_dir(setup, exported):
+    tmp, model_dir, target, head, shards = setup
+    native = parity.walk_table(parity.score(model_dir, shards, tmp / "results-native"))
+    out_dir = parity.score(exported, shards, tmp / "results-export")
+    export = parity.walk_table(out_dir)
+    assert export.equals(native)  # produced and every teacher-forced draft token, step for step
+    runs = _online_runs(head, target, shards)
+    walks = parity.walks(out_dir)
+    assert all(walks[k]["produced"].to_list() == run.produced for k, run in runs.items())
+    print(f"export: {len(runs)} walks equal the target dir's and the online loop's ({export.height} steps)")
+
+
+@pytest.mark.slow
+def test_a_mismapped_export_walks_differently(setup, exported):
+    """The equality above can fail: the export with its two input norms exchanged (a converter
+    mapping pre_fc_norm_hidden to token_layernorm) replays other walks."""
+    tmp, model_dir, target, head, shards = setup
+    layer = "mtp_layers.0."
+    swapped = mtp_export.swapped_copy(
+        exported, tmp / "export-swapped", layer + "hidden_layernorm.weight", layer + "token_layernorm.weight"
+    )
+    runs = _online_runs(head, target, shards)
+    walks = parity.walks(parity.score(swapped, shards, tmp / "results-swapped"))
+    wrong = sum(walks[k]["produced"].to_list() != run.produced for k, run in runs.items())
+    tau = np.mean([n for w in walks.values() for n in w["produced"].to_list()])
+    print(f"norms exchanged: {wrong}/{len(runs)} walks differ from the online loop; tau {tau:.3f}")
+    assert wrong > 0
+
+
+@pytest.mark.slow
+def test_the_exports_speculative_tokens_set_k(setup):
+    """k is the export's `speculative_tokens` (here 2, the native default being 3): the walks are
+    the online loop's at 2 drafts a step, which differ from those at 3."""
+    tmp, model_dir, target, head, shards = setup
+    two = mtp_export.export(model_dir, tmp / "export-k2", 2)
+    walks = parity.walks(parity.score(two, shards, tmp / "results-k2"))
+    runs, runs_at_three = _online_runs(head, target, shards, steps=2), _online_runs(head, target, shards)
+    assert all(walks[k]["produced"].to_list() == run.produced for k, run in runs.items())
+    assert max(n for run in runs.values() for n in run.produced) == 3  # 2 drafts and the bonus token
+    assert any(run.produced != runs_at_three[k].produced for k, run in runs.items())
