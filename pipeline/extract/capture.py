@@ -35,11 +35,10 @@ import torch
 
 from pipeline import shards
 from pipeline.common import timing
-from pipeline.common.errors import UserError
 from pipeline.common.sampling import Sampling, token_logprob
 from pipeline.extract.chunked_forward import MIN_WINDOW_ROWS, forward_rows, row_windows, windowed_forward
 from pipeline.extract.generate import model_device
-from pipeline.extract.target import decoder_layers, text_config
+from pipeline.extract.target import decoder_layers, text_config, text_decoder
 
 # The lm_head's windows follow the forward's rules (pipeline.extract.chunked_forward): all of one size,
 # never fewer rows than CPU BLAS needs to round like the full forward.
@@ -95,19 +94,6 @@ def postprocess_logits(logits: torch.Tensor, config) -> torch.Tensor:
     if cap is not None:
         logits = torch.tanh(logits / cap) * cap
     return logits
-
-
-def text_decoder(model) -> torch.nn.Module:
-    """The module that owns the decoder layers and the final norm (for VLM wrappers, the
-    language model). Calling it instead of the full model skips the lm_head over all positions."""
-    layers = decoder_layers(model)
-    for module in model.modules():
-        if getattr(module, "layers", None) is layers:
-            return module
-    raise UserError(
-        f"{type(model).__name__}: cannot find the module that owns its decoder layers; supported "
-        f"are causal LMs and vision-language wrappers whose decoder holds `layers` and a final norm"
-    )
 
 
 def ties_last_hidden_state(decoder) -> bool:

@@ -91,11 +91,22 @@ def input_embedding_weight(model) -> torch.Tensor:
     return model.get_input_embeddings().weight.detach()
 
 
+def text_decoder(model) -> torch.nn.Module:
+    """The module that owns the decoder layers and the final norm (for VLM wrappers, the
+    language model). Calling it instead of the full model skips the lm_head over all positions."""
+    layers = decoder_layers(model)
+    for module in model.modules():
+        if getattr(module, "layers", None) is layers:
+            return module
+    raise UserError(
+        f"{type(model).__name__}: cannot find the module that owns its decoder layers; supported "
+        f"are causal LMs and vision-language wrappers whose decoder holds `layers` and a final norm"
+    )
+
+
 def final_norm_weight(model) -> torch.Tensor:
     """The final norm's weight [H] (after the last decoder layer, before the lm_head), as stored:
     what makes the post-norm final hidden state from the stored pre-norm one (id L)."""
-    from pipeline.extract.capture import text_decoder
-
     norm = getattr(text_decoder(model), "norm", None)
     if norm is None or getattr(norm, "weight", None) is None:
         raise UserError(f"{type(model).__name__}: no final norm with a weight beside its decoder layers")

@@ -18,7 +18,7 @@ import torch
 
 from pipeline.common.dtypes import dtype_name
 from pipeline.common.errors import UserError
-from pipeline.extract.capture import head_rows, next_token_distribution, text_decoder, ties_last_hidden_state
+from pipeline.extract.capture import head_rows, next_token_distribution, ties_last_hidden_state
 from pipeline.extract.target import (
     TargetInfo,
     decoder_layers,
@@ -28,6 +28,7 @@ from pipeline.extract.target import (
     read_stop_token_ids,
     resolve_model_dir,
     text_config,
+    text_decoder,
 )
 
 INDEX = "model.safetensors.index.json"

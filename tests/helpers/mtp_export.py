@@ -2,47 +2,21 @@
 `convert/mtp/converter.py` `MTPConverter.convert`: the `mtp.*` tensors renamed onto
 `MTPDraftModel`, loaded into it, saved with its `save_pretrained`, reloaded by its
 `from_pretrained` to validate), and that model's own MTP layer, to check a replayed export against.
-
-speculators declares loguru, which the test environment lacks (tests/helpers/family_fits.py); the
-converter only logs through it, so a silent stand-in is importable while the converter is imported,
-and removed again."""
+The converter logs through loguru, which `make setup` installs beside speculators."""
 
 from __future__ import annotations
 
-import contextlib
-import importlib.util
 import os
 import shutil
-import sys
-import types
 
 import torch
 from safetensors.torch import load_file, save_file
 
 
-class _SilentLogger:
-    def __getattr__(self, name: str):
-        return lambda *args, **kwargs: None
-
-
-@contextlib.contextmanager
-def _loguru_stand_in():
-    if importlib.util.find_spec("loguru") is not None:
-        yield
-        return
-    module = types.ModuleType("loguru")
-    module.logger = _SilentLogger()
-    sys.modules["loguru"] = module
-    try:
-        yield
-    finally:
-        sys.modules.pop("loguru", None)
-
-
 def converter():
-    """speculators' MTPConverter class (its module imported with the stand-in)."""
-    with _loguru_stand_in():
-        from speculators.convert.mtp.converter import MTPConverter
+    """speculators' MTPConverter class."""
+    from speculators.convert.mtp.converter import MTPConverter
+
     return MTPConverter
 
 

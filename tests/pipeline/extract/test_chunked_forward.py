@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from pipeline.extract import chunked_forward
-from pipeline.extract.capture import CaptureConfig, capture_sample, text_decoder
+from pipeline.extract.capture import CaptureConfig, capture_sample
 from pipeline.extract.chunked_forward import MAX_FORWARD_ROWS, MIN_WINDOW_ROWS, forward_rows, windowed_forward
-from pipeline.extract.target import decoder_layers, load_target, text_config
+from pipeline.extract.target import decoder_layers, load_target, text_config, text_decoder
 from tests.helpers.memory import LiveBytes
 from tests.helpers.models import TINY_TOKENIZER_VOCAB
 
