@@ -110,7 +110,8 @@ def rows_of(figures: dict) -> Rows:
     generate, engine = best["generate"], best["engine"]
     sides = [generate["others_cpu"], engine["others_cpu"]]
     rows.add(
-        f"extract, responses from llama-server vs transformers generate ({figures['samples']} prompts, CPU)",
+        f"extract, responses from llama-server vs transformers generate ({figures['samples']} prompts, CPU; "
+        "others' CPU includes the server)",
         f"{figures['ratio_engine_over_generate']:.2f}x wall",
         others=sides,
     )

@@ -23,15 +23,22 @@ def stable_order(row: torch.Tensor) -> torch.Tensor:
     return torch.sort(row + 0.0, descending=True, stable=True).indices
 
 
-@pytest.mark.parametrize("vocab", [1, 7, 16, 33, 500])
-@pytest.mark.parametrize("kind", ["plain", "ties", "signed-zero"])
+@pytest.mark.parametrize("vocab", [1, 7, 16, 33, 500, 4096])
+@pytest.mark.parametrize("kind", ["plain", "ties", "signed-zero", "inner-ties", "mixed"])
 def test_top_k_is_a_stable_sort(vocab, kind):
+    """top_k_ids (topk of k + 1 re-sorted, the tied rows by keys) is the stable sort's first k on
+    rows that take its quick path (plain), its fallback (ties at the k-th: ties, signed-zero),
+    ties inside the top k only (inner-ties), and both in one batch (mixed)."""
     g = torch.Generator().manual_seed(vocab)
     rows = torch.randn(20, vocab, generator=g) * 2
     if kind == "ties":
         rows = rows.round()
     if kind == "signed-zero":  # -0.0 ties 0.0 (as the stable sort sees them)
         rows = torch.where(rows > 0, torch.tensor(0.0), torch.tensor(-0.0))
+    if kind == "inner-ties":  # the two largest equal, at ids in either order
+        rows[:, -1] = rows[:, 0] = rows.max() + 1
+    if kind == "mixed":
+        rows[::2] = rows[::2].round()
     for k in sorted({1, min(2, vocab), min(5, vocab), min(17, vocab), vocab}):
         expected = stable_order(rows)[:, :k]
         assert torch.equal(top_k_ids(rows, k), expected)
