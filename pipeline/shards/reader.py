@@ -153,6 +153,10 @@ def read_shard(  # 55 lines: the read path's checks (checksum, schema, rows) kep
             yield from samples
 
 
+# what every finished extract or import stores (pipeline/extract/plan.py tensor_dtypes)
+REQUIRED_TENSORS = ("features", "topk_ids", "topk_logprobs")
+
+
 class ShardSet:
     """A finished extract directory: manifest, shards and the stored target head."""
 
@@ -166,7 +170,13 @@ class ShardSet:
                 f"command again to resume it"
             )
         check_manifest(self.manifest, uri)
-        self.tensor_dtypes: dict[str, str] = self.manifest["tensors"]
+        self.tensor_dtypes: dict[str, str] = self.manifest.get("tensors") or {}
+
+    def _check_tensors(self) -> None:
+        """The schema lets a running extract's manifest lack `tensors`; samples need them all."""
+        missing = [name for name in REQUIRED_TENSORS if name not in self.tensor_dtypes]
+        if missing:
+            raise self._missing(f"tensors.{missing[0]}" if self.tensor_dtypes else "tensors")
 
     def _missing(self, key: str) -> ShardError:
         path = join(open_fs(self.uri)[1], MANIFEST_NAME)
@@ -197,6 +207,7 @@ class ShardSet:
         compute never waits on zstd (both release the GIL). `pin_memory` (CUDA only) copies
         each sample's tensors into page-locked memory in that thread, so the consumer's
         `.to("cuda", non_blocking=True)` overlaps with compute."""
+        self._check_tensors()
 
         def produce():
             base = 0
