@@ -41,8 +41,9 @@ CHAIN = "chain"
 # report greys such points; diagnose's console and the loggers (`log`, `watch`) leave them out.
 MIN_ANCHORS = 30
 _TREE = re.compile(r"ddtree-(\d+)")
-_EAGLE_TREE = re.compile(r"eagle-tree-(\d+)x(\d+)-(\d+)")
 EAGLE_TREE_PREFIX = "eagle-tree-"  # polars: pl.col("method").str.starts_with(EAGLE_TREE_PREFIX)
+_EAGLE_SETTING = re.compile(r"(\d+)x(\d+)-(\d+)")  # as --eagle-trees spells one: 4x5-8
+_EAGLE_TREE = re.compile(EAGLE_TREE_PREFIX + _EAGLE_SETTING.pattern)
 
 FILES = {
     "anchors": "anchors.parquet",
@@ -233,9 +234,9 @@ def parse_eagle_trees(text: str, option: str = "--eagle-trees") -> list[EagleTre
 
     trees = []
     for part in (p.strip() for p in text.split(",")):
-        match = re.fullmatch(r"(\d+)x(\d+)-(\d+)", part)
         if not part:
             continue
+        match = _EAGLE_SETTING.fullmatch(part)
         if not match:
             raise UserError(f"{option}: {part!r} is not a tree setting; expected {EAGLE_TREES_SPELLING}")
         tree = EagleTree(*map(int, match.groups()))

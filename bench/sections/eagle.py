@@ -23,6 +23,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import shutil
 import time
@@ -39,10 +40,22 @@ TREES = ("4x5-8", "8x5-32")  # --eagle-trees: sglang's default (topk 4, 5 steps,
 STORE_PROMPTS = 4
 
 
+# speculators' EAGLE-3 config without aux ids: its default layers (extract --draft-config reads them)
+EAGLE_CONFIG = {
+    "speculators_model_type": "eagle3",
+    "transformer_layer_config": {
+        "hidden_size": SMOLLM2["hidden_size"],
+        "num_hidden_layers": 1,
+        "vocab_size": SMOLLM2["vocab_size"],
+    },
+}
+
+
 def eagle_aux_ids(num_layers: int) -> list[int]:
-    """EAGLE-3's default aux layers in the project's numbering (speculators' before-layer
-    [2, L // 2, L - 3] = output of [1, L // 2 - 1, L - 4])."""
-    return [1, num_layers // 2 - 1, num_layers - 4]
+    """EAGLE-3's default aux layers in the project's numbering, as extract reads them from EAGLE_CONFIG."""
+    from pipeline.common.drafter_configs import feature_layers_of
+
+    return feature_layers_of(EAGLE_CONFIG, "bench EAGLE-3 config", num_layers)
 
 
 def eagle3_drafter(out: Path, aux_ids: list[int], seed: int):
@@ -74,11 +87,11 @@ def drafts_at(anchor: int, prompt_len: int, max_new: int) -> int:
 
 
 @torch.inference_mode()
-def online_sample(model, sample, columns: torch.Tensor, max_new: int) -> int:
+def online_sample(model, sample, columns, max_new: int) -> int:
     """Propose at every anchor of one sample on a growing cache; returns the anchors."""
     from tests.helpers.eagle3_online import DraftCache, propose
 
-    seq, features = sample.input_ids, sample.tensors["features"].float()[:, columns]
+    seq, features = sample.input_ids, columns(sample.tensors["features"]).float()
     cache, anchors = DraftCache(model), 0
     for anchor in range(sample.prompt_len, seq.numel() - 1):
         propose(cache, features, seq, anchor, drafts_at(anchor, sample.prompt_len, max_new), 0.0)
@@ -87,13 +100,13 @@ def online_sample(model, sample, columns: torch.Tensor, max_new: int) -> int:
     return anchors
 
 
-def feature_columns(shard_dir: str, aux_ids: list[int]) -> torch.Tensor:
-    """The feature columns of `aux_ids` in their order ([3 * H] indices into the stored features)."""
+def feature_columns(shard_dir: str, aux_ids: list[int]):
+    """features [T, n*H] -> the aux layers' [T, 3*H] in their order (the replay's own selection)."""
     from pipeline.shards import ShardSet
+    from scoring.replay.packing import select_feature_columns
 
-    stored = sorted(ShardSet(shard_dir).manifest["settings"]["layer_ids"])
-    hidden = SMOLLM2["hidden_size"]
-    return torch.cat([torch.arange(hidden) + stored.index(i) * hidden for i in aux_ids])
+    stored = ShardSet(shard_dir).manifest["settings"]["layer_ids"]
+    return lambda features: select_feature_columns(features, stored, aux_ids)
 
 
 def online_all_anchors(model, shard_dir: str, aux_ids: list[int], limit: int | None = None) -> dict:
@@ -102,7 +115,7 @@ def online_all_anchors(model, shard_dir: str, aux_ids: list[int], limit: int | N
     shards = ShardSet(shard_dir)
     columns, max_new = feature_columns(shard_dir, aux_ids), shards.manifest["settings"]["max_new_tokens"]
     with Phase() as phase:
-        anchors = sum(online_sample(model, s, columns, max_new) for s in list(shards.samples())[:limit])
+        anchors = sum(online_sample(model, s, columns, max_new) for s in itertools.islice(shards.samples(), limit))
     return {"wall_s": phase.seconds, "others_cpu": phase.others_cpu, "anchors": anchors}
 
 
@@ -119,7 +132,7 @@ def flops_per_anchor(run) -> float:
 # storage: the aux layers' bytes
 
 
-def stored_bytes_per_token(ctx, out: Path, configs: list[Path]) -> float:
+def extract_bytes_per_token(ctx, out: Path, configs: list[Path]) -> float:
     from pipeline.extract.config import ExtractConfig
     from pipeline.extract.run import run_extract
 
@@ -143,10 +156,9 @@ def aux_layer_bytes(ctx, work: Path, dflash_ids: list[int], aux_ids: list[int]) 
     dflash = work / "dflash.json"
     dflash.write_text(json.dumps({"num_hidden_layers": 1, "dflash_config": {"target_layer_ids": dflash_ids}}))
     eagle = work / "eagle3.json"
-    decoder = {"hidden_size": SMOLLM2["hidden_size"], "num_hidden_layers": 1, "vocab_size": SMOLLM2["vocab_size"]}
-    eagle.write_text(json.dumps({"speculators_model_type": "eagle3", "transformer_layer_config": decoder}))
-    alone = stored_bytes_per_token(ctx, work / "store-dflash", [dflash])
-    both = stored_bytes_per_token(ctx, work / "store-both", [dflash, eagle])
+    eagle.write_text(json.dumps(EAGLE_CONFIG))
+    alone = extract_bytes_per_token(ctx, work / "store-dflash", [dflash])
+    both = extract_bytes_per_token(ctx, work / "store-both", [dflash, eagle])
     added = sorted(set(aux_ids) - set(dflash_ids))
     return {
         "num_layers": num_layers,

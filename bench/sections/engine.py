@@ -17,7 +17,8 @@ from __future__ import annotations
 import shutil
 import time
 
-from bench.common import Rows, StageClock, log, num, others_cpu
+from bench.common import Rows, log, num, others_cpu
+from bench.sections.extract import timed_extract
 
 
 def extract_config(ctx, out, responses_from=None):
@@ -39,14 +40,9 @@ def extract_config(ctx, out, responses_from=None):
 
 def one_side(config, loaded) -> dict:
     """One extract into a fresh directory: wall seconds, its stages, what the manifest counts."""
-    from pipeline.common import timing
-    from pipeline.extract.run import run_extract
-
     shutil.rmtree(config.out, ignore_errors=True)
-    clock, start = StageClock(), time.perf_counter()
-    with timing.recording(clock):
-        manifest = run_extract(config, loaded=loaded)
-    wall = time.perf_counter() - start
+    start = time.perf_counter()
+    manifest, wall, clock = timed_extract(config, loaded)
     totals = manifest["totals"]
     return {
         "wall_s": wall,

@@ -181,7 +181,7 @@ def prepare_out_dir(config: ExtractConfig, model, tokenizer, plan: Plan, manifes
         delete_outputs(config.out)
     shards.remove_unfinished(config.out)
     with timing.stage("store target head"):
-        manifest["target_head"] = stored_target_head(config.out, model, stores_final_prenorm(model, plan.layer_ids))
+        manifest["target_head"] = stored_target_head(config.out, model, stores_final_prenorm(plan))
     if tokenizer is not None:
         manifest["tokenizer"] = stored_tokenizer(config.out, tokenizer)
     entries = shards.finished_shard_entries(config.out)
@@ -189,11 +189,9 @@ def prepare_out_dir(config: ExtractConfig, model, tokenizer, plan: Plan, manifes
     shards.write_manifest(config.out, manifest)
 
 
-def stores_final_prenorm(model, layer_ids: list[int]) -> bool:
+def stores_final_prenorm(plan: Plan) -> bool:
     """Whether the features include id L, the final hidden state before the norm (MTP heads read it)."""
-    from pipeline.extract.target import decoder_layers
-
-    return final_prenorm_id(len(decoder_layers(model))) in layer_ids
+    return final_prenorm_id(plan.settings["target"]["num_layers"]) in plan.layer_ids
 
 
 def stored_target_head(out: str, model, with_final_norm: bool = False) -> dict:

@@ -67,11 +67,6 @@ def draft_layer_use(path: str, num_target_layers: int) -> dict:
     return {"by": source, "family": checked.family, "layout": checked.LAYOUT, "layer_ids": list(ids)}
 
 
-def draft_layer_ids(path: str, num_target_layers: int) -> list[int]:
-    """Feature layers the drafter config at `path` asks for."""
-    return draft_layer_use(path, num_target_layers)["layer_ids"]
-
-
 def draft_config_paths(config: ExtractConfig) -> list[str]:
     """--draft-config, given once or several times (one path in a library call)."""
     paths = config.draft_config
@@ -91,20 +86,20 @@ def layer_uses(config: ExtractConfig, num_target_layers: int) -> list[dict]:
     return [{"by": f"the default layer ids for {config.num_draft_layers} drafter layers", "layer_ids": ids}]
 
 
-def resolve_layer_ids(config: ExtractConfig, num_target_layers: int, uses: list[dict] | None = None) -> list[int]:
-    """The feature layers to store: every use's ids, each once, in the order first asked for."""
-    uses = layer_uses(config, num_target_layers) if uses is None else uses
-    where = " and ".join(use["by"] for use in uses)
-    if len(uses) == 1 and len(set(uses[0]["layer_ids"])) != len(uses[0]["layer_ids"]):
-        fix = (
-            "pass --layer-ids explicitly or fewer --num-draft-layers"
-            if config.layer_ids is None and not draft_config_paths(config)
-            else "list each layer once"
-        )
-        raise UserError(
-            f"{where}: duplicate layer ids {uses[0]['layer_ids']} (target has {num_target_layers} layers); {fix}"
-        )
+def resolve_layer_ids(config: ExtractConfig, num_target_layers: int, uses: list[dict]) -> list[int]:
+    """The feature layers to store: every use's ids (layer_uses), each once, in the order first asked for."""
+    for use in uses:
+        if len(set(use["layer_ids"])) != len(use["layer_ids"]):
+            fix = (
+                "pass --layer-ids explicitly or fewer --num-draft-layers"
+                if config.layer_ids is None and not draft_config_paths(config)
+                else "list each layer once"
+            )
+            raise UserError(
+                f"{use['by']}: duplicate layer ids {use['layer_ids']} (target has {num_target_layers} layers); {fix}"
+            )
     ids = list(dict.fromkeys(i for use in uses for i in use["layer_ids"]))
+    where = " and ".join(use["by"] for use in uses)
     if not ids:
         raise UserError(f"{where}: no layer ids; pass --layer-ids explicitly")
     check_layer_ids(ids, num_target_layers, where)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
+from huggingface_hub.errors import StrictDataclassError
 
 from pipeline.common.errors import UserError
 from pipeline.common.sampling import Sampling
@@ -115,6 +116,22 @@ class DrafterConfig:
     def has_scales(self) -> bool:
         """Whether any scale differs from its neutral value (the `scales` diagnose variant)."""
         return self.scales() != (1.0, 1.0, None)
+
+
+def refuse_field(source: str, field: str, value, why: str) -> None:
+    """A config field whose value the replay does not implement, refused by name rather than scored wrong."""
+    raise DrafterConfigError(f"{source}: field '{field}' is {value}: {why}; refusing rather than scoring it wrong")
+
+
+def transformers_config(config_class: type, fields: dict, source: str, drop: tuple[str, ...] = ()):
+    """transformers' `config_class` built from a config.json's `fields` (less `drop`), as the
+    reference builds it, its defaults filling the rest; a field it refuses (a type or value its
+    schema does not declare) is one DrafterConfigError line naming the file."""
+    try:
+        return config_class(**{k: v for k, v in fields.items() if k not in drop})
+    except (TypeError, ValueError, StrictDataclassError) as error:
+        said = " ".join(str(error).split())
+        raise DrafterConfigError(f"{source}: transformers' {config_class.__name__} refuses it: {said}") from None
 
 
 def decoder_shape(hf) -> dict:

@@ -10,8 +10,6 @@ docs/drafter-families.md's and docs/anchors-and-blocks.md's.
 
 from __future__ import annotations
 
-from huggingface_hub.errors import StrictDataclassError
-
 from pipeline.common.drafter_configs.speculators import SpeculatorsDFlash
 from pipeline.common.drafter_configs.zlab import ZlabDFlash
 from scoring.drafters.base import DrafterConfig, DrafterConfigError, Family, decoder_shape
@@ -24,11 +22,7 @@ def attention_layout(raw: dict, source: str) -> tuple[list[str], int | None]:
     """(layer_types, sliding_window) as the reference sees them: through Qwen3Config, which
     drops `sliding_window` unless `use_sliding_window` is true and derives missing layer_types."""
     num_layers = raw["num_hidden_layers"]
-    try:
-        hf = qwen3_config(raw)
-    except (TypeError, ValueError, StrictDataclassError) as error:  # what the schema does not declare
-        said = " ".join(str(error).split())
-        raise DrafterConfigError(f"{source}: transformers' Qwen3Config refuses it: {said}") from None
+    hf = qwen3_config(raw, source)
     layer_types = list(hf.layer_types or ["full_attention"] * num_layers)
     if len(layer_types) != num_layers:
         raise DrafterConfigError(f"{source}: layer_types has {len(layer_types)} entries for {num_layers} layers")

@@ -25,15 +25,15 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwe
 
 from pipeline.common import timing
 from scoring.drafters.attention import MASK_BUILDERS, attend
-from scoring.drafters.base import DrafterConfig
+from scoring.drafters.base import DrafterConfig, transformers_config
 from scoring.drafters.conventions import REFERENCE, Conventions
 from scoring.drafters.head import DraftHead
 
 
-def qwen3_config(raw: dict) -> Qwen3Config:
+def qwen3_config(raw: dict, source: str = "config") -> Qwen3Config:
     """The Qwen3Config the reference builds from config.json (drives RoPE, the MLP activation,
     the effective sliding window and default layer types)."""
-    return Qwen3Config(**{k: v for k, v in raw.items() if k not in ("architectures", "auto_map", "dflash_config")})
+    return transformers_config(Qwen3Config, raw, source, drop=("architectures", "auto_map", "dflash_config"))
 
 
 def decoder_hf_config(config: DrafterConfig) -> Qwen3Config:

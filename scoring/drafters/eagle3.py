@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from pipeline.common.drafter_configs.eagle3_layouts import SpecForgeEagle3
 from pipeline.common.drafter_configs.speculators import SpeculatorsEagle3
-from scoring.drafters.base import DrafterConfig, DrafterConfigError, Family, decoder_shape
+from scoring.drafters.base import DrafterConfig, DrafterConfigError, Family, decoder_shape, refuse_field
 from scoring.drafters.dflash import draft_vocab
 from scoring.drafters.eagle3_model import Eagle3Drafter, decoder_config
 
@@ -75,11 +75,13 @@ def _before_ids(checked: SpeculatorsEagle3, target_layers: int, source: str) -> 
 def _specforge(checked: SpecForgeEagle3, raw: dict, source: str, target_layers: int | None) -> DrafterConfig:
     options = checked.options
     if not options.use_aux_hidden_state:
-        _refuse(source, "eagle_config.use_aux_hidden_state", "false", "an EAGLE drafter without target aux layers")
+        refuse_field(source, "eagle_config.use_aux_hidden_state", "false", "an EAGLE drafter without target aux layers")
     if checked.num_hidden_layers != 1:
-        _refuse(source, "num_hidden_layers", checked.num_hidden_layers, "SpecForge's EAGLE-3 has one layer (midlayer)")
+        refuse_field(
+            source, "num_hidden_layers", checked.num_hidden_layers, "SpecForge's EAGLE-3 has one layer (midlayer)"
+        )
     if not checked.norm_output:
-        _refuse(
+        refuse_field(
             source,
             "norm_output",
             "false",
@@ -135,18 +137,16 @@ def _check_decoder(decoder: dict, hf, checked, source: str) -> None:
     """What the replay does not implement for EAGLE-3, refused by name rather than scored wrong."""
     types = decoder.get("layer_types") or []
     if "sliding_attention" in types or (decoder.get("use_sliding_window") and decoder.get("sliding_window")):
-        _refuse(source, "layer_types", "sliding attention", "specreplay scores EAGLE-3 drafters with full attention")
+        refuse_field(
+            source, "layer_types", "sliding attention", "specreplay scores EAGLE-3 drafters with full attention"
+        )
     if checked.target_hidden_size is not None and checked.target_hidden_size != hf.hidden_size:
-        _refuse(
+        refuse_field(
             source,
             "target_hidden_size",
             checked.target_hidden_size,
             f"the drafter's width is {hf.hidden_size}; the target's embedding then does not fit its first layer",
         )
-
-
-def _refuse(source: str, field: str, value, why: str) -> None:
-    raise DrafterConfigError(f"{source}: field '{field}' is {value}: {why}; refusing rather than scoring it wrong")
 
 
 FAMILY = Family("EAGLE-3", parse_drafter_config, Eagle3Drafter, trees=False, eagle_trees=True, reads_target_layers=True)

@@ -28,7 +28,6 @@ row seeing its own path of earlier steps.
 from __future__ import annotations
 
 import torch
-from huggingface_hub.errors import StrictDataclassError
 from torch import nn
 from transformers import LlamaConfig, PretrainedConfig, Qwen3Config
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRotaryEmbedding
@@ -36,7 +35,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwe
 
 from pipeline.common import timing
 from scoring.drafters.attention import MASK_BUILDERS, with_block_keys
-from scoring.drafters.base import DrafterConfig, DrafterConfigError
+from scoring.drafters.base import DrafterConfig, transformers_config
 from scoring.drafters.conventions import REFERENCE, Conventions
 from scoring.drafters.dflash_model import DrafterAttention
 from scoring.drafters.head import DraftHead
@@ -52,12 +51,7 @@ NOT_DECODER = ("architectures", "auto_map", "eagle_config", "draft_vocab_size", 
 def decoder_config(raw: dict, kind: str, source: str = "config") -> PretrainedConfig:
     """transformers' config of the decoder (`kind` llama or qwen3) as the reference builds it from
     the file's fields, its defaults filling the rest (head_dim, RoPE, the MLP activation)."""
-    config_class = DECODERS[kind][0]
-    try:
-        return config_class(**{k: v for k, v in raw.items() if k not in NOT_DECODER and k != "model_type"})
-    except (TypeError, ValueError, StrictDataclassError) as error:  # what the schema does not declare
-        said = " ".join(str(error).split())
-        raise DrafterConfigError(f"{source}: transformers' {config_class.__name__} refuses it: {said}") from None
+    return transformers_config(DECODERS[kind][0], raw, source, drop=(*NOT_DECODER, "model_type"))
 
 
 class Eagle3Layer(nn.Module):

@@ -15,13 +15,11 @@ t + j - 1 and proposing t + j. The model and the rule: mtp_model.py.
 
 from __future__ import annotations
 
-from huggingface_hub.errors import StrictDataclassError
-
 from pipeline.common.drafter_configs.native_mtp import NativeMTP
 from pipeline.common.drafter_configs.speculators import SpeculatorsMTP
 from pipeline.common.layer_ids import final_prenorm_id
-from scoring.drafters.base import DrafterConfig, DrafterConfigError, Family, decoder_shape
-from scoring.drafters.mtp_model import PARTS, MtpDrafter, hf_config
+from scoring.drafters.base import DrafterConfig, DrafterConfigError, Family, decoder_shape, refuse_field
+from scoring.drafters.mtp_model import MtpDrafter, hf_config
 
 # Steps a native head drafts when nothing says (vLLM takes num_speculative_tokens at serving time;
 # speculators' MTP default is 3)
@@ -47,18 +45,17 @@ def _kind(decoder: dict, raw: dict, source: str) -> str:
     """The decoder kind of mtp_model.PARTS, or the one line saying why it is not scored."""
     model_type = decoder.get("model_type") or raw.get("model_type")
     if model_type in MOE_KINDS or (model_type == "qwen3_next" and (decoder.get("num_experts") or 0) > 0):
-        _refuse(source, "model_type", f"{model_type!r} with experts", "specreplay scores MTP heads with a dense MLP")
+        refuse_field(
+            source, "model_type", f"{model_type!r} with experts", "specreplay scores MTP heads with a dense MLP"
+        )
     if model_type not in KINDS:
-        _refuse(source, "model_type", repr(model_type), f"specreplay scores the MTP heads of {sorted(KINDS)}")
+        refuse_field(source, "model_type", repr(model_type), f"specreplay scores the MTP heads of {sorted(KINDS)}")
     return KINDS[model_type]
 
 
 def _config(decoder: dict, kind: str, source: str, checked, steps: int) -> DrafterConfig:
     raw = {**decoder, "model_type": kind}
-    try:
-        hf = hf_config(raw, kind)
-    except (TypeError, ValueError, StrictDataclassError) as error:
-        raise DrafterConfigError(f"{source}: transformers' {PARTS[kind].config.__name__} refuses it: {error}") from None
+    hf = hf_config(raw, kind, source)
     layers = final_prenorm_id(hf.num_hidden_layers)
     return DrafterConfig(
         **decoder_shape(hf),
@@ -79,10 +76,6 @@ def _config(decoder: dict, kind: str, source: str, checked, steps: int) -> Draft
         stated_layer_ids=[layers],
         layer_convention="output",
     )
-
-
-def _refuse(source: str, field: str, value, why: str) -> None:
-    raise DrafterConfigError(f"{source}: field '{field}' is {value}: {why}; refusing rather than scoring it wrong")
 
 
 FAMILY = Family("MTP", parse_drafter_config, MtpDrafter, trees=False, reads_target_layers=True)

@@ -40,7 +40,7 @@ from transformers.models.qwen3_next.modeling_qwen3_next import (
 
 from pipeline.common import timing
 from scoring.drafters.attention import attend
-from scoring.drafters.base import DrafterConfig
+from scoring.drafters.base import DrafterConfig, transformers_config
 from scoring.drafters.conventions import REFERENCE, Conventions
 from scoring.drafters.dflash_model import DrafterAttention, apply_rope
 from scoring.drafters.eagle3_model import Eagle3Drafter
@@ -61,10 +61,9 @@ PARTS = {
 }
 
 
-def hf_config(raw: dict, kind: str) -> PretrainedConfig:
+def hf_config(raw: dict, kind: str, source: str = "config") -> PretrainedConfig:
     """transformers' config of the target's decoder of `kind` from its fields `raw` (a text config)."""
-    fields = {k: v for k, v in raw.items() if k not in ("model_type", "architectures", "auto_map")}
-    return PARTS[kind].config(**fields)
+    return transformers_config(PARTS[kind].config, raw, source, drop=("model_type", "architectures", "auto_map"))
 
 
 def partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -189,15 +189,17 @@ def at_rows(result: AnchorTensors, rows) -> AnchorTensors:
     return AnchorTensors(**{name: getattr(result, name)[rows] for name in AnchorTensors.__dataclass_fields__})
 
 
-def method_accepted(result: AnchorTensors, method: str, eagle_trees=()) -> torch.Tensor:
-    """Accepted draft tokens per anchor [A] (bonus-exclusive) of one method of results.py: the
-    chain, a DDTree budget, or one of the EAGLE trees `eagle_trees` (result.eagle_tree_accepted's
-    columns, in that order)."""
+def method_accepted(result: AnchorTensors, method: str, eagle_trees=(), rows=slice(None)) -> torch.Tensor:
+    """Accepted draft tokens [A] (bonus-exclusive) at the anchors `rows` (all by default) of one
+    method of results.py: the chain, a DDTree budget, or one of the EAGLE trees `eagle_trees`
+    (result.eagle_tree_accepted's columns, in that order)."""
     tree = names.eagle_tree_of(method)
     if tree is not None:
-        return result.eagle_tree_accepted[:, list(eagle_trees).index(tree)]
+        return result.eagle_tree_accepted[rows, list(eagle_trees).index(tree)]
     nodes = names.tree_nodes_of(method)
-    return metrics.accepted_len(result.draft_tokens, result.target_tokens, result.tree_pop_index, nodes)
+    return metrics.accepted_len(
+        result.draft_tokens[rows], result.target_tokens[rows], result.tree_pop_index[rows], nodes
+    )
 
 
 def replay_sample(
@@ -252,7 +254,7 @@ def replay_walks(
     def produced(key: tuple[int, int], position: int) -> int:
         s, m = key
         r, out = slice(row(s, position), row(s, position) + 1), results[s]
-        accepted = method_accepted(at_rows(out, r), methods[m], options.eagle_trees)
+        accepted = method_accepted(out, methods[m], options.eagle_trees, r)
         anchor = out.anchors[r]
         return int(metrics.produced_tokens(accepted, anchor, samples[s].input_ids.numel(), next_stop[s][anchor])[0])
 

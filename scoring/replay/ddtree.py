@@ -38,8 +38,8 @@ NOT_IN_TREE = np.iinfo(np.int64).max
 def top_k_ids(logits: torch.Tensor, k: int) -> torch.Tensor:
     """Ids of the k largest logits per row, largest first, equal logits by lower id.
     [..., V] float32 -> [..., k] int64. torch.topk of k + 1, re-sorted by (logit, id): exact
-    wherever the k-th and (k + 1)-th logits differ (the top k are then one set), ~25x cheaper than
-    ranking the whole row; the rows where they tie (the tie may reach past k + 1) or hold NaN
+    wherever the k-th and (k + 1)-th logits differ (the top k are then one set), and without the
+    whole row's int64 keys; the rows where they tie (the tie may reach past k + 1) or hold NaN
     take `ids_by_keys`, the definition."""
     vocab = logits.shape[-1]
     k = min(k, vocab)

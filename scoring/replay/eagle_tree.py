@@ -37,7 +37,7 @@ from scoring.results import EagleTree
 ROOT = -1  # parent index of a depth-1 candidate
 
 # bytes per vocabulary entry per branch row a step holds at once: the logits, their probabilities
-# and top_k_ids' int64 sort keys and temporaries
+# and, for a row tied at its k-th value, top_k_ids' int64 sort keys and temporaries
 BYTES_PER_ENTRY = 48
 
 

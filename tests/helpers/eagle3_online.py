@@ -112,14 +112,10 @@ def fit(model, documents: list[dict], *, steps: int, lr: float = 3e-3, per_step:
 # the drafter on a growing cache
 
 
-class DraftCache:
-    """The drafter's KV cache for one sequence and the rows it writes (speculators' first layer)."""
+class GrowingCache:
+    """A drafter's transformers cache for one sequence, grown slot by slot and cut back (`cache`)."""
 
-    def __init__(self, model):
-        from transformers import DynamicCache
-
-        self.model, self.cache = model, DynamicCache()
-        self.feed = model.norm if model.config.norm_output else (lambda h: h)
+    cache = None
 
     @property
     def length(self) -> int:
@@ -128,6 +124,16 @@ class DraftCache:
     def crop(self, length: int) -> None:
         """Keep slots 0..length - 1 (transformers 5 crops by the number of slots removed)."""
         self.cache.crop(length - self.length)
+
+
+class DraftCache(GrowingCache):
+    """The drafter's KV cache for one sequence and the rows it writes (speculators' first layer)."""
+
+    def __init__(self, model):
+        from transformers import DynamicCache
+
+        self.model, self.cache = model, DynamicCache()
+        self.feed = model.norm if model.config.norm_output else (lambda h: h)
 
     @torch.no_grad()
     def append(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:

@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import copy
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from tests.helpers.dspark_online import commit, target_states
-from tests.helpers.eagle3_online import DraftCache
+from tests.helpers.eagle3_online import DraftCache, OnlineRun
 
 
 @dataclass
@@ -107,22 +107,15 @@ def greedy_after(target, root: torch.Tensor, path: list[int]) -> int:
     return int(target_states(target, torch.cat([root, torch.tensor(path, dtype=root.dtype)]))[0][-1].argmax())
 
 
-@dataclass
-class TreeRun:
-    output_ids: torch.Tensor
-    produced: list[int] = field(default_factory=list)
-    accepted: list[int] = field(default_factory=list)
-
-
 @torch.no_grad()
-def online_tree_walk(model, target, prompt: torch.Tensor, max_new_tokens: int, stop_ids, tree) -> TreeRun:
+def online_tree_walk(model, target, prompt: torch.Tensor, max_new_tokens: int, stop_ids, tree) -> OnlineRun:
     """The greedy online loop with `tree` = (topk, depth, draft_tokens) at every step: the target
     verifies node by node (its argmax after the committed tokens and the path so far); steps,
     budget and stop tokens as tests/helpers/eagle3_online.py (z-lab's dflash_generate)."""
     max_length = prompt.numel() + max_new_tokens
     logits, features, _ = target_states(target, prompt)
     seq = torch.cat([prompt, logits[-1].argmax().reshape(1)])
-    run, start, stopped = TreeRun(seq), prompt.numel(), int(seq[-1]) in stop_ids
+    run, start, stopped = OnlineRun(seq), prompt.numel(), int(seq[-1]) in stop_ids
     while start + 1 < max_length and not stopped:
         kept = draft_tree(model, features, seq, start, *tree)
         root = seq[: start + 1]

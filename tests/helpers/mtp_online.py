@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
 from tests.helpers.dspark_online import commit, verify
+from tests.helpers.eagle3_online import GrowingCache, OnlineRun
 
 TEXT = dict(
     vocab_size=64,
@@ -125,7 +126,7 @@ def _forward(head: MtpHead, embeds, hidden, positions, cache):
     return head.layers[0](x, position_embeddings=rotary(x, positions), attention_mask=mask, cache=cache)
 
 
-class DraftCache:
+class DraftCache(GrowingCache):
     """The head's KV cache for one sequence (transformers' DynamicCache)."""
 
     def __init__(self, head: MtpHead, embed):
@@ -133,13 +134,6 @@ class DraftCache:
 
         self.head, self.embed = head, embed
         self.cache = DynamicCache(config=head.layers[0].self_attn.config)
-
-    @property
-    def length(self) -> int:
-        return self.cache.get_seq_length()
-
-    def crop(self, length: int) -> None:
-        self.cache.crop(length - self.length)
 
     @torch.no_grad()
     def append(self, tokens: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
@@ -162,13 +156,6 @@ def propose(draft: DraftCache, lm_head, hidden, seq, start: int, count: int) -> 
         if j + 1 < count:
             h = draft.append(token.reshape(1), h)
     return torch.stack(drafts) if drafts else torch.zeros(0, dtype=torch.long)
-
-
-@dataclass
-class OnlineRun:
-    output_ids: torch.Tensor
-    produced: list[int] = field(default_factory=list)
-    accepted: list[int] = field(default_factory=list)
 
 
 @torch.no_grad()

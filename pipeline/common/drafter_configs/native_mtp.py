@@ -26,7 +26,7 @@ class NativeMTP(Schema):
     LAYOUT: ClassVar[str] = "native"
     CONVENTION: ClassVar[str] = "output"
 
-    model_type: Literal["qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"]
+    model_type: Literal[MTP_TARGET_TYPES]
     num_hidden_layers: Positive | None = None
     text_config: TextFields | None = None
 

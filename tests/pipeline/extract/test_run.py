@@ -148,7 +148,7 @@ def test_formula_default_layer_ids(prompts_file, tmp_path):
 
 
 def test_draft_config_layer_ids(tiny_qwen3_dir, prompts_file, tmp_path):
-    from pipeline.extract.plan import draft_layer_ids
+    from pipeline.extract.plan import draft_layer_use
 
     explicit = tmp_path / "explicit"
     explicit.mkdir()
@@ -157,8 +157,8 @@ def test_draft_config_layer_ids(tiny_qwen3_dir, prompts_file, tmp_path):
     )
     formula = tmp_path / "formula.json"
     formula.write_text(json.dumps({"num_hidden_layers": 3, "num_target_layers": 6}))
-    assert draft_layer_ids(str(explicit), 6) == [0, 5]
-    assert draft_layer_ids(str(formula), 6) == build_target_layer_ids(6, 3)
+    assert draft_layer_use(str(explicit), 6)["layer_ids"] == [0, 5]
+    assert draft_layer_use(str(formula), 6)["layer_ids"] == build_target_layer_ids(6, 3)
     manifest = extract(tiny_qwen3_dir, prompts_file, tmp_path / "out", draft_config=str(explicit), limit=1)
     assert manifest["settings"]["layer_ids"] == [0, 5]
 
