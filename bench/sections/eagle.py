@@ -100,12 +100,10 @@ def online_sample(model, sample, columns, max_new: int) -> int:
     return anchors
 
 
-def feature_columns(shard_dir: str, aux_ids: list[int]):
-    """features [T, n*H] -> the aux layers' [T, 3*H] in their order (the replay's own selection)."""
-    from pipeline.shards import ShardSet
+def feature_columns(stored: list[int], aux_ids: list[int]):
+    """features [T, n*H] of the `stored` layers -> the aux layers' [T, 3*H] in their order (the replay's own selection)."""
     from scoring.replay.packing import select_feature_columns
 
-    stored = ShardSet(shard_dir).manifest["settings"]["layer_ids"]
     return lambda features: select_feature_columns(features, stored, aux_ids)
 
 
@@ -113,7 +111,8 @@ def online_all_anchors(model, shard_dir: str, aux_ids: list[int], limit: int | N
     from pipeline.shards import ShardSet
 
     shards = ShardSet(shard_dir)
-    columns, max_new = feature_columns(shard_dir, aux_ids), shards.manifest["settings"]["max_new_tokens"]
+    settings = shards.manifest["settings"]
+    columns, max_new = feature_columns(settings["layer_ids"], aux_ids), settings["max_new_tokens"]
     with Phase() as phase:
         anchors = sum(online_sample(model, s, columns, max_new) for s in itertools.islice(shards.samples(), limit))
     return {"wall_s": phase.seconds, "others_cpu": phase.others_cpu, "anchors": anchors}
