@@ -236,23 +236,43 @@ _DONE = object()
 
 
 def _background(iterator: Iterator, depth: int) -> Iterator:
-    """Run `iterator` in a daemon thread, `depth` items ahead; exceptions re-raise here."""
+    """Run `iterator` in a daemon thread, `depth` items ahead; exceptions re-raise here. A consumer
+    that leaves early (an error, a stop signal, a break) ends the thread before it goes on: a
+    decoding thread still running at interpreter exit can abort the process (measured: a watcher
+    stopped by SIGTERM died of "PyGILState_Release" instead of exiting 143)."""
     items: queue.Queue = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+
+    def hand_over(item) -> bool:
+        """Put `item` in the queue unless the consumer has left (False)."""
+        while not stop.is_set():
+            try:
+                items.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
 
     def run():
         try:
             for item in iterator:
-                items.put(item)
+                if not hand_over(item):
+                    return
         except BaseException as error:  # noqa: BLE001 - handed to the consumer
-            items.put(error)
-        items.put(_DONE)
+            hand_over(error)
+            return
+        hand_over(_DONE)
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
-    while True:
-        item = items.get()
-        if item is _DONE:
-            return
-        if isinstance(item, BaseException):
-            raise item
-        yield item
+    try:
+        while True:
+            item = items.get()
+            if item is _DONE:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()
+        thread.join()

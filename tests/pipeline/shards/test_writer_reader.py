@@ -243,3 +243,18 @@ def test_incomplete_and_foreign_manifests_are_refused(tmp_path):
     shards.write_manifest(str(tmp_path), {"format_version": 999, "complete": True})
     with pytest.raises(ShardError, match="field 'format_version' is 999"):
         ShardSet(str(tmp_path))
+
+
+def test_a_consumer_leaving_early_ends_the_decoding_thread(tmp_path):
+    """Breaking off after one sample (or an exception, or a stop signal) leaves no decoding thread
+    running: one alive at interpreter exit can abort the process."""
+    import threading
+
+    write_set(tmp_path, [make_sample(i, n_tokens=64) for i in range(9)], chunk_tokens=64)
+    before = {t.ident for t in threading.enumerate()}
+    samples = ShardSet(str(tmp_path)).samples(prefetch=1)
+    assert next(samples).sample_id == "s000"
+    decoding = [t for t in threading.enumerate() if t.ident not in before]
+    assert len(decoding) == 1 and decoding[0].is_alive()  # blocked handing over the next samples
+    samples.close()
+    assert not decoding[0].is_alive()
