@@ -431,7 +431,7 @@ def count_params(module) -> int:
 
 
 def drafter_shape(cfg, vocab: int, hidden: int | None = None) -> dict:
-    """Parameter counts of a DFlash drafter (scoring.drafters.dflash.DrafterConfig) that its FLOPs use:
+    """Parameter counts of a DFlash drafter (proposers.dflash.config.DrafterConfig) that its FLOPs use:
     P_D the decoder layers' q/k/v/o/MLP (norms ignored), P_C its context path (fc over the stored
     feature layers + every layer's k/v), P_V = V x H the target lm_head it shares."""
     hidden = hidden or cfg.hidden_size

@@ -262,9 +262,10 @@ def parity_rows(p: dict, env: Env) -> Rows:
         f"{f32['draft_positions_equal']}/{f32['draft_positions']}; {f32['target_prob_max_abs_diff']:.2e}",
     )
     out.add("  bf16: max |tau flex - tau dense| over methods", f"{b16['tau_max_abs_diff']:.4f}")
-    from scoring.results import CHAIN, tree_method
+    from scoring.methods.chain import CHAIN
+    from scoring.methods.ddtree import DDTREE
 
-    deepest = tree_method(p["budgets"][-1])
+    deepest = DDTREE.name(p["budgets"][-1])
     out.add(
         f"  bf16: draft tokens equal; tau dense / flex, chain and {deepest}",
         f"{b16['draft_positions_equal']}/{b16['draft_positions']}; {b16['tau_dense'][CHAIN]:.3f} / "

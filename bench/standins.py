@@ -117,8 +117,8 @@ def build_target(model_dir: Path, shape: dict) -> dict:
 def build_drafter(ckpt_dir: Path, target: dict, shape: dict, layer_ids: list[int]) -> dict:
     """A z-lab-format drafter (config.json from `scoring.fit.new_drafter_config` +
     model.safetensors, random bf16) for a target of the given widths."""
-    from scoring.drafters.detect import parse_drafter_config
-    from scoring.drafters.dflash_model import DFlashDrafter
+    from proposers.detect import parse_drafter_config
+    from proposers.dflash.model import DFlashDrafter
     from scoring.fit import new_drafter_config
 
     facts = {

@@ -25,6 +25,8 @@ class ScoreConfig:
     eagle_trees: list[str] | None = None
     # --steps: drafts per anchor of an autoregressive chain (EAGLE-3, MTP); None: the checkpoint's
     steps: int | None = None
+    # --family NAME[:LAYOUT]: read every checkpoint as this family's (and layout's); None: detected
+    family: str | None = None
     device: str = "auto"
     dtype: str = "auto"
     memory_bytes: int = DEFAULT_MEMORY_BYTES  # working memory for one anchor chunk
@@ -63,6 +65,7 @@ class DiagnoseConfig:
     dtype: str = "fp32"  # the as-configured run; the bf16 variant is the precision probe
     memory_bytes: int = DEFAULT_MEMORY_BYTES
     attention: str = "auto"
+    family: str | None = None  # --family NAME[:LAYOUT], as score's
     resamples: int = 2000  # paired bootstrap resamples per interval
     force: bool = False  # replace a diagnose.parquet already there
 

@@ -20,9 +20,9 @@ from safetensors.torch import save_file
 from pipeline.common.errors import UserError
 from pipeline.common.layer_ids import build_target_layer_ids, requested_layer_ids
 from pipeline.shards import Sample, ShardSet
+from proposers.detect import build_drafter, parse_drafter_config
+from proposers.dflash.model import DFlashDrafter
 from scoring.config import FitOptions
-from scoring.drafters.detect import build_drafter, parse_drafter_config
-from scoring.drafters.dflash_model import DFlashDrafter
 from scoring.replay.packing import select_feature_columns
 from scoring.score.record import shards_identity
 

@@ -16,34 +16,20 @@ from __future__ import annotations
 
 import json
 import os
-import re
-from dataclasses import dataclass
 from typing import Any, Literal
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline.common.schema import Count, Number, Schema, SchemaError, found, validate
+from proposers.registry import family_label, layout_label
+from scoring.methods import registry as methods
 
 ALL_DATASETS = "(all)"  # the dataset label of rows pooling every dataset
-# results' drafter_family values, as messages and the headline name them
-FAMILY_NAMES = {"dflash": "DFlash", "dflash2": "DFlash2", "dspark": "DSpark", "eagle3": "EAGLE-3", "mtp": "MTP"}
-LAYOUT_NAMES = {
-    "z-lab": "z-lab",
-    "speculators": "speculators",
-    "specforge": "SpecForge",
-    "deepspec": "DeepSpec",
-    "native": "the target's own",
-}
-CHAIN = "chain"
 # A per-position acceptance rate resting on fewer anchors than this is no reading: one or two
 # anchors at the far block positions swing between 0 and 100% and would read as a cliff. The
 # report greys such points; diagnose's console and the loggers (`log`, `watch`) leave them out.
 MIN_ANCHORS = 30
-_TREE = re.compile(r"ddtree-(\d+)")
-EAGLE_TREE_PREFIX = "eagle-tree-"  # polars: pl.col("method").str.starts_with(EAGLE_TREE_PREFIX)
-_EAGLE_SETTING = re.compile(r"(\d+)x(\d+)-(\d+)")  # as --eagle-trees spells one: 4x5-8
-_EAGLE_TREE = re.compile(EAGLE_TREE_PREFIX + _EAGLE_SETTING.pattern)
 
 FILES = {
     "anchors": "anchors.parquet",
@@ -176,118 +162,11 @@ def drafter_label(family: str | None, layout: str | None) -> str:
     """'DSpark, speculators layout' ('' for results older than the family columns)."""
     if not family:
         return ""
-    return f"{FAMILY_NAMES.get(family, family)}, {LAYOUT_NAMES.get(layout, layout)} layout"
+    return f"{family_label(family)}, {layout_label(layout)} layout"
 
 
 # --------------------------------------------------------------------------- method names
-
-
-def tree_method(nodes: int) -> str:
-    """The method name of a DDTree of `nodes` nodes (root not counted): 'ddtree-16'."""
-    return f"ddtree-{int(nodes)}"
-
-
-def tree_nodes_of(method: str) -> int | None:
-    """16 for 'ddtree-16', None for 'chain'; ValueError for a name that is neither (an EAGLE tree
-    included: `eagle_tree_of` reads those)."""
-    if method == CHAIN:
-        return None
-    match = _TREE.fullmatch(method)
-    if not match:
-        raise ValueError(f"unknown method {method!r}: expected 'chain' or 'ddtree-N'")
-    return int(match.group(1))
-
-
-@dataclass(frozen=True, order=True)
-class EagleTree:
-    """One setting of sglang's EAGLE dynamic tree (docs/eagle-tree.md), in sglang's own numbers: a
-    beam of `topk` nodes per depth (--speculative-eagle-topk), `depth` levels
-    (--speculative-num-steps), `draft_tokens` verified per step, the root included
-    (--speculative-num-draft-tokens: the best draft_tokens - 1 candidates are kept)."""
-
-    topk: int
-    depth: int
-    draft_tokens: int
-
-    @property
-    def name(self) -> str:
-        """As `score --eagle-trees` spells it: '4x5-8'."""
-        return f"{self.topk}x{self.depth}-{self.draft_tokens}"
-
-    @property
-    def method(self) -> str:
-        return EAGLE_TREE_PREFIX + self.name
-
-    @property
-    def column(self) -> str:
-        """anchors.parquet column of its accepted length per anchor (bonus-exclusive)."""
-        return f"eagle_tree_{self.topk}x{self.depth}_{self.draft_tokens}_accepted_len"
-
-
-EAGLE_TREES_SPELLING = "topk x depth - draft tokens, comma-separated, like 4x5-8,8x5-32"
-
-
-def parse_eagle_trees(text: str, option: str = "--eagle-trees") -> list[EagleTree]:
-    """'4x5-8,8x5-32' -> their EagleTrees, in the order given, repeats dropped; '' -> []. A
-    setting sglang would not run is a UserError naming `option`."""
-    from pipeline.common.errors import UserError
-
-    trees = []
-    for part in (p.strip() for p in text.split(",")):
-        if not part:
-            continue
-        match = _EAGLE_SETTING.fullmatch(part)
-        if not match:
-            raise UserError(f"{option}: {part!r} is not a tree setting; expected {EAGLE_TREES_SPELLING}")
-        tree = EagleTree(*map(int, match.groups()))
-        most = 1 + tree.topk + (tree.depth - 1) * tree.topk**2  # the root and every candidate
-        if min(tree.topk, tree.depth) < 1 or not 2 <= tree.draft_tokens <= most:
-            raise UserError(
-                f"{option} {part}: needs topk >= 1, depth >= 1 and 2 <= draft tokens <= {most} "
-                "(the root plus every candidate the beam proposes)"
-            )
-        trees += [tree] if tree not in trees else []
-    return trees
-
-
-def eagle_tree_of(method: str) -> EagleTree | None:
-    """The EagleTree of 'eagle-tree-4x5-8'; None for any other name."""
-    match = _EAGLE_TREE.fullmatch(method)
-    return EagleTree(*map(int, match.groups())) if match else None
-
-
-def method_names(tree_nodes, eagle_trees=()) -> list[str]:
-    """['chain', 'ddtree-N' for each budget in the order given, then each EAGLE tree's method]."""
-    return [CHAIN] + [tree_method(n) for n in tree_nodes] + [tree.method for tree in eagle_trees]
-
-
-def method_order(method: str) -> tuple:
-    """Sort key: chain first, then ddtree-N by N, then eagle-tree-KxD-N by N (then K, D), then
-    anything else by name. The second entry is always the tree's size."""
-    if method == CHAIN:
-        return (0, 0, method)
-    match = _TREE.fullmatch(method)
-    if match:
-        return (1, int(match.group(1)), method)
-    tree = eagle_tree_of(method)
-    return (2, tree.draft_tokens, tree.topk, tree.depth) if tree else (3, 0, method)
-
-
-def tree_column(nodes: int) -> str:
-    """anchors.parquet column holding alpha (bonus-exclusive) for the DDTree of `nodes` nodes."""
-    return f"ddtree_{int(nodes)}_accepted_len"
-
-
-def accepted_column(method: str, sampled: bool = False) -> str:
-    """anchors.parquet column of a method's accepted length per anchor (bonus-exclusive). On
-    sampled shards the chain's is its expectation under rejection sampling."""
-    tree = eagle_tree_of(method)
-    if tree is not None:
-        return tree.column
-    nodes = tree_nodes_of(method)
-    if nodes is None:
-        return "expected_accepted_len" if sampled else "accepted_len"
-    return tree_column(nodes)
+# Each verification method declares its own names and columns (scoring/methods/registry.py).
 
 
 def sampling_of_row(row: dict):
@@ -311,7 +190,7 @@ IDENTITY = [
     pa.field("checkpoint", pa.string()),
     pa.field("checkpoint_hash", pa.string()),
     pa.field("checkpoint_step", pa.int64()),
-    pa.field("drafter_family", pa.string()),  # FAMILY_NAMES' keys: dflash, dflash2, dspark, eagle3
+    pa.field("drafter_family", pa.string()),  # proposers/registry.py FAMILY_NAMES: dflash, dflash2, dspark, eagle3, mtp
     pa.field("drafter_layout", pa.string()),  # whose config.json layout: z-lab, speculators, specforge, deepspec
 ]
 WALK = [
@@ -425,10 +304,9 @@ def walk_schema() -> pa.Schema:
 ANCHOR_DRAFTS = pa.field("draft_tokens", pa.list_(pa.int32()))
 
 
-def anchors_schema(tree_nodes, drafts: bool = False, eagle_trees=()) -> pa.Schema:
-    trees = [pa.field(tree_column(n), pa.int32()) for n in tree_nodes]
-    trees += [pa.field(tree.column, pa.int32()) for tree in eagle_trees]
-    return pa.schema(IDENTITY + ANCHORS + trees + ([ANCHOR_DRAFTS] if drafts else []))
+def anchors_schema(plan: dict, drafts: bool = False) -> pa.Schema:
+    """anchors.parquet's schema for the tree methods `plan` runs (their settings by kind)."""
+    return pa.schema(IDENTITY + ANCHORS + methods.anchor_fields(plan) + ([ANCHOR_DRAFTS] if drafts else []))
 
 
 def samples_schema() -> pa.Schema:

@@ -1,12 +1,15 @@
 """The import rules the design rests on, read from the code itself: stage 1 (pipeline/) never
-imports stage 2 (scoring/) or the CLI; scoring/ never imports target loading, generation,
-capture or extract (it needs nothing of the target beyond the shards); the CLI's help loads
-neither torch nor pyarrow."""
+imports stage 2 (scoring/) or the CLI, and of proposers/ only the torch-free layouts; scoring/ never
+imports target loading, generation, capture or extract (it needs nothing of the target beyond the
+shards); proposer families share neutral modules, never each other's; the CLI's help loads neither
+torch nor pyarrow. And the layout limits: no module over 500 lines, no folder over 16 modules, no
+product function over 60 lines unless its def line says why (`# N lines: ...`)."""
 
 from __future__ import annotations
 
 import ast
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -33,6 +36,48 @@ def test_pipeline_never_imports_scoring_or_the_cli():
     for path, names in imported_modules("pipeline").items():
         bad = sorted(n for n in names if n.split(".")[0] in ("scoring", "specreplay"))
         assert not bad, f"{path} imports {bad}"
+
+
+# what stage 1 may read of proposers/: the declared config layouts, which load without torch
+TORCH_FREE_PROPOSERS = re.compile(
+    r"proposers(\.(layouts|registry|[a-z0-9_]+\.layout|toolkit\.(layout_fields|zlab_layout|speculators_layout)))?(\.\w+)?$"
+)
+
+
+def test_pipeline_reads_only_the_torch_free_layouts_of_proposers():
+    for path, names in imported_modules("pipeline").items():
+        bad = sorted(n for n in names if n.startswith("proposers") and not TORCH_FREE_PROPOSERS.match(n))
+        assert not bad, f"{path} imports {bad}"
+
+
+def test_proposers_never_import_scoring_pipeline_stage_1_or_the_cli():
+    for path, names in imported_modules("proposers").items():
+        bad = sorted(
+            n for n in names if n.split(".")[0] in ("scoring", "specreplay") or n.startswith("pipeline.extract")
+        )
+        assert not bad, f"{path} imports {bad}"
+
+
+def test_families_share_neutral_modules_not_each_others_classes():
+    """proposers/<family>/ imports no other family's folder: what two families share lives in
+    proposers/toolkit/ (or the interface), so a change to one family never ripples into another."""
+    families = {p.name for p in (ROOT / "proposers").iterdir() if (p / "layout.py").exists()}
+    assert families >= {"dflash", "dflash2", "dspark", "eagle3", "mtp"}
+    for path, names in imported_modules("proposers").items():
+        mine = pathlib.Path(path).parts[1]
+        others = sorted(n for n in names if n.split(".")[1:2] and n.split(".")[1] in families - {mine})
+        assert not others, f"{path} imports {others}"
+
+
+def test_the_layouts_load_without_torch():
+    code = "import proposers.layouts as l, proposers.registry as r; [r.layout_module(n) for n in r.FAMILY_NAMES]"
+    proc = subprocess.run(
+        [sys.executable, "-X", "importtime", "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    loaded = {line.split("|")[-1].strip().split(".")[0] for line in proc.stderr.splitlines() if "|" in line}
+    assert "pydantic" in loaded, "importtime output not understood"
+    assert not loaded & {"torch", "transformers", "pyarrow"}, loaded & {"torch", "transformers", "pyarrow"}
 
 
 def test_scoring_never_imports_target_side_code():
@@ -69,7 +114,7 @@ def test_help_imports_neither_torch_nor_pyarrow():
         assert not loaded & {"torch", "pyarrow", "polars", "transformers"}, (args, loaded & {"torch", "pyarrow"})
 
 
-PRODUCT = ("pipeline", "scoring", "specreplay")
+PRODUCT = ("pipeline", "proposers", "scoring", "specreplay")
 
 
 def module_name(path: pathlib.Path) -> str:
@@ -161,3 +206,40 @@ def test_stage_2_and_the_shared_code_never_load_stage_1_even_indirectly():
     ):
         stage_1 = sorted(m for m in reachable(edges, module) if m.startswith("pipeline.extract"))
         assert not stage_1, f"{module} loads {stage_1}"
+
+
+MAX_MODULE_LINES, MAX_FOLDER_MODULES, MAX_FUNCTION_LINES = 500, 16, 60
+REASON = re.compile(r"#\s*\d+ lines:")  # a def line saying why the function is longer
+
+
+def long_functions(source: str) -> list[tuple[str, int]]:
+    """(name, lines) of every function over MAX_FUNCTION_LINES whose def line gives no reason."""
+    lines, found = source.splitlines(), []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            length = node.end_lineno - node.lineno + 1
+            if length > MAX_FUNCTION_LINES and not REASON.search(lines[node.lineno - 1]):
+                found.append((node.name, length))
+    return found
+
+
+def test_the_layout_limits():
+    problems = []
+    for name, path in product_modules().items():
+        source = path.read_text()
+        if len(source.splitlines()) > MAX_MODULE_LINES:
+            problems.append(f"{name}: {len(source.splitlines())} lines")
+        problems += [f"{name}.{f}: {n} lines" for f, n in long_functions(source)]
+    folders = {path.parent for path in product_modules().values()}
+    for folder in sorted(folders):
+        modules = [p for p in folder.glob("*.py") if p.name != "__init__.py"]
+        if len(modules) > MAX_FOLDER_MODULES:
+            problems.append(f"{folder.relative_to(ROOT)}/: {len(modules)} modules")
+    assert not problems, problems
+
+
+def test_the_limit_checker_finds_a_long_function_and_takes_a_reason():
+    body = "\n".join(f"    x{i} = {i}" for i in range(MAX_FUNCTION_LINES))
+    assert long_functions(f"def f():\n{body}\n") == [("f", MAX_FUNCTION_LINES + 1)]
+    assert long_functions(f"def f():  # 61 lines: a table\n{body}\n") == []
+    assert long_functions("def g():\n    return 1\n") == []

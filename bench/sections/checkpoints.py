@@ -37,8 +37,8 @@ HEAD_STAGES = ("read target head", "prepare target head")
 def write_inputs(work: Path, lengths: list[int]) -> tuple[str, list[str], list[int]]:
     """Synthetic shards (one sample per response length) and CHECKPOINTS random drafters."""
     from pipeline.common.layer_ids import build_target_layer_ids
-    from scoring.drafters.detect import parse_drafter_config
-    from scoring.drafters.dflash_model import DFlashDrafter
+    from proposers.detect import parse_drafter_config
+    from proposers.dflash.model import DFlashDrafter
     from scoring.fit import new_drafter_config, save_drafter
 
     hidden, vocab, num_layers = SMOLLM2["hidden_size"], SMOLLM2["vocab_size"], SMOLLM2["num_layers"]

@@ -4,7 +4,7 @@
    (fitted here the same way when that section does not run)
    for the first anchors of its samples. before = what the scorer ran until issue 13:
    torch.topk(K) of the logits, their logsumexp, the target's rank, one Python heap per anchor;
-   after = scoring.replay.ddtree_kernels.tree_pops (compiled, lazy top-K) given the logsumexp, which the
+   after = scoring.methods.ddtree_kernels.tree_pops (compiled, lazy top-K) given the logsumexp, which the
    scorer now computes once per chunk for log q(target) and KL too (timed apart). anchors/s at
    max budget 256 and 1024; pop indices compared with the definition (ddtree.tree_pops_reference)
    and with before (the two differ only where torch.topk ordered equal logits otherwise).
@@ -40,7 +40,7 @@ def drafter_logits(ckpt: str, shard_dir: str, anchors: int) -> tuple[torch.Tenso
     """(logits [a, L, V], targets [a, L], known [a, L]) of the first `anchors` full blocks of the
     shards' samples, through the scorer's own replay steps."""
     from pipeline.shards import ShardSet
-    from scoring.drafters.checkpoint import load_drafter
+    from proposers.checkpoints.load import load_drafter
     from scoring.replay.chunk import chunk_logits
     from scoring.replay.packing import ReplayOptions, pack_samples, prepare_target_head, select_feature_columns
     from scoring.score.steps import SAMPLE_TENSORS
@@ -72,7 +72,7 @@ def drafter_logits(ckpt: str, shard_dir: str, anchors: int) -> tuple[torch.Tenso
 def before(logits, targets, known, max_nodes) -> torch.Tensor:
     """The scorer's DDTree until issue 13: torch.topk (its own order for equal logits), the
     logsumexp, ranks, then ddtree.path_pop_indices (a Python heap) per anchor."""
-    from scoring.replay.ddtree import NOT_IN_TREE, path_pop_indices, path_ranks
+    from scoring.methods.ddtree_heap import NOT_IN_TREE, path_pop_indices, path_ranks
 
     top_logits, top_ids = torch.topk(logits, k=min(max_nodes, logits.shape[-1]), dim=-1)
     top_logp = (top_logits - torch.logsumexp(logits, dim=-1, keepdim=True)).numpy()
@@ -92,9 +92,9 @@ def timed(fn, *args) -> tuple[float, object]:
 
 def per_core(logits, targets, known) -> dict:
     """Seconds per anchor before/after at each budget on one thread, alternated, min of 2."""
+    from scoring.methods.ddtree_heap import tree_pops_reference
+    from scoring.methods.ddtree_kernels import tree_pops
     from scoring.replay.chunk import logsumexp_rows
-    from scoring.replay.ddtree import tree_pops_reference
-    from scoring.replay.ddtree_kernels import tree_pops
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -126,8 +126,8 @@ def per_core(logits, targets, known) -> dict:
 def exactness(total: int) -> dict:
     """Compiled pop indices == the definition on `total` random anchors over EXACT_SHAPES x kinds."""
     from bench.standins import tree_cases
-    from scoring.replay.ddtree import tree_pops_reference
-    from scoring.replay.ddtree_kernels import tree_pops
+    from scoring.methods.ddtree_heap import tree_pops_reference
+    from scoring.methods.ddtree_kernels import tree_pops
 
     checked = differing = 0
     for kind in ("plain", "ties", "near"):

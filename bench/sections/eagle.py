@@ -53,7 +53,7 @@ EAGLE_CONFIG = {
 
 def eagle_aux_ids(num_layers: int) -> list[int]:
     """EAGLE-3's default aux layers in the project's numbering, as extract reads them from EAGLE_CONFIG."""
-    from pipeline.common.drafter_configs import feature_layers_of
+    from proposers.layouts import feature_layers_of
 
     return feature_layers_of(EAGLE_CONFIG, "bench EAGLE-3 config", num_layers)
 

@@ -295,7 +295,7 @@ def extra_work(ckpt: str, lm_head: torch.Tensor, anchors: int, reps: int = 3) ->
     "lm_head" stage inside it (DFlash2: top-k, pair scores, argmax, scatter; DSpark: Markov and
     confidence heads). Min over `reps` calls after a warm-up; seconds per anchor."""
     from pipeline.common import timing
-    from scoring.drafters.checkpoint import load_drafter
+    from proposers.checkpoints.load import load_drafter
 
     drafter, _ = load_drafter(ckpt, dtype=torch.float32, target_layers=SMOLLM2["num_layers"])
     generator = torch.Generator().manual_seed(0)

@@ -92,8 +92,8 @@ def weighted_median(values, weights) -> int:
 def drafter_linears(ckpt: str) -> tuple[object, dict[str, tuple[int, int]]]:
     """(config, {name: (in, out)}) of the drafter's fc and first layer's projections, from a
     skeleton on the meta device (no weights read)."""
-    from scoring.drafters.checkpoint import read_drafter_config
-    from scoring.drafters.dflash_model import DFlashDrafter
+    from proposers.checkpoints.load import read_drafter_config
+    from proposers.dflash.model import DFlashDrafter
 
     config = read_drafter_config(ckpt)
     with torch.device("meta"):
@@ -327,8 +327,8 @@ def inputs(ctx) -> tuple[str, str, str]:
 
 def random_drafter(shard_dir: str, block_size: int, out: Path) -> str:
     from pipeline.shards import ShardSet
-    from scoring.drafters.detect import parse_drafter_config
-    from scoring.drafters.dflash_model import DFlashDrafter
+    from proposers.detect import parse_drafter_config
+    from proposers.dflash.model import DFlashDrafter
     from scoring.fit import new_drafter_config, save_drafter
 
     settings = ShardSet(shard_dir).settings

@@ -176,9 +176,9 @@ def run(ctx) -> tuple[dict, Rows]:
     from pipeline.common.dtypes import resolve_dtype
     from pipeline.common.layer_ids import build_target_layer_ids
     from pipeline.shards import ShardSet
-    from scoring.drafters.checkpoint import load_drafter
-    from scoring.drafters.detect import parse_drafter_config
-    from scoring.drafters.dflash_model import DFlashDrafter
+    from proposers.checkpoints.load import load_drafter
+    from proposers.detect import parse_drafter_config
+    from proposers.dflash.model import DFlashDrafter
     from scoring.fit import new_drafter_config, save_drafter
     from scoring.replay.anchors import replay_sample
     from scoring.replay.packing import ReplayOptions, prepare_target_head, select_feature_columns

@@ -139,7 +139,7 @@ def online(ckpt: str, shard_dir: str, block_size: int) -> tuple[dict, dict, dict
 
     from pipeline.extract.target import load_target
     from pipeline.shards import ShardSet
-    from scoring.drafters.detect import parse_drafter_config
+    from proposers.detect import parse_drafter_config
 
     # The reference times its stats with CUDA events; on CPU a wall clock does (the reference
     # library is not our product: patching its timer is fine).

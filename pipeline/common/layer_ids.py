@@ -1,6 +1,6 @@
 """Which target layers feed the drafter: the DFlash default formula, parsing `--layer-ids`, the
 range check. Shared by both stages (pure, no model code); a drafter config's ids are read by
-its declared layout (pipeline/common/drafter_configs/).
+its declared layout (proposers/ (layout.py of each family, layouts.py)).
 
 Layer id i is the OUTPUT of decoder layer i, i.e. transformers' hidden_states[i + 1].
 

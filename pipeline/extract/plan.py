@@ -14,13 +14,13 @@ import torch
 
 from pipeline import shards
 from pipeline.common.distributed import Dist
-from pipeline.common.drafter_configs import read_drafter_format
 from pipeline.common.dtypes import COMPUTE_DTYPES, FP8, FP8_NAMES, STORAGE_DTYPES, STORAGE_NAMES
 from pipeline.common.errors import UserError
 from pipeline.common.layer_ids import build_target_layer_ids, check_layer_ids
 from pipeline.common.sampling import Sampling
 from pipeline.common.versions import specreplay_version
 from pipeline.extract.config import ExtractConfig
+from proposers.layouts import read_drafter_format
 
 
 @dataclass

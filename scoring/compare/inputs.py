@@ -17,6 +17,7 @@ import polars as pl
 from pipeline.common.errors import UserError
 from pipeline.common.schema import SchemaError
 from scoring import results
+from scoring.methods.registry import method_order
 
 REQUIRED_COLUMNS = ("dataset", "sample_id", "method", "tau")  # of results.SAMPLES, what pairing needs
 TOKEN_COLUMNS = {"tokens_hash": pl.String, "prompt_len": pl.Int64, "response_len": pl.Int64, "prompt_text": pl.String}
@@ -357,13 +358,13 @@ def match_tokens(samples_a: pl.DataFrame, samples_b: pl.DataFrame, strict: bool)
 def _common_methods(samples_a: pl.DataFrame, samples_b: pl.DataFrame, methods: list[str] | None) -> list[str]:
     """The methods in both runs (chain first, then DDTree by budget), narrowed to `methods`."""
     methods_a, methods_b = set(samples_a["method"].to_list()), set(samples_b["method"].to_list())
-    common = sorted(methods_a & methods_b, key=results.method_order)
+    common = sorted(methods_a & methods_b, key=method_order)
     if not common:
         raise CompareError(
-            f"A and B share no method (A: {sorted(methods_a, key=results.method_order)}, "
-            f"B: {sorted(methods_b, key=results.method_order)})"
+            f"A and B share no method (A: {sorted(methods_a, key=method_order)}, "
+            f"B: {sorted(methods_b, key=method_order)})"
         )
-    only = sorted(methods_a ^ methods_b, key=results.method_order)
+    only = sorted(methods_a ^ methods_b, key=method_order)
     if only and not methods:
         warnings.warn(f"method(s) {only} are in only one run and are not compared", CompareWarning, stacklevel=4)
     return select_requested(methods, common, "method", "--method")

@@ -54,7 +54,6 @@ from dataclasses import dataclass, field
 import numpy as np
 import polars as pl
 
-from scoring import results
 from scoring.compare.bootstrap import (
     FEW_SAMPLES,
     chance_note,
@@ -80,6 +79,7 @@ from scoring.compare.inputs import (
     select_requested,
 )
 from scoring.compare.streak import streak_inputs
+from scoring.methods.chain import CHAIN
 from scoring.results import ALL_DATASETS
 
 # The public API: this module's comparison, and what its callers catch or print re-exported.
@@ -281,7 +281,7 @@ class Comparison:
 def headline_row(rows: list[dict]) -> dict | None:
     """The pooled chain row, else the pooled row of the first method, else the first row."""
     for test in (
-        lambda r: r["dataset"] == ALL_DATASETS and r["method"] == results.CHAIN,
+        lambda r: r["dataset"] == ALL_DATASETS and r["method"] == CHAIN,
         lambda r: r["dataset"] == ALL_DATASETS,
         lambda r: True,
     ):

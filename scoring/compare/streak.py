@@ -10,6 +10,7 @@ import polars as pl
 
 from scoring import results
 from scoring.compare.inputs import KEYS, CompareError, Side, StreakWarning
+from scoring.methods.registry import accepted_column
 
 
 def load_anchors(side: Side, methods: list[str]) -> pl.DataFrame | None:
@@ -27,7 +28,7 @@ def load_anchors(side: Side, methods: list[str]) -> pl.DataFrame | None:
             )
         # named by the greedy column whatever the shards, so both sides line up method by method
         sampled = results.is_sampled(side.record)
-        columns = {results.accepted_column(m): results.accepted_column(m, sampled) for m in methods}
+        columns = {accepted_column(m): accepted_column(m, sampled) for m in methods}
         wanted = [pl.col(source).alias(name) for name, source in columns.items() if source in schema]
         return pl.scan_parquet(path).select(*KEYS, "anchor", *wanted).collect()
     except CompareError:
@@ -48,7 +49,7 @@ def streak_sums(
     anchors_b = anchors_b.join(pairs, on=KEYS, how="semi")
     frames, lacking, tally = [], [], {}
     for method in methods:
-        column = results.accepted_column(method)
+        column = accepted_column(method)
         if column not in anchors_a.columns or column not in anchors_b.columns:
             lacking.append(method)
             continue
@@ -82,7 +83,7 @@ def streak_inputs(a: Side, b: Side, pairs: pl.DataFrame, methods: list[str]) -> 
         return None, why
     sums, lacking, tally = streak_sums(anchors_a, anchors_b, pairs, methods)
     if lacking:
-        columns = [results.accepted_column(m) for m in lacking]
+        columns = [accepted_column(m) for m in lacking]
         warnings.warn(
             f"the all-anchor streak of {lacking} is not compared: anchors.parquet of A or B lacks {columns} "
             f"(scored with other --ddtree-budgets; rescore both with the same budgets)",

@@ -22,6 +22,10 @@ import torch
 from pipeline.common.errors import UserError
 from pipeline.common.sampling import Sampling, sampling_of
 from pipeline.shards import ShardSet
+from proposers.checkpoints.compatibility import check_compatibility, extract_words, target_layers
+from proposers.checkpoints.load import load_drafter, read_drafter_config
+from proposers.interface import TargetHead
+from proposers.toolkit.neural import neural_proposer
 from scoring import results
 from scoring.config import DEFAULT_DIAGNOSE_SAMPLES, DiagnoseConfig
 from scoring.diagnose.stats import Comparison, Drawn, SampleStats, by_position, compare_all, sample_stats, verdict
@@ -35,14 +39,12 @@ from scoring.diagnose.variants import (
     parse_variants,
     same_replay,
 )
-from scoring.drafters.checkpoint import load_drafter, read_drafter_config
-from scoring.drafters.compatibility import check_compatibility, extract_words, target_layers
 from scoring.replay.anchors import replay_sample
 from scoring.replay.packing import ReplayOptions, prepare_target_head, select_feature_columns
 from scoring.score.outputs import results_lock
 from scoring.score.record import shards_identity
 from scoring.score.selection import Selection, sample_index, select_samples
-from scoring.score.steps import SAMPLE_TENSORS, resolve_device_dtype
+from scoring.score.steps import SAMPLE_TENSORS, family_override, resolve_device_dtype
 
 
 @dataclass
@@ -76,9 +78,9 @@ class Diagnosis:
 class Setup:
     """What every variant's replay shares."""
 
-    drafter: torch.nn.Module
+    drafter: torch.nn.Module  # the variants replay the drafter's network under other conventions
     info: object  # CheckpointInfo
-    head: dict  # the target head in the run's dtype
+    head: TargetHead  # the target head in the run's dtype
     samples: list  # pipeline.shards.Sample, in memory
     stored_layer_ids: list[int]
     max_new_tokens: int
@@ -91,9 +93,11 @@ def replay_variant(setup: Setup, variant: Variant, progress=None) -> list[Sample
     drafter, head, options = setup.drafter, setup.head, setup.options
     if variant.dtype is not None and variant.dtype != options.dtype:
         drafter = copy.deepcopy(drafter).to(variant.dtype)
-        head = {name: tensor.to(variant.dtype) for name, tensor in head.items()}
+        norm = None if head.final_norm is None else head.final_norm.to(variant.dtype)
+        head = TargetHead(head.embed.to(variant.dtype), head.lm_head.to(variant.dtype), norm)
+    proposer = neural_proposer(drafter)
     options = ReplayOptions(
-        max_tree_nodes=0,
+        methods={},
         memory_bytes=options.memory_bytes,
         dtype=variant.dtype or options.dtype,
         device=options.device,
@@ -108,7 +112,7 @@ def replay_variant(setup: Setup, variant: Variant, progress=None) -> list[Sample
     stats = []
     for sample in setup.samples:
         max_new = setup.max_new_tokens if sample.greedy else max(setup.max_new_tokens, sample.response_len)
-        result = replay_sample(drafter, head["embed_tokens"], head["lm_head"], sample, columns, max_new, options)
+        result = replay_sample(proposer, head, sample, columns, max_new, options)
         stats.append(sample_stats(sample, result, setup.stop_ids, options.sampling))
         if progress is not None:
             progress.update(1)
@@ -160,12 +164,14 @@ def prepare(config: DiagnoseConfig, shardset: ShardSet, progress=None) -> Setup:
     device, dtype = resolve_device_dtype(config.device, config.dtype)
     manifest, settings = shardset.manifest, shardset.settings
     layers = target_layers(manifest)
-    check_compatibility(read_drafter_config(config.ckpt, target_layers=layers), manifest, config.ckpt, shardset.uri)
-    drafter, info = load_drafter(config.ckpt, dtype=dtype, device=device, target_layers=layers)
+    override = family_override(config.family)
+    drafter_config = read_drafter_config(config.ckpt, target_layers=layers, override=override)
+    check_compatibility(drafter_config, manifest, config.ckpt, shardset.uri)
+    drafter, info = load_drafter(config.ckpt, dtype=dtype, device=device, target_layers=layers, override=override)
     chosen = set(choose(shardset, config))
     samples = list(shardset.samples(tensors=SAMPLE_TENSORS, keep=chosen.__contains__))  # as score reads them
     options = ReplayOptions(
-        max_tree_nodes=0,
+        methods={},
         memory_bytes=config.memory_bytes,
         dtype=dtype,
         device=device,
@@ -173,7 +179,6 @@ def prepare(config: DiagnoseConfig, shardset: ShardSet, progress=None) -> Setup:
         sampling=sampling_of(settings),
     )
     head = prepare_target_head(shardset.target_head(), device, dtype)
-    drafter.attach_target_head(head)
     return Setup(
         drafter,
         info,

@@ -1,6 +1,6 @@
 """The named variants `specreplay diagnose` replays: one convention changed at a time.
 
-Each variant is a `Conventions` (scoring/drafters/conventions.py) or a compute dtype, when it applies to
+Each variant is a `Conventions` (proposers/toolkit/conventions.py) or a compute dtype, when it applies to
 a drafter, and the sentence a user acts on when it beats the checkpoint's own configuration.
 """
 
@@ -10,8 +10,8 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from scoring.drafters.base import DrafterConfig
-from scoring.drafters.conventions import Conventions
+from proposers.toolkit.config import DrafterConfig
+from proposers.toolkit.conventions import Conventions
 from scoring.results import CONFIGURED_VARIANT as CONFIGURED
 
 
@@ -28,7 +28,7 @@ class Variant:
 CONVENTION_VARIANT = "layers-convention"
 
 
-def _variants() -> list[Variant]:  # 90 lines: a table, one entry per variant
+def _variants() -> list[Variant]:  # 98 lines: a table, one entry per variant
     fix = "fix the training code or the evaluation, not the weights"
     return [
         Variant(CONFIGURED, "the checkpoint's config, the reference conventions", ""),
@@ -161,7 +161,7 @@ def not_applicable(variant: Variant, config: DrafterConfig) -> str | None:
         return "no sliding window to spread" if not has_window else "every layer already has the window"
     if variant.name == "causal-block" and all(config.layer_is_causal(i) for i in range(config.num_hidden_layers)):
         return "every layer is already causal"
-    if variant.conventions.prenorm_hidden and config.family != "mtp":
+    if variant.conventions.prenorm_hidden and not config.reads_final_norm:
         return "only MTP heads read the target's final hidden state"
     if variant.name == "scales" and not config.has_scales:
         return "the config sets no scale"

@@ -1,11 +1,12 @@
 """All-anchor replay: every response position of a stored sample as a block start, in batches.
 
-For each sample: the drafter's context keys/values of every layer are computed once from the
-stored target features; then anchors are scored in chunks, each anchor's block
-[x_t, mask, ..., mask] seeing only context before t. Blocks run at the length the online loop
-would use there: min(block_size, prompt_len + budget - t), so the tail, where `dflash_generate`
-truncates the block to the remaining max_new_tokens budget, is replayed on that truncated block
-too (the drafter is bidirectional inside a block, so truncation changes its output).
+For each sample: the proposer prepares its state once (a drafter's context keys/values of every
+layer, from the stored target features); then anchors are scored in chunks, each anchor's block
+seeing only what comes before t. Blocks run at the length the online loop would use there
+(`Proposer.block_len`: min(block_size, prompt_len + budget - t) for a block drafter), so the tail,
+where `dflash_generate` truncates the block to the remaining max_new_tokens budget, is replayed on
+that truncated block too (the drafter is bidirectional inside a block, so truncation changes its
+output).
 
 The output is per-anchor tensors (`AnchorTensors`); metrics.py turns them into numbers.
 
@@ -14,23 +15,17 @@ The semantics, in words: docs/anchors-and-blocks.md.
 
 from __future__ import annotations
 
-from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from pipeline.common import timing
 from pipeline.shards import Sample
-from scoring import results as names
-from scoring.drafters.base import DrafterConfig, DraftModel, Drafts
-from scoring.replay import eagle_tree, metrics
-from scoring.replay.chunk import chunk_anchors, chunk_drafts, chunk_hidden, score_chunk
-from scoring.replay.ddtree import NOT_IN_TREE
-from scoring.replay.packing import (
-    PackedSamples,
-    ReplayOptions,
-    pack_samples,
-)
+from proposers.interface import Chunk, Proposer, TargetHead
+from scoring.methods import registry
+from scoring.replay import metrics
+from scoring.replay.chunk import score_chunk
+from scoring.replay.packing import PackedSamples, ReplayOptions, pack_samples
 from scoring.replay.walk import next_stop_positions, walk_finished, walk_in_rounds
 
 
@@ -49,38 +44,40 @@ class AnchorTensors:
     target_logprob: torch.Tensor  # [A, L] log q_k(y_k)
     sampled_logprob: torch.Tensor  # [A, L] log q_k(y_k) under the shards' sampling settings (NaN when greedy)
     kl_topk: torch.Tensor  # [A, L] KL(target || draft) on the stored top-k support
-    tree_pop_index: torch.Tensor  # [A, L] DDTree pop index of the target-path prefix of depth k
-    eagle_tree_accepted: torch.Tensor  # [A, S] alpha of each EAGLE tree setting (ReplayOptions.eagle_trees)
     computed: torch.Tensor  # [A] bool: scored (all True in all-anchor mode; walk mode scores visited anchors)
     nonfinite: torch.Tensor  # [A] bool: the drafter's logits held NaN/Inf there (the sample is not scored)
+    # each planned tree method's per-anchor data, by its kind (scoring/methods/: DDTree's pop indices
+    # [A, L], the EAGLE trees' alphas [A, S])
+    method_data: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
-def empty_anchor_tensors(sample: Sample, max_new_tokens: int, config: DrafterConfig, trees: int = 0) -> AnchorTensors:
-    """Per-anchor tensors for every anchor of a sample (`trees` EAGLE tree settings), nothing computed yet."""
+def empty_anchor_tensors(sample: Sample, max_new_tokens: int, proposer: Proposer, methods: dict) -> AnchorTensors:
+    """Per-anchor tensors for every anchor of a sample (`methods`: the planned tree methods'
+    settings by kind), nothing computed yet."""
     anchors = torch.arange(sample.prompt_len, sample.input_ids.numel() - 1)
-    A, L = anchors.numel(), config.max_drafts
-    block_len = config.block_len(sample.prompt_len + max_new_tokens - anchors)
+    A, L = anchors.numel(), proposer.max_drafts
+    block_len = proposer.block_len(sample.prompt_len + max_new_tokens - anchors)
+    depth = torch.tensor([proposer.depth(b) for b in block_len.tolist()], dtype=torch.long)
+    data = {m.kind: m.empty(A, L, methods[m.kind]) for m in registry.TREES if methods.get(m.kind)}
     return AnchorTensors(
         anchors=anchors,
         block_len=block_len,
-        depth=(block_len - config.first_draft_slot).clamp(min=0),
+        depth=depth,
         draft_tokens=torch.full((A, L), -1, dtype=torch.long),
         target_tokens=torch.full((A, L), -1, dtype=torch.long),
         target_logprob=torch.full((A, L), float("nan")),
         sampled_logprob=torch.full((A, L), float("nan")),
         kl_topk=torch.full((A, L), float("nan")),
-        tree_pop_index=torch.full((A, L), NOT_IN_TREE, dtype=torch.long),
-        eagle_tree_accepted=torch.zeros((A, trees), dtype=torch.long),
         computed=torch.zeros(A, dtype=torch.bool),
         nonfinite=torch.zeros(A, dtype=torch.bool),
+        method_data=data,
     )
 
 
 @torch.inference_mode()
 def replay_anchors(
-    drafter: DraftModel,
-    embed: torch.Tensor,
-    lm_head: torch.Tensor,
+    proposer: Proposer,
+    target: TargetHead,
     packed: PackedSamples,
     results: list[AnchorTensors],
     wanted: list[tuple[int, int]],
@@ -91,46 +88,50 @@ def replay_anchors(
     if not wanted:
         return
     with timing.stage("replay anchors", anchors=len(wanted), tokens=int(packed.lengths.sum())):
-        _replay_anchors(drafter, embed, lm_head, packed, results, wanted, options)
+        _replay_anchors(proposer, target, packed, results, wanted, options)
 
 
-SMALL_CHUNK_ROWS = 256  # chunks of fewer block rows share one lm_head GEMM (see _replay_anchors)
+SMALL_CHUNK_ROWS = 256  # chunks of fewer block rows share one propose call (one lm_head GEMM, neural.py)
 
 
-def _replay_anchors(drafter, embed, lm_head, packed, results, wanted, options) -> None:
+def _replay_anchors(proposer, target, packed, results, wanted, options) -> None:
     sample_idx = torch.tensor([s for s, _ in wanted])
     rows = torch.tensor([r for _, r in wanted])
-    anchors = torch.stack([results[s].anchors[r] for s, r in wanted])
-    block_lens = torch.stack([results[s].block_len[r] for s, r in wanted])
-    vocab = lm_head.shape[0]
-    ctx_len = int(packed.lengths.sum())
-    chunks = []  # (positions in `wanted`, block length, drafts)
-    for block_len in block_lens.unique().tolist():
-        group = torch.nonzero(block_lens == block_len).flatten()
-        depth = drafter.config.depth(block_len)
-        if depth == 0:  # the budget's last position: no draft, the step is the target's token alone
-            _mark_computed(results, sample_idx[group], rows[group])
-            continue
-        size = chunk_anchors(drafter, block_len, ctx_len, vocab, options)
-        chunks += [(group[begin : begin + size], block_len, depth) for begin in range(0, group.numel(), size)]
+    chunks = _chunks(proposer, target, packed, results, sample_idx, rows, options)  # (positions, block length, depth)
     # A sample's tail (the last anchors, one block length each) makes chunks of a few rows;
-    # alone, each would read the whole lm_head for them. They share one GEMM.
+    # alone, each would read the whole lm_head for them. They share one call.
     is_small = [part.numel() * depth < SMALL_CHUNK_ROWS for part, _, depth in chunks]
     batches = [[c] for c, small in zip(chunks, is_small) if not small]
     batches += _batches_of([c for c, small in zip(chunks, is_small) if small], SMALL_CHUNK_ROWS * 4)
-    previous = None  # the last chunk, written once its DDTree pops are in (computed meanwhile)
+    anchors = torch.stack([results[s].anchors[r] for s, r in wanted])
+    previous = None  # the last chunk, written once its methods' data is in (computed meanwhile)
     for batch in batches:
-        on_device = [(sample_idx[p].to(options.device), anchors[p].to(options.device), b) for p, b, _ in batch]
-        drafts = _batch_drafts(drafter, embed, lm_head, packed, on_device, options)
-        for (part, _, depth), (idx, at, _), chunk_drafts_ in zip(batch, on_device, drafts):
-            scored = score_chunk(drafter, packed, idx, at, options, chunk_drafts_)
-            if options.eagle_trees:  # drafted for real at these anchors (eagle_tree.py)
-                scored["eagle_trees"] = eagle_tree.chunk_accepted(drafter, embed, lm_head, packed, idx, at, options)
+        on_device = [Chunk(sample_idx[p].to(options.device), anchors[p].to(options.device), b) for p, b, _ in batch]
+        drafts = proposer.propose(packed, on_device, target, options)
+        for (part, _, depth), chunk, chunk_drafts in zip(batch, on_device, drafts):
+            scored = score_chunk(proposer, packed, chunk, target, options, chunk_drafts)
             if previous is not None:
-                _write_chunk(results, *previous)
+                _write_chunk(results, *previous, options.methods)
             previous = (sample_idx[part], rows[part], depth, scored)
     if previous is not None:
-        _write_chunk(results, *previous)
+        _write_chunk(results, *previous, options.methods)
+
+
+def _chunks(proposer, target, packed, results, sample_idx, rows, options) -> list[tuple]:
+    """(positions in the wanted list, block length, depth) of every chunk, grouped by block length
+    and sized by the memory budget; the anchors drafting nothing are marked computed at once."""
+    block_lens = torch.stack([results[s].block_len[r] for s, r in zip(sample_idx.tolist(), rows.tolist())])
+    vocab, ctx_len = target.lm_head.shape[0], int(packed.lengths.sum())
+    chunks = []
+    for block_len in block_lens.unique().tolist():
+        group = torch.nonzero(block_lens == block_len).flatten()
+        depth = proposer.depth(block_len)
+        if depth == 0:  # the budget's last position: no draft, the step is the target's token alone
+            _mark_computed(results, sample_idx[group], rows[group])
+            continue
+        size = proposer.anchors_per_chunk(block_len, ctx_len, vocab, options)
+        chunks += [(group[begin : begin + size], block_len, depth) for begin in range(0, group.numel(), size)]
+    return chunks
 
 
 def _mark_computed(results: list[AnchorTensors], sample_idx, rows) -> None:
@@ -149,26 +150,10 @@ def _batches_of(chunks: list, rows: int) -> list[list]:
     return batches + ([current] if current else [])
 
 
-def _batch_drafts(drafter, embed, lm_head, packed, chunks, options) -> list[Drafts]:
-    """Drafts of each chunk (sample_idx, anchors, block_len): the drafter per chunk; for a family
-    whose drafts are row by row (DFlash: logits only), one lm_head GEMM over all their rows."""
-    if len(chunks) == 1 or not getattr(drafter, "rowwise_drafts", False):
-        return [chunk_drafts(drafter, embed, lm_head, packed, *chunk, options) for chunk in chunks]
-    hidden = [chunk_hidden(drafter, embed, packed, idx, at, b, options) for idx, at, b in chunks]  # [a, d, H] each
-    flat = torch.cat([h.reshape(-1, h.shape[-1]) for h in hidden])  # [sum a*d, H]
-    logits = drafter.logits(flat[None], lm_head, options.conventions)[0]  # [sum a*d, V]
-    sizes = [h.shape[0] * h.shape[1] for h in hidden]
-    return [Drafts(part.view(h.shape[0], h.shape[1], -1)) for part, h in zip(logits.split(sizes), hidden)]
-
-
-def _write_chunk(results: list[AnchorTensors], sample_idx, rows, depth: int, scored: dict) -> None:
+def _write_chunk(results: list[AnchorTensors], sample_idx, rows, depth: int, scored: dict, methods: dict) -> None:
     """Store a chunk's per-anchor results, one indexed write per sample in it, not per anchor.
-    Waits for the chunk's DDTree pop indices when they are still being computed."""
-    if isinstance(scored["pops"], Future):
-        with timing.stage("ddtree wait"):
-            pops, seconds, anchors = scored["pops"].result()
-        timing.elapsed("ddtree", seconds, anchors=anchors)
-        scored = {**scored, "pops": pops}
+    Waits for the chunk's methods' data when it is still being computed (DDTree's worker)."""
+    planned = [(m, m.resolve(scored["methods"][m.kind])) for m in registry.TREES if m.kind in scored["methods"]]
     for s in sample_idx.unique().tolist():
         mine = sample_idx == s
         r, out = rows[mine], results[s]
@@ -177,55 +162,38 @@ def _write_chunk(results: list[AnchorTensors], sample_idx, rows, depth: int, sco
         out.target_logprob[r, :depth] = scored["target_logprob"][mine]
         out.sampled_logprob[r, :depth] = scored["sampled_logprob"][mine]
         out.kl_topk[r, :depth] = scored["kl"][mine]
-        out.tree_pop_index[r, :depth] = scored["pops"][mine]
-        if "eagle_trees" in scored:
-            out.eagle_tree_accepted[r] = scored["eagle_trees"][mine]
+        for method, data in planned:
+            method.write(out.method_data[method.kind], r, depth, data[mine])
         out.nonfinite[r] = scored["nonfinite"][mine]
         out.computed[r] = True
 
 
 def at_rows(result: AnchorTensors, rows) -> AnchorTensors:
     """The anchors `rows` (an index, slice or mask) of `result`."""
-    return AnchorTensors(**{name: getattr(result, name)[rows] for name in AnchorTensors.__dataclass_fields__})
-
-
-def method_accepted(result: AnchorTensors, method: str, eagle_trees=(), rows=slice(None)) -> torch.Tensor:
-    """Accepted draft tokens [A] (bonus-exclusive) at the anchors `rows` (all by default) of one
-    method of results.py: the chain, a DDTree budget, or one of the EAGLE trees `eagle_trees`
-    (result.eagle_tree_accepted's columns, in that order)."""
-    tree = names.eagle_tree_of(method)
-    if tree is not None:
-        return result.eagle_tree_accepted[rows, list(eagle_trees).index(tree)]
-    nodes = names.tree_nodes_of(method)
-    return metrics.accepted_len(
-        result.draft_tokens[rows], result.target_tokens[rows], result.tree_pop_index[rows], nodes
-    )
+    fields = {name: getattr(result, name)[rows] for name in AnchorTensors.__dataclass_fields__ if name != "method_data"}
+    return AnchorTensors(**fields, method_data={kind: data[rows] for kind, data in result.method_data.items()})
 
 
 def replay_sample(
-    drafter: DraftModel,
-    embed: torch.Tensor,
-    lm_head: torch.Tensor,
+    proposer: Proposer,
+    target: TargetHead,
     sample: Sample,
     feature_columns,
     max_new_tokens: int,
     options: ReplayOptions,
 ) -> AnchorTensors:
     """Score every anchor of one sample (all-anchor mode). `feature_columns(features)` selects
-    the drafter's layers; `max_new_tokens` is the max_new_tokens the online loop would run with."""
-    result = empty_anchor_tensors(sample, max_new_tokens, drafter.config, len(options.eagle_trees))
+    the proposer's layers; `max_new_tokens` is the max_new_tokens the online loop would run with."""
+    result = empty_anchor_tensors(sample, max_new_tokens, proposer, options.methods)
     if result.anchors.numel():
-        packed = pack_samples(drafter, [sample], feature_columns, options, embed)
-        replay_anchors(
-            drafter, embed, lm_head, packed, [result], [(0, r) for r in range(result.anchors.numel())], options
-        )
+        packed = pack_samples(proposer, [sample], feature_columns, options, target)
+        replay_anchors(proposer, target, packed, [result], [(0, r) for r in range(result.anchors.numel())], options)
     return result
 
 
 def replay_walks(
-    drafter: DraftModel,
-    embed: torch.Tensor,
-    lm_head: torch.Tensor,
+    proposer: Proposer,
+    target: TargetHead,
     samples: list[Sample],
     feature_columns,
     max_new_tokens: list[int],
@@ -234,12 +202,10 @@ def replay_walks(
     options: ReplayOptions,
 ) -> list[AnchorTensors]:
     """Walk-only mode: score just the anchors the simulated walks visit. One walk per (sample,
-    method), a method being the chain, a DDTree budget or an EAGLE tree (results.py's names);
-    each round batches the current anchor of every unfinished walk (anchors shared between
-    methods scored once)."""
-    trees = len(options.eagle_trees)
-    results = [empty_anchor_tensors(s, b, drafter.config, trees) for s, b in zip(samples, max_new_tokens)]
-    packed = pack_samples(drafter, samples, feature_columns, options, embed)
+    method), a method being a results method name (scoring/methods/); each round batches the
+    current anchor of every unfinished walk (anchors shared between methods scored once)."""
+    results = [empty_anchor_tensors(s, b, proposer, options.methods) for s, b in zip(samples, max_new_tokens)]
+    packed = pack_samples(proposer, samples, feature_columns, options, target)
     next_stop = [next_stop_positions(m) for m in is_stop]
 
     def row(s: int, position: int) -> int:
@@ -248,13 +214,13 @@ def replay_walks(
     def score(current: list[tuple[tuple[int, int], int]]) -> None:
         wanted = sorted({(s, row(s, position)) for (s, _), position in current})
         replay_anchors(
-            drafter, embed, lm_head, packed, results, [(s, r) for s, r in wanted if not results[s].computed[r]], options
+            proposer, target, packed, results, [(s, r) for s, r in wanted if not results[s].computed[r]], options
         )
 
     def produced(key: tuple[int, int], position: int) -> int:
         s, m = key
         r, out = slice(row(s, position), row(s, position) + 1), results[s]
-        accepted = method_accepted(out, methods[m], options.eagle_trees, r)
+        accepted = registry.accepted(out, methods[m], options.methods, r)
         anchor = out.anchors[r]
         return int(metrics.produced_tokens(accepted, anchor, samples[s].input_ids.numel(), next_stop[s][anchor])[0])
 

@@ -17,15 +17,15 @@ from dataclasses import dataclass, field
 import polars as pl
 
 from pipeline.common.errors import UserError
+from scoring.methods.chain import CHAIN
+from scoring.methods.ddtree import DDTREE
+from scoring.methods.eagle_tree import EAGLE_TREES
 from scoring.results import (
     ALL_DATASETS as ALL,
-    CHAIN,
     FILES,
-    eagle_tree_of,
     read_run_record,
     results_dirs_below,
     sampling_of_row,
-    tree_nodes_of,
 )
 
 TAU_UNIT = "tokens per step, bonus-inclusive"
@@ -285,18 +285,13 @@ def load_results(dirs: list[str]) -> Results:
 
 def ddtree_budgets(summary: pl.DataFrame) -> list[int]:
     """The DDTree budgets (tree nodes) present in a summary, ascending."""
-    nodes = set()
-    for method in summary["method"].unique().to_list():
-        try:
-            nodes.add(tree_nodes_of(method))
-        except ValueError:
-            continue  # a method this version does not know: not a budget
+    nodes = {DDTREE.setting_of(method) for method in summary["method"].unique().to_list()}
     return sorted(nodes - {None})
 
 
 def eagle_trees(summary: pl.DataFrame) -> list:
-    """The EAGLE tree settings (results.EagleTree) present in a summary, by size."""
-    found = {eagle_tree_of(m) for m in summary["method"].unique().to_list()} - {None}
+    """The EAGLE tree settings (scoring.methods.eagle_tree.EagleTree) present in a summary, by size."""
+    found = {EAGLE_TREES.setting_of(m) for m in summary["method"].unique().to_list()} - {None}
     return sorted(found, key=lambda tree: (tree.draft_tokens, tree.topk, tree.depth))
 
 

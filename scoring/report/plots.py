@@ -11,8 +11,10 @@ import math
 
 import polars as pl
 
+from scoring.methods.chain import CHAIN
+from scoring.methods.ddtree import DDTREE
 from scoring.report.data import TAU_UNIT, Results, chain_all, datasets, ddtree_budgets, pick_evenly
-from scoring.results import ALL_DATASETS as ALL, CHAIN, MIN_ANCHORS, tree_method
+from scoring.results import ALL_DATASETS as ALL, MIN_ANCHORS
 
 # Plots with more lines than this stop being readable; we show an even spread, first and last kept.
 MAX_SERIES = 10
@@ -152,8 +154,8 @@ def plot_tau_vs_budget(results: Results) -> tuple[bytes | None, str | None]:
     for label in labels:
         mine = rows.filter(pl.col("label") == label)
         tau = dict(zip(mine["method"], mine["tau"]))
-        xs = [n for n in budgets if tau.get(tree_method(n)) is not None]
-        ax.plot(xs, [tau[tree_method(n)] for n in xs], marker="o", ms=4, color=colors[label], label=label)
+        xs = [n for n in budgets if tau.get(DDTREE.name(n)) is not None]
+        ax.plot(xs, [tau[DDTREE.name(n)] for n in xs], marker="o", ms=4, color=colors[label], label=label)
         if tau.get(CHAIN) is not None:
             ax.axhline(tau[CHAIN], color=colors[label], linestyle="--", linewidth=1, alpha=0.8)
     ax.set_xscale("log", base=2)
@@ -192,10 +194,10 @@ def _tree_step_lines(results: Results, stepped: list[str]):
         return
     rows = results.summary.filter((pl.col("dataset") == ALL) & pl.col("label").is_in(stepped))
     for nodes in ddtree_budgets(results.summary):
-        mine = rows.filter(pl.col("method") == tree_method(nodes))
+        mine = rows.filter(pl.col("method") == DDTREE.name(nodes))
         points = sorted((results.steps[lab], tau) for lab, tau in zip(mine["label"], mine["tau"]) if tau is not None)
         if points:
-            yield f"{ALL} {tree_method(nodes)}", points
+            yield f"{ALL} {DDTREE.name(nodes)}", points
 
 
 def plot_tau_vs_step(results: Results) -> tuple[bytes | None, str | None]:

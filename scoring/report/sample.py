@@ -22,9 +22,10 @@ from dataclasses import dataclass, field
 
 import polars as pl
 
+from scoring.methods.chain import CHAIN
 from scoring.prompts import user_message
 from scoring.report.data import ReportError, Results, fmt, reference_label
-from scoring.results import CHAIN, FILES
+from scoring.results import FILES
 
 PREFILL, ACCEPTED, BONUS, UNWALKED = "pre", "acc", "bon", "unwalked"
 QUESTION_PREVIEW_CHARS = 300

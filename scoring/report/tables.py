@@ -8,6 +8,8 @@ import re
 
 import polars as pl
 
+from scoring.methods.chain import CHAIN
+from scoring.methods.ddtree import DDTREE
 from scoring.prompts import user_message
 from scoring.report.data import (
     TAU_UNIT,
@@ -20,7 +22,6 @@ from scoring.report.data import (
     reference_label,
 )
 from scoring.report.plots import MIN_ANCHORS, position_rates
-from scoring.results import CHAIN, tree_method
 
 PROMPT_PREVIEW_CHARS = 160
 
@@ -108,7 +109,7 @@ def fitted_note(results: Results) -> str:
 
 def _best_tree(by: dict, label: str, budgets: list[int]) -> str:
     """'2.665 (N=256)': the highest DDTree tau of a row, the smaller budget on a tie (as the console)."""
-    taus = [(tau, -n) for n in budgets if (tau := (by.get((label, tree_method(n))) or {}).get("tau")) is not None]
+    taus = [(tau, -n) for n in budgets if (tau := (by.get((label, DDTREE.name(n))) or {}).get("tau")) is not None]
     if not taus:
         return fmt(None)
     tau, nodes = max(taus)
@@ -154,7 +155,7 @@ def _summary_rows(results: Results, dataset: str, budgets: list[int], has_streak
         if has_streak:
             cells.append(fmt(chain.get("anchor_accepted_len_mean")))
         cells.append(_exact(chain))
-        cells += [fmt((by.get((label, tree_method(n))) or {}).get("tau")) for n in budgets]
+        cells += [fmt((by.get((label, DDTREE.name(n))) or {}).get("tau")) for n in budgets]
         cells += [fmt((by.get((label, method)) or {}).get("tau")) for method in trees]
         out.append(f"<tr{css}>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
     return out

@@ -16,9 +16,11 @@ import torch
 
 from pipeline.common.sampling import Sampling
 from scoring import results
+from scoring.methods import registry as methods
+from scoring.methods.chain import CHAIN
 from scoring.prompts import user_message
 from scoring.replay import metrics
-from scoring.replay.anchors import AnchorTensors, at_rows, method_accepted
+from scoring.replay.anchors import AnchorTensors, at_rows
 from scoring.replay.walk import (
     expected_tau as walk_expected_tau,
     next_stop_positions,
@@ -139,7 +141,7 @@ def add_walk_rows(columns: dict, sample, method: str, steps: list, accepted: lis
             anchor,
             count,
             accepted[anchor - sample.prompt_len],
-            draft_block(result, anchor - sample.prompt_len) if method == results.CHAIN else None,
+            draft_block(result, anchor - sample.prompt_len) if method == CHAIN else None,
         )
         for column, value in zip(columns.values(), row):
             column.append(value)
@@ -155,18 +157,16 @@ class Collector:
 
     def __init__(
         self,
-        tree_nodes: list[int],
+        plan: dict,
         stop_token_ids: list[int],
         positions: int,
         drafts: bool = False,
         sampling: Sampling = GREEDY,
-        eagle_trees=(),
     ):
-        self.tree_nodes = tree_nodes
-        self.eagle_trees = tuple(eagle_trees)  # results.EagleTree: their alphas are AnchorTensors columns
+        self.plan = plan  # the tree methods' settings by kind (scoring/methods/registry.py)
         self.sampling = sampling  # the shards' settings: the chain is an expectation at T > 0
         self.drafts = drafts  # anchors.parquet keeps every anchor's draft block
-        self.methods = results.method_names(tree_nodes, self.eagle_trees)
+        self.methods = methods.method_names(plan)
         self.stop_token_ids = stop_token_ids
         self.positions = positions  # drafts of a full block
         self.parts: dict[int, tuple] = {}  # sample index -> (anchor columns or None, walk columns, sample rows)
@@ -189,7 +189,7 @@ class Collector:
 
     def accepted(self, result: AnchorTensors) -> dict[str, torch.Tensor]:
         """Accepted length per anchor (bonus-exclusive) of every method."""
-        return {m: method_accepted(result, m, self.eagle_trees) for m in self.methods}
+        return {m: methods.accepted(result, m, self.plan) for m in self.methods}
 
     def nonfinite_samples(self) -> list[dict]:
         """The samples left out for NaN/Inf drafter logits, in sample index order."""
@@ -214,14 +214,14 @@ class Collector:
         walk_columns = {name: [] for name in results.columns(results.WALK)}
         sample_rows = []
         for method in self.methods:
-            if chain is not None and method == results.CHAIN:  # no single walk: its expectation
+            if chain is not None and method == CHAIN:  # no single walk: its expectation
                 sample_rows.append(sample_row(sample, method, [], mismatches, chain))
                 continue
             steps = walk(produced[method], sample.prompt_len, is_stop)
             add_walk_rows(walk_columns, sample, method, steps, accepted[method].tolist(), result)
             sample_rows.append(sample_row(sample, method, [c for _, c in steps], mismatches))
         self.parts[index] = (
-            self.anchor_columns(sample, result, accepted, produced[results.CHAIN], chain),
+            self.anchor_columns(sample, result, accepted, produced[CHAIN], chain),
             walk_columns,
             sample_rows,
         )
@@ -244,7 +244,7 @@ class Collector:
         accepted = {m: a[keep] for m, a in accepted.items()}
         produced = produced[keep]
         match, known = metrics.position_match(result.draft_tokens, result.target_tokens)
-        counts = metrics.position_counts(accepted[results.CHAIN], match, known)
+        counts = metrics.position_counts(accepted[CHAIN], match, known)
         expected = metrics.expected_accepted(result.target_logprob)
         if chain is not None:  # rejection sampling: expected counts and expected accepted length
             counts.update(metrics.expected_position_counts(chain.accept_probs[keep], known))
@@ -259,17 +259,15 @@ class Collector:
             "anchor": result.anchors.numpy().astype(np.int32),
             "anchor_offset": (result.anchors - sample.prompt_len).numpy().astype(np.int32),
             "block_len": result.block_len.numpy().astype(np.int32),
-            "accepted_len": accepted[results.CHAIN].numpy().astype(np.int32),
+            "accepted_len": accepted[CHAIN].numpy().astype(np.int32),
             "produced_chain": produced.numpy().astype(np.int32),
             "expected_accepted_len": expected.numpy(),
             "draft_match": _list_column(match.numpy()[flat_known], lengths, pa.bool_()),
             "target_prob": _list_column(result.target_logprob.exp().numpy()[flat_known], lengths, pa.float32()),
             "kl_topk": _list_column(result.kl_topk.numpy()[flat_known], lengths, pa.float32()),
         }
-        for nodes in self.tree_nodes:
-            columns[results.tree_column(nodes)] = accepted[results.tree_method(nodes)].numpy().astype(np.int32)
-        for tree in self.eagle_trees:
-            columns[tree.column] = accepted[tree.method].numpy().astype(np.int32)
+        for method, setting in methods.planned(self.plan)[1:]:  # the tree methods' own columns
+            columns[method.column(setting)] = accepted[method.name(setting)].numpy().astype(np.int32)
         if self.drafts:
             columns["draft_tokens"] = [draft_block(result, i) for i in range(A)]
         return columns
@@ -280,7 +278,7 @@ class Collector:
         anchor_parts = [
             results.table(
                 results.with_identity(p[0], identity, len(p[0]["anchor"])),
-                results.anchors_schema(self.tree_nodes, self.drafts, self.eagle_trees),
+                results.anchors_schema(self.plan, self.drafts),
             )
             for p in ordered
             if p[0] is not None
@@ -352,15 +350,15 @@ def anchor_summary(anchors, method: str, counts: dict[str, np.ndarray], sampling
     """The all-anchor columns of one summary row (the chain's extra columns only for the chain).
     On sampled shards the chain's streak is its expected accepted length under rejection
     sampling (anchors.parquet `expected_accepted_len`), not the greedy drafts' match run."""
-    sampled_chain_row = method == results.CHAIN and not sampling.greedy
-    column = "expected_accepted_len" if sampled_chain_row else results.accepted_column(method)
+    sampled_chain_row = method == CHAIN and not sampling.greedy
+    column = "expected_accepted_len" if sampled_chain_row else methods.accepted_column(method)
     row = {
         "anchors": anchors.height,
         "anchor_accepted_len_mean": metrics.streak(
             torch.from_numpy(np.array(anchors[column].to_numpy(), dtype=np.float64 if sampled_chain_row else None))
         ),
     }
-    if method == results.CHAIN:
+    if method == CHAIN:
         # bonus-inclusive; on sampled shards produced is random per anchor, so left out
         row["anchor_produced_mean"] = None if sampled_chain_row else float(anchors["produced_chain"].mean())
         row["anchor_expected_accepted_len_mean"] = float(anchors["expected_accepted_len"].mean())

@@ -9,6 +9,8 @@ import math
 import pyarrow as pa
 
 from scoring import results
+from scoring.methods.chain import CHAIN
+from scoring.methods.registry import method_order
 from scoring.results import MIN_ANCHORS
 from scoring.score.outcome import Status
 
@@ -47,15 +49,15 @@ def pooled_rows(summary: pa.Table) -> dict[str, dict]:
 def best_tree(pooled: dict[str, dict]) -> tuple[str, float] | None:
     """(method, tau) of the tree (DDTree budget or EAGLE tree) with the highest pooled tau, the
     smaller on a tie; None without trees."""
-    trees = [(m, r["tau"]) for m, r in pooled.items() if m != results.CHAIN and r["tau"] is not None]
-    return max(trees, key=lambda item: (item[1], -results.method_order(item[0])[1])) if trees else None
+    trees = [(m, r["tau"]) for m, r in pooled.items() if m != CHAIN and r["tau"] is not None]
+    return max(trees, key=lambda item: (item[1], -method_order(item[0])[1])) if trees else None
 
 
 def headline(name: str, summary: pa.Table) -> str:
     """'tiny/step_600 (DFlash, z-lab layout): tau chain 1.340 (all, 16 samples, exact 16/16), best
     ddtree-256 2.665, streak 0.318'."""
     pooled = pooled_rows(summary)
-    chain = pooled[results.CHAIN]
+    chain = pooled[CHAIN]
     drafter = results.drafter_label(chain.get("drafter_family"), chain.get("drafter_layout"))
     name = f"{name} ({drafter})" if drafter else name
     exact = chain["samples"] - chain["inexact_samples"]
@@ -90,7 +92,7 @@ def print_table(summary: pa.Table, record: dict, out_dir: str, took: str | None 
         f"{record['device']}, {took} -> {out_dir}"
     )
     methods = list(dict.fromkeys(r["method"] for r in rows))
-    pooled_chain = pooled_rows(summary)[results.CHAIN]
+    pooled_chain = pooled_rows(summary)[CHAIN]
     if results.sampling_of_row(pooled_chain) is not None:
         print(f"  {sampled_words(pooled_chain)}; DDTree walks follow the sampled responses")
     print("  tau (mean accepted + bonus per step, simulated walk)")
@@ -98,11 +100,11 @@ def print_table(summary: pa.Table, record: dict, out_dir: str, took: str | None 
     print(f"  {'dataset':<16}" + "".join(f"{m:>{widths[m]}}" for m in methods) + f"{'streak':>10}")
     for dataset in dict.fromkeys(r["dataset"] for r in rows):
         taus = {r["method"]: r for r in rows if r["dataset"] == dataset}
-        streak = taus[results.CHAIN].get("anchor_accepted_len_mean")
+        streak = taus[CHAIN].get("anchor_accepted_len_mean")
         cells = "".join(f"{fmt(taus[m]['tau'] if m in taus else None):>{widths[m]}}" for m in methods)
         print(f"  {dataset:<16}{cells}{fmt(streak):>10}")
     print(f"  {STREAK_NOTE}")
-    overall = pooled_rows(summary)[results.CHAIN]
+    overall = pooled_rows(summary)[CHAIN]
     rates = overall.get("accept_rate_by_position") or []
     if rates:
         print("  chain acceptance per block position (all anchors, given the position was reached):")
@@ -147,7 +149,7 @@ def named_samples(mismatched: dict, listed: int = 5) -> str:
 
 def at_floor(summary: pa.Table) -> bool:
     """Whether the drafter accepted essentially nothing: pooled chain streak below FLOOR_STREAK."""
-    chain = pooled_rows(summary).get(results.CHAIN) or {}
+    chain = pooled_rows(summary).get(CHAIN) or {}
     streak = chain.get("anchor_accepted_len_mean")
     return streak is not None and streak < FLOOR_STREAK
 
@@ -157,7 +159,7 @@ def floor_warning(summary: pa.Table, ckpt: str, shards: str, program: str) -> li
     look into it, on the checkpoint and shards as the user named them. [] otherwise."""
     if not at_floor(summary):
         return []
-    chain = pooled_rows(summary)[results.CHAIN]
+    chain = pooled_rows(summary)[CHAIN]
     streak = chain["anchor_accepted_len_mean"]
     anchors = chain.get("anchors")
     none = (
@@ -284,7 +286,7 @@ def across_table(outcomes: list) -> list[str]:
     cells = []
     for o in done:
         pooled = pooled_rows(o.summary)
-        chain = pooled[results.CHAIN]
+        chain = pooled[CHAIN]
         tree = best_tree(pooled)
         cells.append((o.name, chain["tau"], tree, chain.get("anchor_accepted_len_mean"), o.status))
     width = max([len("checkpoint")] + [len(c[0]) for c in cells])
@@ -332,11 +334,11 @@ def outcome_json(outcome) -> dict:
         item["error"] = outcome.error
     if outcome.summary is not None:
         pooled = pooled_rows(outcome.summary)
-        chain = pooled[results.CHAIN]
+        chain = pooled[CHAIN]
         item.update(
             samples=chain["samples"],
             exact_samples=chain["samples"] - chain["inexact_samples"],
-            tau={m: r["tau"] for m, r in sorted(pooled.items(), key=lambda kv: results.method_order(kv[0]))},
+            tau={m: r["tau"] for m, r in sorted(pooled.items(), key=lambda kv: method_order(kv[0]))},
             streak=chain.get("anchor_accepted_len_mean"),
             headline=headline(outcome.name, outcome.summary),
             acceptance_at_floor=at_floor(outcome.summary),

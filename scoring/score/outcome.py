@@ -26,3 +26,5 @@ class Outcome:
     summary: object = None  # pyarrow Table of summary.parquet (scored or skipped)
     error: str | None = None
     name: str = field(default="")
+    # what family detection assumed to read its config (proposers/layouts.py); None: the file said
+    assumed: str | None = None

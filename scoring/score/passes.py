@@ -30,9 +30,10 @@ from pipeline.common import timing
 from pipeline.common.distributed import Dist, barrier
 from pipeline.common.errors import UserError
 from pipeline.shards import ShardSet
+from proposers.checkpoints.load import read_drafter_config
+from proposers.detect import build_drafter
+from proposers.interface import TargetHead
 from scoring.config import ScoreConfig
-from scoring.drafters.checkpoint import read_drafter_config
-from scoring.drafters.detect import build_drafter
 from scoring.score.collect import Collector
 from scoring.score.outcome import Outcome, Status
 from scoring.score.outputs import NonFiniteLogitsError, remove_dead_staging, results_lock, skipped, write_results
@@ -40,6 +41,7 @@ from scoring.score.record import run_facts, run_record
 from scoring.score.steps import (
     SAMPLE_TENSORS,
     Job,
+    family_override,
     identity_of,
     prepare_job,
     replay_group,
@@ -89,11 +91,11 @@ def all_ranks(value, dist: Dist) -> list:
     return values
 
 
-def weight_bytes(ckpt: str, dtype: torch.dtype) -> int:
+def weight_bytes(ckpt: str, dtype: torch.dtype, override=None) -> int:
     """The drafter's weights at the compute dtype, from its config alone (nothing loaded yet): what
     a pass holds for it. 0 when the config cannot be read (opening the checkpoint says why)."""
     try:
-        config = read_drafter_config(ckpt)
+        config = read_drafter_config(ckpt, override=override)
         with torch.device("meta"):  # shapes without memory
             params = sum(p.numel() for p in build_drafter(config).parameters())
     except FAILURES:
@@ -165,9 +167,10 @@ def passes(paths: list[str], dirs: dict, shardset: ShardSet, config: ScoreConfig
     drafters' weights fit config.memory_bytes together (at least one). A checkpoint skipped or
     failed before any is loaded is handed on at once, so it is reported without waiting."""
     dtype = resolve_device_dtype(config.device, config.dtype, dist)[1]
+    override = family_override(config.family)
     lanes, held = [], 0
     for path in paths:
-        size = max(all_ranks(weight_bytes(path, dtype), dist))  # the same pass boundaries on every rank
+        size = max(all_ranks(weight_bytes(path, dtype, override), dist))  # the same pass boundaries on every rank
         if held and held + size > config.memory_bytes:
             yield lanes
             lanes, held = [], 0
@@ -190,7 +193,7 @@ def pass_bar(live: list[Lane], progress, dist: Dist):
     return progress(len(live[0].job.mine), f"score {label}")
 
 
-def replay_lane(lane: Lane, head: dict, group: list, config: ScoreConfig, dist: Dist) -> None:
+def replay_lane(lane: Lane, head: TargetHead, group: list, config: ScoreConfig, dist: Dist) -> None:
     """One drafter over one decoded group, into its own collector; a drafter that fails here
     leaves the others going."""
     try:
@@ -201,7 +204,7 @@ def replay_lane(lane: Lane, head: dict, group: list, config: ScoreConfig, dist: 
         fail(lane, error, dist)
 
 
-def replay_groups(live: list[Lane], shardset: ShardSet, head: dict, config: ScoreConfig, dist: Dist, bar) -> None:
+def replay_groups(live: list[Lane], shardset: ShardSet, head: TargetHead, config: ScoreConfig, dist: Dist, bar) -> None:
     """Decode this rank's samples once (in the background) and replay each group through every
     drafter still live. The selection is every checkpoint's: it depends on the shards and the
     config only."""
@@ -220,7 +223,9 @@ def replay_groups(live: list[Lane], shardset: ShardSet, head: dict, config: Scor
             bar.update(len(group), anchors_per_s=f"{anchors / max(time.time() - started, 1e-9):.0f}")
 
 
-def replay_pass(lanes: list[Lane], shardset: ShardSet, head: dict, config: ScoreConfig, dist: Dist, progress) -> None:
+def replay_pass(
+    lanes: list[Lane], shardset: ShardSet, head: TargetHead, config: ScoreConfig, dist: Dist, progress
+) -> None:
     """Replay the pass's live checkpoints over one decoding of the shards (stage "shard pass")."""
     live = [lane for lane in lanes if lane.state == LaneState.LIVE]
     if not live:
@@ -230,12 +235,7 @@ def replay_pass(lanes: list[Lane], shardset: ShardSet, head: dict, config: Score
         job = lane.job
         lane.in_pass = True
         lane.collector = Collector(
-            job.tree_nodes,
-            stop_ids,
-            job.info.config.max_drafts,
-            config.anchor_drafts,
-            job.options.sampling,
-            job.options.eagle_trees,
+            job.options.methods, stop_ids, job.proposer.max_drafts, config.anchor_drafts, job.options.sampling
         )
     bar = pass_bar(live, progress, dist)
     try:
@@ -282,7 +282,10 @@ def write_lane(lane: Lane, collector: Collector, anchors: int, shardset: ShardSe
     record = run_record(job.planned, lane.ckpt, job.info, shardset, options.sampling, facts)
     write_results(lane.out_dir, tables, record)
     lane.state = LaneState.SCORED
-    return Outcome(lane.ckpt, lane.out_dir, Status.SCORED, record, tables["summary"], name=job.info.name)
+    summary = tables["summary"]
+    return Outcome(
+        lane.ckpt, lane.out_dir, Status.SCORED, record, summary, name=job.info.name, assumed=job.info.assumed
+    )
 
 
 def finish_lane(lane: Lane, shardset: ShardSet, config: ScoreConfig, dist: Dist) -> None:
@@ -299,7 +302,7 @@ def finish_lane(lane: Lane, shardset: ShardSet, config: ScoreConfig, dist: Dist)
 
 
 def scored_lanes(
-    paths: list[str], dirs: dict, shardset: ShardSet, head: dict, config: ScoreConfig, dist: Dist, progress=None
+    paths: list[str], dirs: dict, shardset: ShardSet, head: TargetHead, config: ScoreConfig, dist: Dist, progress=None
 ) -> Iterator[Lane]:
     """Every checkpoint scored, skipped or failed, handed on in checkpoint order a pass at a time."""
     with contextlib.ExitStack() as opened:  # every lock let go (last taken first), whatever ends the run

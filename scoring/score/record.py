@@ -21,9 +21,11 @@ from pipeline.common.dtypes import dtype_name
 from pipeline.common.settings import settings_diff
 from pipeline.common.versions import specreplay_version
 from pipeline.shards import ShardSet
+from proposers.checkpoints.load import CheckpointInfo
+from proposers.registry import family
 from scoring import results
 from scoring.config import ScoreConfig
-from scoring.drafters.checkpoint import CheckpointInfo
+from scoring.methods.eagle_tree import EAGLE_TREES
 
 
 def shards_identity(manifest: dict) -> str:
@@ -42,18 +44,19 @@ def planned_record(
     dtype,
     selection: dict,
     trees: bool = True,
-    eagle_trees=(),
+    plan: dict | None = None,
 ) -> dict:
     """The settings part of run.json, known before any replay: what `differences` compares.
-    `trees`: whether the DDTree budgets are replayed (not for a family DDTree does not apply to);
-    `eagle_trees`: the results.EagleTree settings replayed."""
+    `trees`: whether the DDTree budgets are replayed (not for a proposer DDTree does not apply to);
+    `plan`: the tree methods' settings (scoring/methods/registry.py), its EAGLE trees recorded."""
+    eagle_trees = (plan or {}).get(EAGLE_TREES.kind, ())
     return {
         "checkpoint": {"content_hash": info.content_hash},
         "shards": {"identity": shards_identity(shardset.manifest), "samples": selection["samples"]},
         "ddtree_budgets": list(config.tree_nodes) if trees else [],
         "eagle_trees": [tree.name for tree in eagle_trees],
         # an autoregressive chain's drafts per anchor (--steps or the checkpoint's); None: a block family's
-        "chain_steps": info.config.block_size if info.config.teacher_forced_block else None,
+        "chain_steps": info.config.block_size if family(info.config.family).chain_steps else None,
         "anchor_set": config.anchors,
         "anchor_drafts": config.anchor_drafts,
         "dtype": dtype_name(dtype),

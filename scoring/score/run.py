@@ -9,6 +9,7 @@ import os
 from pipeline.common import timing
 from pipeline.common.distributed import Dist, dist_from_env, init_dist
 from pipeline.shards import ShardSet
+from proposers.interface import TargetHead
 from scoring.config import ScoreConfig
 from scoring.replay.packing import prepare_target_head
 from scoring.score.outcome import Outcome
@@ -36,7 +37,7 @@ def expand_checkpoints(patterns: list[str]) -> list[str]:
 def score_checkpoint(
     ckpt: str,
     shardset: ShardSet,
-    head: dict,
+    head: TargetHead,
     out_dir: str,
     config: ScoreConfig,
     dist: Dist | None = None,

@@ -16,11 +16,14 @@ from pipeline.common.dtypes import resolve_dtype
 from pipeline.common.errors import UserError
 from pipeline.common.sampling import sampling_of
 from pipeline.shards import ShardSet
-from scoring import results
+from proposers.checkpoints.compatibility import check_compatibility, target_layers
+from proposers.checkpoints.load import CheckpointInfo, load_proposer, read_drafter_config
+from proposers.interface import Proposer, drafts_trees
+from proposers.layouts import Override
+from proposers.registry import family, family_label
 from scoring.config import DEFAULT_EAGLE_TREES, ScoreConfig
-from scoring.drafters.checkpoint import CheckpointInfo, load_drafter, read_drafter_config
-from scoring.drafters.compatibility import check_compatibility, target_layers
-from scoring.drafters.detect import FAMILIES, supports_eagle_trees, supports_trees
+from scoring.methods.ddtree import DDTREE
+from scoring.methods.eagle_tree import EAGLE_TREES, parse_eagle_trees
 from scoring.replay.anchors import replay_sample, replay_walks
 from scoring.replay.packing import ReplayOptions, select_feature_columns
 from scoring.replay.walk import stop_mask
@@ -42,10 +45,9 @@ def resolve_device_dtype(device: str, dtype: str, dist: Dist | None = None) -> t
 class Job:
     """One checkpoint's replay, everything resolved: what to replay, with what, on which samples."""
 
-    drafter: torch.nn.Module
+    proposer: Proposer
     info: CheckpointInfo
-    options: ReplayOptions
-    tree_nodes: list[int]  # sorted, unique
+    options: ReplayOptions  # its `methods`: the plan of tree methods (scoring/methods/registry.py)
     mine: list[int]  # sample indices this rank replays
     total: int  # samples scored over all ranks
     max_new_tokens: int
@@ -77,41 +79,43 @@ def prepare_job(ckpt: str, shardset: ShardSet, out_dir: str, config: ScoreConfig
     device, dtype = resolve_device_dtype(config.device, config.dtype, dist)
     manifest = shardset.manifest
     layers = target_layers(manifest)
-    check_compatibility(
-        read_drafter_config(ckpt, target_layers=layers), manifest, ckpt, shardset.uri
-    )  # before any weight
+    override = family_override(config.family)
+    drafter_config = read_drafter_config(ckpt, target_layers=layers, override=override)
+    check_compatibility(drafter_config, manifest, ckpt, shardset.uri)  # before any weight
     with timing.stage("load drafter"):
-        drafter, info = load_drafter(ckpt, dtype=dtype, device=device, target_layers=layers)
+        proposer, info = load_proposer(ckpt, dtype, device, target_layers=layers, override=override)
     set_chain_steps(config.steps, info.config, ckpt)
     chosen, selection = choose_samples(shardset, config)
-    trees = supports_trees(info.config)  # else the chain alone
-    tree_nodes = sorted(set(config.tree_nodes)) if trees else []
     sampling = sampling_of(manifest["settings"])
-    eagle_trees = eagle_trees_of(config, info.config, sampling, ckpt)
-    planned = planned_record(info, shardset, config, dtype, selection, trees, eagle_trees)
+    plan = method_plan(config, proposer, sampling, ckpt)
+    planned = planned_record(info, shardset, config, dtype, selection, proposer.independent_drafts, plan)
     if check_previous(out_dir, planned, config.force):
         return None
     options = ReplayOptions(
-        max_tree_nodes=max(tree_nodes) if tree_nodes else 0,
         memory_bytes=config.memory_bytes,
         dtype=dtype,
         device=device,
         attention=config.attention,
         sampling=sampling,
-        eagle_trees=eagle_trees,
+        methods=plan,
     )
     settings = manifest["settings"]
+    mine = chosen[dist.rank :: dist.world]
     return Job(
-        drafter,
-        info,
-        options,
-        tree_nodes,
-        chosen[dist.rank :: dist.world],
-        len(chosen),
-        int(settings["max_new_tokens"]),
-        settings["layer_ids"],
-        planned,
+        proposer, info, options, mine, len(chosen), int(settings["max_new_tokens"]), settings["layer_ids"], planned
     )
+
+
+def family_override(text: str | None) -> Override | None:
+    """--family NAME[:LAYOUT], parsed (a UserError naming the families and layouts when it is none)."""
+    return None if text is None else Override.parse(text)
+
+
+def method_plan(config: ScoreConfig, proposer: Proposer, sampling, ckpt: str) -> dict:
+    """The tree methods' settings for this proposer: the DDTree budgets where its drafts are
+    independent given the block (else the chain alone), its own trees where it drafts some."""
+    budgets = tuple(sorted(set(config.tree_nodes))) if proposer.independent_drafts else ()
+    return {DDTREE.kind: budgets, EAGLE_TREES.kind: eagle_trees_of(config, proposer, sampling, ckpt)}
 
 
 def set_chain_steps(steps: int | None, drafter_config, ckpt: str) -> None:
@@ -120,29 +124,27 @@ def set_chain_steps(steps: int | None, drafter_config, ckpt: str) -> None:
     its trained block, which a serving engine cannot change either: refused by name."""
     if steps is None:
         return
-    if not drafter_config.teacher_forced_block:
-        family = FAMILIES[drafter_config.family].name
+    if not family(drafter_config.family).chain_steps:
         raise UserError(
-            f"--steps: {ckpt} is a {family} drafter, which drafts its trained block of "
+            f"--steps: {ckpt} is a {family_label(drafter_config.family)} drafter, which drafts its trained block of "
             f"{drafter_config.max_drafts} tokens at once; --steps sets the chain of EAGLE-3 and MTP drafters: drop it"
         )
     drafter_config.block_size = steps
 
 
-def eagle_trees_of(config: ScoreConfig, drafter_config, sampling, ckpt: str) -> tuple:
-    """The results.EagleTree settings to replay: --eagle-trees, else sglang's default, for a family
-    that drafts them (EAGLE-3); none on sampled shards, where sglang verifies a tree by tree
+def eagle_trees_of(config: ScoreConfig, proposer: Proposer, sampling, ckpt: str) -> tuple:
+    """The EagleTree settings to replay: --eagle-trees, else sglang's default, for a proposer that
+    drafts its own trees (EAGLE-3); none on sampled shards, where sglang verifies a tree by tree
     speculative sampling, whose outcome the stored response does not decide (docs/eagle-tree.md)."""
-    if not supports_eagle_trees(drafter_config):
+    if not drafts_trees(proposer):
         if config.eagle_trees:
-            family = FAMILIES[drafter_config.family].name
             raise UserError(
-                f"--eagle-trees: {ckpt} is a {family} drafter, and EAGLE trees are drafted by EAGLE-3 "
-                "drafters only (DDTree: --ddtree-budgets); drop --eagle-trees for it"
+                f"--eagle-trees: {ckpt} is a {family_label(proposer.family)} drafter, and EAGLE trees are drafted by "
+                "EAGLE-3 drafters only (DDTree: --ddtree-budgets); drop --eagle-trees for it"
             )
         return ()
     given = DEFAULT_EAGLE_TREES if config.eagle_trees is None else config.eagle_trees
-    return tuple(results.parse_eagle_trees(",".join(given))) if sampling.greedy else ()
+    return tuple(parse_eagle_trees(",".join(given))) if sampling.greedy else ()
 
 
 def sample_groups(indexed_samples, anchors_mode: str, group_tokens: int):
@@ -160,20 +162,17 @@ def sample_groups(indexed_samples, anchors_mode: str, group_tokens: int):
         yield group
 
 
-def replay_group(job: Job, head: dict, group: list, config: ScoreConfig, collector: Collector) -> list:
+def replay_group(job: Job, head, group: list, config: ScoreConfig, collector: Collector) -> list:
     """AnchorTensors of each sample of a group, all anchors or only those the walks visit."""
-    columns = lambda f: select_feature_columns(f, job.stored_layer_ids, job.info.config.target_layer_ids)  # noqa: E731
+    layer_ids = list(job.proposer.needs.feature_layers)
+    columns = lambda f: select_feature_columns(f, job.stored_layer_ids, layer_ids)  # noqa: E731
     samples = [s for _, s in group]
     # Given (teacher-forced) responses may be longer than the extract's max_new_tokens.
     max_new = [job.max_new_tokens if s.greedy else max(job.max_new_tokens, s.response_len) for s in samples]
-    embed, lm_head = head["embed_tokens"], head["lm_head"]
-    job.drafter.attach_target_head(head)
     if config.anchors == "all":
-        return [
-            replay_sample(job.drafter, embed, lm_head, s, columns, m, job.options) for s, m in zip(samples, max_new)
-        ]
+        return [replay_sample(job.proposer, head, s, columns, m, job.options) for s, m in zip(samples, max_new)]
     is_stop = [stop_mask(s.input_ids, collector.stop_token_ids) for s in samples]
-    return replay_walks(job.drafter, embed, lm_head, samples, columns, max_new, collector.methods, is_stop, job.options)
+    return replay_walks(job.proposer, head, samples, columns, max_new, collector.methods, is_stop, job.options)
 
 
 def identity_of(info: CheckpointInfo) -> dict:

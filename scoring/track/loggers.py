@@ -16,15 +16,15 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from pipeline.common.errors import UserError
+from scoring.methods.chain import CHAIN
+from scoring.methods.ddtree import DDTREE
+from scoring.methods.eagle_tree import EAGLE_TREES
 from scoring.results import (
     ALL_DATASETS,
-    CHAIN,
     FILES,
     MIN_ANCHORS,
-    eagle_tree_of,
     read_run_record,
     results_dirs_below,
-    tree_nodes_of,
 )
 from scoring.track.backends import PREFIX, MlflowLogger, TensorBoardLogger, WandbLogger
 from scoring.track.ledger import LEDGER_NAME, Ledger, ledger_path_for
@@ -130,12 +130,11 @@ def _row_scalars(base: str, row: dict, reached: list[float]) -> dict:
             if n >= MIN_ANCHORS:
                 found[f"{base}/accept_rate_pos_{k}"] = rate
         return found
-    tree = eagle_tree_of(row["method"])
+    tree = EAGLE_TREES.setting_of(row["method"])
     if tree is not None:
         return {f"{base}/tau_eagle_tree_{tree.topk}x{tree.depth}_{tree.draft_tokens}": row.get("tau")}
-    try:
-        nodes = tree_nodes_of(row["method"])
-    except ValueError:  # a method this version does not know: nothing to say about it
+    nodes = DDTREE.setting_of(row["method"])
+    if nodes is None:  # a method this version does not know: nothing to say about it
         return {}
     return {f"{base}/tau_ddtree_{nodes}": row.get("tau")}
 

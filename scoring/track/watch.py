@@ -41,11 +41,11 @@ from pipeline.common import timing
 from pipeline.common.distributed import Dist, dist_from_env
 from pipeline.common.errors import UserError
 from pipeline.shards import ShardSet
+from proposers.checkpoints.files import WEIGHT_EXTENSIONS, checkpoint_problem, parse_step, resolve_checkpoint_files
 from scoring import results
 from scoring.compare.bootstrap import digits, judge
 from scoring.compare.run import CompareError, CompareWarning, headline_row, run_comparison
 from scoring.config import ScoreConfig
-from scoring.drafters.files import WEIGHT_EXTENSIONS, checkpoint_problem, parse_step, resolve_checkpoint_files
 from scoring.replay.packing import prepare_target_head
 from scoring.report.page import write_report
 from scoring.score.console import floor_warning, headline

@@ -49,6 +49,12 @@ VARIANT_HELP = (
     show_default=True,
     help="Working memory for one batch of anchors.",
 )
+@click.option(
+    "--family",
+    default=None,
+    metavar="NAME[:LAYOUT]",
+    help="Read the checkpoint's config as this family's (and layout's) instead of detecting it, as score --family.",
+)
 @click.option("--force", is_flag=True, help="Replace an earlier diagnosis in the same directory.")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 def diagnose(no_progress, **options):
@@ -78,6 +84,10 @@ def diagnose(no_progress, **options):
     variants = parse_variants(options["variants"])[1:] if options["variants"] else None
     options.update(variants=variants, memory_bytes=parse_size(options["memory_bytes"], "--memory-budget"))
     config = DiagnoseConfig(**options)
+    if config.family is not None:
+        from proposers.layouts import Override
+
+        Override.parse(config.family)
     check_input_path(config.shards, "--shards", "directory")
     check_roles([config.ckpt], config.shards)
     check_output_dir(config.out, "--out")

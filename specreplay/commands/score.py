@@ -30,7 +30,7 @@ def parse_eagle_trees(text: str | None) -> list[str] | None:
     EAGLE-3 drafters, none for the others."""
     if text is None:
         return None
-    from scoring.results import parse_eagle_trees as parse
+    from scoring.methods.eagle_tree import parse_eagle_trees as parse
 
     return [tree.name for tree in parse(text)]
 
@@ -66,6 +66,14 @@ def d(name: str):
     "topk x depth - draft tokens (--speculative-eagle-topk, --speculative-num-steps, "
     f"--speculative-num-draft-tokens), comma-separated; default {','.join(DEFAULT_EAGLE_TREES)} "
     "(sglang's own); empty string for none. Greedy shards only. Methods eagle-tree-4x5-8, ...",
+)
+@click.option(
+    "--family",
+    default=None,
+    metavar="NAME[:LAYOUT]",
+    help="Read every checkpoint's config as this family's (dflash, dflash2, dspark, eagle3, mtp), and "
+    "optionally this layout's (z-lab, speculators, specforge, deepspec, native), instead of detecting it "
+    "(detection says when it assumed one).",
 )
 @click.option(
     "--steps",
@@ -154,6 +162,10 @@ def score(no_progress, quiet, as_json, **options):
         datasets=datasets or None,
     )
     config = ScoreConfig(**options)
+    if config.family is not None:
+        from proposers.layouts import Override
+
+        Override.parse(config.family)  # a misspelt family fails here, before any shard or weight is read
     check_input_path(config.shards, "--shards", "directory")
     check_roles(config.ckpts, config.shards)
     check_output_dir(config.out, "--out")
@@ -196,6 +208,8 @@ class OutcomePrinter:
             click.echo("")
             print_table(outcome.summary, outcome.record, outcome.out_dir, self.times.took(outcome.record))
         click.echo(headline(outcome.name, outcome.summary))
+        if outcome.assumed:
+            click.echo(f"  note: {outcome.name}: {outcome.assumed}", err=True)
         if self.quiet and outcome.status == Status.SCORED:
             for line in warning_lines(outcome.record):  # left-out samples are never silent
                 click.echo(f"  {line}", err=True)

@@ -20,12 +20,12 @@ import pytest
 from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from pipeline.common.drafter_configs import layout_of
 from pipeline.common.schema import SchemaError
 from pipeline.extract.records import RecordSchema
 from pipeline.shards import ShardSet
 from pipeline.shards.files import json_checksum
 from pipeline.shards.manifest import ManifestFile, ShardEntry
+from proposers.layouts import detect_layout
 from scoring.results import RunRecord
 from scoring.track.ledger import LEDGER_NAME, LedgerFile
 from specreplay.cli import main
@@ -139,7 +139,7 @@ def config_verdict(document) -> str | None:
     if not isinstance(document, dict):
         return ""
     try:
-        layout = layout_of(document, "config.json")
+        layout = detect_layout(document, "config.json").layout
     except SchemaError:
         return ""
     return schema_verdict(layout, document)

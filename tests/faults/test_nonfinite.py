@@ -360,8 +360,8 @@ def test_score_through_faulty_drafters_and_excluded_extract(extracted, tmp_path)
 
 
 def test_weights_beyond_the_compute_dtype_are_refused(tmp_path):
-    from scoring.drafters.checkpoint import load_drafter
-    from scoring.drafters.files import NonFiniteWeightsError
+    from proposers.checkpoints.files import NonFiniteWeightsError
+    from proposers.checkpoints.load import load_drafter
 
     path = save_drafter(random_drafter(layer_ids=(1, 3), seed=4), str(tmp_path / "big"))
     weights = load_file(os.path.join(path, "model.safetensors"))
@@ -410,6 +410,7 @@ def test_drafter_nan_context_spoils_only_the_anchors_that_see_it(extracted):
     equal the replay of the untouched sample bit for bit (the NaN was kept out of them)."""
     import dataclasses
 
+    from proposers.toolkit.neural import neural_proposer
     from scoring.replay.anchors import replay_sample
     from scoring.replay.packing import ReplayOptions, prepare_target_head
 
@@ -418,10 +419,10 @@ def test_drafter_nan_context_spoils_only_the_anchors_that_see_it(extracted):
     sample = next(s for s in shardset.samples() if s.sample_id == "q4")
     head = prepare_target_head(shardset.target_head(), "cpu", torch.float32)
     drafter = random_drafter(layer_ids=(1, 3), seed=5)
-    options = ReplayOptions(max_tree_nodes=4)
+    options = ReplayOptions(methods={"ddtree": (4,)})
 
     def replay(s):
-        return replay_sample(drafter, head["embed_tokens"], head["lm_head"], s, lambda f: f, MAX_NEW, options)
+        return replay_sample(neural_proposer(drafter), head, s, lambda f: f, MAX_NEW, options)
 
     clean = replay(sample)
     p = sample.prompt_len + 2
@@ -432,10 +433,12 @@ def test_drafter_nan_context_spoils_only_the_anchors_that_see_it(extracted):
     assert spoiled.anchors[spoiled.nonfinite].tolist() == [t for t in spoiled.anchors.tolist() if t > p]
     keep = ~spoiled.nonfinite
     assert 0 < int(keep.sum()) < keep.numel()
-    for name in ("draft_tokens", "target_logprob", "kl_topk", "tree_pop_index"):
+    for name in ("draft_tokens", "target_logprob", "kl_topk"):
         torch.testing.assert_close(
             getattr(spoiled, name)[keep], getattr(clean, name)[keep], rtol=0, atol=0, equal_nan=True
         )
+    pops = spoiled.method_data["ddtree"][keep], clean.method_data["ddtree"][keep]
+    torch.testing.assert_close(*pops, rtol=0, atol=0)
 
 
 def test_diagnose_leaves_out_samples_with_nonfinite_logits(extracted, tmp_path):

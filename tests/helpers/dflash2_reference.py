@@ -1,7 +1,7 @@
 """DFlash2 drafters for the parity tests: the public references with random weights, saved with
 their own save_pretrained (zlab_dflash2: `dflash.model.DFlash2DraftModel`; speculators_dflash2:
 speculators' `DFlash2DraftModel`), and load_ours, which reads a saved directory into
-scoring.drafters.dflash2's model by name."""
+proposers.dflash2.config's model by name."""
 
 from __future__ import annotations
 
@@ -126,19 +126,19 @@ def speculators_dflash2(
 
 
 def load_ours(path):
-    """scoring.drafters.dflash2's model for the checkpoint directory `path` (config.json +
+    """proposers.dflash2.config's model for the checkpoint directory `path` (config.json +
     model.safetensors): config through the declared layouts and dflash2.parse_drafter_config,
     weights by name, strictly (every tensor used, none missing)."""
     from safetensors.torch import load_file
 
-    from pipeline.common.drafter_configs import read_drafter_format
-    from scoring.drafters.dflash2 import FAMILY
-    from scoring.drafters.dflash2_model import canonical_names
+    from proposers.dflash2.config import FAMILY
+    from proposers.dflash2.model import canonical_names
+    from proposers.layouts import read_drafter_format
 
     source = os.path.join(str(path), "config.json")
     with open(source) as f:
         raw = json.load(f)
     config = FAMILY.parse_config(read_drafter_format(raw, source), raw, source)
-    model = FAMILY.build(config)
+    model = FAMILY.model(config)
     model.load_state_dict(canonical_names(load_file(os.path.join(str(path), "model.safetensors"))), strict=True)
     return model.eval()

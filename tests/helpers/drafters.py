@@ -58,9 +58,9 @@ def _random_weights(model, seed: int, std: float):
 
 
 def random_drafter(*, seed: int = 0, std: float = 0.2, **config):
-    """Our scoring.drafters.dflash.DFlashDrafter with drafter_config(**config) and random weights."""
-    from scoring.drafters.detect import parse_drafter_config
-    from scoring.drafters.dflash_model import DFlashDrafter
+    """Our proposers.dflash.config.DFlashDrafter with drafter_config(**config) and random weights."""
+    from proposers.detect import parse_drafter_config
+    from proposers.dflash.model import DFlashDrafter
 
     with seeded(seed):
         drafter = DFlashDrafter(parse_drafter_config(drafter_config(**config), "test drafter"))

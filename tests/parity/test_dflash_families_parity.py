@@ -36,8 +36,8 @@ import scoring.score.steps as score_module
 from pipeline.common.sampling import Sampling, token_logprob
 from pipeline.extract.run import ExtractConfig, run_extract
 from pipeline.shards import ShardSet
+from proposers.dflash2.model import DFlash2Drafter
 from scoring import results
-from scoring.drafters.dflash2_model import DFlash2Drafter
 from specreplay.cli import main
 from tests.helpers import chain_parity as chains, family_fits as fits
 from tests.helpers.models import seeded

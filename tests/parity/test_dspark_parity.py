@@ -28,7 +28,7 @@ import pytest
 import torch
 
 from pipeline.shards import ShardSet
-from scoring.drafters.dspark_model import DSparkDrafter
+from proposers.dspark.model import DSparkDrafter
 from tests.helpers import chain_parity as chains, dspark_online as online
 from tests.helpers.dspark_reference import (
     OUTPUT_IDS,

@@ -35,7 +35,7 @@ import pytest
 import torch
 
 from pipeline.shards import ShardSet
-from scoring.drafters.eagle3_model import Eagle3Drafter
+from proposers.eagle3.model import Eagle3Drafter
 from tests.helpers import chain_parity as parity, eagle3_online as online, eagle3_tree_online as tree_online
 from tests.helpers.dspark_online import build_target
 from tests.helpers.dspark_reference import AUX_IDS, OUTPUT_IDS
@@ -252,7 +252,7 @@ def test_sampled_expected_tau_equals_the_online_mean_over_seeds(setup, drafter, 
 # sglang's dynamic tree (eagle-tree-*), against a naive online tree on the same weights
 
 TREES = {"4x5-8": (4, 5, 8), "2x4-6": (2, 4, 6)}  # sglang's default, and a narrower deeper one
-# plausible wrong rules, each patched into specreplay's tree (scoring/replay/eagle_tree.py)
+# plausible wrong rules, each patched into specreplay's tree (scoring/methods/eagle_tree.py)
 MUTANTS = {
     # children ranked by their own probability, not their path's
     "own-prob": ("child_scores", lambda parents, p: p.expand(parents.shape[0], *p.shape[1:])),

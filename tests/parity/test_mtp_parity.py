@@ -18,12 +18,13 @@ import torch
 from safetensors.torch import load_file
 
 from pipeline.shards import ShardSet
-from scoring.drafters.checkpoint import load_drafter
-from scoring.drafters.conventions import Conventions
+from proposers.checkpoints.load import load_drafter
+from proposers.toolkit.conventions import Conventions
+from proposers.toolkit.neural import neural_proposer
+from scoring.methods.chain import CHAIN
 from scoring.replay.anchors import replay_walks
 from scoring.replay.packing import ReplayOptions, prepare_target_head
 from scoring.replay.walk import stop_mask
-from scoring.results import CHAIN
 from tests.helpers import chain_parity as parity, mtp_export, mtp_online as online
 from tests.helpers.prompts import write_prompts
 
@@ -92,14 +93,12 @@ def _offline_produced(model_dir: str, shards: str, conventions: Conventions) -> 
     shardset = ShardSet(shards)
     drafter, _ = load_drafter(model_dir, target_layers=shardset.settings["target"]["num_layers"])
     head = prepare_target_head(shardset.target_head(), "cpu", torch.float32)
-    drafter.attach_target_head(head)
     samples = list(shardset.samples())
     stop_ids = shardset.settings["target"]["stop_token_ids"]
-    options = ReplayOptions(max_tree_nodes=0, conventions=conventions)
+    options = ReplayOptions(methods={}, conventions=conventions)
     results = replay_walks(
-        drafter,
-        head["embed_tokens"],
-        head["lm_head"],
+        neural_proposer(drafter),
+        head,
         samples,
         lambda f: f,
         [MAX_NEW] * len(samples),

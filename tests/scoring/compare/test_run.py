@@ -89,7 +89,9 @@ def write_results(
     identity = {"checkpoint": name, "checkpoint_hash": content[:16], "checkpoint_step": step}
     out = write_fake_results(path, identity, rows, summary, run=run if run_json else None)
     if anchors is not None:
-        table = results.rows_table([{**identity, **row} for row in anchors], results.anchors_schema(tree_nodes))
+        table = results.rows_table(
+            [{**identity, **row} for row in anchors], results.anchors_schema({"ddtree": tree_nodes})
+        )
         results.write_table(table, out, "anchors")
     return out
 

@@ -21,6 +21,7 @@ from click.testing import CliRunner
 from scoring import results
 from scoring.diagnose.variants import CONFIGURED, VARIANTS
 from scoring.diagnose.view import acceptance_by_position
+from scoring.methods.chain import CHAIN
 from specreplay.cli import main
 from tests.helpers import convention_fits as cf
 from tests.helpers.prompts import write_prompts
@@ -189,7 +190,7 @@ def assert_as_configured_equals_score(rows: list[dict], results_dir: str, sample
     """diagnose's as-configured numbers are score's, on the same samples: pooled chain tau,
     the all-anchor streak and acceptance by block position."""
     summary = pq.read_table(os.path.join(results_dir, results.FILES["summary"])).to_pylist()
-    chain = next(r for r in summary if r["dataset"] == results.ALL_DATASETS and r["method"] == results.CHAIN)
+    chain = next(r for r in summary if r["dataset"] == results.ALL_DATASETS and r["method"] == CHAIN)
     mine = {r["metric"]: r["value"] for r in rows if r["variant"] == CONFIGURED and r["position"] is None}
     assert mine["tau"] == pytest.approx(chain["tau"], abs=1e-9)
     streak = chain["anchor_expected_accepted_len_mean" if sampled else "anchor_accepted_len_mean"]

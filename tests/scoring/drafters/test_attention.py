@@ -18,9 +18,9 @@ import polars as pl
 import pytest
 import torch
 
-import scoring.drafters.attention as drafter_module
-from scoring.drafters.attention import block_masks, blockwise_plan
-from scoring.drafters.conventions import Conventions
+import proposers.toolkit.attention as drafter_module
+from proposers.toolkit.attention import block_masks, blockwise_plan
+from proposers.toolkit.conventions import Conventions
 from tests.helpers.drafters import random_drafter
 from tests.helpers.models import TINY_HIDDEN
 

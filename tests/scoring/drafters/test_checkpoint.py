@@ -1,4 +1,4 @@
-"""scoring.drafters.checkpoint: every accepted checkpoint layout loads to the same weights, every broken
+"""proposers.checkpoints.load: every accepted checkpoint layout loads to the same weights, every broken
 one fails before compute with an error naming the file, the tensors and both values."""
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from scoring.drafters.base import DrafterConfigError
-from scoring.drafters.checkpoint import load_drafter, read_drafter_config
-from scoring.drafters.compatibility import CompatibilityError, check_compatibility
-from scoring.drafters.detect import parse_drafter_config
-from scoring.drafters.files import CheckpointError, content_hash, display_name, parse_step
+from proposers.checkpoints.compatibility import CompatibilityError, check_compatibility
+from proposers.checkpoints.files import CheckpointError, content_hash, display_name, parse_step
+from proposers.checkpoints.load import load_drafter, read_drafter_config
+from proposers.detect import parse_drafter_config
+from proposers.toolkit.config import DrafterConfigError
 from scoring.replay.packing import select_feature_columns
 from tests.helpers.drafters import (
     REFERENCE_HIDDEN as HIDDEN,

@@ -1,7 +1,7 @@
-"""Every convention switch of the replay (scoring/drafters/conventions.py) against the same change made by
+"""Every convention switch of the replay (proposers/toolkit/conventions.py) against the same change made by
 hand in the public reference drafter's forward (`dflash.model.DFlashDraftModel`).
 
-The replay path is the one `score` and `diagnose` use (pack_samples -> chunk_logits); the
+The replay path is the one `score` and `diagnose` use (pack_samples -> the proposer's drafts); the
 reference gets its inputs built here: shifted position ids, a longer or shorter context, an
 explicit block mask, its attention modules' windows edited, the scales left out, features
 picked from hidden_states[i] instead of [i + 1]. fp32, max abs diff of logits <= 1e-5, and
@@ -15,9 +15,10 @@ import torch
 from dflash.model import extract_context_feature
 
 from pipeline.shards import Sample
-from scoring.drafters.checkpoint import load_drafter
-from scoring.drafters.conventions import REFERENCE, Conventions
-from scoring.replay.chunk import chunk_logits
+from proposers.checkpoints.load import load_drafter
+from proposers.interface import Chunk, TargetHead
+from proposers.toolkit.conventions import REFERENCE, Conventions
+from proposers.toolkit.neural import neural_proposer
 from scoring.replay.packing import ReplayOptions, pack_samples
 from tests.helpers.drafters import REFERENCE_HIDDEN as HIDDEN, REFERENCE_VOCAB as VOCAB, reference_drafter
 
@@ -47,13 +48,19 @@ def _sample(ids, features) -> Sample:
     return Sample("s", "d", "", ids, PROMPT, "given", False, tensors)
 
 
-def replay_logits(ours, ids, embed, lm_head, features, conventions: Conventions) -> torch.Tensor:
-    """[anchors, BLOCK - 1, V] from the replay under `conventions`."""
-    options = ReplayOptions(max_tree_nodes=0, conventions=conventions)
-    packed = pack_samples(ours, [_sample(ids, features)], lambda f: f, options)
+def chunk_logits(proposer, target, packed, options) -> torch.Tensor:
+    """[anchors, BLOCK - 1, V] of the blocks at ANCHORS of the packed sample."""
     anchors = torch.tensor(ANCHORS)
     with torch.inference_mode():
-        return chunk_logits(ours, embed, lm_head, packed, torch.zeros_like(anchors), anchors, BLOCK, options)
+        return proposer.chunk_drafts(packed, Chunk(torch.zeros_like(anchors), anchors, BLOCK), target, options).logits
+
+
+def replay_logits(ours, ids, embed, lm_head, features, conventions: Conventions) -> torch.Tensor:
+    """[anchors, BLOCK - 1, V] from the replay under `conventions`."""
+    options = ReplayOptions(methods={}, conventions=conventions)
+    proposer, target = neural_proposer(ours), TargetHead(embed, lm_head)
+    packed = pack_samples(proposer, [_sample(ids, features)], lambda f: f, options, target)
+    return chunk_logits(proposer, target, packed, options)
 
 
 @torch.no_grad()
@@ -180,14 +187,8 @@ def test_flex_mask_follows_the_switches(tmp_path, conventions):
     the dense masks do."""
     _, ours = drafters(tmp_path, **SLIDING)
     ids, embed, lm_head, features = _inputs(2 * HIDDEN)
-    options = {
-        name: ReplayOptions(max_tree_nodes=0, conventions=conventions, attention=name) for name in ("dense", "flex")
-    }
-    packed = pack_samples(ours, [_sample(ids, features)], lambda f: f, options["dense"])
-    anchors = torch.tensor(ANCHORS)
-    with torch.inference_mode():
-        dense, flex = (
-            chunk_logits(ours, embed, lm_head, packed, torch.zeros_like(anchors), anchors, BLOCK, options[name])
-            for name in ("dense", "flex")
-        )
+    options = {name: ReplayOptions(methods={}, conventions=conventions, attention=name) for name in ("dense", "flex")}
+    proposer, target = neural_proposer(ours), TargetHead(embed, lm_head)
+    packed = pack_samples(proposer, [_sample(ids, features)], lambda f: f, options["dense"], target)
+    dense, flex = (chunk_logits(proposer, target, packed, options[name]) for name in ("dense", "flex"))
     assert (dense - flex).abs().max().item() < 1e-5

@@ -1,4 +1,4 @@
-"""scoring/drafters/detect.py: which family a config belongs to, checked in the documented order
+"""proposers/detect.py: which family a config belongs to, checked in the documented order
 (speculators_model_type, then architectures, then dflash_config keys), and the one feature-layer
 resolver that score (through the family) and extract --draft-config share."""
 
@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.common.drafter_configs import feature_layers_of as drafter_layer_ids
 from pipeline.common.errors import UserError
 from pipeline.common.layer_ids import build_target_layer_ids
-from scoring.drafters.base import DrafterConfigError
-from scoring.drafters.detect import FAMILIES, build_drafter, detect_family, parse_drafter_config
-from scoring.drafters.dflash_model import DFlashDrafter
+from proposers.detect import build_drafter, detect_family, parse_drafter_config
+from proposers.dflash.model import DFlashDrafter
+from proposers.layouts import feature_layers_of as drafter_layer_ids
+from proposers.registry import family
+from proposers.toolkit.config import DrafterConfigError
 from tests.helpers.drafters import drafter_config
 
 
@@ -21,7 +22,7 @@ def test_a_zlab_config_is_dflash_v1_with_its_ids_as_stored():
     config = parse_drafter_config(raw, "config.json")
     assert config.family == "dflash" and config.target_layer_ids == [1, 3]
     assert isinstance(build_drafter(config), DFlashDrafter)
-    assert FAMILIES["dflash"].name == "DFlash"
+    assert family("dflash").label == "DFlash"
 
 
 def speculators_config(kind: str, **top) -> dict:
@@ -142,7 +143,7 @@ def test_declared_activations_are_the_ones_transformers_builds():
 
     from transformers.activations import ACT2FN
 
-    from pipeline.common.drafter_configs.decoder import Activation
+    from proposers.toolkit.layout_fields import Activation
 
     assert set(get_args(Activation)) <= set(ACT2FN)
     with pytest.raises(DrafterConfigError, match=r"field 'hidden_act' is '' \(a string\); expected 'gelu'"):

@@ -1,4 +1,4 @@
-"""Parity of scoring.drafters.dflash2 with the public DFlash2 references.
+"""Parity of proposers.dflash2.config with the public DFlash2 references.
 
 z-lab (`dflash.model.DFlash2DraftModel`, what `dflash_generate` runs) and speculators
 (`speculators.models.dflash2.core.DFlash2DraftModel`, its training forward) are built with random
@@ -17,11 +17,11 @@ import torch
 from dflash.model import _crop_to, _draft_value, _make_cache
 from torch import nn
 
-from pipeline.common.drafter_configs import read_drafter_format
 from pipeline.common.sampling import Sampling
-from scoring.drafters.base import DrafterConfigError
-from scoring.drafters.dflash2 import FAMILY
-from scoring.drafters.dflash2_model import canonical_names
+from proposers.dflash2.config import FAMILY
+from proposers.dflash2.model import canonical_names
+from proposers.layouts import read_drafter_format
+from proposers.toolkit.config import DrafterConfigError
 from tests.helpers.dflash2_reference import load_ours, speculators_dflash2, zlab_config, zlab_dflash2
 from tests.helpers.drafters import REFERENCE_HIDDEN as HIDDEN, REFERENCE_VOCAB as VOCAB
 from tests.helpers.models import seeded
@@ -296,7 +296,7 @@ def test_saved_tensors_are_exactly_our_skeleton(tmp_path, build):
     raw = json.loads((tmp_path / "drafter" / "config.json").read_text())
     config = FAMILY.parse_config(read_drafter_format(raw, "config.json"), raw, "config.json")
     with torch.device("meta"):
-        skeleton = FAMILY.build(config)
+        skeleton = FAMILY.model(config)
     with safe_open(str(tmp_path / "drafter" / "model.safetensors"), "pt") as f:
         saved = canonical_names({name: tuple(f.get_slice(name).get_shape()) for name in f.keys()})
     assert {name: tuple(t.shape) for name, t in skeleton.state_dict().items()} == saved
@@ -314,7 +314,7 @@ def test_zlab_defaults_are_the_references():
     ref = DFlash2DraftModel(Qwen3Config(**{k: v for k, v in raw.items() if k != "architectures"}))
     assert config.head_dim == ref.layers[0].self_attn.head_dim == 128
     with torch.device("meta"):
-        skeleton = FAMILY.build(config)
+        skeleton = FAMILY.model(config)
     expected = canonical_names({name: tuple(t.shape) for name, t in ref.state_dict().items()})
     assert {name: tuple(t.shape) for name, t in skeleton.state_dict().items()} == expected
 

@@ -1,7 +1,7 @@
-"""Parity of scoring.drafters.dflash with the public reference (`dflash.model.DFlashDraftModel`).
+"""Parity of proposers.dflash.config with the public reference (`dflash.model.DFlashDraftModel`).
 
 Each test builds a tiny reference drafter with random weights (tests/helpers/drafters.py, reference_drafter),
-saves it in z-lab format (save_pretrained), loads it through scoring.drafters.checkpoint.load_drafter, and
+saves it in z-lab format (save_pretrained), loads it through proposers.checkpoints.load.load_drafter, and
 compares outputs on the same inputs. fp32 throughout, so the tolerance is tight (1e-5): the
 only differences allowed are matmul shapes and summation order.
 """
@@ -13,7 +13,7 @@ import torch
 from dflash.model import DFlashDraftModel, _crop_to, _make_cache
 from torch import nn
 
-from scoring.drafters.checkpoint import load_drafter
+from proposers.checkpoints.load import load_drafter
 from tests.helpers.drafters import REFERENCE_HIDDEN as HIDDEN, REFERENCE_VOCAB as VOCAB, reference_drafter
 
 TOL = 1e-5

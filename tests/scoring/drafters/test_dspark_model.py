@@ -1,4 +1,4 @@
-"""Parity of scoring.drafters.dspark / dspark_model with the public DSpark references.
+"""Parity of proposers.dspark.config / dspark_model with the public DSpark references.
 
 The reference is speculators' `DSparkDraftModel` (tests/helpers/dspark_reference.py): built tiny
 with random weights, saved with its own save_pretrained, loaded into ours by name (config.json
@@ -23,14 +23,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from pipeline.common.drafter_configs import read_drafter_format
-from pipeline.common.drafter_configs.dspark_layouts import DeepSpecDSpark, SpecForgeDSpark
 from pipeline.common.errors import UserError
 from pipeline.common.sampling import Sampling
 from pipeline.common.schema import validate
-from scoring.drafters.dspark import parse_drafter_config
-from scoring.drafters.dspark_model import DSparkDrafter, vllm_draft_logprob, vllm_top_k_top_p
-from scoring.drafters.vocab import target_ids
+from proposers.dspark.config import parse_drafter_config
+from proposers.dspark.layout import DeepSpecDSpark, SpecForgeDSpark
+from proposers.dspark.model import DSparkDrafter, vllm_draft_logprob, vllm_top_k_top_p
+from proposers.layouts import read_drafter_format
+from proposers.toolkit.vocab import target_ids
 from tests.helpers.dspark_reference import (
     HIDDEN,
     OUTPUT_IDS,

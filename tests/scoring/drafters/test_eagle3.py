@@ -1,4 +1,4 @@
-"""scoring/drafters/eagle3.py and the two EAGLE-3 layouts (pipeline/common/drafter_configs/):
+"""proposers/eagle3/config.py and the two EAGLE-3 layouts (proposers/ (layout.py of each family, layouts.py)):
 the default aux layers of both layouts name the same target layers, `extract --draft-config`
 stores them in this project's numbering, what the replay does not implement is refused by name,
 and a checkpoint that does not fit the shards is one `error:` line with nothing written: aux layers
@@ -14,11 +14,11 @@ import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
-from pipeline.common.drafter_configs import feature_layers_of
 from pipeline.common.schema import SchemaError
 from pipeline.shards import ShardSet
-from scoring.drafters.base import DrafterConfigError
-from scoring.drafters.detect import parse_drafter_config
+from proposers.detect import parse_drafter_config
+from proposers.layouts import feature_layers_of
+from proposers.toolkit.config import DrafterConfigError
 from specreplay.cli import main
 from tests.helpers.dspark_online import build_target
 from tests.helpers.eagle3_reference import save, speculators_eagle3, write_specforge

@@ -1,4 +1,4 @@
-"""scoring/drafters/eagle3_model.py against the public reference: speculators' own EAGLE-3 drafter,
+"""proposers/eagle3/model.py against the public reference: speculators' own EAGLE-3 drafter,
 saved by its save_pretrained and loaded by specreplay's loader, drafts at every anchor and every
 step what speculators' training-time-test forward drafts there (step 0 causal over the sequence,
 later steps teacher-forced with the diagonal mask), for Llama and Qwen3 layers, two layers, every
@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from scoring.drafters.checkpoint import load_drafter
+from proposers.checkpoints.load import load_drafter
 from tests.helpers.eagle3_reference import save, speculators_eagle3, ttt_logits, write_specforge
 
 VOCAB, HIDDEN, LAYERS = 64, 32, 6

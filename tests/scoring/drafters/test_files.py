@@ -1,4 +1,4 @@
-"""scoring.drafters.files.checkpoint_problem: a partly written checkpoint (truncated safetensors, a
+"""proposers.checkpoints.files.checkpoint_problem: a partly written checkpoint (truncated safetensors, a
 missing shard, an empty .pt, a config cut off) is one line naming the file, found from sizes and
 headers before any tensor is read; a complete checkpoint has no problem."""
 
@@ -11,9 +11,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-import scoring.drafters.files as checkpoint
-from scoring.drafters.checkpoint import load_drafter, read_drafter_config
-from scoring.drafters.files import CheckpointError, checkpoint_problem
+import proposers.checkpoints.files as checkpoint
+from proposers.checkpoints.files import CheckpointError, checkpoint_problem
+from proposers.checkpoints.load import load_drafter, read_drafter_config
 from tests.helpers.drafters import reference_drafter
 
 

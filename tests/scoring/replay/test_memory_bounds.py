@@ -5,7 +5,7 @@ The changes these tests pin down keep values identical while holding less:
   - the scorer keeps the target embedding in its narrower stored dtype and casts only the
     gathered block rows (packing.prepare_target_head, chunk.score_chunk);
   - the drafter's context pass casts and projects the stored features a chunk of positions at a
-    time, sized by the memory budget (DFlashDrafter.context_kv, packing.context_rows), a step
+    time, sized by the memory budget (BlockDrafter.context_kv, neural.context_rows), a step
     holding about a quarter of the budget, as measured here on the real pass;
   - neither the score loop nor extract's capture loop keeps the previous sample's tensors alive
     while the next sample runs.
@@ -24,17 +24,19 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+import proposers.toolkit.neural as neural
 import scoring.replay.anchors as replay
 import scoring.replay.chunk as chunk
-import scoring.replay.packing as packing
 import scoring.score.steps as score
 from pipeline import shards
+from proposers.detect import parse_drafter_config
+from proposers.dflash.model import DFlashDrafter
+from proposers.interface import TargetHead
+from proposers.toolkit.neural import context_rows, neural_proposer
 from scoring.config import ScoreConfig
-from scoring.drafters.detect import parse_drafter_config
-from scoring.drafters.dflash_model import DFlashDrafter
 from scoring.fit import new_drafter_config, save_drafter
 from scoring.replay.anchors import replay_sample
-from scoring.replay.packing import ReplayOptions, context_rows, pack_samples, prepare_target_head
+from scoring.replay.packing import ReplayOptions, pack_samples, prepare_target_head
 from scoring.score.run import run_score
 from tests.helpers.drafters import random_drafter
 from tests.helpers.memory import LiveBytes
@@ -92,15 +94,25 @@ def _head(dtype=torch.bfloat16, seed: int = 1) -> dict:
     }
 
 
+def _tensors(result: replay.AnchorTensors) -> dict:
+    """Every per-anchor tensor of a result, the methods' data included."""
+    fields = {
+        name: getattr(result, name) for name in replay.AnchorTensors.__dataclass_fields__ if name != "method_data"
+    }
+    return {**fields, **{f"method {kind}": data for kind, data in result.method_data.items()}}
+
+
 def _same(a: replay.AnchorTensors, b: replay.AnchorTensors) -> None:
-    for name in replay.AnchorTensors.__dataclass_fields__:
-        x, y = getattr(a, name), getattr(b, name)
+    mine, theirs = _tensors(a), _tensors(b)
+    assert mine.keys() == theirs.keys()
+    for name, x in mine.items():
+        y = theirs[name]
         assert torch.equal(x.nan_to_num(-7.0), y.nan_to_num(-7.0)) if x.is_floating_point() else torch.equal(x, y), name
 
 
 def _close(a: replay.AnchorTensors, b: replay.AnchorTensors) -> None:
-    for name in ("anchors", "block_len", "target_tokens", "computed", "draft_tokens", "tree_pop_index"):
-        assert torch.equal(getattr(a, name), getattr(b, name)), name
+    for name in ("anchors", "block_len", "target_tokens", "computed", "draft_tokens", "method ddtree"):
+        assert torch.equal(_tensors(a)[name], _tensors(b)[name]), name
     for name in ("target_logprob", "kl_topk"):
         torch.testing.assert_close(getattr(a, name), getattr(b, name), rtol=1e-5, atol=1e-5, equal_nan=True)
 
@@ -112,21 +124,21 @@ def _close(a: replay.AnchorTensors, b: replay.AnchorTensors) -> None:
 def test_prepare_target_head_keeps_the_narrower_embedding():
     head = _head(torch.bfloat16)
     prepared = prepare_target_head(head, "cpu", torch.float32)
-    assert prepared["embed_tokens"].dtype == torch.bfloat16  # gathered rows are cast, not the table
-    assert prepared["embed_tokens"].data_ptr() == head["embed_tokens"].data_ptr()  # not even copied
-    assert prepared["lm_head"].dtype == torch.float32
-    assert torch.equal(prepared["lm_head"], head["lm_head"].float())
+    assert prepared.embed.dtype == torch.bfloat16  # gathered rows are cast, not the table
+    assert prepared.embed.data_ptr() == head["embed_tokens"].data_ptr()  # not even copied
+    assert prepared.lm_head.dtype == torch.float32
+    assert torch.equal(prepared.lm_head, head["lm_head"].float())
 
     wide = prepare_target_head(_head(torch.float32), "cpu", torch.bfloat16)  # fp32 shards scored in bf16
-    assert wide["embed_tokens"].dtype == wide["lm_head"].dtype == torch.bfloat16
+    assert wide.embed.dtype == wide.lm_head.dtype == torch.bfloat16
     same = prepare_target_head(_head(torch.float32), "cpu", torch.float32)
-    assert same["embed_tokens"].dtype == torch.float32
+    assert same.embed.dtype == torch.float32
 
 
 def test_tied_head_gets_one_cast_lm_head_and_a_stored_embedding():
     table = _head(torch.bfloat16)["embed_tokens"]
     prepared = prepare_target_head({"embed_tokens": table, "lm_head": table}, "cpu", torch.float32)
-    assert prepared["embed_tokens"].dtype == torch.bfloat16 and prepared["lm_head"].dtype == torch.float32
+    assert prepared.embed.dtype == torch.bfloat16 and prepared.lm_head.dtype == torch.float32
 
 
 def test_replay_never_widens_the_stored_dtype_embedding():
@@ -135,12 +147,12 @@ def test_replay_never_widens_the_stored_dtype_embedding():
     # comparison with the fp32 table below fails; with the default scale 1.0 it could not.
     drafter = _drafter(dflash_extra={"input_embedding_scale": 2.5})
     sample, head = _sample(), _head(torch.bfloat16)
-    options = ReplayOptions(max_tree_nodes=8)
+    options = ReplayOptions(methods={"ddtree": (8,)})
     columns = lambda f: f  # noqa: E731
-    lm_head = head["lm_head"].float()
+    lm_head, proposer = head["lm_head"].float(), neural_proposer(drafter)
     with _NewTensors() as spy:
-        kept = replay_sample(drafter, head["embed_tokens"], lm_head, sample, columns, 64, options)
-    cast = replay_sample(drafter, head["embed_tokens"].float(), lm_head, sample, columns, 64, options)
+        kept = replay_sample(proposer, TargetHead(head["embed_tokens"], lm_head), sample, columns, 64, options)
+    cast = replay_sample(proposer, TargetHead(head["embed_tokens"].float(), lm_head), sample, columns, 64, options)
     _same(kept, cast)
     # The memory claim itself: no copy of the [VOCAB, HIDDEN] table in any dtype is ever made.
     copies = [allocated for allocated in spy.allocated if allocated[0] == (VOCAB, HIDDEN)]
@@ -208,7 +220,7 @@ def test_context_rows_follow_the_memory_budget():
     nothing), wherever the bounds do not decide."""
     drafter = _drafter()
     width = len(LAYER_IDS) * HIDDEN
-    low, high = packing.MIN_CONTEXT_ROWS, packing.MAX_CONTEXT_ROWS
+    low, high = neural.MIN_CONTEXT_ROWS, neural.MAX_CONTEXT_ROWS
     # a budget whose quarter holds a step of about (low + high) / 2 positions, by measurement
     budget = 4 * _context_step_bytes(drafter, 64, torch.float32) * (low + high) // 2 // 64
     rows = context_rows(drafter, width, torch.float32, budget)
@@ -228,20 +240,21 @@ def test_context_rows_follow_the_memory_budget():
         "27b",
     )
     with torch.device("meta"):
-        assert context_rows(DFlashDrafter(big), 5 * 5120, torch.float32, 2 << 30) == packing.MAX_CONTEXT_ROWS
-        assert context_rows(DFlashDrafter(big), 5 * 5120, torch.float32, 1 << 29) < packing.MAX_CONTEXT_ROWS
+        assert context_rows(DFlashDrafter(big), 5 * 5120, torch.float32, 2 << 30) == neural.MAX_CONTEXT_ROWS
+        assert context_rows(DFlashDrafter(big), 5 * 5120, torch.float32, 1 << 29) < neural.MAX_CONTEXT_ROWS
 
 
 def test_replay_with_chunked_context_equals_one_pass(monkeypatch):
     drafter, sample, head = _drafter(block_size=4, layers=2), _sample(length=60), _head(torch.float32)
     columns = lambda f: f  # noqa: E731
-    options = ReplayOptions(max_tree_nodes=4)
-    whole = replay_sample(drafter, head["embed_tokens"], head["lm_head"], sample, columns, 64, options)
-    monkeypatch.setattr(packing, "MIN_CONTEXT_ROWS", 8)
-    small = ReplayOptions(max_tree_nodes=4, memory_bytes=1)  # 8 positions per context step, 1 anchor per chunk
-    packed = pack_samples(drafter, [sample], columns, small)
-    assert all(k.is_contiguous() and v.is_contiguous() for k, v in packed.context)
-    chunked = replay_sample(drafter, head["embed_tokens"], head["lm_head"], sample, columns, 64, small)
+    options = ReplayOptions(methods={"ddtree": (4,)})
+    proposer, target = neural_proposer(drafter), TargetHead(head["embed_tokens"], head["lm_head"])
+    whole = replay_sample(proposer, target, sample, columns, 64, options)
+    monkeypatch.setattr(neural, "MIN_CONTEXT_ROWS", 8)
+    small = ReplayOptions(methods={"ddtree": (4,)}, memory_bytes=1)  # 8 positions per context step, 1 anchor per chunk
+    packed = pack_samples(proposer, [sample], columns, small, target)
+    assert all(k.is_contiguous() and v.is_contiguous() for k, v in packed.state)
+    chunked = replay_sample(proposer, target, sample, columns, 64, small)
     _close(whole, chunked)
 
 

@@ -19,6 +19,8 @@ from click.testing import CliRunner
 from scoring import results as result_files
 from scoring.config import DEFAULT_TREE_NODES
 from scoring.diagnose.variants import CONFIGURED
+from scoring.methods.chain import CHAIN
+from scoring.methods.ddtree import DDTREE
 from specreplay.cli import main
 from tests.helpers.browser import check_html, chromium_dom, needs_chromium
 from tests.scoring.report.test_page import CHECKPOINTS, write_results
@@ -151,9 +153,9 @@ def test_headline_cells_agree_with_the_summary(wide_report):
     cells = [re.sub(r"<[^>]+>", "", c) for c in re.findall(r"<td>(.*?)</td>", row)]
     summary = pl.read_parquet(wide_report.parent / "results" / "run_step_300" / result_files.FILES["summary"])
     pooled = summary.filter(pl.col("dataset") == result_files.ALL_DATASETS)
-    trees = pooled.filter(pl.col("method") != result_files.CHAIN).sort("tau", descending=True)
-    chain = pooled.filter(pl.col("method") == result_files.CHAIN).row(0, named=True)
-    best_nodes = result_files.tree_nodes_of(trees["method"][0])
+    trees = pooled.filter(pl.col("method") != CHAIN).sort("tau", descending=True)
+    chain = pooled.filter(pl.col("method") == CHAIN).row(0, named=True)
+    best_nodes = DDTREE.setting_of(trees["method"][0])
     assert cells[4] == f"{trees['tau'][0]:.3f} (N={best_nodes})"
     assert cells[6] == f"{chain['samples'] - chain['inexact_samples']}/{chain['samples']}"
     assert cells[7:] == [f"{t:.3f}" for t in pooled.filter(pl.col("method") != "chain")["tau"]]

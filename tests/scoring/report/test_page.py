@@ -17,14 +17,14 @@ import polars as pl
 import pytest
 from click.testing import CliRunner
 
+from scoring.methods.chain import CHAIN
+from scoring.methods.ddtree import DDTREE
+from scoring.methods.registry import method_names
 from scoring.results import (
     ALL_DATASETS,
-    CHAIN,
     FILES,
     anchors_schema,
-    method_names,
     rows_table,
-    tree_nodes_of,
     write_table,
 )
 from specreplay.cli import main
@@ -93,7 +93,7 @@ def _summary_rows(samples_df: pl.DataFrame, anchor_rows: list[dict], budgets) ->
     summary_rows = []
     for dataset in list(DATASETS) + [ALL_DATASETS]:
         subset = samples_df if dataset == ALL_DATASETS else samples_df.filter(pl.col("dataset") == dataset)
-        for method in method_names(budgets):
+        for method in method_names({"ddtree": budgets}):
             m = subset.filter(pl.col("method") == method)
             row = {
                 "dataset": dataset,
@@ -155,8 +155,8 @@ def write_results(
             ]
             # sample 0 has the lowest acceptance, so it is among the worst prompts
             text = {0: EVIL + " " + LONG, 1: LONG}.get(i, f"{dataset} question number {i}: what is {i} + {i}?")
-            for method in method_names(budgets):
-                bonus = 0.0 if method == CHAIN else 0.25 * np.log2(tree_nodes_of(method) / 4) - 0.05
+            for method in method_names({"ddtree": budgets}):
+                bonus = 0.0 if method == CHAIN else 0.25 * np.log2(DDTREE.setting_of(method) / 4) - 0.05
                 sample_rows.append(
                     {
                         "dataset": dataset,
@@ -194,7 +194,9 @@ def write_results(
         os.remove(os.path.join(directory, FILES["samples"]))
     if anchors:
         write_table(
-            rows_table([{**identity, **r} for r in anchor_rows], anchors_schema(budgets)), str(directory), "anchors"
+            rows_table([{**identity, **r} for r in anchor_rows], anchors_schema({"ddtree": budgets})),
+            str(directory),
+            "anchors",
         )
 
 

@@ -19,9 +19,10 @@ from click.testing import CliRunner
 
 from pipeline.extract.run import ExtractConfig, run_extract
 from pipeline.shards import TOKENIZER_DIR
+from scoring.methods.chain import CHAIN
 from scoring.replay import metrics
 from scoring.report.sample import visible_text
-from scoring.results import ALL_DATASETS, CHAIN, FILES
+from scoring.results import ALL_DATASETS, FILES
 from specreplay.cli import main
 from tests.helpers.browser import check_html, chromium_screenshot, needs_chromium
 from tests.helpers.drafters import fitted_drafters

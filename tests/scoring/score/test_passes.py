@@ -19,8 +19,8 @@ from safetensors.torch import load_file, save_file
 
 from pipeline.common import timing
 from pipeline.shards import ShardSet
+from proposers.checkpoints.files import CheckpointError
 from scoring.config import ScoreConfig
-from scoring.drafters.files import CheckpointError
 from scoring.fit import save_drafter
 from scoring.replay.packing import prepare_target_head
 from scoring.score.passes import weight_bytes

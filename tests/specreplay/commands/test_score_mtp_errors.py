@@ -15,8 +15,8 @@ from click.testing import CliRunner
 from safetensors.torch import load_file
 
 from pipeline.shards import ShardSet, read_manifest, write_manifest
-from scoring.drafters.checkpoint import load_drafter
-from scoring.drafters.files import NonFiniteWeightsError
+from proposers.checkpoints.files import NonFiniteWeightsError
+from proposers.checkpoints.load import load_drafter
 from specreplay.cli import main
 from tests.helpers import chain_parity as parity, mtp_export, mtp_online as online
 from tests.helpers.prompts import write_prompts

@@ -1,0 +1,145 @@
+"""The DSpark family: its three config.json layouts in the project's terms.
+
+* speculators (`speculators_model_type: "dspark"`):
+  decoder nested in `transformer_layer_config`, before-layer `aux_hidden_state_layer_ids`,
+  `sample_from_anchor` (default true), a reduced `draft_vocab_size` possible;
+* SpecForge (`dflash_config.projector_type: "dspark"`) and DeepSpec (`Qwen3DSparkModel`)
+  (layout.py): output-of-layer ids, every slot drafts.
+
+The backbone is the block drafter's (proposers/toolkit/block_drafter.py), the heads are model.py's; the head settings go to
+`DrafterConfig.family_options` (the fields of `DSparkHeads`). DeepSpec is the inference
+reference (docs/drafter-families.md#dspark): `block_size` queries [x_t, mask, ...] at t.., slot k
+proposing t + k + 1, bidirectional attention in full-attention layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+from proposers.dspark.layout import DeepSpecDSpark, DSparkHeads, SpecForgeDSpark, SpeculatorsDSpark, resolve_heads
+from proposers.dspark.model import DSparkDrafter
+from proposers.registry import Family
+from proposers.toolkit.config import DrafterConfig, DrafterConfigError
+from proposers.toolkit.qwen3_decoder import decoder_fields, draft_vocab, speculators_decoder, stated_layers
+
+
+def parse_drafter_config(checked, raw: dict, source: str = "config", target_layers: int | None = None) -> DrafterConfig:
+    """A DSpark config (validated against its declared layout) in the project's terms."""
+    if isinstance(checked, SpeculatorsDSpark):
+        return _speculators(checked, raw, source)
+    if isinstance(checked, SpecForgeDSpark):
+        return _specforge(checked, raw, source)
+    if isinstance(checked, DeepSpecDSpark):
+        return _deepspec(checked, raw, source)
+    raise DrafterConfigError(f"{source}: a {type(checked).__name__} config is not one of DSpark's layouts")
+
+
+def _drafter_config(decoder: dict, source: str, heads: DSparkHeads, **fields) -> DrafterConfig:
+    """The DrafterConfig of a DSpark drafter whose Qwen3 decoder fields are `decoder`: the shapes
+    as transformers' Qwen3Config resolves them (its defaults fill what the file leaves out)."""
+    return DrafterConfig(
+        **decoder_fields(decoder, source),
+        is_causal=None,
+        raw=decoder,  # what the backbone builds its Qwen3Config from (qwen3_decoder.decoder_hf_config)
+        family="dspark",
+        family_options=asdict(heads),
+        **fields,
+    )
+
+
+def _speculators(checked: SpeculatorsDSpark, raw: dict, source: str) -> DrafterConfig:
+    extra = checked.model_extra or {}
+    heads = resolve_heads(
+        checked.markov_rank,
+        checked.markov_head_type,
+        checked.enable_confidence_head,
+        checked.enable_confidence_head and checked.confidence_head_with_markov,
+        _threshold(extra.get("confidence_threshold"), source),
+        "",
+        "speculators' DSparkDraftModel",
+        source,
+    )
+    if heads.markov_head_type == "rnn" and not checked.sample_from_anchor:
+        raise DrafterConfigError(
+            f"{source}: field 'markov_head_type' is 'rnn' with 'sample_from_anchor' false: the recurrent state "
+            f"then starts at the anchor slot, which drafts nothing, and no inference implementation defines "
+            f"that case; specreplay scores rnn heads with sample_from_anchor true only"
+        )
+    config = _drafter_config(
+        speculators_decoder(raw, source, "DSpark"),
+        source,
+        heads,
+        block_size=checked.block_size,
+        mask_token_id=checked.mask_token_id,
+        target_layer_ids=checked.feature_layers(source),
+        num_target_layers=None,
+        layout="speculators",
+        sliding_non_causal=checked.sliding_window_non_causal,
+        drafts_from_anchor=checked.sample_from_anchor,
+        **stated_layers(checked),
+    )
+    config.draft_vocab_size = draft_vocab(checked.draft_vocab_size, config.vocab_size, source)
+    return config
+
+
+def _specforge(checked: SpecForgeDSpark, raw: dict, source: str) -> DrafterConfig:
+    options = checked.dflash_config
+    config = _drafter_config(
+        raw,
+        source,
+        checked.heads(source),
+        block_size=checked.block_size,
+        mask_token_id=options.mask_token_id,
+        target_layer_ids=checked.feature_layers(source),
+        num_target_layers=checked.num_target_layers,
+        layout="specforge",
+        drafts_from_anchor=True,  # as its training (and DeepSpec); its in-repo spec_generate is a slot off
+    )
+    _check_attention_mode(options.attention_mode, config, source)
+    return config
+
+
+def _check_attention_mode(mode: str, config: DrafterConfig, source: str) -> None:
+    """SpecForge's DSparkDraftModel refuses head counts its `attention_mode` does not allow (dspark.py:290-313)."""
+    heads, kv = config.num_attention_heads, config.num_key_value_heads
+    if heads % kv:
+        problem = f"num_key_value_heads {kv} does not divide num_attention_heads {heads}"
+    elif mode == "gqa" and kv >= heads:
+        problem = f"dflash_config.attention_mode 'gqa' (the default) needs fewer key/value heads ({kv}) than query heads ({heads}); set attention_mode 'mha'"
+    elif mode == "mha" and kv != heads:
+        problem = f"dflash_config.attention_mode 'mha' needs num_key_value_heads ({kv}) equal to num_attention_heads ({heads})"
+    else:
+        return
+    raise DrafterConfigError(f"{source}: {problem}, as SpecForge's DSparkDraftModel requires")
+
+
+def _deepspec(checked: DeepSpecDSpark, raw: dict, source: str) -> DrafterConfig:
+    config = _drafter_config(
+        raw,
+        source,
+        checked.heads(source),
+        block_size=checked.block_size,
+        mask_token_id=checked.mask_token_id,
+        target_layer_ids=checked.feature_layers(source),
+        num_target_layers=checked.num_target_layers,
+        layout="deepspec",
+        drafts_from_anchor=True,
+    )
+    if "sliding_attention" in config.layer_types:
+        raise DrafterConfigError(
+            f"{source}: field 'layer_types' has sliding_attention; DeepSpec builds every DSpark layer as "
+            f"full_attention and its evaluator attends without a mask, so the window would be ignored there"
+        )
+    return config
+
+
+def _threshold(value, source: str) -> float:
+    """This project's `confidence_threshold` field (DeepSpec's evaluator flag of that name): in [0, 1]."""
+    if value is None:
+        return 0.0
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+        raise DrafterConfigError(f"{source}: field 'confidence_threshold' is {value!r}; expected a number in [0, 1]")
+    return float(value)
+
+
+FAMILY = Family("dspark", parse_drafter_config, DSparkDrafter, independent_drafts=False)

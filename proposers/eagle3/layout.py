@@ -1,0 +1,148 @@
+"""The EAGLE-3 family's config layouts, torch-free: speculators' (`speculators_model_type: "eagle3"`,
+`SpeculatorsEagle3`) and SpecForge's (`"architectures": ["LlamaForCausalLMEagle3"]`): the draft decoder's LlamaConfig at the top level with
+`draft_vocab_size` beside it (SpecForge specforge/modeling/draft/llama3_eagle.py
+`LlamaForCausalLMEagle3`, configs/*-eagle3*.json), the feature layers in
+`eagle_config.eagle_aux_hidden_state_layer_ids` counted as the OUTPUT of layer i (sglang captures
+the residual entering layer i + 1), default [1, L // 2 - 1, L - 4] for an L-layer target
+(specforge/algorithms/model_providers.py `resolve_eagle_capture_layers`). `fc_norm` (a norm per
+aux layer before `fc`) and `norm_output` (default true: the final norm before lm_head) are
+SpecForge's switches. `num_speculative_tokens` is this project's field (SpecForge configs state
+no step count; sglang takes it from --speculative-num-steps).
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar, Literal
+
+from pydantic import field_validator, model_validator
+
+from pipeline.common.schema import Positive, Schema, SchemaError, wrong
+from proposers.toolkit.layout_fields import REQUIRED_SHAPE, DecoderFields, LayerIds, unique_ids
+from proposers.toolkit.speculators_layout import SpeculatorsFormat
+
+LABEL = "EAGLE-3"
+ARCHITECTURE = "LlamaForCausalLMEagle3"
+
+
+class SpeculatorsEagle3(SpeculatorsFormat):
+    """speculators' EAGLE-3 (models/eagle3/config.py): without ids, its default is [2, L // 2, L - 3]
+    before-layer ids of an L-layer target (utils.resolve_target_layer_ids), so reading them needs L."""
+
+    FAMILY: ClassVar[str] = "eagle3"
+    IDS_FIELD: ClassVar[str] = "eagle_aux_hidden_state_layer_ids"
+
+    speculators_model_type: Literal["eagle3"]
+    eagle_aux_hidden_state_layer_ids: LayerIds | None = None
+    norm_before_residual: bool = False
+    norm_before_fc: bool = False
+    fc_norm: bool = False
+    norm_output: bool = False
+    embed_requires_grad: bool = False
+
+    _unique = field_validator("eagle_aux_hidden_state_layer_ids")(unique_ids)
+
+    @model_validator(mode="after")
+    def _one_fc_norm(self):
+        if self.norm_before_fc and self.fc_norm:
+            raise ValueError("fields 'norm_before_fc' and 'fc_norm' are both true; they are exclusive, set one of them")
+        return self
+
+    def stored_layer_ids(self) -> list[int] | None:
+        return self.eagle_aux_hidden_state_layer_ids
+
+    def feature_layers(self, source: str, num_target_layers: int | None = None) -> list[int]:
+        if self.eagle_aux_hidden_state_layer_ids is not None:
+            return super().feature_layers(source, num_target_layers)
+        ids = default_eagle_ids((2, 0, -3), num_target_layers, source, "eagle_aux_hidden_state_layer_ids")
+        return [s if s == num_target_layers else s - 1 for s in ids]
+
+
+def default_eagle_ids(
+    offsets: tuple[int, int, int], num_target_layers: int | None, source: str, field: str
+) -> list[int]:
+    """An EAGLE-3 layout's default aux ids for an L-layer target, [a, L // 2 + b, L + c] for
+    `offsets` (a, b, c): speculators' (2, 0, -3) and SpecForge's (1, -1, -4) name the same three
+    layers, each in its own numbering. Refused when L is unknown or the ids collide (a target too
+    shallow for the default; speculators refuses it too)."""
+    if num_target_layers is None:
+        raise SchemaError(
+            f"{source}: {field} is not set, so the feature layers are the layout's default for the target's "
+            f"layer count, which is unknown here"
+        )
+    first, middle, last = offsets
+    ids = [first, num_target_layers // 2 + middle, num_target_layers + last]
+    if len(set(ids)) != 3 or min(ids) < 0:
+        raise SchemaError(
+            f"{source}: {field} is not set and its default {ids} for a {num_target_layers}-layer target names a "
+            f"layer twice; set {field} explicitly"
+        )
+    return ids
+
+
+class EagleOptions(Schema):
+    """`eagle_config`: which target layers feed `fc`, and whether any do."""
+
+    eagle_aux_hidden_state_layer_ids: LayerIds | None = None
+    use_aux_hidden_state: bool = True
+
+    _unique = field_validator("eagle_aux_hidden_state_layer_ids")(unique_ids)
+
+
+class SpecForgeEagle3(DecoderFields):
+    LAYOUT: ClassVar[str] = "specforge"
+    CONVENTION: ClassVar[str] = "output"
+    ARCHITECTURES: ClassVar[tuple[str, ...]] = (ARCHITECTURE,)
+    IDS_FIELD: ClassVar[str] = "eagle_config.eagle_aux_hidden_state_layer_ids"
+
+    architectures: list[str]
+    draft_vocab_size: Positive | None = None
+    target_hidden_size: Positive | None = None
+    eagle_config: EagleOptions | None = None
+    fc_norm: bool = False
+    norm_output: bool = True
+    num_speculative_tokens: Positive | None = None
+
+    @field_validator("architectures")
+    @classmethod
+    def _eagle3(cls, value):
+        if ARCHITECTURE not in value:
+            raise wrong(value, f"['{ARCHITECTURE}']")
+        return value
+
+    @property
+    def family(self) -> str:
+        return "eagle3"
+
+    @property
+    def evidence(self) -> str:
+        return f"architectures ['{ARCHITECTURE}']"
+
+    @property
+    def options(self) -> EagleOptions:
+        return self.eagle_config or EagleOptions()
+
+    def check_complete(self, source: str) -> None:
+        """What SpecForge's LlamaForCausalLMEagle3 reads without a default."""
+        missing = self.require(REQUIRED_SHAPE) + self.require(("draft_vocab_size",))
+        if missing:
+            raise SchemaError(f"{source}: missing field {missing[0]!r}; SpecForge's LlamaForCausalLMEagle3 needs it")
+
+    def stored_layer_ids(self) -> list[int] | None:
+        return self.options.eagle_aux_hidden_state_layer_ids
+
+    def feature_layers(self, source: str, num_target_layers: int | None = None) -> list[int]:
+        """The ids as stated (already this project's convention), else SpecForge's default. The
+        target's last layer is refused: sglang captures the residual entering layer i + 1, which
+        the last layer has none of, and this project's id L - 1 is stored after the final norm."""
+        ids = self.stored_layer_ids()
+        if ids is None:
+            ids = default_eagle_ids((1, -1, -4), num_target_layers, source, self.IDS_FIELD)
+        if num_target_layers is not None and max(ids) >= num_target_layers - 1:
+            raise SchemaError(
+                f"{source}: field '{self.IDS_FIELD}' lists {max(ids)}, not a layer sglang captures for a "
+                f"{num_target_layers}-layer target (ids 0..{num_target_layers - 2}: the residual entering the next layer)"
+            )
+        return list(ids)
+
+
+LAYOUTS = (SpeculatorsEagle3, SpecForgeEagle3)

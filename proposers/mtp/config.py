@@ -1,0 +1,82 @@
+"""The MTP family: a target's native multi-token-prediction head in the project's terms (the chain;
+trees no).
+
+* native (proposers/ (layout.py of each family, layouts.py)native_mtp.py): the target's own checkpoint directory
+  (`score --ckpt <target dir>`); the head's shapes are the target's decoder config (Qwen3.5's
+  `text_config`), its `mtp.*` tensors read alone (files.read_prefixed).
+* speculators (`speculators_model_type: "mtp"`): the verifier's decoder config in
+  `transformer_layer_config`, its tensors `mtp_layers.0.*` (mtp_model.canonical_names);
+  k = `speculators_config.proposal_methods[0].speculative_tokens`.
+
+Both: Qwen3-Next or Qwen3.5 decoders with a dense MLP; MoE heads are refused by name. A block is
+the chain at one anchor, as for EAGLE-3: k steps, step j reading the stored token at t + j - 1
+and proposing t + j. The model and the rule: model.py.
+"""
+
+from __future__ import annotations
+
+from pipeline.common.layer_ids import final_prenorm_id
+from proposers.mtp.layout import NativeMTP, SpeculatorsMTP
+from proposers.mtp.model import MtpDrafter, hf_config
+from proposers.registry import Family
+from proposers.toolkit.config import DrafterConfig, DrafterConfigError, decoder_shape, refuse_field
+
+# Steps a native head drafts when nothing says (vLLM takes num_speculative_tokens at serving time;
+# speculators' MTP default is 3)
+DEFAULT_STEPS = 3
+# model_type -> the decoder kind model.PARTS builds (Qwen3.5's wrapper nests its text config)
+KINDS = {"qwen3_next": "qwen3_next", "qwen3_5": "qwen3_5_text", "qwen3_5_text": "qwen3_5_text"}
+MOE_KINDS = ("qwen3_5_moe", "qwen3_5_moe_text")
+
+
+def parse_drafter_config(checked, raw: dict, source: str = "config", target_layers: int | None = None) -> DrafterConfig:
+    """An MTP head's config in the project's terms: a target's own config.json or a speculators export."""
+    if isinstance(checked, NativeMTP):
+        decoder, steps = raw.get("text_config") or raw, DEFAULT_STEPS
+    elif isinstance(checked, SpeculatorsMTP):
+        decoder, steps = raw["transformer_layer_config"], checked.speculative_tokens or DEFAULT_STEPS
+    else:
+        raise DrafterConfigError(f"{source}: a {type(checked).__name__} config is not one of MTP's layouts")
+    kind = _kind(decoder, raw, source)
+    return _config(decoder, kind, source, checked, steps)
+
+
+def _kind(decoder: dict, raw: dict, source: str) -> str:
+    """The decoder kind of mtp_model.PARTS, or the one line saying why it is not scored."""
+    model_type = decoder.get("model_type") or raw.get("model_type")
+    if model_type in MOE_KINDS or (model_type == "qwen3_next" and (decoder.get("num_experts") or 0) > 0):
+        refuse_field(
+            source, "model_type", f"{model_type!r} with experts", "specreplay scores MTP heads with a dense MLP"
+        )
+    if model_type not in KINDS:
+        refuse_field(source, "model_type", repr(model_type), f"specreplay scores the MTP heads of {sorted(KINDS)}")
+    return KINDS[model_type]
+
+
+def _config(decoder: dict, kind: str, source: str, checked, steps: int) -> DrafterConfig:
+    raw = {**decoder, "model_type": kind}
+    hf = hf_config(raw, kind, source)
+    layers = final_prenorm_id(hf.num_hidden_layers)
+    return DrafterConfig(
+        **decoder_shape(hf),
+        block_size=steps,
+        mask_token_id=None,
+        target_layer_ids=[layers],
+        num_target_layers=hf.num_hidden_layers,
+        layer_types=["full_attention"],
+        sliding_window=None,
+        is_causal=True,
+        raw=raw,
+        family="mtp",
+        layout=checked.LAYOUT,
+        drafts_from_anchor=True,
+        teacher_forced_block=True,
+        block_conventions=False,
+        reads_final_norm=True,
+        family_options={"decoder": kind, "feed_post_norm": True},
+        stated_layer_ids=[layers],
+        layer_convention="output",
+    )
+
+
+FAMILY = Family("mtp", parse_drafter_config, MtpDrafter, independent_drafts=False, chain_steps=True)

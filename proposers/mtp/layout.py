@@ -1,0 +1,86 @@
+"""The MTP family's config layouts, torch-free: speculators' MTP export (`speculators_model_type:
+"mtp"`, `SpeculatorsMTP`), and a target's own config.json (`NativeMTP`): Qwen3-Next (`model_type: "qwen3_next"`)
+and Qwen3.5 (`"qwen3_5"`, the decoder's fields in `text_config`, or a bare `"qwen3_5_text"`)
+checkpoints carry a native multi-token-prediction head (`mtp.*` tensors) beside the target's
+weights; `score --ckpt <target dir>` scores it (proposers/mtp/config.py). The head reads the
+target's final hidden state before the final norm, this project's id L (layer_ids.final_prenorm_id),
+with the norm's weight from the target head. The MoE kinds are declared so they are refused by
+name rather than read as something else."""
+
+from __future__ import annotations
+
+from typing import ClassVar, Literal
+
+from pipeline.common.layer_ids import final_prenorm_id
+from pipeline.common.schema import Positive, Schema, SchemaError
+from proposers.toolkit.speculators_layout import SpeculatorsFormat
+
+LABEL = "MTP"
+
+# the target kinds whose checkpoints hold `mtp.*` heads, by config.json model_type
+MTP_TARGET_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
+
+
+class TextFields(Schema):
+    model_type: str | None = None
+    num_hidden_layers: Positive | None = None
+
+
+class NativeMTP(Schema):
+    LAYOUT: ClassVar[str] = "native"
+    CONVENTION: ClassVar[str] = "output"
+    MODEL_TYPES: ClassVar[tuple[str, ...]] = MTP_TARGET_TYPES  # detected by model_type, not an architecture
+
+    model_type: Literal[MTP_TARGET_TYPES]
+    num_hidden_layers: Positive | None = None
+    text_config: TextFields | None = None
+
+    @property
+    def family(self) -> str:
+        return "mtp"
+
+    @property
+    def evidence(self) -> str:
+        return f"a target's config.json, model_type {self.model_type!r}"
+
+    @property
+    def layers(self) -> int | None:
+        """The target's decoder layer count (text_config's for a Qwen3.5 wrapper)."""
+        nested = self.text_config.num_hidden_layers if self.text_config is not None else None
+        return nested or self.num_hidden_layers
+
+    def check_complete(self, source: str) -> None:
+        if self.layers is None:
+            raise SchemaError(f"{source}: missing field 'num_hidden_layers'; is this the target's config.json?")
+
+    def stored_layer_ids(self) -> list[int]:
+        return [final_prenorm_id(self.layers)] if self.layers else []
+
+    def feature_layers(self, source: str, num_target_layers: int | None = None) -> list[int]:
+        """Id L: the final hidden state before the norm, of the target the config describes."""
+        self.check_complete(source)
+        return [final_prenorm_id(num_target_layers or self.layers)]
+
+
+class SpeculatorsMTP(SpeculatorsFormat):
+    """speculators' MTP export (models/mtp/config.py): `transformer_layer_config` is the verifier's
+    own decoder config, and the head reads its final hidden state before the norm (its
+    `target_layer_ids` is [num_hidden_layers], a before-layer id L: this project's id L)."""
+
+    FAMILY: ClassVar[str] = "mtp"
+
+    speculators_model_type: Literal["mtp"]
+    num_nextn_predict_layers: Literal[1] = 1
+
+    def stored_layer_ids(self) -> list[int] | None:
+        layers = self.decoder.num_hidden_layers
+        return None if layers is None else [layers]
+
+    def feature_layers(self, source: str, num_target_layers: int | None = None) -> list[int]:
+        layers = num_target_layers or self.decoder.num_hidden_layers
+        if layers is None:
+            raise SchemaError(f"{source}: missing field 'transformer_layer_config.num_hidden_layers'")
+        return [layers]
+
+
+LAYOUTS = (SpeculatorsMTP, NativeMTP)

@@ -1,0 +1,83 @@
+"""The Qwen3 decoder every block drafter is built on (DFlash, DFlash2, DSpark), as the references
+resolve it from a config.json: transformers' Qwen3Config (RoPE, the MLP activation, the effective
+sliding window, default layer types and head_dim), the decoder fields of a `DrafterConfig`, and the
+fields the block families' layouts state alike (a speculators `transformer_layer_config`, the
+feature layer ids as stated, a reduced draft vocabulary)."""
+
+from __future__ import annotations
+
+from transformers import Qwen3Config
+
+from proposers.toolkit.config import DrafterConfig, DrafterConfigError, decoder_shape, transformers_config
+
+
+def qwen3_config(raw: dict, source: str = "config") -> Qwen3Config:
+    """The Qwen3Config the reference builds from config.json (drives RoPE, the MLP activation,
+    the effective sliding window and default layer types)."""
+    return transformers_config(Qwen3Config, raw, source, drop=("architectures", "auto_map", "dflash_config"))
+
+
+def decoder_hf_config(config: DrafterConfig) -> Qwen3Config:
+    """The Qwen3Config of the decoder (`config.raw` holds its fields in every layout: the top
+    level of a z-lab config.json, `transformer_layer_config` of a speculators one)."""
+    hf = qwen3_config(config.raw)
+    hf.head_dim = config.head_dim
+    return hf
+
+
+def attention_layout(raw: dict, source: str) -> tuple[list[str], int | None]:
+    """(layer_types, sliding_window) as the reference sees them: through Qwen3Config, which
+    drops `sliding_window` unless `use_sliding_window` is true and derives missing layer_types."""
+    num_layers = raw["num_hidden_layers"]
+    hf = qwen3_config(raw, source)
+    layer_types = list(hf.layer_types or ["full_attention"] * num_layers)
+    if len(layer_types) != num_layers:
+        raise DrafterConfigError(f"{source}: layer_types has {len(layer_types)} entries for {num_layers} layers")
+    unknown = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
+    if unknown:
+        raise DrafterConfigError(f"{source}: layer_types {unknown} not supported (full_attention, sliding_attention)")
+    if "sliding_attention" in layer_types and not hf.sliding_window:
+        raise DrafterConfigError(
+            f"{source}: layer_types has sliding_attention but the effective sliding_window is unset "
+            f"(sliding_window={raw.get('sliding_window')!r}, use_sliding_window={raw.get('use_sliding_window')!r}; "
+            f"Qwen3Config drops the window unless use_sliding_window is true, and the reference cannot run "
+            f"such a drafter). Set use_sliding_window: true and sliding_window in config.json"
+        )
+    return layer_types, None if hf.sliding_window is None else int(hf.sliding_window)
+
+
+def decoder_fields(decoder: dict, source: str) -> dict:
+    """The DrafterConfig fields of the decoder, as the reference's Qwen3Config resolves them
+    (its defaults included: head_dim 128, num_key_value_heads = heads)."""
+    layer_types, sliding_window = attention_layout(decoder, source)
+    hf = qwen3_config(decoder)
+    return dict(**decoder_shape(hf), layer_types=layer_types, sliding_window=sliding_window)
+
+
+def speculators_decoder(raw: dict, source: str, family: str) -> dict:
+    """A speculators config's `transformer_layer_config`, which must be a Qwen3 decoder: the
+    DFlash backbone's layers are Qwen3's."""
+    decoder = raw["transformer_layer_config"]
+    if decoder.get("model_type", "qwen3") != "qwen3":
+        raise DrafterConfigError(
+            f"{source}: field 'transformer_layer_config.model_type' is {decoder['model_type']!r}; specreplay "
+            f"scores {family} drafters with a Qwen3 decoder (model_type 'qwen3') only"
+        )
+    return decoder
+
+
+def stated_layers(checked) -> dict:
+    """The feature layer ids as the checkpoint states them, and their convention (compatibility
+    checks a before-layer id against the target's layer count)."""
+    ids = checked.stored_layer_ids() if hasattr(checked, "stored_layer_ids") else None
+    return {"stated_layer_ids": None if ids is None else list(ids), "layer_convention": checked.CONVENTION}
+
+
+def draft_vocab(draft_vocab_size: int, vocab_size: int, source: str) -> int | None:
+    """speculators' `draft_vocab_size`: None when it is the target's whole vocabulary."""
+    if draft_vocab_size > vocab_size:
+        raise DrafterConfigError(
+            f"{source}: field 'draft_vocab_size' is {draft_vocab_size}, larger than transformer_layer_config."
+            f"vocab_size {vocab_size}; a draft vocabulary is a subset of the target's"
+        )
+    return draft_vocab_size if draft_vocab_size < vocab_size else None

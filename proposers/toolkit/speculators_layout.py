@@ -1,0 +1,112 @@
+"""vLLM speculators' layout (PyPI `speculators`): `speculators_model_type` names the algorithm,
+the draft decoder's config is nested as `transformer_layer_config`, and feature layers are
+`aux_hidden_state_layer_ids` (EAGLE-3: `eagle_aux_hidden_state_layer_ids`) counted BEFORE layer
+i, the residual entering it, one more than this project's id for the same tensor
+(docs/layer-numbering.md). `speculators_config.verifier.name_or_path` names the target on the
+training machine: informative, never required to exist. Defaults are the reference classes'.
+
+This module holds what the families' speculators layouts share (each family's layout.py declares
+its own class): the base, and the block drafters' fields (DFlash, DFlash2, DSpark)."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from pydantic import field_validator
+
+from pipeline.common.schema import Count, Positive, Schema, SchemaError
+from proposers.toolkit.layout_fields import REQUIRED_SHAPE, DecoderFields, LayerIds, unique_ids
+
+
+class ProposalMethod(Schema):
+    proposal_type: str | None = None
+    speculative_tokens: Positive | None = None
+
+
+class Verifier(Schema):
+    name_or_path: str | None = None
+    architectures: list[str] | None = None
+
+
+class SpeculatorsSettings(Schema):
+    """`speculators_config`: the algorithm, its proposal methods (how many tokens a step
+    drafts) and the verifier it was trained for."""
+
+    algorithm: str | None = None
+    proposal_methods: list[ProposalMethod] | None = None
+    default_proposal_method: str | None = None
+    verifier: Verifier | None = None
+
+
+class SpeculatorsFormat(Schema):
+    LAYOUT: ClassVar[str] = "speculators"
+    CONVENTION: ClassVar[str] = "before"
+    FAMILY: ClassVar[str]
+    IDS_FIELD: ClassVar[str] = "aux_hidden_state_layer_ids"
+
+    speculators_model_type: str
+    architectures: list[str] | None = None
+    transformer_layer_config: DecoderFields
+    speculators_config: SpeculatorsSettings | None = None
+    draft_vocab_size: Positive = 32000
+    target_hidden_size: Positive | None = None
+
+    @property
+    def family(self) -> str:
+        return self.FAMILY
+
+    @property
+    def evidence(self) -> str:
+        return f"speculators_model_type {self.speculators_model_type!r}"
+
+    @property
+    def decoder(self) -> DecoderFields:
+        return self.transformer_layer_config
+
+    @property
+    def speculative_tokens(self) -> int | None:
+        """Tokens a step drafts, as the first proposal method says (vLLM reads it there)."""
+        methods = (self.speculators_config and self.speculators_config.proposal_methods) or []
+        return methods[0].speculative_tokens if methods else None
+
+    def check_complete(self, source: str) -> None:
+        missing = self.decoder.require(REQUIRED_SHAPE, "transformer_layer_config.")
+        if missing:
+            raise SchemaError(f"{source}: missing field {missing[0]!r}; is this a speculators drafter config.json?")
+
+    def stored_layer_ids(self) -> list[int] | None:
+        """The feature layer ids as the checkpoint states them (before-layer numbering)."""
+        return getattr(self, self.IDS_FIELD)
+
+    def feature_layers(self, source: str, num_target_layers: int | None = None) -> list[int]:
+        """Feature layer ids in this project's convention: a before-layer id s is the output of
+        layer s - 1, except s = L (the target's layer count: the residual after the last layer,
+        before the final norm), which is this project's id L (layer_ids.final_prenorm_id); telling
+        it apart needs `num_target_layers`. The embedding output (s = 0) is never stored."""
+        ids = self.stored_layer_ids()
+        if ids is None:
+            raise SchemaError(f"{source}: {self.IDS_FIELD} is not set, so the feature layers are unknown")
+        if 0 in ids:
+            raise SchemaError(
+                f"{source}: {self.IDS_FIELD} lists 0, the embedding output (before layer 0), which specreplay "
+                f"does not store"
+            )
+        return [s if s == num_target_layers else s - 1 for s in ids]
+
+
+class SpeculatorsBlock(SpeculatorsFormat):
+    """The fields speculators' block drafters share (DFlash, DFlash2, DSpark: a block [x_t, mask, ...]
+    over the target's aux hidden states); each family's class narrows `speculators_model_type`."""
+
+    block_size: Positive = 8
+    aux_hidden_state_layer_ids: LayerIds | None = None
+    mask_token_id: Count | None = None
+    sliding_window_non_causal: bool = False
+    sample_from_anchor: bool = False
+
+    _unique = field_validator("aux_hidden_state_layer_ids")(unique_ids)
+
+    def check_complete(self, source: str) -> None:
+        super().check_complete(source)
+        if self.mask_token_id is None:
+            raise SchemaError(f"{source}: missing field 'mask_token_id'; a DFlash drafter needs its mask token")
