@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pipeline import shards
 from pipeline.common.sampling import sampling_of
-from pipeline.extract.outdir import mismatched_samples, totals
+from pipeline.outdir.entries import mismatched_samples, totals
 from pipeline.shards.writer import describe_excluded
 
 

@@ -147,7 +147,7 @@ class Tokenizer(Schema):
 
 
 class Totals(Schema):
-    """totals: sums over the shard entries (pipeline/extract/outdir.py), read by inspect and score."""
+    """totals: sums over the shard entries (pipeline/outdir/entries.py), read by inspect and score."""
 
     samples: Count = 0
     tokens: Size = 0

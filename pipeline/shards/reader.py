@@ -153,7 +153,7 @@ def read_shard(  # 55 lines: the read path's checks (checksum, schema, rows) kep
             yield from samples
 
 
-# what every finished extract or import stores (pipeline/extract/plan.py tensor_dtypes)
+# what every finished extract or import stores (pipeline/outdir/storage.py tensor_dtypes)
 REQUIRED_TENSORS = ("features", "topk_ids", "topk_logprobs")
 
 
