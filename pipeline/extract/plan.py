@@ -97,7 +97,7 @@ def resolve_layer_ids(config: ExtractConfig, num_target_layers: int, uses: list[
             )
     ids = list(dict.fromkeys(i for use in uses for i in use["layer_ids"]))
     where = " and ".join(use["by"] for use in uses)
-    if not ids:
+    if not ids and config.layer_ids != []:  # [] is --layer-ids none, asked for
         raise UserError(f"{where}: no layer ids; pass --layer-ids explicitly")
     check_layer_ids(ids, num_target_layers, where)
     return ids
@@ -126,6 +126,29 @@ def validate_numbers(config: ExtractConfig) -> None:
     if config.limit is not None and config.limit < 1:
         raise UserError(f"--limit must be >= 1, got {config.limit}; leave it out to use every prompt")
     validate_sampling(config)
+    validate_no_layers(config)
+
+
+def validate_no_layers(config: ExtractConfig) -> None:
+    """`--layer-ids none` (layer_ids []) stores no feature layers: an option about them would be
+    silently ignored, so it is refused."""
+    if config.layer_ids != []:
+        return
+    ignored = [
+        name
+        for name, used in (
+            ("--draft-config", bool(draft_config_paths(config))),
+            ("--neighbour-layers", config.neighbour_layers),
+            ("--feature-dtype", config.feature_dtype is not None),
+        )
+        if used
+    ]
+    if ignored:
+        names = " and ".join(ignored)
+        raise UserError(
+            f"--layer-ids none stores no feature layers, so {names} would be ignored; leave {names} out, "
+            f"or drop --layer-ids none to store feature layers"
+        )
 
 
 def validate_engine_numbers(config: ExtractConfig) -> None:

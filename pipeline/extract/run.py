@@ -81,7 +81,7 @@ def write_rank_share(model, info, plan: Plan, config: ExtractConfig, dist: Dist,
     mine = pending[dist.rank :: dist.world]
     capture_config = CaptureConfig(
         layer_ids=plan.storage.layer_ids,
-        feature_dtype=STORAGE_DTYPES[plan.storage.feature_dtype],
+        feature_dtype=None if plan.storage.feature_dtype is None else STORAGE_DTYPES[plan.storage.feature_dtype],
         top_k=config.top_k,
         head_budget_bytes=plan.storage.head_window_bytes,
         sampling=plan.sampling,

@@ -25,9 +25,12 @@ def parse_feature_dtype(name: str | None, model_dtype: str) -> str:
     return STORAGE_NAMES[COMPUTE_DTYPES[key]]
 
 
-def tensor_dtypes(feature_dtype: str, sampled: bool = False) -> dict[str, str]:
-    """{tensor name: dtype name} of what the shards store, in their column order."""
-    dtypes = {"features": feature_dtype, "topk_ids": "int32", "topk_logprobs": "float32", "argmax_mismatch": "uint8"}
+def tensor_dtypes(feature_dtype: str | None, sampled: bool = False) -> dict[str, str]:
+    """{tensor name: dtype name} of what the shards store, in their column order; no features
+    when `feature_dtype` is None (no feature layers: `extract --layer-ids none`)."""
+    dtypes = {"topk_ids": "int32", "topk_logprobs": "float32", "argmax_mismatch": "uint8"}
+    if feature_dtype is not None:
+        dtypes = {"features": feature_dtype, **dtypes}
     if feature_dtype == FP8:
         dtypes["features_scale"] = "float32"
     if sampled:
@@ -64,8 +67,8 @@ def split_memory_budget(budget_bytes: int, bytes_per_token: int) -> tuple[int, i
 class Storage:
     """What a run's shards hold and the sizes it works in; the same rules for every source."""
 
-    layer_ids: list[int]  # stored feature layers, in stored order
-    feature_dtype: str  # storage dtype name of the features
+    layer_ids: list[int]  # stored feature layers, in stored order; [] for none (tokens and top-k only)
+    feature_dtype: str | None  # storage dtype name of the features; None when no layers are stored
     top_k: int
     tensors: dict[str, str]  # {tensor name: dtype name} as stored in the shards
     head_window_bytes: int  # memory for one lm_head window over the vocabulary
@@ -76,7 +79,8 @@ class Storage:
 def plan_storage(
     layer_ids: list[int], feature_dtype: str, top_k: int, hidden: int, memory_bytes: int, sampled: bool = False
 ) -> Storage:
-    """The Storage of `layer_ids` stored as `feature_dtype`."""
+    """The Storage of `layer_ids` stored as `feature_dtype`; no features at all without layers."""
+    feature_dtype = feature_dtype if layer_ids else None
     tensors = tensor_dtypes(feature_dtype, sampled)
     head_bytes, chunk_tokens = split_memory_budget(
         memory_bytes, stored_bytes_per_token(tensors, len(layer_ids), hidden, top_k)
