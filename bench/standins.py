@@ -184,13 +184,13 @@ def write_synthetic_shards(
     """A shard set `score` accepts, planned by extract itself: random token ids as prompt and
     given response (one sample per length), random bf16 features and top-k in place of a
     target's forward, written with ShardWriter at the plan's dtypes and chunk size, a random
-    bf16 target head, and extract's manifest (`new_manifest`, `finish_manifest`)."""
+    bf16 target head, and stage 1's manifest (pipeline/outdir/builder.py)."""
     from pipeline import shards
-    from pipeline.common.distributed import Dist
     from pipeline.extract.config import ExtractConfig
+    from pipeline.extract.plan import plan_extract
     from pipeline.extract.prompts import PromptRecord
-    from pipeline.extract.run import finish_manifest, new_manifest, plan_extract, run_facts
     from pipeline.extract.target import TargetInfo
+    from pipeline.outdir.builder import finish_manifest, new_manifest, run_facts
 
     generator = torch.Generator().manual_seed(seed)
     config = ExtractConfig(
@@ -227,7 +227,8 @@ def write_synthetic_shards(
         for length in lengths
     ]
     plan = plan_extract(config, records, _IdsOnly(), info, f"random-seed-{seed}")
-    manifest = new_manifest(plan, info, run_facts(config, Dist(), "cpu"))
+    run = run_facts(1, "cpu", config.shard_bytes, config.zstd_level, config.memory_bytes, config.batch_size)
+    manifest = new_manifest(plan.source, plan.storage, run)
     embed = (torch.randn(vocab, hidden, generator=generator) * 0.02).to(torch.bfloat16)
     lm_head = (torch.randn(vocab, hidden, generator=generator) * 0.02).to(torch.bfloat16)
     Path(out).mkdir(parents=True, exist_ok=True)
@@ -235,12 +236,12 @@ def write_synthetic_shards(
     writer = shards.ShardWriter(
         str(out),
         0,
-        plan.tensors,
+        plan.storage.tensors,
         shard_bytes=config.shard_bytes,
         zstd_level=config.zstd_level,
-        chunk_tokens=plan.chunk_tokens,
+        chunk_tokens=plan.storage.chunk_tokens,
     )
-    width = len(plan.layer_ids) * hidden
+    width = len(plan.storage.layer_ids) * hidden
     for item in plan.items:
         length, total = len(item.given), len(item.prompt_ids) + len(item.given)
         logprobs = -torch.rand(length + 1, top_k, generator=generator).mul(8).sort(dim=-1).values
@@ -262,7 +263,7 @@ def write_synthetic_shards(
             )
         )
     writer.close()
-    finish_manifest(str(out), manifest, plan.items, plan.raw_bytes_per_token)
+    finish_manifest(str(out), manifest, plan.storage, [item.sample_id for item in plan.items])
 
 
 def tree_cases(seed: int, anchors: int, depth: int, vocab: int, kind: str):

@@ -510,7 +510,7 @@ def summarize_score(sc: dict, result: dict, lengths: list[int], per_token: int) 
 def run(ctx) -> tuple[dict, Rows]:
     """Extract, then score, long responses at 27B shapes (quick: "mid" shapes), each stage in one
     fresh process holding both lengths (the longer first)."""
-    from pipeline.extract.plan import stored_bytes_per_token, tensor_dtypes
+    from pipeline.outdir.storage import stored_bytes_per_token, tensor_dtypes
 
     work = Path(ctx.work) / "memory"
     work.mkdir(parents=True, exist_ok=True)

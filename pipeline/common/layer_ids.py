@@ -23,14 +23,23 @@ def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> lis
     return [round(1 + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)]
 
 
-def parse_layer_ids(text: str) -> list[int]:
-    """'1,9,17' -> [1, 9, 17], with a clear error for anything else."""
+NO_LAYERS = "none"  # extract --layer-ids none: no feature layers, the shards hold tokens and top-k only
+
+
+def parse_layer_ids(text: str, allow_none: bool = False) -> list[int]:
+    """'1,9,17' -> [1, 9, 17], with a clear error for anything else; with `allow_none` (extract),
+    'none' -> [], no feature layers at all."""
+    if allow_none and text.strip().lower() == NO_LAYERS:
+        return []
+    alternative = f", or {NO_LAYERS} for no feature layers" if allow_none else ""
     try:
         ids = [int(part) for part in text.replace(" ", "").split(",") if part]
     except ValueError:
-        raise UserError(f"--layer-ids must be comma-separated integers like 1,9,17; got {text!r}") from None
+        raise UserError(
+            f"--layer-ids must be comma-separated integers like 1,9,17{alternative}; got {text!r}"
+        ) from None
     if not ids:
-        raise UserError("--layer-ids is empty; pass comma-separated layer ids like 1,9,17")
+        raise UserError(f"--layer-ids is empty; pass comma-separated layer ids like 1,9,17{alternative}")
     if len(set(ids)) != len(ids):
         raise UserError(f"--layer-ids has duplicates: {text!r}; list each layer once")
     return ids

@@ -3,7 +3,8 @@ forward hooks) and the next-token distribution (lm_head over fixed-size windows 
 
 What is stored for a sample of N tokens (prompt_len P, R = N - P response tokens):
 
-    features         [N, n*H]  storage dtype  layer ids in list order, concatenated on the last dim
+    features         [N, n*H]  storage dtype  layer ids in list order, concatenated on the last dim;
+                                              absent with no layer ids (--layer-ids none)
     features_scale   [N, n]    float32        only with fp8 features: per token and layer (shards.quantize_fp8)
     topk_ids         [R+1, k]  int32          row i: top-k of the distribution of token P+i
     topk_logprobs    [R+1, k]  float32        log_softmax of the logits (computed in float32)
@@ -58,8 +59,8 @@ _SORTED_SAMPLING_BYTES_PER_LOGIT = 48
 
 @dataclass
 class CaptureConfig:
-    layer_ids: list[int]
-    feature_dtype: torch.dtype
+    layer_ids: list[int]  # [] stores no features (--layer-ids none)
+    feature_dtype: torch.dtype | None  # None with no layer ids
     top_k: int = 32
     head_budget_bytes: int = 1 << 30  # memory for one lm_head window or one forward window; sets their rows
     sampling: Sampling | None = None  # temperature > 0: also store sample_logprob
@@ -202,6 +203,8 @@ class FeatureSink:
         self.scale[rows, column] = scale[:, 0]
 
     def tensors(self) -> dict[str, torch.Tensor]:
+        if not self.layer_ids:  # --layer-ids none: tokens and top-k only, no features tensor
+            return {}
         if self.scale is None:
             return {"features": self.features}
         return {"features": self.features, "features_scale": self.scale}
@@ -228,19 +231,10 @@ def nonfinite_values(tensors: dict[str, torch.Tensor], layer_ids: list[int] | No
     position usually reaches every position (attention multiplies it by zero weights), so
     `count` tells one overflowing token from a poisoned sample. The common, finite case costs
     one reduction per tensor."""
-    features = tensors["features"]
-    scale = tensors.get("features_scale")
-    values = features.float() if features.dtype == torch.float8_e4m3fn else features  # e4m3fn: NaN only
-    if not (bool(torch.isfinite(values).all()) and (scale is None or bool(torch.isfinite(scale).all()))):
-        groups = [None] if layer_ids is None else layer_ids
-        width = values.shape[-1] // len(groups)
-        for column, layer_id in sorted(enumerate(groups), key=lambda pair: pair[1] or 0):
-            bad = ~torch.isfinite(values[:, column * width : (column + 1) * width])
-            if scale is not None:
-                mine = scale if layer_id is None else scale[:, column : column + 1]
-                bad = bad | ~torch.isfinite(mine).all(dim=-1, keepdim=True)
-            if bool(bad.any()):
-                return _where_bad("features" if layer_id is None else f"layer {layer_id} features", bad)
+    if "features" in tensors:  # absent with --layer-ids none
+        bad = nonfinite_features(tensors["features"], tensors.get("features_scale"), layer_ids)
+        if bad is not None:
+            return bad
     for name in ("topk_logprobs", "sample_logprob"):
         logprobs = tensors.get(name)
         if logprobs is None:
@@ -248,6 +242,24 @@ def nonfinite_values(tensors: dict[str, torch.Tensor], layer_ids: list[int] | No
         bad = torch.isnan(logprobs) | torch.isposinf(logprobs)
         if bool(bad.any()):
             return _where_bad("logits", bad, prompt_len - 1)
+    return None
+
+
+def nonfinite_features(features: torch.Tensor, scale: torch.Tensor | None, layer_ids: list[int] | None) -> dict | None:
+    """nonfinite_values' report of the first layer (ascending id) whose features [N, n*H] (or fp8
+    scales [N, n]) hold NaN/Inf; None when all are finite."""
+    values = features.float() if features.dtype == torch.float8_e4m3fn else features  # e4m3fn: NaN only
+    if bool(torch.isfinite(values).all()) and (scale is None or bool(torch.isfinite(scale).all())):
+        return None
+    groups = [None] if layer_ids is None else layer_ids
+    width = values.shape[-1] // len(groups)
+    for column, layer_id in sorted(enumerate(groups), key=lambda pair: pair[1] or 0):
+        bad = ~torch.isfinite(values[:, column * width : (column + 1) * width])
+        if scale is not None:
+            mine = scale if layer_id is None else scale[:, column : column + 1]
+            bad = bad | ~torch.isfinite(mine).all(dim=-1, keepdim=True)
+        if bool(bad.any()):
+            return _where_bad("features" if layer_id is None else f"layer {layer_id} features", bad)
     return None
 
 

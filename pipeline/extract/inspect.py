@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from pipeline import shards
 from pipeline.common.sampling import sampling_of
-from pipeline.extract.outdir import mismatched_samples, totals
+from pipeline.outdir.entries import mismatched_samples, totals
+from pipeline.outdir.storage import raw_feature_bytes_per_token
 from pipeline.shards.writer import describe_excluded
 
 
@@ -43,7 +44,7 @@ def verify_target_head(uri: str, manifest: dict) -> str:
     return "ok" if crc == expected else f"{path}: crc32 {crc:#010x}, manifest says {expected:#010x}"
 
 
-def inspect_extract(uri: str, verify: bool = True) -> dict:  # 50 lines: mostly the report's one flat dict
+def inspect_extract(uri: str, verify: bool = True) -> dict:
     """A JSON-able report of an extract directory (complete or still running / interrupted)."""
     manifest = shards.read_manifest(uri)
     complete = bool(manifest.get("complete"))
@@ -53,12 +54,8 @@ def inspect_extract(uri: str, verify: bool = True) -> dict:  # 50 lines: mostly 
     entries = manifest.get("shards", []) if complete else sidecars
     settings = manifest.get("settings", {})
     target = manifest.get("target", {})
-    layer_ids = settings.get("layer_ids", [])
-    hidden = target.get("hidden_size", 0)
-    raw_per_token = len(layer_ids) * hidden * 2
+    raw_per_token = raw_feature_bytes_per_token(len(settings.get("layer_ids", [])), target.get("hidden_size", 0))
     t = totals(entries, raw_per_token)
-    tokens = t["tokens"]
-    greedy_tokens = t["greedy_response_tokens"]
     report = {
         "dir": uri,
         "complete": complete,
@@ -66,7 +63,22 @@ def inspect_extract(uri: str, verify: bool = True) -> dict:  # 50 lines: mostly 
         "target": {
             key: target.get(key) for key in ("name", "architecture", "num_layers", "hidden_size", "vocab_size", "dtype")
         },
-        "layer_ids": layer_ids,
+        **settings_report(manifest, settings),
+        **counts_report(entries, t, raw_per_token),
+        "responses": settings.get("responses"),  # what made them with --responses-from; None: the target
+        "imported": settings.get("imported"),  # the capture `specreplay import` read; None: extracted
+        **sampling_report(settings, t),
+    }
+    if verify:
+        report["checksums"] = verify_checksums(uri, entries)
+        report["target_head"] = verify_target_head(uri, manifest)
+    return report
+
+
+def settings_report(manifest: dict, settings: dict) -> dict:
+    """What the extract was asked for: layers (and who asked), dtypes, top-k, prompts."""
+    return {
+        "layer_ids": settings.get("layer_ids", []),  # []: no feature layers (--layer-ids none)
         "neighbour_layers": bool(settings.get("neighbour_layers")),
         "layer_uses": manifest.get("layer_uses", []),  # absent before specreplay recorded it
         "beyond_positions": bool(settings.get("beyond_positions")),
@@ -75,9 +87,17 @@ def inspect_extract(uri: str, verify: bool = True) -> dict:  # 50 lines: mostly 
         "tensors": manifest.get("tensors", {}),
         "max_new_tokens": settings.get("max_new_tokens"),
         "prompts": manifest.get("prompts", {}),
+        "chunk_tokens": manifest.get("run", {}).get("chunk_tokens"),
+    }
+
+
+def counts_report(entries: list[dict], t: dict, raw_per_token: int) -> dict:
+    """What the shards hold: samples, tokens, bytes, finish reasons, greedy consistency, exclusions."""
+    tokens, greedy_tokens = t["tokens"], t["greedy_response_tokens"]
+    mismatched = mismatched_samples(entries)
+    return {
         "shards": len(entries),
         "chunks": sum(len(e.get("batches", [])) for e in entries),  # record batches, a few samples each
-        "chunk_tokens": manifest.get("run", {}).get("chunk_tokens"),
         "samples": t["samples"],
         "tokens": tokens,
         "prompt_tokens": t["prompt_tokens"],
@@ -92,20 +112,13 @@ def inspect_extract(uri: str, verify: bool = True) -> dict:  # 50 lines: mostly 
         "given_samples": t["finish_reasons"].get("given", 0),  # teacher-forced; the rest are greedy or sampled
         "argmax_mismatches": t["greedy_argmax_mismatches"],
         # greedy samples whose walk is exact (no argmax mismatch), and the others by id
-        "exact_samples": exact_samples(t, mismatched_samples(entries)),
-        "mismatched_samples": mismatched_samples(entries),
-        "responses": settings.get("responses"),  # what made them with --responses-from; None: the target
-        "imported": settings.get("imported"),  # the capture `specreplay import` read; None: extracted
+        "exact_samples": exact_samples(t, mismatched),
+        "mismatched_samples": mismatched,
         "greedy_consistency": 1 - t["greedy_argmax_mismatches"] / greedy_tokens if greedy_tokens else None,
-        **sampling_report(settings, t),
         # samples with NaN/Inf in a feature layer or the logits: never written, never scored
         "excluded_samples": t.get("excluded_samples", 0),
         "excluded": t.get("excluded", []),
     }
-    if verify:
-        report["checksums"] = verify_checksums(uri, entries)
-        report["target_head"] = verify_target_head(uri, manifest)
-    return report
 
 
 def exact_samples(t: dict, mismatched: dict) -> int | None:
@@ -152,7 +165,7 @@ def layer_serves(report: dict) -> dict[int, list[str]]:
 
 def layer_use_lines(report: dict) -> list[str]:
     """One line per stored layer naming what it serves (none for an extract that did not record it)."""
-    if not report["layer_uses"]:
+    if not report["layer_uses"] or not report["layer_ids"]:
         return []
     final = report["target"].get("num_layers")
     lines = []
@@ -224,6 +237,15 @@ def bytes_ratio(report: dict) -> str:
     )
 
 
+def layers_line(report: dict) -> str:
+    """The stored feature layers and their dtype, top-k and the tensors."""
+    rest = f"top-k {report['top_k']}, tensors {', '.join(report['tensors'])}"
+    if not report["layer_ids"]:
+        return f"  layer ids       none: no feature layers, tokens and top-k only ({rest})"
+    neighbours = " (with neighbours, for diagnose)" if report["neighbour_layers"] else ""
+    return f"  layer ids       {report['layer_ids']}{neighbours}  features {report['feature_dtype']}, {rest}"
+
+
 def format_report(report: dict) -> str:
     """The human-readable form of `inspect_extract`'s report."""
     target = report["target"]
@@ -234,9 +256,7 @@ def format_report(report: dict) -> str:
         f"{report['dir']}: {status}",
         f"  target          {target['name']} ({target['architecture']}, {target['num_layers']} layers, "
         f"hidden {target['hidden_size']}, vocab {target['vocab_size']}, {target['dtype']})",
-        f"  layer ids       {report['layer_ids']}{' (with neighbours, for diagnose)' if report['neighbour_layers'] else ''}"
-        f"  features {report['feature_dtype']}, top-k {report['top_k']}, "
-        f"tensors {', '.join(report['tensors'])}",
+        layers_line(report),
         *layer_use_lines(report),
         f"  prompts         {prompts.get('name')} ({prompts.get('count')} prompts), max_new_tokens {report['max_new_tokens']}",
         *(

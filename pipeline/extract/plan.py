@@ -1,6 +1,7 @@
 """Step 1 of an extract, pure: the prompts rendered and checked, layer ids, top-k and dtypes
-resolved and checked, the lm_head window and the shard chunk sized, and the settings identity
-that resume compares (outdir.py) built before the first byte is written."""
+resolved and checked, and the extract described to the manifest builder (pipeline/outdir/: what
+the shards hold and their sizes, the settings identity a resume compares) before the first byte
+is written."""
 
 from __future__ import annotations
 
@@ -10,16 +11,12 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-import torch
-
-from pipeline import shards
-from pipeline.common.distributed import Dist
-from pipeline.common.dtypes import COMPUTE_DTYPES, FP8, FP8_NAMES, STORAGE_DTYPES, STORAGE_NAMES
 from pipeline.common.errors import UserError
 from pipeline.common.layer_ids import build_target_layer_ids, check_layer_ids
 from pipeline.common.sampling import Sampling
-from pipeline.common.versions import specreplay_version
 from pipeline.extract.config import ExtractConfig
+from pipeline.outdir.builder import Source, settings_identity
+from pipeline.outdir.storage import Storage, parse_feature_dtype, plan_storage
 from proposers.layouts import read_drafter_format
 
 
@@ -100,7 +97,7 @@ def resolve_layer_ids(config: ExtractConfig, num_target_layers: int, uses: list[
             )
     ids = list(dict.fromkeys(i for use in uses for i in use["layer_ids"]))
     where = " and ".join(use["by"] for use in uses)
-    if not ids:
+    if not ids and config.layer_ids != []:  # [] is --layer-ids none, asked for
         raise UserError(f"{where}: no layer ids; pass --layer-ids explicitly")
     check_layer_ids(ids, num_target_layers, where)
     return ids
@@ -111,20 +108,6 @@ def with_neighbours(ids: list[int], num_target_layers: int) -> list[int]:
     is a decoder layer and not already there, ascending (drafters select their ids by value)."""
     extra = {j for i in ids for j in (i - 1, i + 1) if 0 <= j < num_target_layers} - set(ids)
     return list(ids) + sorted(extra)
-
-
-def parse_feature_dtype(name: str | None, model_dtype: str) -> str:
-    """Storage dtype name of the features: the model dtype (lossless) unless `--feature-dtype`."""
-    if name is None:
-        return model_dtype
-    key = str(name).lower().removeprefix("torch.")
-    if key in FP8_NAMES:
-        return FP8
-    if key not in COMPUTE_DTYPES:
-        raise UserError(
-            f"--feature-dtype {name!r} is not supported; use one of {', '.join([*COMPUTE_DTYPES, *FP8_NAMES])}"
-        )
-    return STORAGE_NAMES[COMPUTE_DTYPES[key]]
 
 
 def validate_numbers(config: ExtractConfig) -> None:
@@ -143,6 +126,29 @@ def validate_numbers(config: ExtractConfig) -> None:
     if config.limit is not None and config.limit < 1:
         raise UserError(f"--limit must be >= 1, got {config.limit}; leave it out to use every prompt")
     validate_sampling(config)
+    validate_no_layers(config)
+
+
+def validate_no_layers(config: ExtractConfig) -> None:
+    """`--layer-ids none` (layer_ids []) stores no feature layers: an option about them would be
+    silently ignored, so it is refused."""
+    if config.layer_ids != []:
+        return
+    ignored = [
+        name
+        for name, used in (
+            ("--draft-config", bool(draft_config_paths(config))),
+            ("--neighbour-layers", config.neighbour_layers),
+            ("--feature-dtype", config.feature_dtype is not None),
+        )
+        if used
+    ]
+    if ignored:
+        names = " and ".join(ignored)
+        raise UserError(
+            f"--layer-ids none stores no feature layers, so {names} would be ignored; leave {names} out, "
+            f"or drop --layer-ids none to store feature layers"
+        )
 
 
 def validate_engine_numbers(config: ExtractConfig) -> None:
@@ -278,99 +284,20 @@ def weights_fingerprint(model, per_tensor: int = 4096) -> str:
     return digest.hexdigest()[:32]
 
 
-TARGET_IDENTITY = (
-    "architecture",
-    "num_layers",
-    "hidden_size",
-    "vocab_size",
-    "config_hash",
-    "dtype",
-    "stop_token_ids",
-    "pad_token_id",
-    "bos_token_id",
-    "chat_template_hash",
-)
-
-
-def settings_identity(
-    config: ExtractConfig,
-    info,
-    fingerprint: str,
-    layer_ids: list[int],
-    feature_dtype: str,
-    prompts: dict,
-    requested: list[int] | None = None,
-) -> dict:
-    """What must not change between a run and its resume (compared key by key on resume)."""
-    target = {key: getattr(info, key) for key in TARGET_IDENTITY}
-    target["weights_fingerprint"] = fingerprint
-    identity = {
-        "format_version": shards.FORMAT_VERSION,
-        "target": target,
-        "layer_ids": list(layer_ids),
-        "feature_dtype": feature_dtype,
-        "top_k": config.top_k,
-        "max_new_tokens": int(config.max_new_tokens),
-        "enable_thinking": config.enable_thinking,
-        "decoding": "greedy",
-        "prompts": {key: prompts[key] for key in ("hash", "count", "rendered_hash")},
-    }
-    sampling = sampling_settings(config)
-    if sampling is not None:  # absent for greedy, so a greedy identity is what it always was
-        identity.update(decoding="sampled", sampling=sampling)
-    if config.neighbour_layers:  # likewise absent unless asked for; the drafter's own ids
-        identity["neighbour_layers"] = {"requested": list(requested or layer_ids)}
-    if config.beyond_positions:  # likewise: `inspect` says the samples may pass the trained positions
-        identity["beyond_positions"] = True
-    return identity
-
-
-def tensor_dtypes(feature_dtype: str, sampled: bool = False) -> dict[str, str]:
-    """{tensor name: dtype name} of what the shards store (see pipeline/extract/capture.py)."""
-    dtypes = {"features": feature_dtype, "topk_ids": "int32", "topk_logprobs": "float32", "argmax_mismatch": "uint8"}
-    if feature_dtype == FP8:
-        dtypes["features_scale"] = "float32"
-    if sampled:
-        dtypes["sample_logprob"] = "float32"
-    return dtypes
-
-
-def stored_bytes_per_token(dtypes: dict[str, str], n_layers: int, hidden: int, top_k: int) -> int:
-    """Raw bytes the shards hold per token (features, scales, top-k, flags)."""
-    width = {
-        "features": n_layers * hidden,
-        "features_scale": n_layers,
-        "topk_ids": top_k,
-        "topk_logprobs": top_k,
-        "argmax_mismatch": 1,
-        "sample_logprob": 1,
-    }
-    return sum(width[name] * STORAGE_DTYPES[dtype].itemsize for name, dtype in dtypes.items())
-
-
-def split_memory_budget(budget_bytes: int, bytes_per_token: int) -> tuple[int, int]:
-    """(lm_head window bytes, tokens per shard chunk): half the budget each. The model's weights
-    and one sample's own activations and stored tensors come on top (they scale with the model
-    and the sample, not with anything extract chooses)."""
-    return budget_bytes // 2, shards.chunk_tokens_for(budget_bytes // 2, bytes_per_token)
-
-
 @dataclass
 class Plan:
     """Everything a run decides before it touches OUT; a function of the config, the target and
-    the prompts only."""
+    the prompts only (with --responses-from, also of the engine: run.py's with_engine)."""
 
     items: list[Item]  # the prompts, rendered, in extraction order
-    layer_ids: list[int]
-    feature_dtype: str  # storage dtype name of the features
-    tensors: dict[str, str]  # {tensor name: dtype name} as stored in the shards
-    head_window_bytes: int  # memory for one lm_head window over the vocabulary
-    chunk_tokens: int  # tokens per shard chunk (record batch)
-    raw_bytes_per_token: int  # the features as raw bf16, what `totals` compares the shards against
-    prompts: dict  # {name, hash, count, rendered_hash}
-    settings: dict  # the identity compared on resume (see settings_identity)
+    storage: Storage  # what the shards hold, and the lm_head window and shard chunk sizes
+    source: Source  # what this extract tells the manifest builder about itself
     sampling: Sampling | None = None  # the responses' distribution; None: greedy
-    layer_uses: list[dict] = field(default_factory=list)  # who asked for which layers (layer_uses)
+
+    @property
+    def settings(self) -> dict:
+        """The identity compared on resume (pipeline/outdir/builder.py)."""
+        return settings_identity(self.source, self.storage)
 
 
 def check_token_ids(items: list[Item], vocab_size: int) -> None:
@@ -428,51 +355,19 @@ def plan_extract(
     sampling = sampling_of_config(config)
     if sampling is not None:  # after the prompt facts: they describe the prompts, not the draws
         items = sampled_items(items, config.num_samples)
-    tensors = tensor_dtypes(feature_dtype, sampled=sampling is not None)
-    head_bytes, chunk_tokens = split_memory_budget(
-        config.memory_bytes, stored_bytes_per_token(tensors, len(layer_ids), info.hidden_size, config.top_k)
+    storage = plan_storage(
+        layer_ids, feature_dtype, config.top_k, info.hidden_size, config.memory_bytes, sampled=sampling is not None
     )
-    return Plan(
-        items=items,
-        layer_ids=layer_ids,
-        feature_dtype=feature_dtype,
-        tensors=tensors,
-        head_window_bytes=head_bytes,
-        chunk_tokens=chunk_tokens,
-        raw_bytes_per_token=len(layer_ids) * info.hidden_size * 2,
+    source = Source(
+        target=info,
+        fingerprint_key="weights_fingerprint",
+        fingerprint=fingerprint,
         prompts=prompts,
-        settings=settings_identity(config, info, fingerprint, layer_ids, feature_dtype, prompts, requested),
-        sampling=sampling,
+        max_new_tokens=config.max_new_tokens,
+        enable_thinking=config.enable_thinking,
+        sampling=sampling_settings(config),
         layer_uses=uses,
+        requested_layer_ids=requested if config.neighbour_layers else None,
+        beyond_positions=bool(config.beyond_positions),
     )
-
-
-def new_manifest(plan: Plan, info, run: dict) -> dict:
-    """The manifest of a run before any shard is merged into it (complete=false)."""
-    return {
-        "format_version": shards.FORMAT_VERSION,
-        "complete": False,
-        "settings": plan.settings,
-        "target": {**info.to_json(), "weights_fingerprint": plan.settings["target"]["weights_fingerprint"]},
-        "tensors": plan.tensors,
-        "prompts": plan.prompts,
-        "layer_uses": plan.layer_uses,
-        "run": {**run, "chunk_tokens": plan.chunk_tokens, "head_window_bytes": plan.head_window_bytes},
-    }
-
-
-def run_facts(config: ExtractConfig, dist: Dist, device: str) -> dict:
-    """Informational facts of this run (versions, world size, device, sizes); not compared on resume."""
-    import transformers
-
-    return {
-        "specreplay": specreplay_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "world_size": dist.world,
-        "device": device,
-        "batch_size": config.batch_size,
-        "shard_bytes": config.shard_bytes,
-        "zstd_level": config.zstd_level,
-        "memory_bytes": config.memory_bytes,
-    }
+    return Plan(items=items, storage=storage, source=source, sampling=sampling)

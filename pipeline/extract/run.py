@@ -1,12 +1,12 @@
 """`specreplay extract`: run the target once over a prompt set and write shards + manifest.
 
 A run is four steps (`run_extract`); every check happens before the first byte is written
-(the plan is plan.py's, the output directory and its manifest outdir.py's):
+(the plan is plan.py's, the output directory and its manifest pipeline/outdir/'s):
   1. plan (`plan_extract`, pure): render and check the prompts, resolve and check layer ids,
      top-k and dtypes, size the lm_head window and the shard chunk, build the settings identity.
-     Then every rank checks OUT (`check_out_dir`, read-only): a manifest with other settings is
+     Then every rank checks OUT (`finished_before`, read-only): a manifest with other settings is
      refused (the message lists each differing setting) unless `overwrite`;
-  2. rank 0 prepares OUT (`prepare_out_dir`): delete the old outputs on `overwrite`, remove
+  2. rank 0 prepares OUT (`prepare_out`): delete the old outputs on `overwrite`, remove
      temporary files of an interrupted run, store the target head and the tokenizer
      (OUT/tokenizer/, save_pretrained) once, write manifest.json with complete=false;
   3. every rank writes its share (`write_rank_share`): skip samples already in finished shards
@@ -49,29 +49,22 @@ from pipeline import shards
 from pipeline.common import timing
 from pipeline.common.distributed import Dist, barrier, dist_from_env, init_dist, resolve_device
 from pipeline.common.dtypes import STORAGE_DTYPES
+from pipeline.common.layer_ids import final_prenorm_id
 from pipeline.common.sampling import Sampling
+from pipeline.common.settings import settings_diff
 from pipeline.extract.config import ExtractConfig
 from pipeline.extract.engines.client import Unreachable
-from pipeline.extract.outdir import (
-    check_entries,
-    check_out_dir,
-    finish_manifest,
-    finished_with_engine,
-    missing_shards,
-    next_shard_index,
-    output_lock,
-    prepare_out_dir,
-)
-from pipeline.extract.plan import (
-    Item,
-    Plan,
-    new_manifest,
-    plan_extract,
-    run_facts,
-    validate_numbers,
-    weights_fingerprint,
-)
+from pipeline.extract.plan import Item, Plan, plan_extract, validate_numbers, weights_fingerprint
 from pipeline.extract.progress import SilentProgress, TokenProgress
+from pipeline.outdir.builder import finish_manifest, new_manifest, run_facts
+from pipeline.outdir.directory import (
+    existing_outputs,
+    finished_before,
+    missing_shards,
+    output_lock,
+    prepare_out,
+    resume_writer,
+)
 
 # ---------------------------------------------------------------------------------------------
 # step 3: every rank writes its share
@@ -82,25 +75,16 @@ def write_rank_share(model, info, plan: Plan, config: ExtractConfig, dist: Dist,
     with an `engine` (--responses-from) their responses are fetched first, then captured."""
     from pipeline.extract.capture import CaptureConfig
 
-    entries = shards.finished_shard_entries(config.out)
-    done = check_entries(entries, {item.sample_id for item in plan.items})
+    ids = {item.sample_id for item in plan.items}
+    writer, done = resume_writer(config.out, dist.rank, plan.storage, ids, config.shard_bytes, config.zstd_level)
     pending = [item for item in plan.items if item.sample_id not in done]
     mine = pending[dist.rank :: dist.world]
     capture_config = CaptureConfig(
-        layer_ids=plan.layer_ids,
-        feature_dtype=STORAGE_DTYPES[plan.feature_dtype],
+        layer_ids=plan.storage.layer_ids,
+        feature_dtype=None if plan.storage.feature_dtype is None else STORAGE_DTYPES[plan.storage.feature_dtype],
         top_k=config.top_k,
-        head_budget_bytes=plan.head_window_bytes,
+        head_budget_bytes=plan.storage.head_window_bytes,
         sampling=plan.sampling,
-    )
-    writer = shards.ShardWriter(
-        config.out,
-        dist.rank,
-        plan.tensors,
-        shard_bytes=config.shard_bytes,
-        zstd_level=config.zstd_level,
-        first_index=next_shard_index(entries, dist.rank),
-        chunk_tokens=plan.chunk_tokens,
     )
     budget = token_budget(mine, config.max_new_tokens)
     bar = progress(budget, "extract", unit="tok") if progress is not None else SilentProgress()
@@ -160,7 +144,22 @@ def with_engine(plan: Plan, engine) -> Plan:
     """The plan whose settings identity also names what made the responses (settings["responses"])."""
     if engine is None:
         return plan
-    return replace(plan, settings={**plan.settings, "responses": engine.facts(plan.sampling)})
+    return replace(plan, source=replace(plan.source, responses=engine.facts(plan.sampling)))
+
+
+def finished_with_engine(out: str, settings: dict, overwrite: bool) -> dict | None:
+    """OUT's complete manifest when it already holds this extract with engine responses, whichever
+    servers made them: a finished run has nothing left to ask, so it needs no server up."""
+    try:
+        manifest, _ = existing_outputs(out)
+    except shards.ShardError:
+        return None
+    recorded = (manifest or {}).get("settings", {})
+    if overwrite or not (manifest and manifest.get("complete") and "responses" in recorded):
+        return None
+    if settings_diff(recorded, {**settings, "responses": recorded["responses"]}) or missing_shards(out, manifest):
+        return None
+    return manifest
 
 
 def batches(items: list, size: int):
@@ -263,7 +262,7 @@ def run_extract(config: ExtractConfig, progress=None, loaded=None) -> dict:
     validate_numbers(config)
     records = load_prompts(config.prompts, limit=config.limit)  # parse errors surface before any load
     init_dist(dist)
-    lock = output_lock(config.out) if dist.main else None  # ranks of one job share rank 0's lock
+    lock = output_lock(config.out, "extract") if dist.main else None  # ranks of one job share rank 0's lock
     try:
         with lock or contextlib.nullcontext():
             return _run(config, dist, records, progress, loaded)
@@ -285,6 +284,20 @@ def load_model_once(config: ExtractConfig, dist: Dist, device: str):
     return loaded
 
 
+def target_head(model, plan: Plan):
+    """What prepare_out stores as the target head: the loaded model's embedding and lm_head, and its
+    final norm's weight when the features include id L, the final hidden state before that norm
+    (MTP heads read it, after the norm)."""
+    from pipeline.extract.target import final_norm_weight, input_embedding_weight, output_head_weight
+
+    prenorm = final_prenorm_id(plan.source.target.num_layers) in plan.storage.layer_ids
+    return lambda: (
+        input_embedding_weight(model),
+        output_head_weight(model),
+        final_norm_weight(model) if prenorm else None,
+    )
+
+
 def _run(config: ExtractConfig, dist: Dist, records, progress, loaded) -> dict:
     from pipeline.extract.target import text_config
 
@@ -303,17 +316,18 @@ def _run(config: ExtractConfig, dist: Dist, records, progress, loaded) -> dict:
             raise
         return finished  # done before: the servers may be down
     plan = with_engine(plan, engine)
-    existing = check_out_dir(config.out, plan.settings, config.overwrite)  # every rank, so all refuse together
-    if existing is not None and existing.get("complete") and not missing_shards(config.out, existing):
-        return existing  # already done with these settings: touch nothing
+    finished = finished_before(config.out, plan.settings, config.overwrite)  # every rank, so all refuse together
+    if finished is not None:
+        return finished  # already done with these settings: touch nothing
 
-    manifest = new_manifest(plan, info, run_facts(config, dist, device))
+    run = run_facts(dist.world, device, config.shard_bytes, config.zstd_level, config.memory_bytes, config.batch_size)
+    manifest = new_manifest(plan.source, plan.storage, run)
     if dist.main:
-        prepare_out_dir(config, model, tokenizer, plan, manifest)
+        prepare_out(config.out, manifest, plan.storage, config.overwrite, target_head(model, plan), tokenizer)
     barrier(dist)
     write_rank_share(model, info, plan, config, dist, progress, engine)
     barrier(dist)
     if dist.main:
-        finish_manifest(config.out, manifest, plan.items, plan.raw_bytes_per_token)
+        finish_manifest(config.out, manifest, plan.storage, [item.sample_id for item in plan.items])
     barrier(dist)
     return manifest if dist.main else shards.read_manifest(config.out)

@@ -10,6 +10,6 @@ One module per producer format, one common reader interface, the target's head, 
     layers.py       the producers' layer numbering -> this project's (docs/layer-numbering.md)
     checkpoint.py   the target's facts, final norm and lm_head from its checkpoint, model never loaded
     features.py     one captured sample -> the tensors a shard row stores (features, top-k)
-    run.py          the import: plan, output directory (extract's resume machinery), stream, finish
+    run.py          the import: plan, output directory and manifest (pipeline/outdir/), stream, finish
     config.py       ImportConfig (torch-free: the CLI's --help reads its defaults)
 """

@@ -1,5 +1,6 @@
 """`specreplay import`: captures made elsewhere -> ordinary checksummed shards (the shard format
-is extract's, unchanged), resumable with extract's own output-directory machinery.
+is extract's, unchanged), resumable: the output directory and manifest are stage 1's one
+builder's (pipeline/outdir/), the import describes itself to it (`import_source`).
 
 A run is extract's four steps (pipeline/extract/run.py), with a capture in place of a model:
   1. plan, read-only: the target's facts, final norm and lm_head from its checkpoint (never the
@@ -35,28 +36,16 @@ from pipeline import shards
 from pipeline.common.dtypes import FP8, STORAGE_NAMES
 from pipeline.common.errors import UserError
 from pipeline.common.layer_ids import check_layer_ids
-from pipeline.common.lock import local_lock
-from pipeline.common.versions import specreplay_version
 from pipeline.extract.capture import nonfinite_values
-from pipeline.extract.outdir import (
-    LOCK_NAME,
-    check_entries,
-    check_out_dir,
-    delete_outputs,
-    finish_manifest,
-    missing_shards,
-    next_shard_index,
-    previous_entry,
-    stored_tokenizer,
-    totals,
-)
-from pipeline.extract.plan import parse_feature_dtype, split_memory_budget, stored_bytes_per_token, tensor_dtypes
 from pipeline.extract.progress import SilentProgress
 from pipeline.imports.checkpoint import TargetHead, load_head
 from pipeline.imports.config import FORMATS, ImportConfig
 from pipeline.imports.features import compute_dtype, sample_tensors
 from pipeline.imports.layers import POST, default_layers, describe_held, missing_layers, servable, sources_of
 from pipeline.imports.reader import CaptureFormat, Entry, refuse_zeros
+from pipeline.outdir.builder import Source, finish_manifest, new_manifest, run_facts, settings_identity
+from pipeline.outdir.directory import finished_before, output_lock, prepare_out, resume_writer
+from pipeline.outdir.storage import Storage, parse_feature_dtype, plan_storage
 
 # ---------------------------------------------------------------------------------------------
 # step 1: the capture, listed and checked
@@ -138,14 +127,14 @@ def list_capture(capture: CaptureFormat, limit: int | None, progress=None) -> li
 @dataclass
 class ImportPlan:
     entries: list[Entry]
-    layer_ids: list[int]
     capture_dtype: torch.dtype
-    feature_dtype: str
-    tensors: dict[str, str]
-    head_window_bytes: int
-    chunk_tokens: int
-    raw_bytes_per_token: int
-    settings: dict
+    storage: Storage  # what the shards hold, and the lm_head window and shard chunk sizes
+    source: Source  # what this import tells the manifest builder about itself
+
+    @property
+    def settings(self) -> dict:
+        """The identity compared on resume (pipeline/outdir/builder.py)."""
+        return settings_identity(self.source, self.storage)
 
 
 def capture_dtype(entries: list[Entry]) -> torch.dtype:
@@ -162,25 +151,17 @@ def samples_hash(entries: list[Entry]) -> str:
     return hashlib.sha256(json.dumps(facts).encode()).hexdigest()
 
 
-def settings_identity(config, capture, head: TargetHead, entries, layer_ids, feature_dtype) -> dict:
-    """What must not change between an import and its resume (extract's keys, see plan.py)."""
-    info = head.info
-    target = {key: getattr(info, key) for key in ("architecture", "num_layers", "hidden_size", "vocab_size")}
-    target.update(config_hash=info.config_hash, dtype=info.dtype, stop_token_ids=info.stop_token_ids)
-    target.update(pad_token_id=info.pad_token_id, bos_token_id=info.bos_token_id)
-    target.update(chat_template_hash=info.chat_template_hash, checkpoint_fingerprint=head.fingerprint)
-    return {
-        "format_version": shards.FORMAT_VERSION,
-        "target": target,
-        "layer_ids": list(layer_ids),
-        "feature_dtype": feature_dtype,
-        "top_k": config.top_k,
-        "max_new_tokens": 0,  # nothing is generated: score takes each response's own length
-        "enable_thinking": None,
-        "decoding": "greedy",  # no sampling settings: the responses are teacher-forced ("given")
-        "prompts": {"hash": samples_hash(entries), "count": len(entries), "rendered_hash": None},
-        "imported": capture.identity(),
-    }
+def import_source(config: ImportConfig, capture: CaptureFormat, head: TargetHead, entries: list[Entry]) -> Source:
+    """The import as the manifest builder takes it: the target read from its checkpoint, the
+    capture's samples as the prompt set, nothing generated (responses teacher-forced, "given")."""
+    prompts = {"name": config.source, "hash": samples_hash(entries), "count": len(entries), "rendered_hash": None}
+    return Source(
+        target=head.info,
+        fingerprint_key="checkpoint_fingerprint",
+        fingerprint=head.fingerprint,
+        prompts=prompts,
+        imported=capture.identity(),
+    )
 
 
 def plan_import(config: ImportConfig, capture: CaptureFormat, entries: list[Entry], head: TargetHead) -> ImportPlan:
@@ -196,68 +177,12 @@ def plan_import(config: ImportConfig, capture: CaptureFormat, entries: list[Entr
     dtype = capture_dtype(entries)
     native = FP8 if dtype == torch.float8_e4m3fn else STORAGE_NAMES[dtype]
     feature_dtype = parse_feature_dtype(config.feature_dtype, native)
-    tensors = tensor_dtypes(feature_dtype)
-    per_token = stored_bytes_per_token(tensors, len(layer_ids), info.hidden_size, config.top_k)
-    head_bytes, chunk_tokens = split_memory_budget(config.memory_bytes, per_token)
-    return ImportPlan(
-        entries=entries,
-        layer_ids=layer_ids,
-        capture_dtype=dtype,
-        feature_dtype=feature_dtype,
-        tensors=tensors,
-        head_window_bytes=head_bytes,
-        chunk_tokens=chunk_tokens,
-        raw_bytes_per_token=len(layer_ids) * info.hidden_size * 2,
-        settings=settings_identity(config, capture, head, entries, layer_ids, feature_dtype),
-    )
-
-
-def new_manifest(plan: ImportPlan, config: ImportConfig, head: TargetHead) -> dict:
-    import transformers
-
-    run = {
-        "specreplay": specreplay_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "world_size": 1,
-        "device": config.device,
-        "shard_bytes": config.shard_bytes,
-        "zstd_level": config.zstd_level,
-        "memory_bytes": config.memory_bytes,
-        "chunk_tokens": plan.chunk_tokens,
-        "head_window_bytes": plan.head_window_bytes,
-    }
-    return {
-        "format_version": shards.FORMAT_VERSION,
-        "complete": False,
-        "settings": plan.settings,
-        "target": {**head.info.to_json(), "checkpoint_fingerprint": head.fingerprint},
-        "tensors": plan.tensors,
-        "prompts": {"name": config.source, **plan.settings["prompts"]},
-        "run": run,
-    }
+    storage = plan_storage(layer_ids, feature_dtype, config.top_k, info.hidden_size, config.memory_bytes)
+    return ImportPlan(entries, dtype, storage, import_source(config, capture, head, entries))
 
 
 # ---------------------------------------------------------------------------------------------
 # steps 2-4: OUT prepared, samples streamed, manifest finished
-
-
-def prepare_out(config: ImportConfig, head: TargetHead, plan: ImportPlan, manifest: dict) -> None:
-    """extract's prepare_out_dir with the head read from the checkpoint."""
-    if config.overwrite:
-        delete_outputs(config.out)
-    shards.remove_unfinished(config.out)
-    fs, root = shards.open_fs(config.out)
-    fs.create_dir(root, recursive=True)
-    previous = previous_entry(config.out, "target_head")
-    if previous and shards.exists(fs, shards.join(root, shards.TARGET_HEAD_NAME)):
-        manifest["target_head"] = previous
-    else:
-        manifest["target_head"] = shards.save_target_head(config.out, head.embed_tokens, head.lm_head)
-    manifest["tokenizer"] = stored_tokenizer(config.out, head.tokenizer)
-    entries = shards.finished_shard_entries(config.out)
-    manifest.update(shards=entries, totals=totals(entries, plan.raw_bytes_per_token))
-    shards.write_manifest(config.out, manifest)
 
 
 def to_sample(entry: Entry, capture, head: TargetHead, plan: ImportPlan, config: ImportConfig, dataset: str):
@@ -268,10 +193,18 @@ def to_sample(entry: Entry, capture, head: TargetHead, plan: ImportPlan, config:
         raise UserError(f"{entry.path}: token ids outside the target's vocabulary (0..{head.info.vocab_size - 1})")
     refuse_zeros(entry.path, captured.block, [f"captured layer {s}" for s in entry.stated])
     keys, _ = held_sources(entry, capture, head.num_layers)
+    storage = plan.storage
     tensors = sample_tensors(
-        captured, keys, plan.layer_ids, head, plan.feature_dtype, entry.prompt_len, config.top_k, plan.head_window_bytes
+        captured,
+        keys,
+        storage.layer_ids,
+        head,
+        storage.feature_dtype,
+        entry.prompt_len,
+        config.top_k,
+        storage.head_window_bytes,
     )
-    bad = nonfinite_values(tensors, plan.layer_ids, entry.prompt_len)
+    bad = nonfinite_values(tensors, storage.layer_ids, entry.prompt_len)
     if bad is not None:
         return None, {"sample_id": entry.sample_id, "dataset": dataset, **bad}
     prompt_text = head.tokenizer.decode(ids[: entry.prompt_len].tolist())
@@ -281,18 +214,9 @@ def to_sample(entry: Entry, capture, head: TargetHead, plan: ImportPlan, config:
 
 def write_samples(config, capture, head, plan: ImportPlan, dataset: str, progress=None) -> None:
     """Every sample not in a finished shard, loaded one at a time, into this run's shards."""
-    finished = shards.finished_shard_entries(config.out)
-    done = check_entries(finished, {entry.sample_id for entry in plan.entries})
+    ids = {entry.sample_id for entry in plan.entries}
+    writer, done = resume_writer(config.out, 0, plan.storage, ids, config.shard_bytes, config.zstd_level)
     pending = [entry for entry in plan.entries if entry.sample_id not in done]
-    writer = shards.ShardWriter(
-        config.out,
-        0,
-        plan.tensors,
-        shard_bytes=config.shard_bytes,
-        zstd_level=config.zstd_level,
-        first_index=next_shard_index(finished, 0),
-        chunk_tokens=plan.chunk_tokens,
-    )
     total = sum(entry.kept for entry in pending)
     bar = progress(total, "import", unit="tok") if progress is not None else SilentProgress()
     try:
@@ -320,15 +244,16 @@ def run_import(config: ImportConfig, progress=None) -> dict:
     plan = plan_import(config, capture, entries, head)
     head.to(compute_dtype(plan.capture_dtype), config.device)
     dataset = config.dataset or Path(config.source.rstrip("/")).name or config.format
-    lock = local_lock(config.out, str(Path(config.out) / LOCK_NAME), f"import --out {config.out}")
-    with lock or contextlib.nullcontext():
-        existing = check_out_dir(config.out, plan.settings, config.overwrite)
-        if existing is not None and existing.get("complete") and not missing_shards(config.out, existing):
-            return existing  # already done with these settings: touch nothing
-        manifest = new_manifest(plan, config, head)
-        prepare_out(config, head, plan, manifest)
+    with output_lock(config.out, "import") or contextlib.nullcontext():
+        finished = finished_before(config.out, plan.settings, config.overwrite)
+        if finished is not None:
+            return finished  # already done with these settings: touch nothing
+        run = run_facts(1, config.device, config.shard_bytes, config.zstd_level, config.memory_bytes)
+        manifest = new_manifest(plan.source, plan.storage, run)
+        stored_head = lambda: (head.embed_tokens, head.lm_head, None)  # noqa: E731 - read from the checkpoint
+        prepare_out(config.out, manifest, plan.storage, config.overwrite, stored_head, head.tokenizer)
         write_samples(config, capture, head, plan, dataset, progress)
-        finish_manifest(config.out, manifest, plan.entries, plan.raw_bytes_per_token)
+        finish_manifest(config.out, manifest, plan.storage, [entry.sample_id for entry in plan.entries])
     return manifest
 
 

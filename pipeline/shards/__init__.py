@@ -52,7 +52,8 @@ Row schema (one row = one prompt + response):
     greedy: bool (False when the response was given, i.e. teacher-forced)
     input_ids: list<int32>                    prompt + response tokens, N of them
     <tensor>: large_binary (the chunk's planes, row 0)   <tensor>_shape: list<int64>
-Tensors: features [N, n_layers*H]; topk_ids [R+1, k] and topk_logprobs [R+1, k] where row i is
+Tensors: features [N, n_layers*H] (absent when the extract stored no feature layers,
+`--layer-ids none`: the manifest's settings.layer_ids is then []); topk_ids [R+1, k] and topk_logprobs [R+1, k] where row i is
 the target's distribution for the token at position prompt_len + i (R = N - prompt_len);
 argmax_mismatch [R] (uint8, 1 where the stored token is not the full-forward argmax). With fp8 features (lossy, opt-in) features
 are float8_e4m3fn and features_scale [N, n_layers] float32 holds each token's per-layer scale;
@@ -92,6 +93,7 @@ from pipeline.shards.schema import (
     FORMAT_VERSION,
     MANIFEST_NAME,
     READABLE_FORMAT_VERSIONS,
+    RESPONSES_DIR,
     SCALAR_FIELDS,
     SHARD_DIR,
     TARGET_HEAD_NAME,
@@ -123,6 +125,7 @@ __all__ = [
     "FP8_MAX",
     "MANIFEST_NAME",
     "READABLE_FORMAT_VERSIONS",
+    "RESPONSES_DIR",
     "SCALAR_FIELDS",
     "SHARD_DIR",
     "TARGET_HEAD_NAME",

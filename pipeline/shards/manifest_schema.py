@@ -121,7 +121,7 @@ class ExtractSettings(Schema):
 
     format_version: int | None = None
     target: TargetFacts
-    layer_ids: Annotated[list[Count], Field(min_length=1)]
+    layer_ids: list[Count]  # [] from extract --layer-ids none: no features stored, tokens and top-k only
     feature_dtype: StorageDtype | None = None
     top_k: Count
     max_new_tokens: Count | None = None
@@ -147,7 +147,7 @@ class Tokenizer(Schema):
 
 
 class Totals(Schema):
-    """totals: sums over the shard entries (pipeline/extract/outdir.py), read by inspect and score."""
+    """totals: sums over the shard entries (pipeline/outdir/entries.py), read by inspect and score."""
 
     samples: Count = 0
     tokens: Size = 0

@@ -153,8 +153,9 @@ def read_shard(  # 55 lines: the read path's checks (checksum, schema, rows) kep
             yield from samples
 
 
-# what every finished extract or import stores (pipeline/extract/plan.py tensor_dtypes)
-REQUIRED_TENSORS = ("features", "topk_ids", "topk_logprobs")
+# what every finished extract or import stores (pipeline/outdir/storage.py tensor_dtypes), and
+# features unless it stored no feature layers (extract --layer-ids none)
+REQUIRED_TENSORS = ("topk_ids", "topk_logprobs")
 
 
 class ShardSet:
@@ -172,11 +173,24 @@ class ShardSet:
         check_manifest(self.manifest, uri)
         self.tensor_dtypes: dict[str, str] = self.manifest.get("tensors") or {}
 
-    def _check_tensors(self) -> None:
-        """The schema lets a running extract's manifest lack `tensors`; samples need them all."""
-        missing = [name for name in REQUIRED_TENSORS if name not in self.tensor_dtypes]
+    @property
+    def stores_features(self) -> bool:
+        """False only for an extract that stored no feature layers (`--layer-ids none`)."""
+        return (self.manifest.get("settings") or {}).get("layer_ids") != []
+
+    def _check_tensors(self, asked: list[str] | None) -> None:
+        """The schema lets a running extract's manifest lack `tensors`; samples need them all. Features
+        asked of shards that hold none are refused naming the extract that stores them."""
+        required = [*REQUIRED_TENSORS, *(["features"] if self.stores_features else [])]
+        missing = [name for name in required if name not in self.tensor_dtypes]
         if missing:
             raise self._missing(f"tensors.{missing[0]}" if self.tensor_dtypes else "tensors")
+        if not self.stores_features and asked is not None and "features" in asked:
+            raise ShardError(
+                f"{self.uri}: these shards hold no features (extracted with --layer-ids none: tokens and top-k "
+                f"only), and features were asked for; extract with feature layers to store them "
+                f"(`specreplay extract --layer-ids 1,9,17`, or --draft-config DRAFTER)"
+            )
 
     def _missing(self, key: str) -> ShardError:
         path = join(open_fs(self.uri)[1], MANIFEST_NAME)
@@ -207,7 +221,7 @@ class ShardSet:
         compute never waits on zstd (both release the GIL). `pin_memory` (CUDA only) copies
         each sample's tensors into page-locked memory in that thread, so the consumer's
         `.to("cuda", non_blocking=True)` overlaps with compute."""
-        self._check_tensors()
+        self._check_tensors(tensors)
 
         def produce():
             base = 0

@@ -18,6 +18,7 @@ JSON_CHECKSUM_SINCE = 3  # the first format whose manifest and sidecars must car
 MANIFEST_NAME = "manifest.json"
 TARGET_HEAD_NAME = "target_head.safetensors"
 TOKENIZER_DIR = "tokenizer"  # the target tokenizer (save_pretrained), for reports that show text
+RESPONSES_DIR = "responses"  # a serving engine's responses (extract --responses-from), kept for resume
 SHARD_DIR = "shards"
 # Tokens per record batch: longer channel runs compress better, a chunk is held whole while it
 # is written or read (bench/README.md "Feature codecs" compares chunk sizes).

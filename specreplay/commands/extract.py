@@ -95,7 +95,12 @@ def check_paths(config: ExtractConfig) -> None:
     show_default=True,
     help="Tokens generated per prompt (greedy, or sampled with --temperature).",
 )
-@click.option("--layer-ids", default=None, help="Feature layers, e.g. 1,9,17 (id i = output of decoder layer i).")
+@click.option(
+    "--layer-ids",
+    default=None,
+    help="Feature layers, e.g. 1,9,17 (id i = output of decoder layer i); `none`: no feature layers, the "
+    "shards hold tokens and top-k only (for proposers that read no hidden states, e.g. n-gram lookup).",
+)
 @click.option(
     "--draft-config",
     multiple=True,
@@ -283,7 +288,7 @@ def extract(**options):
 
     options.update(
         out=options["out"] or default_out(options["model"], options["prompts"]),
-        layer_ids=None if options["layer_ids"] is None else parse_layer_ids(options["layer_ids"]),
+        layer_ids=None if options["layer_ids"] is None else parse_layer_ids(options["layer_ids"], allow_none=True),
         shard_bytes=parse_size(options["shard_bytes"], "--shard-bytes"),
         memory_bytes=parse_size(options["memory_bytes"], "--memory-budget"),
         responses_from=list(options["responses_from"]) or None,

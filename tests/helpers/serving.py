@@ -12,7 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from tools.llama_server import LlamaServer, free_port
 
-__all__ = ["FakeServer", "LlamaServer", "Proxy", "free_port"]
+__all__ = ["FakeServer", "LlamaServer", "Proxy", "free_port", "llamacpp_like"]
 
 
 class Proxy:
@@ -132,3 +132,20 @@ class FakeServer:
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+
+def llamacpp_like(tokenizer, shift: int = 0, owned_by: str = "llamacpp", n_vocab: int | None = None, completion=None):
+    """FakeServer routes of a llama.cpp server: GET /v1/models (model "smol", meta.n_vocab: `n_vocab`
+    or the tokenizer's size), POST /tokenize by `tokenizer` (each id + `shift`), and POST /completion
+    answered by `completion(body)` -> (status, bytes) when given."""
+
+    def tokenize(body):
+        ids = tokenizer(json.loads(body)["content"], add_special_tokens=False).input_ids
+        return 200, json.dumps({"tokens": [t + shift for t in ids]}).encode()
+
+    meta = {"n_vocab": n_vocab or len(tokenizer)}
+    models = json.dumps({"data": [{"id": "smol", "owned_by": owned_by, "meta": meta}]}).encode()
+    routes = {("GET", "/v1/models"): lambda body: (200, models), ("POST", "/tokenize"): tokenize}
+    if completion is not None:
+        routes[("POST", "/completion")] = completion
+    return routes

@@ -26,8 +26,6 @@ from pipeline import shards
 from pipeline.common.schema import ClosedSchema, Count, validate
 from pipeline.extract.engines.dialect import Request
 
-RESPONSES_DIR = "responses"
-
 
 class StoredResponse(ClosedSchema):
     sample_id: Annotated[str, Field(min_length=1)]
@@ -60,7 +58,7 @@ class ResponseStore:
 
     def __init__(self, out: str, rank: int, flush_every: int = 64, flush_seconds: float = 10.0):
         self.fs, root = shards.open_fs(out)
-        self.dir = shards.join(root, RESPONSES_DIR)
+        self.dir = shards.join(root, shards.RESPONSES_DIR)
         self.fs.create_dir(self.dir, recursive=True)
         self.rank, self.flush_every, self.flush_seconds = rank, flush_every, flush_seconds
         self.known: dict[tuple[str, str], StoredResponse] = {}

@@ -21,7 +21,7 @@ from pipeline.extract.engines.probe import connect
 from pipeline.extract.engines.sglang import Sglang
 from pipeline.extract.engines.vllm import Vllm
 from tests.helpers.models import make_tokenizer
-from tests.helpers.serving import FakeServer, free_port
+from tests.helpers.serving import FakeServer, free_port, llamacpp_like
 
 FAST = Retry(timeout=5, retries=2, backoff=0.01)
 
@@ -86,18 +86,6 @@ def test_a_4xx_quotes_the_server_and_is_not_retried(fake):
 @pytest.fixture(scope="module")
 def tokenizer():
     return make_tokenizer()
-
-
-def llamacpp_like(tokenizer, shift: int = 0, owned_by: str = "llamacpp", n_vocab: int | None = None):
-    def tokenize(body):
-        ids = tokenizer(json.loads(body)["content"], add_special_tokens=False).input_ids
-        return 200, json.dumps({"tokens": [t + shift for t in ids]}).encode()
-
-    meta = {"n_vocab": n_vocab or len(tokenizer)}
-    return {
-        ("GET", "/v1/models"): ok({"data": [{"id": "smol", "owned_by": owned_by, "meta": meta}]}),
-        ("POST", "/tokenize"): tokenize,
-    }
 
 
 def test_connect_names_engine_and_model(fake, tokenizer):

@@ -253,7 +253,7 @@ def test_feature_dtype_fp8(tiny_qwen3_dir, prompts_file, tmp_path):
 
 def test_memory_budget_sets_chunk_and_window(tiny_qwen3_dir, prompts_file, tmp_path):
     """A smaller --memory-budget gives chunks of fewer tokens (more record batches), same samples."""
-    from pipeline.extract.plan import split_memory_budget
+    from pipeline.outdir.storage import split_memory_budget
 
     window, tokens = split_memory_budget(2 << 30, 5 * 5120 * 2)
     assert window == 1 << 30 and tokens == min(4096, (1 << 30) // (3 * 5 * 5120 * 2))
