@@ -74,5 +74,7 @@ def parse_drafter_config(
 
 
 def build_drafter(config: DrafterConfig):
-    """The family's model for `config`, weights not loaded (proposers/checkpoints/load.py loads them)."""
-    return family(config.family).model(config)
+    """The family's model for `config`, weights not loaded (proposers/checkpoints/load.py loads them);
+    None for a family without weights."""
+    model = family(config.family).model
+    return None if model is None else model(config)

@@ -6,8 +6,9 @@ are the families' own (proposers/<family>/layout.py, listed by proposers/registr
 
 Detection, in this order (docs/drafter-families.md#detection): `speculators_model_type`
 (speculators exports may carry z-lab's own `"architectures": ["DFlashDraftModel"]` with another
-layout and another layer convention, so the architecture alone misleads), then a target's own
-`model_type` (its native MTP head), then `architectures`, then the keys of `dflash_config`. Two of
+layout and another layer convention, so the architecture alone misleads), then an engine's
+speculative `method` (vLLM's `speculative_config`, for proposers without weights), then a target's
+own `model_type` (its native MTP head), then `architectures`, then the keys of `dflash_config`. Two of
 these are assumptions, said in `Detected.assumed`: a config without `architectures` is read as
 z-lab's DFlash, and a Qwen3.5 / Qwen3-Next target config as its native MTP head. `score --family
 NAME[:LAYOUT]` (an `Override`) replaces detection by the family's own layouts.
@@ -58,12 +59,14 @@ class Detected:
     assumed: str | None = None
 
 
-def _tables(classes: list[type]) -> tuple[dict, dict, dict]:
-    """(speculators_model_type, model_type, architecture) -> layout class, over `classes`."""
+def _tables(classes: list[type]) -> tuple[dict, dict, dict, dict]:
+    """(speculators_model_type, an engine's speculative `method`, model_type, architecture) -> layout
+    class, over `classes`: each layout declares how it is recognised."""
     speculators = {c.FAMILY: c for c in classes if issubclass(c, SpeculatorsFormat)}
+    methods = {m: c for c in classes for m in vars(c).get("METHODS", ())}
     model_types = {t: c for c in classes for t in vars(c).get("MODEL_TYPES", ())}
     architectures = {a: c for c in classes for a in vars(c).get("ARCHITECTURES", ())}
-    return speculators, model_types, architectures
+    return speculators, methods, model_types, architectures
 
 
 def detect_layout(raw: dict, source: str, override: Override | None = None) -> Detected:
@@ -72,10 +75,12 @@ def detect_layout(raw: dict, source: str, override: Override | None = None) -> D
     classes = layout_classes([override.family] if override else FAMILY_NAMES)
     if override and override.layout:
         classes = [c for c in classes if c.LAYOUT == override.layout]
-    speculators, model_types, architectures = _tables(classes)
+    speculators, methods, model_types, architectures = _tables(classes)
     kind = raw.get("speculators_model_type")
     if kind is not None or (override and override.layout == "speculators"):
         return Detected(_speculators_layout(kind, speculators, source, override))
+    if "method" in raw and (methods or not override):  # an engine's speculative config: a proposer with no weights
+        return Detected(_method_layout(raw["method"], methods, source))
     if raw.get("model_type") in model_types:
         return Detected(model_types[raw["model_type"]], _assumed_native(raw, override))
     return _by_architecture(raw, source, classes, architectures, override)
@@ -89,6 +94,12 @@ def _speculators_layout(kind, speculators: dict, source: str, override: Override
             f"{source}: field 'speculators_model_type' is {found(kind)}; expected one of {sorted(speculators)}"
         )
     return speculators[kind]
+
+
+def _method_layout(method, methods: dict, source: str) -> type:
+    if not isinstance(method, str) or method not in methods:
+        raise SchemaError(f"{source}: field 'method' is {found(method)}; expected one of {sorted(methods)}")
+    return methods[method]
 
 
 def _assumed_native(raw: dict, override: Override | None) -> str | None:

@@ -1,12 +1,12 @@
 """The one place proposer families are registered: a folder of proposers/ per family, listed here.
 
-A family's folder holds (proposers/README.md: what each file does, and how to add one):
+A family's folder holds (docs/proposers.md: what each file does, and how to add one):
 
     __init__.py   what the family is, torch-free
     layout.py     its config.json layouts, declared (torch-free: stage 1 reads feature layers through
                   them): `LABEL`, `LAYOUTS`
     config.py     a validated layout -> the config its model is built from; `FAMILY`, its record below
-    model.py      its network
+    model.py      its network (a trained drafter), or proposer.py (one that loads no weights)
     tree.py       its own tree proposals, when it drafts trees (EAGLE-3)
 
 Torch-free: this module and the layout modules load without torch (stage 1, results, report);
@@ -39,9 +39,11 @@ class Family:
     """What the rest of the project knows of a family (its config.py's `FAMILY`)."""
 
     name: str  # its folder, the registry's key
-    # (validated layout, raw config, source, the target's layer count or None) -> the model's config
+    # (validated layout, raw config, source, the target's layer count or None) -> its config
     parse_config: Callable[[Any, dict, str, int | None], Any]
-    model: Callable[[Any], Any]  # the network for a parsed config, weights not loaded
+    model: Callable[[Any], Any] | None  # the network for a parsed config, weights not loaded; None: it has none
+    # a family without weights: its proposer built from the config alone (its checkpoint is a JSON file)
+    proposer: Callable[[Any], Any] | None = None
     # DDTree scores prefixes by per-position marginals: exact only for drafts that are independent
     # given the block (DFlash); a selector or Markov head makes each draft depend on the last
     independent_drafts: bool = True

@@ -221,12 +221,19 @@ def _read_config(config_file: str, target_layers: int | None = None, override: O
     return parse_config(config_raw, config_file, target_layers, override), config_raw
 
 
+def is_config_only(path: str) -> bool:
+    """A proposer that loads no weights is given as its config file alone (`--ckpt ngram.json`)."""
+    return path.endswith(".json") and os.path.isfile(path)
+
+
 def read_drafter_config(
     path: str, config_path: str | None = None, target_layers: int | None = None, override: Override | None = None
 ) -> DrafterConfig:
     """The checkpoint's parsed config without reading any weights, so `check_compatibility`
     can reject a drafter before gigabytes of weights are loaded. A partly written checkpoint is
     refused here already (checkpoint_problem reads headers only)."""
+    if is_config_only(path):
+        return _read_config(path, target_layers, override)[0].config
     check_checkpoint(path, config_path)
     _, config_file = resolve_checkpoint_files(path, config_path)
     return _read_config(config_file, target_layers, override)[0].config
@@ -299,6 +306,25 @@ def _load_weights(config: DrafterConfig, weight_files: list[str], config_file: s
 
 
 def load_proposer(path: str, dtype=torch.float32, device="cpu", target_layers=None, override=None):
-    """(the checkpoint's drafter behind the proposer interface, its CheckpointInfo): load_drafter's."""
-    drafter, info = load_drafter(path, dtype, device, target_layers=target_layers, override=override)
-    return neural_proposer(drafter), info
+    """(the checkpoint behind the proposer interface, its CheckpointInfo): a drafter's weights loaded
+    (load_drafter), or the proposer of a family without weights built from its config file."""
+    if not is_config_only(path):
+        drafter, info = load_drafter(path, dtype, device, target_layers=target_layers, override=override)
+        return neural_proposer(drafter), info
+    parsed, config_raw = _read_config(path, target_layers, override)
+    if parsed.family.proposer is None:
+        raise CheckpointError(
+            f"{path}: a {parsed.family.label} drafter needs its weights: pass its checkpoint directory (config.json "
+            f"and weights), not its config alone"
+        )
+    info = CheckpointInfo(
+        path=os.path.abspath(path),
+        content_hash=tensors_hash({}, config_raw),
+        config=parsed.config,
+        config_raw=config_raw,
+        step=None,
+        name=display_name(path),
+        config_file=os.path.abspath(path),
+        assumed=parsed.assumed,
+    )
+    return parsed.family.proposer(parsed.config), info

@@ -39,7 +39,6 @@ from scoring.score.outcome import Outcome, Status
 from scoring.score.outputs import NonFiniteLogitsError, remove_dead_staging, results_lock, skipped, write_results
 from scoring.score.record import run_facts, run_record
 from scoring.score.steps import (
-    SAMPLE_TENSORS,
     Job,
     family_override,
     identity_of,
@@ -47,6 +46,7 @@ from scoring.score.steps import (
     replay_group,
     resolve_device_dtype,
     sample_groups,
+    sample_tensors,
 )
 
 # A checkpoint's own problem (truncated, incompatible, locked, results of other settings in the
@@ -97,7 +97,8 @@ def weight_bytes(ckpt: str, dtype: torch.dtype, override=None) -> int:
     try:
         config = read_drafter_config(ckpt, override=override)
         with torch.device("meta"):  # shapes without memory
-            params = sum(p.numel() for p in build_drafter(config).parameters())
+            model = build_drafter(config)
+        params = 0 if model is None else sum(p.numel() for p in model.parameters())
     except FAILURES:
         return 0
     return params * torch.empty((), dtype=dtype).element_size()
@@ -209,9 +210,8 @@ def replay_groups(live: list[Lane], shardset: ShardSet, head: TargetHead, config
     drafter still live. The selection is every checkpoint's: it depends on the shards and the
     config only."""
     mine, device = live[0].job.mine, live[0].job.options.device
-    samples = shardset.samples(
-        tensors=SAMPLE_TENSORS, keep=set(mine).__contains__, pin_memory=device.startswith("cuda")
-    )
+    tensors = sample_tensors([lane.job.proposer for lane in live])
+    samples = shardset.samples(tensors=tensors, keep=set(mine).__contains__, pin_memory=device.startswith("cuda"))
     started = time.time()
     # the loop variable is rebound before the next group's replay: this group's tensors die first
     for group in sample_groups(zip(mine, samples), config.anchors, config.walk_group_tokens):

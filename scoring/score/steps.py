@@ -35,6 +35,13 @@ from scoring.score.selection import Selection, sample_index, select_samples, sel
 SAMPLE_TENSORS = ["features", "topk_ids", "topk_logprobs", "argmax_mismatch", "sample_logprob"]
 
 
+def sample_tensors(proposers) -> list[str]:
+    """What the replay reads of each sample for `proposers`: the features only when one reads feature
+    layers (shards extracted with --layer-ids none hold none, and serve proposers that read tokens)."""
+    features = any(p.needs.feature_layers for p in proposers)
+    return [name for name in SAMPLE_TENSORS if features or name != "features"]
+
+
 def resolve_device_dtype(device: str, dtype: str, dist: Dist | None = None) -> tuple[str, torch.dtype]:
     """GPU if present, else CPU; dtype "auto" = fp32 on CPU and bf16 on GPU."""
     device = resolve_device(None if device == "auto" else device, dist or Dist())
@@ -81,7 +88,8 @@ def prepare_job(ckpt: str, shardset: ShardSet, out_dir: str, config: ScoreConfig
     layers = target_layers(manifest)
     override = family_override(config.family)
     drafter_config = read_drafter_config(ckpt, target_layers=layers, override=override)
-    check_compatibility(drafter_config, manifest, ckpt, shardset.uri)  # before any weight
+    if family(drafter_config.family).model is not None:  # a drafter's fit to the shards, before any weight
+        check_compatibility(drafter_config, manifest, ckpt, shardset.uri)
     with timing.stage("load drafter"):
         proposer, info = load_proposer(ckpt, dtype, device, target_layers=layers, override=override)
     set_chain_steps(config.steps, info.config, ckpt)

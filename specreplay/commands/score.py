@@ -9,6 +9,7 @@ import click
 
 from pipeline.common.errors import UserError
 from pipeline.common.sizes import format_size, parse_size
+from proposers.registry import FAMILY_NAMES, LAYOUT_LABELS
 from scoring.config import DEFAULT_EAGLE_TREES, ScoreConfig
 from scoring.score.outcome import Status
 from specreplay.commands.defaults import default
@@ -71,9 +72,8 @@ def d(name: str):
     "--family",
     default=None,
     metavar="NAME[:LAYOUT]",
-    help="Read every checkpoint's config as this family's (dflash, dflash2, dspark, eagle3, mtp), and "
-    "optionally this layout's (z-lab, speculators, specforge, deepspec, native), instead of detecting it "
-    "(detection says when it assumed one).",
+    help=f"Read every checkpoint's config as this family's ({', '.join(FAMILY_NAMES)}), and optionally this "
+    f"layout's ({', '.join(LAYOUT_LABELS)}), instead of detecting it (detection says when it assumed one).",
 )
 @click.option(
     "--steps",
