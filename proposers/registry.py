@@ -22,7 +22,7 @@ from types import ModuleType
 from typing import Any
 
 # Every family, by its folder under proposers/ (results' drafter_family values; `score --family`)
-FAMILY_NAMES = ("dflash", "dflash2", "dspark", "eagle3", "mtp")
+FAMILY_NAMES = ("dflash", "dflash2", "dspark", "eagle3", "mtp", "ngram")
 
 # Whose config layout a drafter was read from, as messages and the headline name them
 LAYOUT_LABELS = {
@@ -31,6 +31,7 @@ LAYOUT_LABELS = {
     "specforge": "SpecForge",
     "deepspec": "DeepSpec",
     "native": "the target's own",
+    "vllm": "vLLM's",
 }
 
 

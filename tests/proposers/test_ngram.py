@@ -1,0 +1,185 @@
+"""vLLM's n-gram proposer (proposers/ngram/): its lookup rule on hand-built token sequences, each case
+written from vLLM's v1/spec_decode/ngram_proposer.py rule and chosen so that a plausible wrong rule
+fails it (the later occurrence, an uncapped match length, no minimum, drafts past the tokens seen);
+its config refused by name where vLLM would refuse or ignore it; and the whole path a proposer
+without hidden states takes: shards extracted with `--layer-ids none`, `score --ckpt ngram.json`, and
+walks equal to an online loop in which the tiny target itself verifies the proposer's drafts."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import polars as pl
+import pytest
+import torch
+from click.testing import CliRunner
+
+from proposers.detect import parse_config
+from proposers.ngram.proposer import lookup_drafts
+from proposers.toolkit.config import DrafterConfigError
+from specreplay.cli import main
+from tests.helpers import chain_parity as parity
+from tests.helpers.prompts import write_prompts
+
+
+def drafts(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
+    """The proposer's drafts after `tokens` (the anchor is the last of them)."""
+    ids = np.array(tokens, dtype=np.int64)
+    out, counts = np.full((1, k), -1, dtype=np.int64), np.zeros(1, dtype=np.int64)
+    lookup_drafts(ids, np.array([0]), np.array([len(tokens) - 1]), min_n, max_n, k, out, counts)
+    return out[0, : counts[0]].tolist()
+
+
+# (tokens, min_n, max_n, k, expected, what a wrong rule would give instead)
+CASES = {
+    # suffix [7, 8]: [7, 8] occurs at 0 and at 4 (followed by 9 and 5); the earliest wins
+    "earliest occurrence wins a tie": ([7, 8, 9, 1, 7, 8, 5, 2, 7, 8], 1, 3, 2, [9, 1], "later: [5, 2]"),
+    # suffix [3, 7, 8]: [7, 8] at 0 is only 2 long, [3, 7, 8] at 5 is 3 long: the longer wins
+    "the longest match wins": ([7, 8, 9, 1, 2, 3, 7, 8, 4, 0, 3, 7, 8], 1, 3, 2, [4, 0], "earliest: [9, 1]"),
+    # capped at max_n 2: both occurrences match 2 tokens, so the earliest wins though the later one is longer
+    "match lengths are capped at max_n": ([6, 7, 8, 9, 1, 3, 7, 8, 4, 0, 3, 7, 8], 1, 2, 2, [9, 1], "uncapped: [4, 0]"),
+    # the only match is 1 token long: below min_n 2, nothing is proposed
+    "shorter than min_n proposes nothing": ([5, 9, 1, 2, 9], 2, 3, 3, [], "no minimum: [1, 2, 9]"),
+    # [1, 1] matches overlapping the suffix itself; the drafts stop at the last token seen
+    "drafts stop at the tokens seen": ([4, 1, 1, 1], 1, 3, 4, [1], "past the end: [1, ?, ...]"),
+    "no earlier occurrence proposes nothing": ([1, 2, 3, 4], 1, 3, 3, [], "any: [...]"),
+    "fewer tokens than min_n propose nothing": ([2], 2, 3, 3, [], "-"),
+}
+
+
+@pytest.mark.parametrize("case", CASES, ids=list(CASES))
+def test_the_lookup_is_vllms_rule(case):
+    tokens, min_n, max_n, k, expected, _ = CASES[case]
+    assert drafts(tokens, min_n, max_n, k) == expected
+
+
+def test_a_batch_of_anchors_looks_up_each_one_in_its_own_sample():
+    a, b = CASES["earliest occurrence wins a tie"][0], CASES["the longest match wins"][0]
+    ids = np.array(a + b, dtype=np.int64)
+    starts, anchors = np.array([0, len(a), len(a)]), np.array([len(a) - 1, len(b) - 1, 1])
+    out, counts = np.full((3, 2), -1, dtype=np.int64), np.zeros(3, dtype=np.int64)
+    lookup_drafts(ids, starts, anchors, 1, 3, 2, out, counts)
+    assert [out[i, : counts[i]].tolist() for i in range(3)] == [[9, 1], [4, 0], []]  # b[:2] = [7, 8]: no repeat
+
+
+# --------------------------------------------------------------------------------------------- config
+
+
+def test_config_resolves_vllms_defaults():
+    def lookup(**fields) -> tuple[int, int, int]:
+        config = parse_config({"method": "ngram", "num_speculative_tokens": 4, **fields}, "ngram.json").config
+        return config.min_n, config.max_n, config.block_size
+
+    assert lookup() == (5, 5, 4)  # vLLM: both 5 when neither is given
+    assert lookup(prompt_lookup_max=3) == (3, 3, 4) and lookup(prompt_lookup_min=2) == (2, 2, 4)
+    assert lookup(prompt_lookup_min=1, prompt_lookup_max=4) == (1, 4, 4)
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"prompt_lookup_min": 4, "prompt_lookup_max": 2}, "prompt_lookup_min 4 exceeds prompt_lookup_max 2"),
+        ({"prompt_lookup_max": 3, "max_model_len": 100}, "unknown field 'max_model_len'"),
+        ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
+    ],
+)
+def test_a_config_vllm_would_not_run_as_given_is_refused_by_name(fields, message):
+    with pytest.raises(DrafterConfigError, match=message) as error:
+        parse_config({"method": "ngram", "num_speculative_tokens": 4, **fields}, "ngram.json")
+    assert str(error.value).startswith("ngram.json: ") and "\n" not in str(error.value)
+
+
+# --------------------------------------------------------------------------------------------- end to end
+
+MAX_NEW, K = 48, 3
+LOOKUP = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+
+
+def cycling_target(model_dir: str, out) -> str:
+    """The tiny target with its layers' outputs zeroed and its lm_head row perm[x] set to the final
+    norm of x's embedding: its greedy next token is perm[x] of the current token x, and perm is made
+    of short cycles (lengths 5 to 9), so a response repeats itself and the lookup finds matches; the
+    random tiny target's responses rarely do, which exercises the rejections."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.helpers.models import IM_END_ID, save_target
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    vocab, order = (
+        model.config.vocab_size,
+        torch.randperm(model.config.vocab_size, generator=torch.Generator().manual_seed(3)),
+    )
+    order = order[order != IM_END_ID]  # the stop token stays out of the cycles: the budget ends the responses
+    perm, begin, lengths = torch.arange(vocab), 0, [5, 6, 7, 8, 9]
+    while begin < order.numel():
+        cycle = order[begin : begin + lengths[begin % 5]]
+        perm[cycle] = cycle.roll(-1)
+        begin += cycle.numel()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        model.lm_head.weight[perm] = model.model.norm(model.model.embed_tokens.weight)
+    return save_target(model, out)
+
+
+@pytest.fixture(scope="module", params=["random", "cycling"])
+def scored(request, tiny_qwen3_dir, tmp_path_factory):
+    """(the target, shards without feature layers, the n-gram results directory), for the random tiny
+    target and for its cycling twin."""
+    from transformers import AutoModelForCausalLM
+
+    tmp = tmp_path_factory.mktemp(f"ngram_{request.param}")
+    model_dir = tiny_qwen3_dir if request.param == "random" else cycling_target(tiny_qwen3_dir, tmp / "target")
+    prompts = [ids + ids[:4] for ids in parity.prompt_ids(4)]  # a repeat in the prompt: a first match
+    path = write_prompts(tmp / "prompts.jsonl", [{"id": f"p{i}", "input_ids": p} for i, p in enumerate(prompts)])
+    shards = parity.extract(tmp / "shards", model_dir, path, MAX_NEW, [])
+    config = tmp / "ngram.json"
+    config.write_text(json.dumps(LOOKUP))
+    run = CliRunner().invoke(main, ["score", "--ckpt", str(config), "--shards", shards, "--out", str(tmp / "out")])
+    assert run.exit_code == 0, run.output
+    target = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return request.param, target, shards, tmp / "out" / f"{tmp.name}_ngram"
+
+
+@torch.no_grad()
+def online_walk(target, prompt: list[int], max_new: int, stop_ids: list[int]) -> tuple[list[int], list[int]]:
+    """(the response, tokens produced per step) of the online loop vLLM runs: the proposer's drafts
+    after the tokens so far, verified by the target's own greedy forward; each step appends the
+    accepted drafts and the target's token, cut after a stop token or at max_new tokens."""
+    ids = list(prompt) + [int(target(torch.tensor([prompt])).logits[0, -1].argmax())]  # prefill
+    produced = []
+    while len(ids) - len(prompt) < max_new and ids[-1] not in stop_ids:
+        proposal = drafts(ids, LOOKUP["prompt_lookup_min"], LOOKUP["prompt_lookup_max"], K)
+        greedy = target(torch.tensor([ids + proposal])).logits[0, len(ids) - 1 :].argmax(-1).tolist()
+        n = next((j for j, (d, g) in enumerate(zip(proposal, greedy)) if d != g), len(proposal))
+        step = (proposal[:n] + [greedy[n]])[: max_new - (len(ids) - len(prompt))]
+        step = step[: next((i + 1 for i, t in enumerate(step) if t in stop_ids), len(step))]
+        ids += step
+        produced.append(len(step))
+    return ids[len(prompt) :], produced
+
+
+@pytest.mark.slow
+def test_walks_on_shards_without_features_equal_the_online_loop(scored):
+    from pipeline.shards import ShardSet
+
+    kind, target, shards, results = scored
+    walk = pl.read_parquet(results / "walk.parquet")
+    assert set(walk["method"]) == {"chain"}  # no distribution: no DDTree
+    shardset = ShardSet(shards)
+    stop_ids = shardset.settings["target"]["stop_token_ids"]
+    samples = list(shardset.samples(tensors=[]))
+    for sample in samples:
+        prompt = sample.input_ids[: sample.prompt_len].tolist()
+        response, produced = online_walk(target, prompt, MAX_NEW, stop_ids)
+        assert response == sample.input_ids[sample.prompt_len :].tolist(), sample.sample_id
+        offline = walk.filter(pl.col("sample_id") == sample.sample_id).sort("step")
+        assert offline["produced"].to_list() == produced, sample.sample_id
+    accepted = walk["accepted_len"].to_list()
+    print(
+        f"n-gram walks equal ({kind} target): {len(samples)} samples, {len(accepted)} steps, {sum(accepted)} accepted"
+    )
+    assert len(samples) == 4 and 0 in accepted, accepted  # rejections, and (cycling) whole chains accepted
+    assert sum(accepted) >= 3 and (kind == "random" or K in accepted), accepted
