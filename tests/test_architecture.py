@@ -243,3 +243,11 @@ def test_the_limit_checker_finds_a_long_function_and_takes_a_reason():
     assert long_functions(f"def f():\n{body}\n") == [("f", MAX_FUNCTION_LINES + 1)]
     assert long_functions(f"def f():  # 61 lines: a table\n{body}\n") == []
     assert long_functions("def g():\n    return 1\n") == []
+
+
+def test_every_product_folder_is_a_package():
+    """A folder without __init__.py is a namespace package: it imports from the checkout, but
+    setuptools' find (pyproject.toml) leaves it out of an install, where the console script fails."""
+    folders = {path.parent for path in product_modules().values()}
+    missing = sorted(str(f.relative_to(ROOT)) for f in folders if not (f / "__init__.py").exists())
+    assert not missing, missing

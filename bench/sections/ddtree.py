@@ -40,27 +40,25 @@ def drafter_logits(ckpt: str, shard_dir: str, anchors: int) -> tuple[torch.Tenso
     """(logits [a, L, V], targets [a, L], known [a, L]) of the first `anchors` full blocks of the
     shards' samples, through the scorer's own replay steps."""
     from pipeline.shards import ShardSet
-    from proposers.checkpoints.load import load_drafter
-    from scoring.replay.chunk import chunk_logits
+    from proposers.checkpoints.load import load_proposer
+    from proposers.interface import Chunk
     from scoring.replay.packing import ReplayOptions, pack_samples, prepare_target_head, select_feature_columns
     from scoring.score.steps import SAMPLE_TENSORS
 
     shardset = ShardSet(shard_dir)
     head = prepare_target_head(shardset.target_head(), "cpu", torch.float32)
-    drafter, info = load_drafter(ckpt, dtype=torch.float32, device="cpu")
+    proposer, info = load_proposer(ckpt, dtype=torch.float32, device="cpu")
     stored, block = shardset.settings["layer_ids"], info.config.block_size
-    options, parts = ReplayOptions(max_tree_nodes=0), []
+    options, parts = ReplayOptions(methods={}), []
     for sample in shardset.samples(tensors=SAMPLE_TENSORS):
-        packed = pack_samples(
-            drafter, [sample], lambda f: select_feature_columns(f, stored, info.config.target_layer_ids), options
-        )
+        columns = lambda f: select_feature_columns(f, stored, info.config.target_layer_ids)  # noqa: E731
+        packed = pack_samples(proposer, [sample], columns, options, head)
         starts = torch.arange(sample.prompt_len, sample.input_ids.numel() - block)[
             : anchors - sum(len(p[0]) for p in parts)
         ]
         with torch.no_grad():
-            logits = chunk_logits(
-                drafter, head["embed_tokens"], head["lm_head"], packed, torch.zeros_like(starts), starts, block, options
-            )
+            [drafts] = proposer.propose(packed, [Chunk(torch.zeros_like(starts), starts, block)], head, options)
+            logits = drafts.logits
         targets = sample.input_ids[starts[:, None] + torch.arange(1, block)[None]]  # [a, L]: all known
         parts.append((logits, targets))
         if sum(len(p[0]) for p in parts) >= anchors:

@@ -7,7 +7,7 @@ once per CPU attention backend, side by side: "dense" (explicit masked scores ov
 context key, the reference path: before) and "blockwise" (context keys in chunks with a
 running softmax, what `--attention auto` runs on CPU: after); each length runs both, one after
 the other. Per sample the product's two replay steps are called and timed apart: the context pass
-(`scoring.replay.anchors.pack_samples`) and the anchor chunks (`replay_anchors`); the checkpoint load and
+(`scoring.replay.packing.pack_samples`) and the anchor chunks (`replay_anchors`); the checkpoint load and
 shard decoding are outside. The time inside the drafter's attention, masks, other layer work and
 the lm_head comes from the product's stage events. A sample with more than 4 x 512 anchors
 replays 4 windows of 512 contiguous anchors centred at 1/8, 3/8, 5/8 and 7/8 of its anchors and
@@ -73,7 +73,7 @@ def sample_flops(cfg, vocab: int, length: int) -> dict:
     return replay_flops(drafter_shape(cfg, vocab), total, anchors, blocks)
 
 
-def replay_length(sample, length, drafter, embed, lm_head, columns, options, windows, width, vocab) -> dict:
+def replay_length(sample, length, proposer, head, columns, options, windows, width, vocab) -> dict:
     """One sample replayed in the product's two steps, each timed; the anchor step over
     `anchor_windows` when the sample has more anchors."""
     from pipeline.common import timing
@@ -84,19 +84,19 @@ def replay_length(sample, length, drafter, embed, lm_head, columns, options, win
     reset_peak()
     before = current_rss()
     start = began = time.perf_counter()
-    result = empty_anchor_tensors(sample, length, drafter.config)
-    packed = pack_samples(drafter, [sample], columns, options)
+    result = empty_anchor_tensors(sample, length, proposer, options.methods)
+    packed = pack_samples(proposer, [sample], columns, options, head)
     context_s = time.perf_counter() - start
     count = result.anchors.numel()
     rows = anchor_windows(count, windows, width)
     start = time.perf_counter()
     with timing.recording(clock):
-        replay_anchors(drafter, embed, lm_head, packed, [result], [(0, r) for r in rows], options)
+        replay_anchors(proposer, head, packed, [result], [(0, r) for r in rows], options)
     replay_s = time.perf_counter() - start
     peak = peak_rss()
     scale = count / len(rows)
     seconds = context_s + replay_s * scale
-    flops = sample_flops(drafter.config, vocab, length)
+    flops = sample_flops(proposer.config, vocab, length)
     parts = {"context pass": context_s}
     for name in PARTS:  # each stage's own time (nested stages subtracted), None when not marked
         own = clock.get(name, own=True)
@@ -176,7 +176,7 @@ def run(ctx) -> tuple[dict, Rows]:
     from pipeline.common.dtypes import resolve_dtype
     from pipeline.common.layer_ids import build_target_layer_ids
     from pipeline.shards import ShardSet
-    from proposers.checkpoints.load import load_drafter
+    from proposers.checkpoints.load import load_proposer
     from proposers.detect import parse_drafter_config
     from proposers.dflash.model import DFlashDrafter
     from scoring.fit import new_drafter_config, save_drafter
@@ -220,11 +220,10 @@ def run(ctx) -> tuple[dict, Rows]:
         ckpt = save_drafter(DFlashDrafter(parse_drafter_config(raw, "bench drafter")), str(work / "drafter"))
         device = resolve_device(None, Dist())  # what `specreplay score --device auto --dtype auto` picks
         dtype = resolve_dtype("auto", device)
-        drafter, info = load_drafter(ckpt, dtype=dtype, device=device)
+        proposer, info = load_proposer(ckpt, dtype=dtype, device=device)
         head = prepare_target_head(shardset.target_head(), device, dtype)
-        embed, lm_head = head["embed_tokens"], head["lm_head"]
         options = {  # chain only
-            name: ReplayOptions(max_tree_nodes=0, dtype=dtype, device=device, attention=name) for name in BACKENDS
+            name: ReplayOptions(methods={}, dtype=dtype, device=device, attention=name) for name in BACKENDS
         }
         budget = options["dense"].memory_bytes
         result.update(device=device, dtype=str(dtype).removeprefix("torch."), memory_budget=budget)
@@ -232,11 +231,11 @@ def run(ctx) -> tuple[dict, Rows]:
         samples = {s.response_len: s for s in shardset.samples(prefetch=0)}
         log(f"length: all-anchor chain replay, {result['dtype']}, block {BLOCK_SIZE}, 1-layer drafter, {BACKENDS} ...")
         for name in BACKENDS:  # warm-up
-            replay_sample(drafter, embed, lm_head, samples[warmup], columns, warmup, options[name])
+            replay_sample(proposer, head, samples[warmup], columns, warmup, options[name])
         for length in lengths:  # both backends at each length, so that drift in load hits both
             for name in BACKENDS:
                 result["backends"][name]["per_length"][str(length)] = replay_length(
-                    samples[length], length, drafter, embed, lm_head, columns, options[name], windows, width, vocab
+                    samples[length], length, proposer, head, columns, options[name], windows, width, vocab
                 )
         result["flop_fits"] = fits(result["backends"]["dense"]["per_length"], lengths, "gflop")
         result["flop_exponent"] = result["flop_fits"]["fit_all"]["b"]

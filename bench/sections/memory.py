@@ -267,7 +267,6 @@ def child_score(payload: dict) -> dict:
     from pipeline.shards import ShardSet
     from scoring.config import ScoreConfig
     from scoring.replay.anchors import empty_anchor_tensors, replay_anchors
-    from scoring.replay.chunk import chunk_anchors
     from scoring.replay.packing import pack_samples, prepare_target_head, select_feature_columns
     from scoring.score.steps import SAMPLE_TENSORS, prepare_job
 
@@ -284,25 +283,23 @@ def child_score(payload: dict) -> dict:
     with memory.phase("cast target head"):
         head = prepare_target_head(stored, device, dtype)
         del stored  # run_score keeps only the compute-dtype copy
-    embed, lm_head = head["embed_tokens"], head["lm_head"]
     with memory.phase("load drafter"):
         job = prepare_job(config.ckpts[0], shardset, config.out, config, Dist())
-    drafter, options = job.drafter, job.options
+    proposer, options = job.proposer, job.options
     columns = lambda f: select_feature_columns(f, job.stored_layer_ids, job.info.config.target_layer_ids)  # noqa: E731
     chunks, anchors = {}, 0
     for sample in shardset.samples(tensors=SAMPLE_TENSORS):
         t = tag(sample.response_len)
-        result = empty_anchor_tensors(sample, sample.response_len, drafter.config)
+        result = empty_anchor_tensors(sample, sample.response_len, proposer, options.methods)
         count = result.anchors.numel()
         with memory.phase(f"context keys/values, {t}"):
-            packed = pack_samples(drafter, [sample], columns, options)
-        chunk = chunk_anchors(drafter, drafter.config.block_size, sample.input_ids.numel(), lm_head.shape[0], options)
+            packed = pack_samples(proposer, [sample], columns, options, head)
+        block = proposer.config.block_size
+        chunk = proposer.anchors_per_chunk(block, sample.input_ids.numel(), head.lm_head.shape[0], options)
         last = min(count, chunk + 1)
         chunks[t] = {"anchors_per_chunk": chunk, "anchors": last}
         with memory.phase(f"replay the last {last} anchors, {t}"):
-            replay_anchors(
-                drafter, embed, lm_head, packed, [result], [(0, r) for r in range(count - last, count)], options
-            )
+            replay_anchors(proposer, head, packed, [result], [(0, r) for r in range(count - last, count)], options)
         anchors += last
         del sample, packed, result  # as score does: the next sample must not keep this one alive
     wall = time.perf_counter() - start
