@@ -24,7 +24,7 @@ from pipeline.shards import Sample
 from proposers.interface import Chunk, Proposer, TargetHead
 from scoring.methods import registry
 from scoring.replay import metrics
-from scoring.replay.chunk import score_chunk
+from scoring.replay.chunk import ScoredChunk, score_chunk
 from scoring.replay.packing import PackedSamples, ReplayOptions, pack_samples
 from scoring.replay.walk import next_stop_positions, walk_finished, walk_in_rounds
 
@@ -111,10 +111,10 @@ def _replay_anchors(proposer, target, packed, results, wanted, options) -> None:
         for (part, _, depth), chunk, chunk_drafts in zip(batch, on_device, drafts):
             scored = score_chunk(proposer, packed, chunk, target, options, chunk_drafts)
             if previous is not None:
-                _write_chunk(results, *previous, options.methods)
+                _write_chunk(results, *previous)
             previous = (sample_idx[part], rows[part], depth, scored)
     if previous is not None:
-        _write_chunk(results, *previous, options.methods)
+        _write_chunk(results, *previous)
 
 
 def _chunks(proposer, target, packed, results, sample_idx, rows, options) -> list[tuple]:
@@ -150,21 +150,21 @@ def _batches_of(chunks: list, rows: int) -> list[list]:
     return batches + ([current] if current else [])
 
 
-def _write_chunk(results: list[AnchorTensors], sample_idx, rows, depth: int, scored: dict, methods: dict) -> None:
+def _write_chunk(results: list[AnchorTensors], sample_idx, rows, depth: int, scored: ScoredChunk) -> None:
     """Store a chunk's per-anchor results, one indexed write per sample in it, not per anchor.
     Waits for the chunk's methods' data when it is still being computed (DDTree's worker)."""
-    planned = [(m, m.resolve(scored["methods"][m.kind])) for m in registry.TREES if m.kind in scored["methods"]]
+    planned = [(m, m.resolve(scored.methods[m.kind])) for m in registry.TREES if m.kind in scored.methods]
     for s in sample_idx.unique().tolist():
         mine = sample_idx == s
         r, out = rows[mine], results[s]
-        out.draft_tokens[r, :depth] = scored["draft"][mine]
-        out.target_tokens[r, :depth] = scored["targets"][mine]
-        out.target_logprob[r, :depth] = scored["target_logprob"][mine]
-        out.sampled_logprob[r, :depth] = scored["sampled_logprob"][mine]
-        out.kl_topk[r, :depth] = scored["kl"][mine]
+        out.draft_tokens[r, :depth] = scored.draft[mine]
+        out.target_tokens[r, :depth] = scored.targets[mine]
+        out.target_logprob[r, :depth] = scored.target_logprob[mine]
+        out.sampled_logprob[r, :depth] = scored.sampled_logprob[mine]
+        out.kl_topk[r, :depth] = scored.kl[mine]
         for method, data in planned:
             method.write(out.method_data[method.kind], r, depth, data[mine])
-        out.nonfinite[r] = scored["nonfinite"][mine]
+        out.nonfinite[r] = scored.nonfinite[mine]
         out.computed[r] = True
 
 

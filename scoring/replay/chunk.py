@@ -4,6 +4,8 @@ per-anchor data (scoring/methods/: DDTree's pop indices in a worker thread, EAGL
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from pipeline.common import timing
@@ -14,9 +16,24 @@ from scoring.replay import metrics
 from scoring.replay.packing import PackedSamples, ReplayOptions
 
 
+@dataclass
+class ScoredChunk:
+    """A chunk's per-anchor results [a, depth] on the CPU, ready to be written into its samples'
+    AnchorTensors; `methods` holds each planned tree method's data by kind, which the method itself
+    resolves (DDTree's is a Future while its worker computes it)."""
+
+    draft: torch.Tensor  # the draft tokens (NOT_PROPOSED past a cut)
+    targets: torch.Tensor  # the stored tokens, -1 where unknown
+    target_logprob: torch.Tensor  # log q(target)
+    sampled_logprob: torch.Tensor  # log q(target) under the shards' sampling (NaN when greedy)
+    kl: torch.Tensor  # KL on the stored top-k
+    nonfinite: torch.Tensor  # [a] bool
+    methods: dict
+
+
 def score_chunk(
     proposer: Proposer, packed: PackedSamples, chunk: Chunk, target: TargetHead, options: ReplayOptions, drafts: Drafts
-) -> dict:
+) -> ScoredChunk:
     """From the drafts of a chunk of anchors (each in its sample of `packed`; logits [a, depth,
     V], or tokens alone): per-anchor draft tokens, target tokens, log q(target), KL on the stored
     top-k, and under "methods" each planned tree method's data (a Future when computed in a worker
@@ -42,15 +59,8 @@ def score_chunk(
         sampled = sampled.masked_fill(cut & known, float("-inf"))
     scored = ChunkScores(proposer, packed, chunk, target, options, drafts, scores, lse, targets, known)
     planned = {m.kind: m.chunk(scored, options.methods[m.kind]) for m in TREES if options.methods.get(m.kind)}
-    return {
-        "draft": draft.cpu(),
-        "targets": targets.cpu(),
-        "target_logprob": target_logprob.cpu(),
-        "sampled_logprob": sampled.cpu(),
-        "kl": kl.cpu(),
-        "nonfinite": nonfinite.cpu(),
-        "methods": planned,
-    }
+    cpu = (t.cpu() for t in (draft, targets, target_logprob, sampled, kl, nonfinite))
+    return ScoredChunk(*cpu, methods=planned)
 
 
 def finite_drafts(drafts: Drafts) -> tuple[Drafts, torch.Tensor]:

@@ -194,18 +194,18 @@ def pass_bar(live: list[Lane], progress, dist: Dist):
     return progress(len(live[0].job.mine), f"score {label}")
 
 
-def replay_lane(lane: Lane, head: TargetHead, group: list, config: ScoreConfig, dist: Dist) -> None:
+def replay_lane(lane: Lane, head: TargetHead, group: list, dist: Dist) -> None:
     """One drafter over one decoded group, into its own collector; a drafter that fails here
     leaves the others going."""
     try:
-        for (index, sample), result in zip(group, replay_group(lane.job, head, group, config, lane.collector)):
+        for (index, sample), result in zip(group, replay_group(lane.job, head, group, lane.collector)):
             lane.collector.add(index, sample, result)
             lane.anchors += int(result.computed.sum())
     except FAILURES as error:
         fail(lane, error, dist)
 
 
-def replay_groups(live: list[Lane], shardset: ShardSet, head: TargetHead, config: ScoreConfig, dist: Dist, bar) -> None:
+def replay_groups(live: list[Lane], shardset: ShardSet, head: TargetHead, dist: Dist, bar) -> None:
     """Decode this rank's samples once (in the background) and replay each group through every
     drafter still live. The selection is every checkpoint's: it depends on the shards and the
     config only."""
@@ -214,33 +214,29 @@ def replay_groups(live: list[Lane], shardset: ShardSet, head: TargetHead, config
     samples = shardset.samples(tensors=tensors, keep=set(mine).__contains__, pin_memory=device.startswith("cuda"))
     started = time.time()
     # the loop variable is rebound before the next group's replay: this group's tensors die first
-    for group in sample_groups(zip(mine, samples), config.anchors, config.walk_group_tokens):
+    job = live[0].job  # every job of a run has its anchor set and grouping
+    for group in sample_groups(zip(mine, samples), job.anchor_set, job.group_tokens):
         for lane in live:
             if lane.state == LaneState.LIVE:
-                replay_lane(lane, head, group, config, dist)
+                replay_lane(lane, head, group, dist)
         if bar is not None:
             anchors = sum(lane.anchors for lane in live)
             bar.update(len(group), anchors_per_s=f"{anchors / max(time.time() - started, 1e-9):.0f}")
 
 
-def replay_pass(
-    lanes: list[Lane], shardset: ShardSet, head: TargetHead, config: ScoreConfig, dist: Dist, progress
-) -> None:
+def replay_pass(lanes: list[Lane], shardset: ShardSet, head: TargetHead, dist: Dist, progress) -> None:
     """Replay the pass's live checkpoints over one decoding of the shards (stage "shard pass")."""
     live = [lane for lane in lanes if lane.state == LaneState.LIVE]
     if not live:
         return
     stop_ids = list(shardset.settings["target"]["stop_token_ids"])
     for lane in live:
-        job = lane.job
         lane.in_pass = True
-        lane.collector = Collector(
-            job.options.methods, stop_ids, job.proposer.max_drafts, config.anchor_drafts, job.options.sampling
-        )
+        lane.collector = lane.job.collector(stop_ids)
     bar = pass_bar(live, progress, dist)
     try:
         with timing.stage("shard pass", samples=len(live[0].job.mine), checkpoints=len(live)):
-            replay_groups(live, shardset, head, config, dist, bar)
+            replay_groups(live, shardset, head, dist, bar)
     except FAILURES as error:  # the shards themselves (a damaged chunk): every checkpoint of the pass
         for lane in live:
             if lane.state == LaneState.LIVE:
@@ -270,13 +266,13 @@ def gather_lane(lane: Lane, dist: Dist) -> tuple[Collector, int] | None:
     return collector, anchors
 
 
-def write_lane(lane: Lane, collector: Collector, anchors: int, shardset: ShardSet, config: ScoreConfig, dist: Dist):
+def write_lane(lane: Lane, collector: Collector, anchors: int, shardset: ShardSet, dist: Dist):
     """Rank 0: the checkpoint's tables and run.json written into place; its 'scored' outcome."""
     nonfinite = collector.nonfinite_samples()
     if nonfinite and not collector.parts:
         raise NonFiniteLogitsError(nonfinite)
     job = lane.job
-    tables = collector.tables(identity_of(job.info), config.anchors)
+    tables = collector.tables(identity_of(job.info), job.anchor_set)
     options, wall = job.options, time.time() - lane.started
     facts = run_facts(options.device, options.attention_backend, dist, anchors, nonfinite, wall)
     record = run_record(job.planned, lane.ckpt, job.info, shardset, options.sampling, facts)
@@ -288,13 +284,13 @@ def write_lane(lane: Lane, collector: Collector, anchors: int, shardset: ShardSe
     )
 
 
-def finish_lane(lane: Lane, shardset: ShardSet, config: ScoreConfig, dist: Dist) -> None:
+def finish_lane(lane: Lane, shardset: ShardSet, dist: Dist) -> None:
     """Gather, write and let go of a checkpoint replayed in the pass (the others are settled)."""
     try:
         if lane.in_pass:
             merged = gather_lane(lane, dist)
             if merged is not None:
-                lane.outcome = write_lane(lane, *merged, shardset, config, dist)
+                lane.outcome = write_lane(lane, *merged, shardset, dist)
     except FAILURES as error:
         fail(lane, error, dist)
     finally:
@@ -307,9 +303,9 @@ def scored_lanes(
     """Every checkpoint scored, skipped or failed, handed on in checkpoint order a pass at a time."""
     with contextlib.ExitStack() as opened:  # every lock let go (last taken first), whatever ends the run
         for lanes in passes(paths, dirs, shardset, config, dist, opened):
-            replay_pass(lanes, shardset, head, config, dist, progress)
+            replay_pass(lanes, shardset, head, dist, progress)
             for lane in lanes:
-                finish_lane(lane, shardset, config, dist)
+                finish_lane(lane, shardset, dist)
                 barrier(dist)  # every rank sees its run.json before a later checkpoint's skip check
             close_locks(lanes)
             yield from lanes

@@ -50,7 +50,8 @@ def resolve_device_dtype(device: str, dtype: str, dist: Dist | None = None) -> t
 
 @dataclass
 class Job:
-    """One checkpoint's replay, everything resolved: what to replay, with what, on which samples."""
+    """One checkpoint's replay, everything resolved from the run's ScoreConfig (prepare_job): what to
+    replay, with what, on which samples, and what to write. Past prepare_job nothing reads the config."""
 
     proposer: Proposer
     info: CheckpointInfo
@@ -60,6 +61,16 @@ class Job:
     max_new_tokens: int
     stored_layer_ids: list[int]
     planned: dict  # run.json's settings (scoring/score/record.py planned_record)
+    anchor_set: str = "all"  # --anchors: every anchor, or only those the walks visit
+    anchor_drafts: bool = False  # anchors.parquet keeps every anchor's draft block
+    group_tokens: int = 8192  # walk mode: samples packed per group (tokens)
+
+    def collector(self, stop_token_ids: list[int]) -> Collector:
+        """Where this checkpoint's results gather, sample by sample."""
+        options = self.options
+        return Collector(
+            options.methods, stop_token_ids, self.proposer.max_drafts, self.anchor_drafts, options.sampling
+        )
 
 
 def choose_samples(shardset: ShardSet, config: ScoreConfig) -> tuple[list[int], dict]:
@@ -109,8 +120,17 @@ def prepare_job(ckpt: str, shardset: ShardSet, out_dir: str, config: ScoreConfig
     )
     settings = manifest["settings"]
     mine = chosen[dist.rank :: dist.world]
+    run = dict(anchor_set=config.anchors, anchor_drafts=config.anchor_drafts, group_tokens=config.walk_group_tokens)
     return Job(
-        proposer, info, options, mine, len(chosen), int(settings["max_new_tokens"]), settings["layer_ids"], planned
+        proposer,
+        info,
+        options,
+        mine,
+        len(chosen),
+        int(settings["max_new_tokens"]),
+        settings["layer_ids"],
+        planned,
+        **run,
     )
 
 
@@ -170,14 +190,14 @@ def sample_groups(indexed_samples, anchors_mode: str, group_tokens: int):
         yield group
 
 
-def replay_group(job: Job, head, group: list, config: ScoreConfig, collector: Collector) -> list:
+def replay_group(job: Job, head, group: list, collector: Collector) -> list:
     """AnchorTensors of each sample of a group, all anchors or only those the walks visit."""
     layer_ids = list(job.proposer.needs.feature_layers)
     columns = lambda f: select_feature_columns(f, job.stored_layer_ids, layer_ids)  # noqa: E731
     samples = [s for _, s in group]
     # Given (teacher-forced) responses may be longer than the extract's max_new_tokens.
     max_new = [job.max_new_tokens if s.greedy else max(job.max_new_tokens, s.response_len) for s in samples]
-    if config.anchors == "all":
+    if job.anchor_set == "all":
         return [replay_sample(job.proposer, head, s, columns, m, job.options) for s, m in zip(samples, max_new)]
     is_stop = [stop_mask(s.input_ids, collector.stop_token_ids) for s in samples]
     return replay_walks(job.proposer, head, samples, columns, max_new, collector.methods, is_stop, job.options)
