@@ -171,6 +171,7 @@ class DraftCache(GrowingCache):
 class Proposal:
     drafts: torch.Tensor  # [n]
     probs: torch.Tensor | None  # [n, V] q of each draft (T > 0)
+    margins: list[float]  # greedy: each draft's logit minus the runner-up's (a near-tie flips)
 
 
 @torch.no_grad()
@@ -180,9 +181,11 @@ def propose(draft: DraftCache, features, seq, start: int, count: int, temperatur
     model, written = draft.model, draft.length
     nxt = seq[written + 1 : start + 1]  # slot s reads x_{s+1}
     h = draft.append(model.embed_tokens(nxt), model.fc(features[written:start]))[-1:]
-    drafts, probs = [], []
+    drafts, probs, margins = [], [], []
     for j in range(count):
         logits = draft.logits(h)[0]
+        top2 = logits.topk(2).values
+        margins.append(float(top2[0] - top2[1]))
         if temperature > 0:
             q = torch.softmax(logits / temperature, dim=-1)
             token = _sample_probs(q[None])[0]
@@ -193,7 +196,7 @@ def propose(draft: DraftCache, features, seq, start: int, count: int, temperatur
         if j + 1 < count:
             h = draft.append(model.embed_tokens(token.reshape(1)), draft.feed(h))
     stacked = torch.stack(drafts) if drafts else torch.zeros(0, dtype=torch.long)
-    return Proposal(stacked, torch.stack(probs) if probs else None)
+    return Proposal(stacked, torch.stack(probs) if probs else None, margins)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -206,6 +209,7 @@ class OnlineRun:
     produced: list[int] = field(default_factory=list)  # tokens each step produced
     accepted: list[int] = field(default_factory=list)  # drafts each step accepted
     drafts: list[list[int]] = field(default_factory=list)  # each step's drafts
+    margins: list[list[float]] = field(default_factory=list)  # each step's drafts' logit margins
 
     @property
     def tau(self) -> float | None:
@@ -255,5 +259,6 @@ def online_eagle3(model, target, prompt, max_new_tokens: int, stop_ids, temperat
         run.produced.append(produced)
         run.accepted.append(accepted)
         run.drafts.append(proposal.drafts.tolist())
+        run.margins.append(proposal.margins)
     run.output_ids = seq[: min(start + 1, max_length)]
     return run

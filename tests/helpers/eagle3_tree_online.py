@@ -69,6 +69,12 @@ def expand(node: Node, topk: int) -> list[Node]:
 def draft_tree(model, features: torch.Tensor, ids: torch.Tensor, anchor: int, topk, depth, draft_tokens) -> list[Node]:
     """The kept nodes of the tree at `anchor` of `ids` (x_anchor the last committed token), the
     drafter's slots 0..anchor - 1 written from `features` [>= anchor, n*H]."""
+    return keep(beam_nodes(model, features, ids, anchor, topk, depth), draft_tokens)
+
+
+@torch.no_grad()
+def beam_nodes(model, features: torch.Tensor, ids: torch.Tensor, anchor: int, topk, depth) -> list[Node]:
+    """Every candidate of the `depth`-level beam of `topk` at `anchor` (draft_tree), in sglang's order."""
     draft = DraftCache(model)
     h = draft.append(model.embed_tokens(ids[1 : anchor + 1]), model.fc(features[:anchor]))[-1:]
     beam = [Node(t, q, 1, None, draft, h) for t, q in children_of(draft, h, topk)]
@@ -77,6 +83,11 @@ def draft_tree(model, features: torch.Tensor, ids: torch.Tensor, anchor: int, to
         level = [child for node in beam for child in expand(node, topk)]
         candidates += level
         beam = [level[i] for i in best([float(n.score) for n in level], topk)]
+    return candidates
+
+
+def keep(candidates: list[Node], draft_tokens: int) -> list[Node]:
+    """The tree: the best draft_tokens - 1 candidates, in their order."""
     kept = best([float(n.score) for n in candidates], draft_tokens - 1)
     return [candidates[i] for i in sorted(kept)]
 
@@ -93,13 +104,32 @@ def descend(kept: list[Node], next_token) -> list[int]:
 
 
 @torch.no_grad()
-def anchor_alpha(model, target, ids: torch.Tensor, anchor: int, tree) -> int:
-    """Accepted depth at `anchor` of the committed sequence `ids` (the target's greedy output, so
-    its next tokens are the target's argmax; nothing is accepted past its end)."""
+def anchor_trees(model, target, ids: torch.Tensor, anchor: int, trees: list) -> tuple[list[int], dict]:
+    """At `anchor` of the committed sequence `ids` (the target's greedy output, so its next tokens
+    are the target's argmax; nothing is accepted past its end): the accepted depth of each tree
+    (topk, depth, draft_tokens), and per topk every candidate's score by its token path (the
+    deepest beam asked of that topk, drafted once: a shallower tree's candidates are its prefix)."""
     _, features, _ = target_states(target, ids)
-    kept = draft_tree(model, features, ids, anchor, *tree)
     stored = ids[anchor + 1 :].tolist()
-    return len(descend(kept, lambda path: stored[len(path)] if len(path) < len(stored) else -1))
+    depths = {k: max(d for k2, d, _ in trees if k2 == k) for k, _, _ in trees}
+    beams = {k: beam_nodes(model, features, ids, anchor, k, d) for k, d in depths.items()}
+    alphas = [
+        len(descend(keep(beams[k][: k + (d - 1) * k * k], n), lambda p: stored[len(p)] if len(p) < len(stored) else -1))
+        for k, d, n in trees
+    ]
+    return alphas, {k: path_scores(nodes) for k, nodes in beams.items()}
+
+
+def path_scores(nodes: list[Node]) -> dict[tuple[int, ...], float]:
+    """Each candidate's token path from the root -> its score."""
+    found = {}
+    for node in nodes:
+        path, at = [], node
+        while at is not None:
+            path.append(at.token)
+            at = at.parent
+        found[tuple(reversed(path))] = float(node.score)
+    return found
 
 
 def greedy_after(target, root: torch.Tensor, path: list[int]) -> int:
