@@ -18,7 +18,7 @@ from dataclasses import asdict
 
 from proposers.dspark.layout import DeepSpecDSpark, DSparkHeads, SpecForgeDSpark, SpeculatorsDSpark, resolve_heads
 from proposers.dspark.model import DSparkDrafter
-from proposers.fields.rules import check_speculators_block, dspark_from_anchor
+from proposers.fields.rules import check_speculators_block, check_target_width, dspark_from_anchor
 from proposers.registry import Family
 from proposers.toolkit.config import DrafterConfig, DrafterConfigError
 from proposers.toolkit.qwen3_decoder import checked_decoder_fields, draft_vocab, speculators_decoder, stated_layers
@@ -101,6 +101,7 @@ def _specforge(checked: SpecForgeDSpark, raw: dict, source: str) -> DrafterConfi
         drafts_from_anchor=dspark_from_anchor(checked),
     )
     _check_attention_mode(options.attention_mode, config, source)
+    check_target_width(checked.target_hidden_size, config, source)
     return config
 
 

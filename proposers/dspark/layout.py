@@ -122,7 +122,8 @@ class SpecForgeDSpark(BlockDecoderFields):
     architectures: list[str] | None = None
     num_target_layers: Positive | None = None
     block_size: Positive | None = None
-    sample_from_anchor: bool | None = None  # every engine reads absent as true; false is refused
+    sample_from_anchor: bool | None = None  # every engine reads absent as true
+    target_hidden_size: Positive | None = None  # vLLM's fc width; refused unless hidden_size
     dflash_config: SpecForgeOptions
 
     @property
@@ -190,7 +191,7 @@ class DeepSpecDSpark(BlockDecoderFields):
     markov_rank: Count | None = None
     markov_head_type: str | None = None
     confidence_threshold: Threshold | None = None
-    sample_from_anchor: bool | None = None  # every engine reads absent as true; false is refused
+    sample_from_anchor: bool | None = None  # every engine reads absent as true
 
     _unique = field_validator("target_layer_ids")(unique_ids)
     _head_type = field_validator("markov_head_type")(head_type)

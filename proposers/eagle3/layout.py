@@ -12,7 +12,7 @@ no step count; sglang takes it from --speculative-num-steps).
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import field_validator, model_validator
 
@@ -117,6 +117,9 @@ class SpecForgeEagle3(DraftDecoderFields):
     use_aux_norm: bool | None = None  # sglang's older name for fc_norm
     num_aux_hidden_states: Positive | None = None
     bias: bool | None = None  # sglang: a bias on fc
+    # in SpecForge's own configs (configs/*-eagle3.json), read by SpecForge's training alone
+    target_model_type: str | None = None  # which target SpecForge trains against: training-only
+    decoder_sparse_step: Any = None  # copied from a MoE target's config; no Llama layer reads it
 
     @field_validator("architectures")
     @classmethod
