@@ -8,6 +8,9 @@ Accepted layouts:
     config.json next to it or passed as `config_path=`; or a directory holding one such file
     plus config.json.
 
+A `mask_embedding.pt` beside the weights is refused by name: the engines replace the mask
+token's embedding with it, which the replay does not (docs/config-fields.md).
+
 `checkpoint_problem` tells a completely written checkpoint from a partly written one from
 file sizes and headers alone (no tensor data), so a truncated file is one clear error, not a
 deserializer's traceback.

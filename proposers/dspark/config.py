@@ -4,7 +4,8 @@
   decoder nested in `transformer_layer_config`, before-layer `aux_hidden_state_layer_ids`,
   `sample_from_anchor` (default true), a reduced `draft_vocab_size` possible;
 * SpecForge (`dflash_config.projector_type: "dspark"`) and DeepSpec (`Qwen3DSparkModel`)
-  (layout.py): output-of-layer ids, every slot drafts.
+  (layout.py): output-of-layer ids, every slot drafts (unless the file says
+  `sample_from_anchor: false`, which every engine serves as the fill-in block).
 
 The backbone is the block drafter's (proposers/toolkit/block_drafter.py), the heads are model.py's; the head settings go to
 `DrafterConfig.family_options` (the fields of `DSparkHeads`). DeepSpec is the inference
@@ -56,13 +57,12 @@ def _drafter_config(decoder: dict, source: str, heads: DSparkHeads, where: str =
 
 
 def _speculators(checked: SpeculatorsDSpark, raw: dict, source: str) -> DrafterConfig:
-    extra = checked.model_extra or {}
     heads = resolve_heads(
         checked.markov_rank,
         checked.markov_head_type,
         checked.enable_confidence_head,
         checked.enable_confidence_head and checked.confidence_head_with_markov,
-        _threshold(extra.get("confidence_threshold"), source),
+        _threshold(checked.confidence_threshold, source),
         "",
         "speculators' DSparkDraftModel",
         source,

@@ -112,6 +112,7 @@ class SpeculatorsDSpark(SpeculatorsBlock):
     enable_confidence_head: bool = True
     confidence_head_with_markov: bool = True
     use_aux_hidden_state: bool | None = None  # vLLM forwards it; refused when false
+    confidence_threshold: Any = None  # this project's (config.py checks it): cut proposals below it
 
 
 class SpecForgeDSpark(BlockDecoderFields):

@@ -142,9 +142,16 @@ def _config(decoder: dict, kind: str, source: str, checked, target_layers, *, st
 def _check_decoder(decoder: dict, hf, checked, source: str) -> None:
     """What the replay does not implement for EAGLE-3, refused by name rather than scored wrong."""
     types = decoder.get("layer_types") or []
-    if "sliding_attention" in types or (decoder.get("use_sliding_window") and decoder.get("sliding_window")):
+    if "sliding_attention" in types:
         refuse_field(
             source, "layer_types", "sliding attention", "specreplay scores EAGLE-3 drafters with full attention"
+        )
+    if decoder.get("use_sliding_window") and decoder.get("sliding_window"):
+        refuse_field(
+            source,
+            "sliding_window",
+            f"{decoder['sliding_window']} with use_sliding_window true",
+            "specreplay scores EAGLE-3 drafters with full attention",
         )
     if checked.target_hidden_size is not None and checked.target_hidden_size != hf.hidden_size:
         refuse_field(

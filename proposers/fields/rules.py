@@ -61,10 +61,10 @@ def check_zlab(checked, config, source: str) -> None:
         _zlab_attention(options, config, source)
     if checked.add_swa_attention_sink_bias:
         refuse(source, "add_swa_attention_sink_bias", True, SINKS)
-    if checked.value("sample_from_anchor"):
+    if options is not None and options.sample_from_anchor:  # at the top level no engine reads it for DFlash
         refuse(
             source,
-            checked.field_name("sample_from_anchor"),
+            "dflash_config.sample_from_anchor",
             True,
             "vLLM refuses a DFlash drafter that drafts from the anchor's own slot, and no engine serves one",
         )

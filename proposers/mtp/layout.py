@@ -20,13 +20,14 @@ LABEL = "MTP"
 
 # the target kinds whose checkpoints hold `mtp.*` heads, by config.json model_type
 MTP_TARGET_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
-# transformers' config class of each kind (by name: torch-free), and of its text_config when it nests one
+# transformers' config class of each kind (by name: torch-free), and of its text_config when it nests
+# one; None for the MoE kinds, refused by their model_type before any key is looked at
 CONFIG_CLASSES = {
     "qwen3_next": ("Qwen3NextConfig", None),
     "qwen3_5": ("Qwen3_5Config", "Qwen3_5TextConfig"),
     "qwen3_5_text": ("Qwen3_5TextConfig", None),
-    "qwen3_5_moe": ("Qwen3_5MoeConfig", "Qwen3_5MoeTextConfig"),
-    "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", None),
+    "qwen3_5_moe": (None, None),
+    "qwen3_5_moe_text": (None, None),
 }
 
 

@@ -87,7 +87,7 @@ class ZlabDFlash(BlockDecoderFields):
     draft_vocab_size: Positive | None = None
     target_hidden_size: Positive | None = None
     use_aux_hidden_state: bool | None = None
-    sample_from_anchor: bool | None = None
+    sample_from_anchor: bool | None = None  # no engine reads it here for DFlash (dflash_config's is refused)
     add_swa_attention_sink_bias: bool | None = None
     projector_type: str | None = None
     has_own_lm_head: bool | None = None  # vLLM's lm_head quantization choice: bookkeeping

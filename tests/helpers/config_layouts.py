@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import re
 
+from proposers.toolkit.zlab_layout import LILICORR_KEYS
 from tests.helpers.drafters import drafter_config
 
 TARGET_LAYERS = 6  # the target every base config is for (feature layers 1 and 3, before-layer 2 and 4)
@@ -129,9 +130,9 @@ REFUSALS = [
     ("dflash:z-lab", "add_swa_attention_sink_bias", True, "vLLM", False),
     ("dflash:z-lab", "dflash_config.projector_type", "domino", "SGLang", ABSENT),
     ("dflash:z-lab", "projector_type", "domino", "SGLang", ABSENT),
+    *[("dflash:z-lab", f"dflash_config.{key}", 1, "SGLang", ABSENT) for key in LILICORR_KEYS[1:]],
     ("dflash:z-lab", "dflash_config.lilicorr_enabled", True, "SGLang", False),
     ("dflash:z-lab", "dflash_config.sample_from_anchor", True, "vLLM", False),
-    ("dflash:z-lab", "sample_from_anchor", True, "vLLM", False),
     ("dflash:z-lab", "dflash_config.use_aux_hidden_state", False, "vLLM", True),
     ("dflash:z-lab", "use_aux_hidden_state", False, "vLLM", True),
     ("dflash:z-lab", "draft_vocab_size", 256, "vLLM", 512),
@@ -150,6 +151,7 @@ REFUSALS = [
     ("eagle3:speculators", "transformer_layer_config.partial_rotary_factor", 0.5, "SGLang", 1.0),
     ("eagle3:speculators", "transformer_layer_config.logit_scale", 2.0, "vLLM", 1.0),
     ("eagle3:specforge", "partial_rotary_factor", 0.5, "vLLM", 1.0),
+    ("eagle3:specforge", "rope_parameters.partial_rotary_factor", 0.75, "SGLang", 1.0),
     ("eagle3:specforge", "logit_scale", 2.0, "vLLM", 1.0),
     ("eagle3:specforge", "norm_before_fc", True, "SGLang", False),
     ("eagle3:specforge", "eagle_config.norm_before_fc", True, "vLLM", False),
@@ -169,3 +171,29 @@ REFUSALS = [
     ("mtp:native-qwen3-next", "num_experts", 512, "vLLM", 0),
     ("mtp:speculators", "transformer_layer_config.mtp_num_hidden_layers", 3, "SGLang", 1),
 ]
+
+# Refusals that predate docs/config-fields.md or need several fields changed at once:
+# (layout, the field the error names, the changes that make the config refused)
+SLIDING = {"layer_types": ["sliding_attention", "full_attention"], "use_sliding_window": True, "sliding_window": 8}
+PRIOR_REFUSALS = [
+    ("dflash:z-lab", "dflash_config.swa_window_size", {**SLIDING, "dflash_config.swa_window_size": 4}),
+    ("dflash:speculators", "sample_from_anchor", {"sample_from_anchor": True}),
+    ("dflash2:speculators", "draft_vocab_size", {"draft_vocab_size": 256}),
+    ("eagle3:speculators", "target_hidden_size", {"target_hidden_size": 48}),
+    ("eagle3:speculators", "transformer_layer_config.model_type", {"transformer_layer_config.model_type": "gemma3"}),
+    ("eagle3:speculators", "layer_types", {"transformer_layer_config.layer_types": ["sliding_attention"]}),
+    ("eagle3:specforge", "sliding_window", {"use_sliding_window": True, "sliding_window": 8}),
+    ("eagle3:specforge", "num_hidden_layers", {"num_hidden_layers": 2}),
+    ("eagle3:specforge", "norm_output", {"norm_output": False}),
+    ("eagle3:specforge", "eagle_config.use_aux_hidden_state", {"eagle_config.use_aux_hidden_state": False}),
+    ("eagle3:specforge", "target_hidden_size", {"target_hidden_size": 48}),
+    ("mtp:native-qwen3-next", "model_type", {"model_type": "qwen3_5_moe_text"}),
+    ("mtp:speculators", "num_nextn_predict_layers", {"num_nextn_predict_layers": 2}),
+]
+
+
+def changed(layout: str, changes: dict) -> dict:
+    raw = base(layout)
+    for path, value in changes.items():
+        raw = with_field(raw, path, value)
+    return raw
