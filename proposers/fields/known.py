@@ -38,10 +38,11 @@ CONSUMED = (
     "attn_implementation", "experts_implementation", "per_layer_config",
 )  # fmt: skip
 # written by the saving code, read by no replay or engine: which class saved it, the training step
-# (proposers/checkpoints/files.py STEP_FIELDS), the attention kernel chosen at training
+# (proposers/checkpoints/files.py STEP_FIELDS), the attention kernel chosen at training, the shards
+# `specreplay fit` fitted the drafter on (scoring/fit.py, read by the report)
 BOOKKEEPING = (
     "model_type", "auto_map", "step", "global_step", "training_step", "_attn_implementation",
-    "_attn_implementation_autoset", "_attn_implementation_internal", "_experts_implementation",
+    "_attn_implementation_autoset", "_attn_implementation_internal", "_experts_implementation", "specreplay_fit",
 )  # fmt: skip
 # keys transformers' RoPE validation accepts in rope_parameters / rope_scaling (modeling_rope_utils.py,
 # every rope_type), M-RoPE's sections (Qwen3.5) and vLLM's rope_dim (refused by decoder_rules.py)

@@ -104,6 +104,7 @@ def test_an_unknown_key_of_a_decoder_namespace_is_refused_by_name(layout, path, 
         ("dflash:z-lab", "use_cache", True),
         ("dflash:z-lab", "max_length", 20),
         ("dflash:z-lab", "step", 100),
+        ("dflash:z-lab", "specreplay_fit", {"shards_identity": "abc"}),
         ("dflash:z-lab", "has_own_lm_head", True),
         ("dflash:z-lab", "sample_from_anchor", True),  # vLLM reads dflash_config's alone
         ("dflash:z-lab", "dflash_config.mask_token", "<|MASK|>"),
