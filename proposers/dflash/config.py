@@ -20,26 +20,14 @@ from proposers.toolkit.qwen3_decoder import (
     draft_vocab,
     speculators_decoder,
     stated_layers,
-    zlab_attention,
+    zlab_block_fields,
 )
 from proposers.toolkit.zlab_layout import ZlabDFlash
 
 
 def parse_zlab(checked: ZlabDFlash, raw: dict, source: str) -> DrafterConfig:
     """A z-lab DFlash v1 config (validated against its declared layout) in the project's terms."""
-    softcap = checked.value("final_logit_softcapping")
-    config = DrafterConfig(
-        **checked_decoder_fields(raw, source, own_model_type=True),
-        block_size=checked.value("block_size", 16),
-        mask_token_id=checked.value("mask_token_id"),
-        target_layer_ids=checked.feature_layers(source),
-        num_target_layers=checked.value("num_target_layers"),
-        **zlab_attention(checked),
-        input_embedding_scale=float(checked.value("input_embedding_scale", 1.0)),
-        output_multiplier=float(checked.value("output_multiplier", 1.0)),
-        final_logit_softcapping=None if softcap is None or softcap <= 0 else float(softcap),
-        raw=raw,
-    )
+    config = DrafterConfig(**zlab_block_fields(checked, raw, source))
     check_zlab(checked, config, source)
     return config
 

@@ -23,7 +23,12 @@ from proposers.dflash2.model import DFlash2Drafter
 from proposers.fields.rules import check_speculators_block, check_zlab
 from proposers.registry import Family
 from proposers.toolkit.config import DrafterConfig, DrafterConfigError
-from proposers.toolkit.qwen3_decoder import checked_decoder_fields, speculators_decoder, stated_layers, zlab_attention
+from proposers.toolkit.qwen3_decoder import (
+    checked_decoder_fields,
+    speculators_decoder,
+    stated_layers,
+    zlab_block_fields,
+)
 from proposers.toolkit.zlab_layout import DFLASH2_KEYS, ZlabDFlash
 
 
@@ -35,18 +40,8 @@ def parse_zlab(checked: ZlabDFlash, raw: dict, source: str) -> DrafterConfig:
             f"default for it. Add it to dflash_config (conv_kernel_size, conv_group_size, selector_rank, "
             f"selector_top_k)"
         )
-    softcap = checked.value("final_logit_softcapping")
     config = DrafterConfig(
-        **checked_decoder_fields(raw, source, own_model_type=True),
-        block_size=checked.value("block_size", 16),
-        mask_token_id=checked.value("mask_token_id"),
-        target_layer_ids=checked.feature_layers(source),
-        num_target_layers=checked.value("num_target_layers"),
-        **zlab_attention(checked),
-        input_embedding_scale=float(checked.value("input_embedding_scale", 1.0)),
-        output_multiplier=float(checked.value("output_multiplier", 1.0)),
-        final_logit_softcapping=None if softcap is None or softcap <= 0 else float(softcap),
-        raw=raw,
+        **zlab_block_fields(checked, raw, source),
         family="dflash2",
         layout="z-lab",
         family_options={key: int(checked.value(key)) for key in DFLASH2_KEYS},

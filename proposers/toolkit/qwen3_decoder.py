@@ -72,6 +72,24 @@ def zlab_attention(checked) -> dict:
     return {"is_causal": causal, "attention_value_scale": 1.0 if scale is None else float(scale)}
 
 
+def zlab_block_fields(checked, raw: dict, source: str) -> dict:
+    """The DrafterConfig fields a z-lab DFlash or DFlash2 config shares: the checked decoder, the
+    block fields read from dflash_config first, then the top level, and the attention fields."""
+    softcap = checked.value("final_logit_softcapping")
+    return dict(
+        **checked_decoder_fields(raw, source, own_model_type=True),
+        block_size=checked.value("block_size", 16),
+        mask_token_id=checked.value("mask_token_id"),
+        target_layer_ids=checked.feature_layers(source),
+        num_target_layers=checked.value("num_target_layers"),
+        **zlab_attention(checked),
+        input_embedding_scale=float(checked.value("input_embedding_scale", 1.0)),
+        output_multiplier=float(checked.value("output_multiplier", 1.0)),
+        final_logit_softcapping=None if softcap is None or softcap <= 0 else float(softcap),
+        raw=raw,
+    )
+
+
 def speculators_decoder(raw: dict, source: str, family: str) -> dict:
     """A speculators config's `transformer_layer_config`, which must be a Qwen3 decoder: the
     DFlash backbone's layers are Qwen3's."""

@@ -81,6 +81,7 @@ BASE = {
     "mtp:speculators": lambda: _speculators("mtp", {**MTP_TEXT, "model_type": "qwen3_5_text"}, 3),
     "mtp:native": lambda: {"model_type": "qwen3_5", "text_config": {**MTP_TEXT, "model_type": "qwen3_5_text"}},
     "mtp:native-qwen3-next": lambda: {**MTP_TEXT, "model_type": "qwen3_next", "num_experts": 0},
+    "ngram:vllm": lambda: {"method": "ngram", "num_speculative_tokens": 3},
 }
 
 
