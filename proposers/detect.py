@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pipeline.common.schema import SchemaError
+from proposers.fields.known import refuse_unknown
 from proposers.layouts import Override, read_detected
 from proposers.registry import Family, families_of, family
 from proposers.toolkit.config import DrafterConfig, DrafterConfigError
@@ -59,6 +60,7 @@ def parse_config(
     the layouts whose default feature layers depend on it (EAGLE-3)."""
     checked, detected = _validated(raw, source, override)
     record = family(_family_of(checked, override))
+    refuse_unknown(checked, raw, source)
     config = record.parse_config(checked, raw, source, target_layers)
     config.family = record.name
     if checked.CONVENTION == "before" and target_layers is not None:

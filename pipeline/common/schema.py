@@ -15,7 +15,7 @@ edited by hand with a wrong type is refused, never coerced into another drafter.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, TypeVar, get_args
+from typing import Annotated, Any, ClassVar, TypeVar, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -48,6 +48,14 @@ class ClosedSchema(Schema):
     model_config = ConfigDict(extra="forbid")
 
 
+class ClosedNamespace(ClosedSchema):
+    """A namespace of someone else's file whose every key the schema enumerates (a drafter
+    config's `dflash_config`, `eagle_config`, `speculators_config`): a key it does not name is
+    refused with `UNKNOWN_KEY`, naming its path, rather than dropped."""
+
+    UNKNOWN_KEY: ClassVar[str] = "is not a field specreplay knows"
+
+
 Model = TypeVar("Model", bound=BaseModel)
 
 
@@ -64,7 +72,23 @@ def validate(
         first = problems[0]
         hint = _description(model, first["loc"]) if first["type"] == "missing" else None
         said = describe(first) + (f" (expected: {hint})" if hint else "")
+        if first["type"] == "extra_forbidden":
+            said = _unknown_key(model, first["loc"]) or said
         raise (error_class or SchemaError)(f"{source}: {said}{more}{tail}") from None
+
+
+def _unknown_key(model: type[BaseModel], loc: tuple) -> str | None:
+    """The refusal of the unknown key at `loc` in its namespace's own words (ClosedNamespace), or None."""
+    owner = model
+    for part in loc[:-1]:
+        if isinstance(part, int):
+            continue
+        fields = getattr(owner, "model_fields", {})
+        if part not in fields:
+            return None
+        owner = _nested_model(fields[part].annotation)
+    why = getattr(owner, "UNKNOWN_KEY", None)
+    return f"field {field_path(loc)!r} {why}" if why else None
 
 
 def _description(model: type[BaseModel], loc: tuple) -> str | None:

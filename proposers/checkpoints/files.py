@@ -8,6 +8,9 @@ Accepted layouts:
     config.json next to it or passed as `config_path=`; or a directory holding one such file
     plus config.json.
 
+A `mask_embedding.pt` beside the weights is refused by name: the engines replace the mask
+token's embedding with it, which the replay does not (docs/config-fields.md).
+
 `checkpoint_problem` tells a completely written checkpoint from a partly written one from
 file sizes and headers alone (no tensor data), so a truncated file is one clear error, not a
 deserializer's traceback.
@@ -41,6 +44,10 @@ SAFETENSORS_INDEX_NAME = "model.safetensors.index.json"
 WEIGHT_EXTENSIONS = (".safetensors", ".pt", ".pth", ".bin")
 
 
+# A file the engines read beside a DFlash drafter's weights that the replay does not implement
+MASK_EMBEDDING_NAME = "mask_embedding.pt"
+
+
 # Keys under which training loops nest the model's state dict inside a .pt checkpoint.
 NESTING_KEYS = ("model", "state_dict", "module", "model_state_dict")
 
@@ -70,6 +77,7 @@ def resolve_checkpoint_files(path: str, config_path: str | None = None) -> tuple
     path = os.path.abspath(path)
     if not os.path.exists(path):
         raise CheckpointError(f"{path}: no such file or directory")
+    _refuse_mask_embedding(path)
     if os.path.isdir(path):
         weights = _weight_files_in_dir(path)
         config = config_path or os.path.join(path, CONFIG_NAME)
@@ -84,6 +92,19 @@ def resolve_checkpoint_files(path: str, config_path: str | None = None) -> tuple
     if not os.path.isfile(config):
         raise CheckpointError(missing_config_message(path, config, explicit=config_path is not None))
     return weights, config
+
+
+def _refuse_mask_embedding(path: str) -> None:
+    """mask_embedding.pt beside the weights: vLLM (models/qwen3_dflash.py), SGLang
+    (speculative/dflash_worker_v2.py) and llama.cpp (conversion/qwen.py) replace the embedding of
+    mask_token_id with its vector; the replay embeds mask slots with the target's row."""
+    folder = path if os.path.isdir(path) else os.path.dirname(path)
+    if os.path.isfile(os.path.join(folder, MASK_EMBEDDING_NAME)):
+        raise CheckpointError(
+            f"{path}: file {MASK_EMBEDDING_NAME!r} beside the weights: vLLM, SGLang and llama.cpp replace the "
+            f"embedding of mask_token_id with its vector, specreplay embeds the mask slots with the target's own "
+            f"row; refusing rather than scoring it wrong"
+        )
 
 
 def missing_config_message(path: str, config: str, explicit: bool) -> str:

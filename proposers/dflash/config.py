@@ -12,27 +12,24 @@ from __future__ import annotations
 
 from proposers.dflash.layout import SpeculatorsDFlash
 from proposers.dflash.model import DFlashDrafter
+from proposers.fields.rules import check_speculators_block, check_zlab
 from proposers.registry import Family
 from proposers.toolkit.config import DrafterConfig, DrafterConfigError
-from proposers.toolkit.qwen3_decoder import decoder_fields, draft_vocab, speculators_decoder, stated_layers
+from proposers.toolkit.qwen3_decoder import (
+    checked_decoder_fields,
+    draft_vocab,
+    speculators_decoder,
+    stated_layers,
+    zlab_block_fields,
+)
 from proposers.toolkit.zlab_layout import ZlabDFlash
 
 
 def parse_zlab(checked: ZlabDFlash, raw: dict, source: str) -> DrafterConfig:
     """A z-lab DFlash v1 config (validated against its declared layout) in the project's terms."""
-    softcap = checked.value("final_logit_softcapping")
-    return DrafterConfig(
-        **decoder_fields(raw, source),
-        block_size=checked.value("block_size", 16),
-        mask_token_id=checked.value("mask_token_id"),
-        target_layer_ids=checked.feature_layers(source),
-        num_target_layers=checked.num_target_layers,
-        is_causal=checked.is_causal,
-        input_embedding_scale=float(checked.value("input_embedding_scale", 1.0)),
-        output_multiplier=float(checked.value("output_multiplier", 1.0)),
-        final_logit_softcapping=None if softcap is None or softcap <= 0 else float(softcap),
-        raw=raw,
-    )
+    config = DrafterConfig(**zlab_block_fields(checked, raw, source))
+    check_zlab(checked, config, source)
+    return config
 
 
 def parse_speculators(checked: SpeculatorsDFlash, raw: dict, source: str) -> DrafterConfig:
@@ -45,18 +42,19 @@ def parse_speculators(checked: SpeculatorsDFlash, raw: dict, source: str) -> Dra
         )
     decoder = speculators_decoder(raw, source, "DFlash")
     config = DrafterConfig(
-        **decoder_fields(decoder, source),
+        **checked_decoder_fields(decoder, source, "transformer_layer_config."),
         block_size=checked.block_size,
         mask_token_id=checked.mask_token_id,
         target_layer_ids=checked.feature_layers(source),
         num_target_layers=None,
-        is_causal=None,
+        is_causal=checked.transformer_layer_config.is_causal,
         raw=decoder,  # what the backbone builds its Qwen3Config from
         layout="speculators",
         sliding_non_causal=checked.sliding_window_non_causal,
         **stated_layers(checked),
     )
     config.draft_vocab_size = draft_vocab(checked.draft_vocab_size, config.vocab_size, source)
+    check_speculators_block(checked, config, source)
     return config
 
 

@@ -20,9 +20,15 @@ from __future__ import annotations
 
 from proposers.dflash2.layout import SpeculatorsDFlash2
 from proposers.dflash2.model import DFlash2Drafter
+from proposers.fields.rules import check_speculators_block, check_zlab
 from proposers.registry import Family
 from proposers.toolkit.config import DrafterConfig, DrafterConfigError
-from proposers.toolkit.qwen3_decoder import decoder_fields, speculators_decoder, stated_layers
+from proposers.toolkit.qwen3_decoder import (
+    checked_decoder_fields,
+    speculators_decoder,
+    stated_layers,
+    zlab_block_fields,
+)
 from proposers.toolkit.zlab_layout import DFLASH2_KEYS, ZlabDFlash
 
 
@@ -34,29 +40,20 @@ def parse_zlab(checked: ZlabDFlash, raw: dict, source: str) -> DrafterConfig:
             f"default for it. Add it to dflash_config (conv_kernel_size, conv_group_size, selector_rank, "
             f"selector_top_k)"
         )
-    softcap = checked.value("final_logit_softcapping")
     config = DrafterConfig(
-        **decoder_fields(raw, source),
-        block_size=checked.value("block_size", 16),
-        mask_token_id=checked.value("mask_token_id"),
-        target_layer_ids=checked.feature_layers(source),
-        num_target_layers=checked.num_target_layers,
-        is_causal=checked.is_causal,
-        input_embedding_scale=float(checked.value("input_embedding_scale", 1.0)),
-        output_multiplier=float(checked.value("output_multiplier", 1.0)),
-        final_logit_softcapping=None if softcap is None or softcap <= 0 else float(softcap),
-        raw=raw,
+        **zlab_block_fields(checked, raw, source),
         family="dflash2",
         layout="z-lab",
         family_options={key: int(checked.value(key)) for key in DFLASH2_KEYS},
     )
     check_options(config, source, {key: checked.field_name(key) for key in DFLASH2_KEYS})
+    check_zlab(checked, config, source)
     return config
 
 
 def parse_speculators(checked: SpeculatorsDFlash2, raw: dict, source: str) -> DrafterConfig:
     decoder = speculators_decoder(raw, source, "DFlash2")
-    fields = decoder_fields(decoder, source)
+    fields = checked_decoder_fields(decoder, source, "transformer_layer_config.")
     if checked.draft_vocab_size != fields["vocab_size"]:
         raise DrafterConfigError(
             f"{source}: draft_vocab_size {checked.draft_vocab_size} differs from transformer_layer_config.vocab_size "
@@ -68,7 +65,7 @@ def parse_speculators(checked: SpeculatorsDFlash2, raw: dict, source: str) -> Dr
         mask_token_id=checked.mask_token_id,
         target_layer_ids=checked.feature_layers(source),
         num_target_layers=None,
-        is_causal=None,
+        is_causal=checked.transformer_layer_config.is_causal,
         raw=decoder,  # what the backbone builds its Qwen3Config from, as for every speculators family
         family="dflash2",
         layout="speculators",
@@ -78,6 +75,7 @@ def parse_speculators(checked: SpeculatorsDFlash2, raw: dict, source: str) -> Dr
         **stated_layers(checked),
     )
     check_options(config, source, {key: key for key in DFLASH2_KEYS})
+    check_speculators_block(checked, config, source)
     return config
 
 

@@ -4,7 +4,8 @@
   decoder nested in `transformer_layer_config`, before-layer `aux_hidden_state_layer_ids`,
   `sample_from_anchor` (default true), a reduced `draft_vocab_size` possible;
 * SpecForge (`dflash_config.projector_type: "dspark"`) and DeepSpec (`Qwen3DSparkModel`)
-  (layout.py): output-of-layer ids, every slot drafts.
+  (layout.py): output-of-layer ids, every slot drafts (unless the file says
+  `sample_from_anchor: false`, which every engine serves as the fill-in block).
 
 The backbone is the block drafter's (proposers/toolkit/block_drafter.py), the heads are model.py's; the head settings go to
 `DrafterConfig.family_options` (the fields of `DSparkHeads`). DeepSpec is the inference
@@ -18,9 +19,10 @@ from dataclasses import asdict
 
 from proposers.dspark.layout import DeepSpecDSpark, DSparkHeads, SpecForgeDSpark, SpeculatorsDSpark, resolve_heads
 from proposers.dspark.model import DSparkDrafter
+from proposers.fields.rules import check_speculators_block, check_target_width, dspark_from_anchor
 from proposers.registry import Family
 from proposers.toolkit.config import DrafterConfig, DrafterConfigError
-from proposers.toolkit.qwen3_decoder import decoder_fields, draft_vocab, speculators_decoder, stated_layers
+from proposers.toolkit.qwen3_decoder import checked_decoder_fields, draft_vocab, speculators_decoder, stated_layers
 
 
 def parse_drafter_config(checked, raw: dict, source: str = "config", target_layers: int | None = None) -> DrafterConfig:
@@ -34,12 +36,19 @@ def parse_drafter_config(checked, raw: dict, source: str = "config", target_laye
     raise DrafterConfigError(f"{source}: a {type(checked).__name__} config is not one of DSpark's layouts")
 
 
-def _drafter_config(decoder: dict, source: str, heads: DSparkHeads, **fields) -> DrafterConfig:
-    """The DrafterConfig of a DSpark drafter whose Qwen3 decoder fields are `decoder`: the shapes
-    as transformers' Qwen3Config resolves them (its defaults fill what the file leaves out)."""
+def _drafter_config(decoder: dict, source: str, heads: DSparkHeads, where: str = "", **fields) -> DrafterConfig:
+    """The DrafterConfig of a DSpark drafter whose Qwen3 decoder fields are `decoder` (`where` in
+    the file): the shapes as transformers' Qwen3Config resolves them (its defaults fill what the
+    file leaves out), `is_causal` as the file says (every engine applies it to every layer)."""
+    if heads.markov_head_type == "rnn" and not fields["drafts_from_anchor"]:
+        raise DrafterConfigError(
+            f"{source}: field 'markov_head_type' is 'rnn' with 'sample_from_anchor' false: the recurrent state "
+            f"then starts at the anchor slot, which drafts nothing, and no inference implementation defines "
+            f"that case; specreplay scores rnn heads with sample_from_anchor true only"
+        )
     return DrafterConfig(
-        **decoder_fields(decoder, source),
-        is_causal=None,
+        **checked_decoder_fields(decoder, source, where, own_model_type=not where),
+        is_causal=decoder.get("is_causal"),
         raw=decoder,  # what the backbone builds its Qwen3Config from (qwen3_decoder.decoder_hf_config)
         family="dspark",
         family_options=asdict(heads),
@@ -48,27 +57,21 @@ def _drafter_config(decoder: dict, source: str, heads: DSparkHeads, **fields) ->
 
 
 def _speculators(checked: SpeculatorsDSpark, raw: dict, source: str) -> DrafterConfig:
-    extra = checked.model_extra or {}
     heads = resolve_heads(
         checked.markov_rank,
         checked.markov_head_type,
         checked.enable_confidence_head,
         checked.enable_confidence_head and checked.confidence_head_with_markov,
-        _threshold(extra.get("confidence_threshold"), source),
+        _threshold(checked.confidence_threshold, source),
         "",
         "speculators' DSparkDraftModel",
         source,
     )
-    if heads.markov_head_type == "rnn" and not checked.sample_from_anchor:
-        raise DrafterConfigError(
-            f"{source}: field 'markov_head_type' is 'rnn' with 'sample_from_anchor' false: the recurrent state "
-            f"then starts at the anchor slot, which drafts nothing, and no inference implementation defines "
-            f"that case; specreplay scores rnn heads with sample_from_anchor true only"
-        )
     config = _drafter_config(
         speculators_decoder(raw, source, "DSpark"),
         source,
         heads,
+        "transformer_layer_config.",
         block_size=checked.block_size,
         mask_token_id=checked.mask_token_id,
         target_layer_ids=checked.feature_layers(source),
@@ -79,6 +82,7 @@ def _speculators(checked: SpeculatorsDSpark, raw: dict, source: str) -> DrafterC
         **stated_layers(checked),
     )
     config.draft_vocab_size = draft_vocab(checked.draft_vocab_size, config.vocab_size, source)
+    check_speculators_block(checked, config, source)
     return config
 
 
@@ -93,9 +97,11 @@ def _specforge(checked: SpecForgeDSpark, raw: dict, source: str) -> DrafterConfi
         target_layer_ids=checked.feature_layers(source),
         num_target_layers=checked.num_target_layers,
         layout="specforge",
-        drafts_from_anchor=True,  # as its training (and DeepSpec); its in-repo spec_generate is a slot off
+        # as its training (and DeepSpec) unless the file says false; its in-repo spec_generate is a slot off
+        drafts_from_anchor=dspark_from_anchor(checked),
     )
     _check_attention_mode(options.attention_mode, config, source)
+    check_target_width(checked.target_hidden_size, config, source)
     return config
 
 
@@ -123,7 +129,7 @@ def _deepspec(checked: DeepSpecDSpark, raw: dict, source: str) -> DrafterConfig:
         target_layer_ids=checked.feature_layers(source),
         num_target_layers=checked.num_target_layers,
         layout="deepspec",
-        drafts_from_anchor=True,
+        drafts_from_anchor=dspark_from_anchor(checked),
     )
     if "sliding_attention" in config.layer_types:
         raise DrafterConfigError(

@@ -21,13 +21,13 @@ config of any layout carries one.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Annotated, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field, field_validator
 
 from pipeline.common.layer_ids import build_target_layer_ids
-from pipeline.common.schema import LARGEST, Count, Number, Positive, Schema, SchemaError, wrong
-from proposers.toolkit.layout_fields import REQUIRED_SHAPE, DecoderFields, LayerIds, unique_ids
+from pipeline.common.schema import LARGEST, Count, Number, Positive, SchemaError, wrong
+from proposers.toolkit.layout_fields import REQUIRED_SHAPE, BlockDecoderFields, DrafterNamespace, LayerIds, unique_ids
 from proposers.toolkit.speculators_layout import SpeculatorsBlock
 
 LABEL = "DSpark"
@@ -75,7 +75,7 @@ def resolve_heads(rank, kind, confidence, with_markov, threshold, where: str, re
     )
 
 
-class SpecForgeOptions(Schema):
+class SpecForgeOptions(DrafterNamespace):
     """`dflash_config` of a SpecForge DSpark drafter (its DSparkDraftModel reads them there only)."""
 
     projector_type: Literal["dspark"]
@@ -88,6 +88,8 @@ class SpecForgeOptions(Schema):
     confidence_head_with_markov: bool | None = None
     attention_mode: str = "gqa"
     confidence_threshold: Threshold | None = None
+    shift_label: Any = None  # SpecForge's DFlashDraftModel reads these two for training only
+    pure_draft_prefix_len: Any = None
 
     _unique = field_validator("target_layer_ids")(unique_ids)
     _head_type = field_validator("markov_head_type")(head_type)
@@ -109,9 +111,11 @@ class SpeculatorsDSpark(SpeculatorsBlock):
     markov_head_type: Literal["vanilla", "gated", "rnn"] = "vanilla"
     enable_confidence_head: bool = True
     confidence_head_with_markov: bool = True
+    use_aux_hidden_state: bool | None = None  # vLLM forwards it; refused when false
+    confidence_threshold: Any = None  # this project's (config.py checks it): cut proposals below it
 
 
-class SpecForgeDSpark(DecoderFields):
+class SpecForgeDSpark(BlockDecoderFields):
     LAYOUT: ClassVar[str] = "specforge"
     CONVENTION: ClassVar[str] = "output"
     ARCHITECTURES: ClassVar[tuple[str, ...]] = ("DSparkDraftModel",)  # speculators' saves carry it too
@@ -119,6 +123,8 @@ class SpecForgeDSpark(DecoderFields):
     architectures: list[str] | None = None
     num_target_layers: Positive | None = None
     block_size: Positive | None = None
+    sample_from_anchor: bool | None = None  # every engine reads absent as true
+    target_hidden_size: Positive | None = None  # vLLM's fc width; refused unless hidden_size
     dflash_config: SpecForgeOptions
 
     @property
@@ -170,7 +176,7 @@ class SpecForgeDSpark(DecoderFields):
         )
 
 
-class DeepSpecDSpark(DecoderFields):
+class DeepSpecDSpark(BlockDecoderFields):
     LAYOUT: ClassVar[str] = "deepspec"
     CONVENTION: ClassVar[str] = "output"
     ARCHITECTURES: ClassVar[tuple[str, ...]] = ("Qwen3DSparkModel",)
@@ -186,6 +192,7 @@ class DeepSpecDSpark(DecoderFields):
     markov_rank: Count | None = None
     markov_head_type: str | None = None
     confidence_threshold: Threshold | None = None
+    sample_from_anchor: bool | None = None  # every engine reads absent as true
 
     _unique = field_validator("target_layer_ids")(unique_ids)
     _head_type = field_validator("markov_head_type")(head_type)

@@ -21,6 +21,8 @@ from __future__ import annotations
 from proposers.eagle3.layout import SpecForgeEagle3, SpeculatorsEagle3
 from proposers.eagle3.model import Eagle3Drafter, decoder_config
 from proposers.eagle3.tree import beam_candidates
+from proposers.fields.decoder_rules import check_eagle_decoder
+from proposers.fields.rules import check_specforge_eagle
 from proposers.registry import Family
 from proposers.toolkit.config import DrafterConfig, DrafterConfigError, decoder_shape, refuse_field
 from proposers.toolkit.qwen3_decoder import draft_vocab
@@ -111,6 +113,7 @@ def _config(decoder: dict, kind: str, source: str, checked, target_layers, *, st
     """The DrafterConfig of an EAGLE-3 drafter whose decoder fields are `decoder` (`kind` layers)."""
     hf = decoder_config(decoder, kind, source)
     _check_decoder(decoder, hf, checked, source)
+    check_eagle_decoder(decoder, hf, "" if checked.LAYOUT == "specforge" else "transformer_layer_config.", source)
     config = DrafterConfig(
         **decoder_shape(hf),
         block_size=steps,
@@ -131,15 +134,24 @@ def _config(decoder: dict, kind: str, source: str, checked, target_layers, *, st
         layer_convention=checked.CONVENTION,
     )
     config.draft_vocab_size = draft_vocab(draft_vocab_size, config.vocab_size, source)
+    if checked.LAYOUT == "specforge":
+        check_specforge_eagle(checked, len(config.target_layer_ids), source)
     return config
 
 
 def _check_decoder(decoder: dict, hf, checked, source: str) -> None:
     """What the replay does not implement for EAGLE-3, refused by name rather than scored wrong."""
     types = decoder.get("layer_types") or []
-    if "sliding_attention" in types or (decoder.get("use_sliding_window") and decoder.get("sliding_window")):
+    if "sliding_attention" in types:
         refuse_field(
             source, "layer_types", "sliding attention", "specreplay scores EAGLE-3 drafters with full attention"
+        )
+    if decoder.get("use_sliding_window") and decoder.get("sliding_window"):
+        refuse_field(
+            source,
+            "sliding_window",
+            f"{decoder['sliding_window']} with use_sliding_window true",
+            "specreplay scores EAGLE-3 drafters with full attention",
         )
     if checked.target_hidden_size is not None and checked.target_hidden_size != hf.hidden_size:
         refuse_field(

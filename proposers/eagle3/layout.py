@@ -12,12 +12,12 @@ no step count; sglang takes it from --speculative-num-steps).
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import field_validator, model_validator
 
-from pipeline.common.schema import Positive, Schema, SchemaError, wrong
-from proposers.toolkit.layout_fields import REQUIRED_SHAPE, DecoderFields, LayerIds, unique_ids
+from pipeline.common.schema import Positive, SchemaError, wrong
+from proposers.toolkit.layout_fields import REQUIRED_SHAPE, DraftDecoderFields, DrafterNamespace, LayerIds, unique_ids
 from proposers.toolkit.speculators_layout import SpeculatorsFormat
 
 LABEL = "EAGLE-3"
@@ -31,7 +31,14 @@ class SpeculatorsEagle3(SpeculatorsFormat):
     FAMILY: ClassVar[str] = "eagle3"
     IDS_FIELD: ClassVar[str] = "eagle_aux_hidden_state_layer_ids"
 
+    DECODER_CLASSES: ClassVar[dict[str | None, str]] = {
+        None: "Qwen3Config",
+        "qwen3": "Qwen3Config",
+        "llama": "LlamaConfig",
+    }
+
     speculators_model_type: Literal["eagle3"]
+    transformer_layer_config: DraftDecoderFields
     eagle_aux_hidden_state_layer_ids: LayerIds | None = None
     norm_before_residual: bool = False
     norm_before_fc: bool = False
@@ -79,20 +86,23 @@ def default_eagle_ids(
     return ids
 
 
-class EagleOptions(Schema):
-    """`eagle_config`: which target layers feed `fc`, and whether any do."""
+class EagleOptions(DrafterNamespace):
+    """`eagle_config`: which target layers feed `fc`, and whether any do (sglang and vLLM read
+    `norm_before_fc` here first, then at the top level)."""
 
     eagle_aux_hidden_state_layer_ids: LayerIds | None = None
     use_aux_hidden_state: bool = True
+    norm_before_fc: bool | None = None  # refused when true: SpecForge never trains it
 
     _unique = field_validator("eagle_aux_hidden_state_layer_ids")(unique_ids)
 
 
-class SpecForgeEagle3(DecoderFields):
+class SpecForgeEagle3(DraftDecoderFields):
     LAYOUT: ClassVar[str] = "specforge"
     CONVENTION: ClassVar[str] = "output"
     ARCHITECTURES: ClassVar[tuple[str, ...]] = (ARCHITECTURE,)
     IDS_FIELD: ClassVar[str] = "eagle_config.eagle_aux_hidden_state_layer_ids"
+    DECODER_CLASS: ClassVar[str] = "LlamaConfig"
 
     architectures: list[str]
     draft_vocab_size: Positive | None = None
@@ -101,6 +111,15 @@ class SpecForgeEagle3(DecoderFields):
     fc_norm: bool = False
     norm_output: bool = True
     num_speculative_tokens: Positive | None = None
+    # read by an engine, never written by SpecForge (docs/config-fields.md): refused unless neutral
+    norm_before_fc: bool | None = None
+    norm_before_residual: bool | None = None
+    use_aux_norm: bool | None = None  # sglang's older name for fc_norm
+    num_aux_hidden_states: Positive | None = None
+    bias: bool | None = None  # sglang: a bias on fc
+    # in SpecForge's own configs (configs/*-eagle3.json), read by SpecForge's training alone
+    target_model_type: str | None = None  # which target SpecForge trains against: training-only
+    decoder_sparse_step: Any = None  # copied from a MoE target's config; no Llama layer reads it
 
     @field_validator("architectures")
     @classmethod
@@ -108,6 +127,10 @@ class SpecForgeEagle3(DecoderFields):
         if ARCHITECTURE not in value:
             raise wrong(value, f"['{ARCHITECTURE}']")
         return value
+
+    def namespaces(self) -> dict:
+        """LlamaConfig's keys whatever model_type says: SpecForge's LlamaForCausalLMEagle3 is Llama layers."""
+        return {"": (self.DECODER_CLASS, type(self))}
 
     @property
     def family(self) -> str:

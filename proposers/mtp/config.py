@@ -16,6 +16,7 @@ and proposing t + j. The model and the rule: model.py.
 from __future__ import annotations
 
 from pipeline.common.layer_ids import final_prenorm_id
+from proposers.fields.decoder_rules import check_mtp_decoder, check_mtp_experts
 from proposers.mtp.layout import NativeMTP, SpeculatorsMTP
 from proposers.mtp.model import MtpDrafter, hf_config
 from proposers.registry import Family
@@ -33,18 +34,25 @@ def parse_drafter_config(checked, raw: dict, source: str = "config", target_laye
     """An MTP head's config in the project's terms: a target's own config.json or a speculators export."""
     if isinstance(checked, NativeMTP):
         decoder, steps = raw.get("text_config") or raw, DEFAULT_STEPS
+        where = "text_config." if raw.get("text_config") else ""
     elif isinstance(checked, SpeculatorsMTP):
         decoder, steps = raw["transformer_layer_config"], checked.speculative_tokens or DEFAULT_STEPS
+        where = "transformer_layer_config."
     else:
         raise DrafterConfigError(f"{source}: a {type(checked).__name__} config is not one of MTP's layouts")
     kind = _kind(decoder, raw, source)
-    return _config(decoder, kind, source, checked, steps)
+    config = _config(decoder, kind, source, checked, steps)
+    hf = hf_config(config.raw, kind, source)
+    check_mtp_decoder(decoder, hf, where, source)
+    if kind == "qwen3_next":
+        check_mtp_experts(hf, where, source)
+    return config
 
 
 def _kind(decoder: dict, raw: dict, source: str) -> str:
     """The decoder kind of mtp_model.PARTS, or the one line saying why it is not scored."""
     model_type = decoder.get("model_type") or raw.get("model_type")
-    if model_type in MOE_KINDS or (model_type == "qwen3_next" and (decoder.get("num_experts") or 0) > 0):
+    if model_type in MOE_KINDS:
         refuse_field(
             source, "model_type", f"{model_type!r} with experts", "specreplay scores MTP heads with a dense MLP"
         )

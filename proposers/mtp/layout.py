@@ -9,24 +9,52 @@ name rather than read as something else."""
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 from pipeline.common.layer_ids import final_prenorm_id
-from pipeline.common.schema import Positive, Schema, SchemaError
+from pipeline.common.schema import Count, Positive, Schema, SchemaError
+from proposers.toolkit.layout_fields import DecoderFields
 from proposers.toolkit.speculators_layout import SpeculatorsFormat
 
 LABEL = "MTP"
 
 # the target kinds whose checkpoints hold `mtp.*` heads, by config.json model_type
 MTP_TARGET_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
+# transformers' config class of each kind (by name: torch-free), and of its text_config when it nests
+# one; None for the MoE kinds, refused by their model_type before any key is looked at
+CONFIG_CLASSES = {
+    "qwen3_next": ("Qwen3NextConfig", None),
+    "qwen3_5": ("Qwen3_5Config", "Qwen3_5TextConfig"),
+    "qwen3_5_text": ("Qwen3_5TextConfig", None),
+    "qwen3_5_moe": (None, None),
+    "qwen3_5_moe_text": (None, None),
+}
 
 
-class TextFields(Schema):
+class MtpKeys(Schema):
+    """Keys of a Qwen3.5 / Qwen3-Next text config that an engine reads for the MTP head (or that
+    real checkpoints carry) and transformers' config classes do not declare (docs/config-fields.md)."""
+
+    mtp_num_hidden_layers: Count | None = None  # refused above 1: vLLM cycles steps through the layers
+    num_nextn_predict_layers: Count | None = None  # Qwen3-Next's name for it
+    mtp_use_dedicated_embeddings: bool | None = None  # refused when true: the head's own embedding
+    attn_output_gate: bool | None = None  # refused when false: specreplay's MTP attention is gated
+    layer_scale: bool | None = None  # refused when true: vLLM's per-layer residual scales
+    qkv_bias: bool | None = None  # refused when true: vLLM's q/k/v bias
+    mamba_ssm_dtype: Any = None  # the target's linear-attention layers: bookkeeping
+    full_attention_interval: Any = None  # transformers derives the target's layer_types from it
+
+
+class TextFields(MtpKeys):
     model_type: str | None = None
     num_hidden_layers: Positive | None = None
 
 
-class NativeMTP(Schema):
+class MtpDecoderFields(DecoderFields, MtpKeys):
+    """speculators' `transformer_layer_config` of an MTP export: the verifier's text config."""
+
+
+class NativeMTP(MtpKeys):
     LAYOUT: ClassVar[str] = "native"
     CONVENTION: ClassVar[str] = "output"
     MODEL_TYPES: ClassVar[tuple[str, ...]] = MTP_TARGET_TYPES  # detected by model_type, not an architecture
@@ -34,6 +62,14 @@ class NativeMTP(Schema):
     model_type: Literal[MTP_TARGET_TYPES]
     num_hidden_layers: Positive | None = None
     text_config: TextFields | None = None
+
+    def namespaces(self) -> dict:
+        """The top level and, for a wrapper, `text_config`, each with transformers' class of its kind."""
+        top, text = CONFIG_CLASSES[self.model_type]
+        found = {"": (top, type(self))}
+        if text is not None:
+            found["text_config"] = (text, TextFields)
+        return found
 
     @property
     def family(self) -> str:
@@ -68,8 +104,12 @@ class SpeculatorsMTP(SpeculatorsFormat):
     `target_layer_ids` is [num_hidden_layers], a before-layer id L: this project's id L)."""
 
     FAMILY: ClassVar[str] = "mtp"
+    DECODER_CLASSES: ClassVar[dict[str | None, str]] = {
+        kind: CONFIG_CLASSES[kind][1] or CONFIG_CLASSES[kind][0] for kind in MTP_TARGET_TYPES
+    }
 
     speculators_model_type: Literal["mtp"]
+    transformer_layer_config: MtpDecoderFields
     num_nextn_predict_layers: Literal[1] = 1
 
     def stored_layer_ids(self) -> list[int] | None:

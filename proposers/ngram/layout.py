@@ -50,6 +50,10 @@ class VllmNgram(ClosedSchema):
         if self.num_speculative_tokens is None:
             raise SchemaError(f"{source}: missing field 'num_speculative_tokens'")
 
+    def namespaces(self) -> dict:
+        """No namespace is a transformers config: the schema is closed (proposers/fields/known.py)."""
+        return {}
+
     def stored_layer_ids(self) -> list[int]:
         return []
 

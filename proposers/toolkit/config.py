@@ -44,6 +44,8 @@ class DrafterConfig:
     output_multiplier: float = 1.0
     final_logit_softcapping: float | None = None
     attention_bias: bool = False
+    # every attention value (context and block) multiplied by it (z-lab dflash_config.attention_value_scale)
+    attention_value_scale: float = 1.0
     raw: dict = field(default_factory=dict, repr=False)
     family: str = "dflash"  # detect.py's key of the family that parsed it
     layout: str = "z-lab"  # whose config.json layout it was read from (messages, run.json)

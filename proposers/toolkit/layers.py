@@ -40,6 +40,7 @@ class DrafterAttention(nn.Module):
         self.o_proj = nn.Linear(self.heads * d, config.hidden_size, bias=bias)
         self.q_norm = Qwen3RMSNorm(d, eps=config.rms_norm_eps) if qk_norm else None
         self.k_norm = Qwen3RMSNorm(d, eps=config.rms_norm_eps) if qk_norm else None
+        self.value_scale = config.attention_value_scale
 
     def queries(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [..., T, in] -> roped, normed queries [..., heads, T, d]."""
@@ -55,6 +56,8 @@ class DrafterAttention(nn.Module):
         if self.k_norm is not None:
             k = self.k_norm(k)
         v = self.v_proj(x).view(shape).transpose(-2, -3)
+        if self.value_scale != 1.0:  # vLLM's and SGLang's v_scale: every value, context and block alike
+            v = v * self.value_scale
         return apply_rope(k.transpose(-2, -3), cos, sin), v
 
     def attend_to(self, q, k, v, ctx_k, ctx_v, mask) -> torch.Tensor:

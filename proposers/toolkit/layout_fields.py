@@ -1,18 +1,29 @@
 """Fields several drafter layouts declare, torch-free: a drafter's decoder layers (Qwen3-style, as
 transformers' config classes name them: at the top level of a z-lab config, nested as
-`transformer_layer_config` in a speculators one) and feature layer id lists. Only the fields the
-replay reads are declared; the rest pass through to transformers' config class, which gives what
-is absent its own default."""
+`transformer_layer_config` in a speculators one) and feature layer id lists. The fields the replay
+reads, and those an engine reads that transformers' config class does not declare, are declared
+here; the rest pass through to transformers' config class, which gives what is absent its own
+default. A key neither declares is refused by name (proposers/fields/known.py, stage 2), as is a
+key a `DrafterNamespace` (`dflash_config`, `eagle_config`, `speculators_config`) does not name
+(here, at validation). docs/config-fields.md lists every field, its status and its readers."""
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BeforeValidator, Field, ValidationInfo, field_validator
 
-from pipeline.common.schema import Count, Positive, Schema, wrong
+from pipeline.common.schema import ClosedNamespace, Count, Number, Positive, Schema, wrong
 
 LayerIds = Annotated[list[Count], Field(min_length=1)]
+# The refusal of a key specreplay does not know, in a namespace it enumerates and in a decoder's
+UNKNOWN_KEY = "is not a field specreplay knows; refusing rather than scoring the drafter as something it is not"
+
+
+class DrafterNamespace(ClosedNamespace):
+    """A drafter config's namespace whose every key (each engine's and trainer's) is declared."""
+
+    UNKNOWN_KEY: ClassVar[str] = UNKNOWN_KEY
 
 
 def unique_ids(value):
@@ -87,9 +98,39 @@ class DecoderFields(Schema):
             raise ValueError(f"has {len(value)} entries for num_hidden_layers {layers}; expected one per layer")
         return value
 
+    # transformers' config class the reference builds from this namespace (by name: torch-free)
+    DECODER_CLASS: ClassVar[str] = "Qwen3Config"
+
+    def namespaces(self) -> dict[str, tuple[str | None, type[Schema]]]:
+        """Each namespace of the file that is a transformers config ('' the top level): the name
+        of transformers' class whose attributes it may hold beside what `schema` declares, None
+        when another check refuses the namespace by name (its model_type). Keys neither knows are
+        refused by name (proposers/fields/known.py)."""
+        kind = self.model_type
+        return {"": (self.DECODER_CLASS if kind in (None, "qwen3") else None, type(self))}
+
     def require(self, names: tuple[str, ...], where: str = "") -> list[str]:
         """The names among `names` this config leaves unset (to refuse a file that is not a drafter's)."""
         return [f"{where}{name}" for name in names if getattr(self, name) is None]
+
+
+class DraftDecoderFields(DecoderFields):
+    """A drafter's own decoder (block drafters, EAGLE-3) with the keys an engine reads there that
+    transformers' Qwen3Config / LlamaConfig do not declare."""
+
+    partial_rotary_factor: Number | None = None  # refused unless 1: engines rotate part of each head
+    logit_scale: Number | None = None  # refused unless 1: vLLM scales the draft logits
+
+
+class BlockDecoderFields(DraftDecoderFields):
+    """The decoder of a block drafter (DFlash, DFlash2, DSpark) with the keys the engines' DFlash
+    layers read beside transformers' Qwen3Config ones (vLLM qwen3_dflash.py, sglang dflash.py,
+    llama.cpp conversion/qwen.py)."""
+
+    is_causal: bool | None = None  # every layer causal (or not) inside the block
+    is_neox_style: bool | None = None  # refused when false: interleaved RoPE
+    rope_is_neox_style: bool | None = None  # the same, as llama.cpp and sglang spell it
+    use_gemma_norm: bool | None = None  # refused when true: sglang's (1 + w) norms
 
 
 # Fields every drafter config states: without them the file is not a drafter's config.json.

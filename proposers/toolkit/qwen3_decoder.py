@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from transformers import Qwen3Config
 
+from proposers.fields.decoder_rules import check_block_decoder
 from proposers.toolkit.config import DrafterConfig, DrafterConfigError, decoder_shape, transformers_config
 
 
@@ -52,6 +53,41 @@ def decoder_fields(decoder: dict, source: str) -> dict:
     layer_types, sliding_window = attention_layout(decoder, source)
     hf = qwen3_config(decoder)
     return dict(**decoder_shape(hf), layer_types=layer_types, sliding_window=sliding_window)
+
+
+def checked_decoder_fields(decoder: dict, source: str, where: str = "", own_model_type: bool = False) -> dict:
+    """`decoder_fields`, once the decoder's fields the replay does not implement are refused by
+    name (proposers/fields/decoder_rules.py); `where` prefixes the names ('transformer_layer_config.')."""
+    fields = decoder_fields(decoder, source)
+    check_block_decoder(decoder, qwen3_config(decoder, source), where, source, own_model_type)
+    return fields
+
+
+def zlab_attention(checked) -> dict:
+    """The attention fields of a z-lab config as vLLM and llama.cpp read them: `is_causal`, else
+    `dflash_config.causal`, for every layer; `dflash_config.attention_value_scale` on every value."""
+    options = checked.dflash_config
+    causal = checked.is_causal if checked.is_causal is not None or options is None else options.causal
+    scale = None if options is None else options.attention_value_scale
+    return {"is_causal": causal, "attention_value_scale": 1.0 if scale is None else float(scale)}
+
+
+def zlab_block_fields(checked, raw: dict, source: str) -> dict:
+    """The DrafterConfig fields a z-lab DFlash or DFlash2 config shares: the checked decoder, the
+    block fields read from dflash_config first, then the top level, and the attention fields."""
+    softcap = checked.value("final_logit_softcapping")
+    return dict(
+        **checked_decoder_fields(raw, source, own_model_type=True),
+        block_size=checked.value("block_size", 16),
+        mask_token_id=checked.value("mask_token_id"),
+        target_layer_ids=checked.feature_layers(source),
+        num_target_layers=checked.value("num_target_layers"),
+        **zlab_attention(checked),
+        input_embedding_scale=float(checked.value("input_embedding_scale", 1.0)),
+        output_multiplier=float(checked.value("output_multiplier", 1.0)),
+        final_logit_softcapping=None if softcap is None or softcap <= 0 else float(softcap),
+        raw=raw,
+    )
 
 
 def speculators_decoder(raw: dict, source: str, family: str) -> dict:

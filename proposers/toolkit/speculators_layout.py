@@ -14,21 +14,34 @@ from typing import ClassVar
 
 from pydantic import field_validator
 
-from pipeline.common.schema import Count, Positive, Schema, SchemaError
-from proposers.toolkit.layout_fields import REQUIRED_SHAPE, DecoderFields, LayerIds, unique_ids
+from pipeline.common.schema import Count, Number, Positive, Schema, SchemaError
+from proposers.toolkit.layout_fields import (
+    REQUIRED_SHAPE,
+    BlockDecoderFields,
+    DecoderFields,
+    DrafterNamespace,
+    LayerIds,
+    unique_ids,
+)
 
 
-class ProposalMethod(Schema):
+class ProposalMethod(DrafterNamespace):
+    """One of `speculators_config.proposal_methods` (speculators proposals/greedy.py)."""
+
     proposal_type: str | None = None
-    speculative_tokens: Positive | None = None
+    speculative_tokens: Positive | None = None  # vLLM's num_speculative_tokens
+    verifier_accept_k: Positive | None = None  # training-only: no engine relaxes verification
+    accept_tolerance: Number | None = None  # training-only, with verifier_accept_k
 
 
-class Verifier(Schema):
+class Verifier(DrafterNamespace):
+    """`speculators_config.verifier`: the target it was trained against (training-only)."""
+
     name_or_path: str | None = None
     architectures: list[str] | None = None
 
 
-class SpeculatorsSettings(Schema):
+class SpeculatorsSettings(DrafterNamespace):
     """`speculators_config`: the algorithm, its proposal methods (how many tokens a step
     drafts) and the verifier it was trained for."""
 
@@ -45,6 +58,7 @@ class SpeculatorsFormat(Schema):
     IDS_FIELD: ClassVar[str] = "aux_hidden_state_layer_ids"
 
     speculators_model_type: str
+    speculators_version: str | None = None  # bookkeeping
     architectures: list[str] | None = None
     transformer_layer_config: DecoderFields
     speculators_config: SpeculatorsSettings | None = None
@@ -62,6 +76,15 @@ class SpeculatorsFormat(Schema):
     @property
     def decoder(self) -> DecoderFields:
         return self.transformer_layer_config
+
+    # transformers' config class of `transformer_layer_config`, by its model_type (absent: None's)
+    DECODER_CLASSES: ClassVar[dict[str | None, str]] = {None: "Qwen3Config", "qwen3": "Qwen3Config"}
+
+    def namespaces(self) -> dict[str, tuple[str | None, type[Schema]]]:
+        """The top level (a PretrainedConfig of speculators' class) and `transformer_layer_config`
+        (see DecoderFields.namespaces)."""
+        decoder = self.DECODER_CLASSES.get(self.decoder.model_type)
+        return {"": ("PretrainedConfig", type(self)), "transformer_layer_config": (decoder, type(self.decoder))}
 
     @property
     def speculative_tokens(self) -> int | None:
@@ -98,6 +121,7 @@ class SpeculatorsBlock(SpeculatorsFormat):
     """The fields speculators' block drafters share (DFlash, DFlash2, DSpark: a block [x_t, mask, ...]
     over the target's aux hidden states); each family's class narrows `speculators_model_type`."""
 
+    transformer_layer_config: BlockDecoderFields
     block_size: Positive = 8
     aux_hidden_state_layer_ids: LayerIds | None = None
     mask_token_id: Count | None = None

@@ -8,22 +8,29 @@ DFlash2 in this layout; one whose `projector_type` is "dspark" is SpecForge's DS
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from pydantic import field_validator
 
 from pipeline.common.layer_ids import build_target_layer_ids
-from pipeline.common.schema import Count, Number, Positive, Schema, SchemaError
-from proposers.toolkit.layout_fields import REQUIRED_SHAPE, DecoderFields, LayerIds, unique_ids
+from pipeline.common.schema import Count, Number, Positive, SchemaError
+from proposers.toolkit.layout_fields import REQUIRED_SHAPE, BlockDecoderFields, DrafterNamespace, LayerIds, unique_ids
 
 DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+# sglang's LiLiCorr correction head (speculative/lilicorr_utils.py): built from these dflash_config keys
+LILICORR_KEYS = (
+    "lilicorr_enabled", "lilicorr_candidate_topk", "lilicorr_hidden_size", "lilicorr_num_layers",
+    "lilicorr_num_heads", "lilicorr_mlp_ratio", "lilicorr_factor_dim", "lilicorr_vector_eps", "lilicorr_logit_scale",
+)  # fmt: skip
 
 
-class DFlashOptions(Schema):
-    """`dflash_config`: z-lab's DFlash fields (each may also sit at the top level)."""
+class DFlashOptions(DrafterNamespace):
+    """`dflash_config`: the DFlash fields the reference, the engines and SpecForge read there (each
+    of z-lab's may also sit at the top level); docs/config-fields.md says what each does."""
 
     mask_token_id: Count | None = None
     target_layer_ids: LayerIds | None = None
+    num_target_layers: Positive | None = None  # sglang's precedence: dflash_config first
     block_size: Positive | None = None
     input_embedding_scale: Number | None = None
     output_multiplier: Number | None = None
@@ -32,19 +39,39 @@ class DFlashOptions(Schema):
     conv_group_size: Positive | None = None
     selector_rank: Positive | None = None
     selector_top_k: Positive | None = None
-    projector_type: str | None = None
+    projector_type: str | None = None  # refused unless absent ('dspark' is SpecForge's DSpark layout)
+    causal: bool | None = None  # every layer's block causality when is_causal is absent (vLLM, llama.cpp)
+    attention_value_scale: Number | None = None  # values scaled (vLLM, sglang; llama.cpp after o_proj)
+    use_swa: bool | None = None  # refused when true: a window on every layer (vLLM, llama.cpp)
+    swa_window_size: Positive | None = None  # refused when it changes a sliding layer's window
+    attention_sink_bias: bool | None = None  # refused when true: learned attention sinks
+    sample_from_anchor: bool | None = None  # refused when true: vLLM refuses it for DFlash
+    use_aux_hidden_state: bool | None = None  # refused when false: no fc over target features
+    mask_token: str | None = None  # the mask token's text (sglang resolves the id from it): bookkeeping
+    shift_label: Any = None  # Domino (sglang) / SpecForge training only
+    pure_draft_prefix_len: Any = None
+    gru_hidden_dim: Any = None
+    emb_dim: Any = None
+    lilicorr_enabled: Any = None  # sglang's LiLiCorr head: refused unless lilicorr_enabled is false
+    lilicorr_candidate_topk: Any = None
+    lilicorr_hidden_size: Any = None
+    lilicorr_num_layers: Any = None
+    lilicorr_num_heads: Any = None
+    lilicorr_mlp_ratio: Any = None
+    lilicorr_factor_dim: Any = None
+    lilicorr_vector_eps: Any = None
+    lilicorr_logit_scale: Any = None
 
     _unique = field_validator("target_layer_ids")(unique_ids)
 
 
-class ZlabDFlash(DecoderFields):
+class ZlabDFlash(BlockDecoderFields):
     LAYOUT: ClassVar[str] = "z-lab"
     CONVENTION: ClassVar[str] = "output"
     ARCHITECTURES: ClassVar[tuple[str, ...]] = ("DFlashDraftModel", "DFlash2DraftModel")
 
     architectures: list[str] | None = None
     num_target_layers: Positive | None = None
-    is_causal: bool | None = None
     block_size: Positive | None = None
     mask_token_id: Count | None = None
     target_layer_ids: LayerIds | None = None
@@ -56,6 +83,19 @@ class ZlabDFlash(DecoderFields):
     selector_rank: Positive | None = None
     selector_top_k: Positive | None = None
     dflash_config: DFlashOptions | None = None
+    # read by an engine at the top level (docs/config-fields.md): refused unless neutral, or bookkeeping
+    draft_vocab_size: Positive | None = None
+    target_hidden_size: Positive | None = None
+    use_aux_hidden_state: bool | None = None
+    sample_from_anchor: bool | None = None  # no engine reads it here for DFlash (dflash_config's is refused)
+    add_swa_attention_sink_bias: bool | None = None
+    projector_type: str | None = None
+    has_own_lm_head: bool | None = None  # vLLM's lm_head quantization choice: bookkeeping
+    mask_token: str | None = None
+    shift_label: Any = None
+    pure_draft_prefix_len: Any = None
+    gru_hidden_dim: Any = None
+    emb_dim: Any = None
 
     _unique = field_validator("target_layer_ids")(unique_ids)
 
@@ -99,7 +139,7 @@ class ZlabDFlash(DecoderFields):
         ids = self.value("target_layer_ids")
         if ids is not None:
             return list(ids)
-        layers = self.num_target_layers or num_target_layers
+        layers = self.value("num_target_layers") or num_target_layers
         if layers is None:
             raise SchemaError(
                 f"{source}: neither dflash_config.target_layer_ids nor num_target_layers is set, so the "

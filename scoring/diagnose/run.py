@@ -23,7 +23,7 @@ from pipeline.common.errors import UserError
 from pipeline.common.sampling import Sampling, sampling_of
 from pipeline.shards import ShardSet
 from proposers.checkpoints.compatibility import check_compatibility, extract_words, target_layers
-from proposers.checkpoints.load import load_drafter, read_drafter_config
+from proposers.checkpoints.load import is_config_only, load_drafter, read_drafter_config
 from proposers.interface import TargetHead
 from proposers.toolkit.neural import neural_proposer
 from scoring import results
@@ -226,6 +226,12 @@ def run_diagnose(config: DiagnoseConfig, progress=None, program: str = "specrepl
     """Replay every planned variant on the same samples, compare, decide, write
     --out/<parent>_<name>/diagnose.parquet and diagnose.json. `progress(total, desc)` makes a bar;
     `program` is how hints name the console script."""
+    if is_config_only(config.ckpt):  # before the shards are opened: nothing here can diagnose it
+        raise UserError(
+            f"{config.ckpt}: a proposer given by its config alone has no weights, so no training "
+            f"convention to diagnose (diagnose replays a trained drafter under each convention); "
+            f"score it with `{program} score --ckpt {config.ckpt} --shards ...`"
+        )
     out_dir = os.path.join(config.out, results.result_dir_name(config.ckpt))
     with results_lock(out_dir):
         return _run_diagnose(config, out_dir, progress, program)

@@ -25,6 +25,7 @@ from pipeline.extract.records import RecordSchema
 from pipeline.shards import ShardSet
 from pipeline.shards.files import json_checksum
 from pipeline.shards.manifest import ManifestFile, ShardEntry
+from proposers.fields.known import unknown_fields
 from proposers.layouts import detect_layout
 from scoring.results import RunRecord
 from scoring.track.ledger import LEDGER_NAME, LedgerFile
@@ -134,27 +135,38 @@ def baseline_extract(world, record: dict) -> Path:
 # --------------------------------------------------------------------------- drafter configs
 
 
-def config_verdict(document) -> str | None:
-    """The layout's schema verdict; '' when no layout even applies (an unknown family)."""
+def config_verdict(document, decoders: bool = True) -> str | None:
+    """The layout's schema verdict; '' when no layout even applies (an unknown family). With
+    `decoders` (the commands that parse the whole config: score, diagnose, watch), then the first
+    key of a decoder namespace that neither transformers' config class nor the layout declares
+    (proposers/fields/known.py), which those commands refuse by name too."""
     if not isinstance(document, dict):
         return ""
     try:
         layout = detect_layout(document, "config.json").layout
     except SchemaError:
         return ""
-    return schema_verdict(layout, document)
+    field = schema_verdict(layout, document)
+    if field is not None or not decoders:
+        return field
+    unknown = unknown_fields(layout.model_validate(document), document)
+    return unknown[0][0] if unknown else None
 
 
 def speculators_twin(zlab: dict, kind: str) -> dict:
-    """The same drafter's config in speculators' layout (refused by name until its family is scored)."""
+    """The same drafter's config in speculators' layout, with its kind's own keys only (another
+    kind's key is refused by name)."""
     shape = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
+    if kind == "eagle3":
+        own = {"eagle_aux_hidden_state_layer_ids": [2, 4]}
+    else:
+        own = {"block_size": 4, "mask_token_id": zlab["dflash_config"]["mask_token_id"]}
+        own["aux_hidden_state_layer_ids"] = [2, 4]
     return {
         "architectures": ["DFlashDraftModel"],
         "speculators_model_type": kind,
         "transformer_layer_config": {k: zlab[k] for k in shape},
-        "block_size": 4,
-        "mask_token_id": zlab["dflash_config"]["mask_token_id"],
-        "aux_hidden_state_layer_ids": [2, 4],
+        **own,
         "speculators_config": {"proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3}]},
     }
 
@@ -235,7 +247,8 @@ def test_extract_draft_config(world, data):
     args = ["--model", world["model"], "--prompts", prompts, "--out", str(out), "--draft-config", str(path)]
     result = run("extract", *args, *[a for a in EXTRACT if a not in ("--layer-ids", "1,3")])
     wrote = out.exists() and bool(listing(out))
-    verdict = check_outcome(result, mutation, str(path), config_verdict(mutation.document), wrote)
+    # extract reads the feature layers alone: the layout's schema, not the decoders' keys
+    verdict = check_outcome(result, mutation, str(path), config_verdict(mutation.document, decoders=False), wrote)
     tally("extract (--draft-config)", verdict)
 
 

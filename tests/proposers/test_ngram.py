@@ -183,3 +183,19 @@ def test_walks_on_shards_without_features_equal_the_online_loop(scored):
     )
     assert len(samples) == 4 and 0 in accepted, accepted  # rejections, and (cycling) whole chains accepted
     assert sum(accepted) >= 3 and (kind == "random" or K in accepted), accepted
+
+
+def test_diagnose_refuses_a_proposer_without_weights_in_one_line(tmp_path):
+    """diagnose replays a trained drafter under each training convention: an n-gram config has
+    none, so it is one error line pointing to score, before any shards are read, nothing written."""
+    config = tmp_path / "ngram.json"
+    config.write_text(json.dumps({"method": "ngram", "num_speculative_tokens": 3}))
+    (tmp_path / "shards").mkdir()
+    out = tmp_path / "out"
+    run = CliRunner().invoke(
+        main, ["diagnose", "--ckpt", str(config), "--shards", str(tmp_path / "shards"), "--out", str(out)]
+    )
+    assert run.exit_code == 2, run.output
+    lines = run.output.strip().splitlines()
+    assert len(lines) == 1 and "no training convention to diagnose" in lines[0] and " score --ckpt " in lines[0]
+    assert not out.exists()

@@ -27,20 +27,25 @@ def test_a_zlab_config_is_dflash_v1_with_its_ids_as_stored():
 
 def speculators_config(kind: str, **top) -> dict:
     """A speculators-layout config of the tiny drafter's shapes; like real exports it keeps z-lab's
-    "architectures": ["DFlashDraftModel"] (speculators' DFlash converter writes it)."""
+    "architectures": ["DFlashDraftModel"] (speculators' DFlash converter writes it). Each kind
+    carries its own keys only: a key of another kind's is refused by name (docs/config-fields.md)."""
     zlab = drafter_config()
     decoder = {
         k: zlab[k]
         for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
     }
+    if kind == "eagle3":
+        own = {"eagle_aux_hidden_state_layer_ids": [2, 4]}
+    elif kind == "mtp":
+        own = {}
+    else:
+        own = {"mask_token_id": 3, "aux_hidden_state_layer_ids": [2, 4]}
     return {
         "architectures": ["DFlashDraftModel"],
         "speculators_model_type": kind,
         "transformer_layer_config": decoder,
-        "mask_token_id": 3,
         "draft_vocab_size": zlab["vocab_size"],
-        "aux_hidden_state_layer_ids": [2, 4],
-        "eagle_aux_hidden_state_layer_ids": [2, 4],
+        **own,
         **top,
     }
 

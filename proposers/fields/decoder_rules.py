@@ -1,0 +1,158 @@
+"""The decoder fields an engine honours that the replay does not implement, refused by name when
+their value is not the neutral one (docs/config-fields.md): RoPE over part of each head, an
+interleaved RoPE, (1 + w) norms, a logit scale, another decoder kind.
+
+`where` prefixes a field with its namespace ('' for the top level, 'transformer_layer_config.');
+`hf` is transformers' config the reference builds from the decoder's fields."""
+
+from __future__ import annotations
+
+from proposers.toolkit.config import refuse_field
+
+ALL_THREE = "vLLM, SGLang and llama.cpp"
+
+
+def shown(value) -> str:
+    """A config value as the file spells it (JSON's true/false)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return repr(value) if isinstance(value, str) else str(value)
+
+
+def refuse(source: str, field: str, value, why: str) -> None:
+    refuse_field(source, field, shown(value), why)
+
+
+def _stated(decoder: dict, key: str, where: str) -> str:
+    """Where the file states a RoPE key: at the decoder's level, or inside rope_parameters / rope_scaling."""
+    if key in decoder:
+        return f"{where}{key}"
+    name = next((n for n in ("rope_parameters", "rope_scaling") if key in (decoder.get(n) or {})), "rope_parameters")
+    return f"{where}{name}.{key}"
+
+
+def _rope_dicts(hf) -> list[dict]:
+    rope = getattr(hf, "rope_parameters", None) or {}
+    nested = [v for k, v in rope.items() if k in ("full_attention", "sliding_attention") and isinstance(v, dict)]
+    return nested or [rope]
+
+
+def check_rope(decoder: dict, hf, where: str, source: str, engines: str, rotary: str) -> None:
+    """partial_rotary_factor and rope_dim, as transformers resolves them: `engines` rotate only
+    part of each head; specreplay (transformers' `rotary`, the reference's) rotates every dim."""
+    head_dim = hf.head_dim
+    for rope in _rope_dicts(hf):
+        factor = rope.get("partial_rotary_factor")
+        if factor is not None and factor != 1.0:
+            refuse(
+                source,
+                _stated(decoder, "partial_rotary_factor", where),
+                factor,
+                f"{engines} rotate only int(head_dim * {factor}) = {int(head_dim * factor)} of the {head_dim} dims of "
+                f"each head; specreplay (transformers' {rotary}, as the trainer's reference) rotates every dim",
+            )
+        dims = rope.get("rope_dim")
+        if dims is not None and dims != head_dim:
+            refuse(
+                source,
+                _stated(decoder, "rope_dim", where),
+                dims,
+                f"vLLM rotates only {dims} of the {head_dim} dims of each head; specreplay rotates every dim",
+            )
+
+
+def check_logit_scale(decoder: dict, where: str, source: str) -> None:
+    scale = decoder.get("logit_scale")
+    if scale is not None and scale != 1.0:
+        refuse(
+            source,
+            f"{where}logit_scale",
+            scale,
+            "vLLM multiplies the draft logits by it (greedy drafts stay, draft probabilities at temperature > 0 "
+            "change); specreplay does not",
+        )
+
+
+def check_block_decoder(decoder: dict, hf, where: str, source: str, own_model_type: bool) -> None:
+    """A block drafter's Qwen3 decoder (DFlash, DFlash2, DSpark, every layout). `own_model_type`:
+    the layout states the decoder's model_type itself (z-lab, SpecForge, DeepSpec; speculators' is
+    checked where its decoder is read)."""
+    kind = decoder.get("model_type")
+    if own_model_type and kind is not None and kind != "qwen3":
+        refuse(
+            source,
+            f"{where}model_type",
+            kind,
+            "specreplay builds Qwen3 decoder layers for every DFlash-family drafter (q/k norms, Qwen3's MLP), "
+            "and vLLM and llama.cpp build another model for another model_type",
+        )
+    if decoder.get("use_gemma_norm"):
+        refuse(
+            source,
+            f"{where}use_gemma_norm",
+            True,
+            "SGLang's DFlash norms then scale by (1 + w); specreplay's Qwen3 norms scale by w",
+        )
+    for key, who in (("is_neox_style", "vLLM and SGLang"), ("rope_is_neox_style", "llama.cpp and SGLang")):
+        if decoder.get(key) is False:
+            refuse(
+                source,
+                f"{where}{key}",
+                False,
+                f"{who} then rotate interleaved pairs of dims (GPT-J style); specreplay's RoPE rotates the two "
+                f"halves of each head (NeoX style)",
+            )
+    check_logit_scale(decoder, where, source)
+    check_rope(decoder, hf, where, source, ALL_THREE, "Qwen3RotaryEmbedding")
+
+
+def check_eagle_decoder(decoder: dict, hf, where: str, source: str) -> None:
+    """An EAGLE-3 drafter's decoder (speculators' transformer_layer_config, SpecForge's top level)."""
+    check_logit_scale(decoder, where, source)
+    check_rope(
+        decoder, hf, where, source, "vLLM and SGLang", f"{type(hf).__name__.removesuffix('Config')}RotaryEmbedding"
+    )
+
+
+def check_mtp_decoder(decoder: dict, hf, where: str, source: str) -> None:
+    """An MTP head's decoder (the target's text config): what vLLM builds that specreplay does not."""
+    layers = decoder.get("mtp_num_hidden_layers") or decoder.get("num_nextn_predict_layers")
+    if layers is not None and layers > 1:
+        key = "mtp_num_hidden_layers" if decoder.get("mtp_num_hidden_layers") else "num_nextn_predict_layers"
+        refuse(
+            source,
+            f"{where}{key}",
+            layers,
+            f"vLLM cycles the draft steps through {layers} MTP layers (step i uses layer i % {layers}), SGLang builds "
+            f"one and llama.cpp refuses more than one; specreplay scores one",
+        )
+    checks = (
+        (
+            "attn_output_gate",
+            False,
+            "vLLM then builds ungated attention (q_proj without the gate); specreplay's is gated",
+        ),
+        ("layer_scale", True, "vLLM then scales the attention and MLP branches by learned per-layer weights"),
+        ("qkv_bias", True, "vLLM then adds q/k/v biases; specreplay's MTP attention has none"),
+        ("attention_bias", True, "vLLM reads qkv_bias instead and never biases o_proj; specreplay would bias q/k/v/o"),
+    )
+    for key, value, why in checks:
+        if decoder.get(key) is value:
+            refuse(source, f"{where}{key}", value, why)
+
+
+def check_mtp_experts(hf, where: str, source: str) -> None:
+    """Qwen3-Next: vLLM builds the MTP layer (mtp.layers.0, index 0) as MoE when num_experts > 0, the
+    index is not in mlp_only_layers and (0 + 1) % decoder_sparse_step == 0, read from the RESOLVED
+    config: an absent num_experts is Qwen3NextConfig's default (512), not 0."""
+    experts = getattr(hf, "num_experts", 0) or 0
+    step = getattr(hf, "decoder_sparse_step", 1) or 1
+    if experts > 0 and 0 not in (getattr(hf, "mlp_only_layers", None) or []) and 1 % step == 0:
+        refuse(
+            source,
+            f"{where}num_experts",
+            experts,
+            "vLLM, SGLang and llama.cpp build the MTP layer's MLP as a mixture of experts (absent, the key is "
+            "Qwen3NextConfig's default 512; mlp_only_layers [0] or decoder_sparse_step > 1 make it dense); "
+            "specreplay scores MTP heads with a dense MLP",
+        )

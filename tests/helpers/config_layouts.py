@@ -1,0 +1,200 @@
+"""One valid config.json of every declared layout (config only, no weights), for the field tests
+(tests/proposers/): each parses through proposers.detect as is, so a change to one field is the
+only thing a test varies. `with_field` sets a field by its path as messages name it
+('dflash_config.causal', 'speculators_config.proposal_methods[0].speculative_tokens')."""
+
+from __future__ import annotations
+
+import copy
+import re
+
+from proposers.toolkit.zlab_layout import LILICORR_KEYS
+from tests.helpers.drafters import drafter_config
+
+TARGET_LAYERS = 6  # the target every base config is for (feature layers 1 and 3, before-layer 2 and 4)
+QWEN3 = dict(
+    model_type="qwen3", hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=16, intermediate_size=128, vocab_size=512, rms_norm_eps=1e-6, rope_theta=10000.0,
+)  # fmt: skip
+LLAMA = {**QWEN3, "model_type": "llama", "num_hidden_layers": 1}
+MTP_TEXT = {**QWEN3, "num_hidden_layers": 3, "layer_types": ["full_attention"] * 3}
+DFLASH2_KEYS = dict(conv_kernel_size=2, conv_group_size=8, selector_rank=8, selector_top_k=4)
+
+
+def _settings(kind: str, tokens: int) -> dict:
+    return {
+        "algorithm": kind,
+        "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": tokens}],
+        "default_proposal_method": "greedy",
+        "verifier": {"name_or_path": None, "architectures": ["Qwen3ForCausalLM"]},
+    }
+
+
+def _speculators(kind: str, decoder: dict, tokens: int, **top) -> dict:
+    return {
+        "architectures": ["DFlashDraftModel"],
+        "speculators_model_type": kind,
+        "speculators_version": "0.9.0",
+        "transformer_layer_config": dict(decoder),
+        "draft_vocab_size": decoder["vocab_size"],
+        "speculators_config": _settings(kind, tokens),
+        **top,
+    }
+
+
+def _block(kind: str, tokens: int) -> dict:
+    return _speculators(kind, QWEN3, tokens, block_size=4, mask_token_id=511, aux_hidden_state_layer_ids=[2, 4])
+
+
+# layout -> a function building its base config; keys as docs/config-fields.md's sections name them
+BASE = {
+    "dflash:z-lab": lambda: drafter_config(num_heads=4),
+    "dflash2:z-lab": lambda: drafter_config(num_heads=4, dflash_extra=dict(DFLASH2_KEYS)),
+    "dflash:speculators": lambda: _block("dflash", 3),
+    "dflash2:speculators": lambda: _block("dflash2", 3),
+    "dspark:speculators": lambda: _block("dspark", 4),  # sample_from_anchor true by default: 4 queries draft
+    "dspark:specforge": lambda: {
+        **QWEN3,
+        "architectures": ["DSparkDraftModel"],
+        "block_size": 4,
+        "num_target_layers": TARGET_LAYERS,
+        "dflash_config": {"projector_type": "dspark", "mask_token_id": 511, "target_layer_ids": [1, 3]},
+    },
+    "dspark:deepspec": lambda: {
+        **QWEN3,
+        "architectures": ["Qwen3DSparkModel"],
+        "block_size": 4,
+        "num_target_layers": TARGET_LAYERS,
+        "mask_token_id": 511,
+        "target_layer_ids": [1, 3],
+        "num_anchors": 8,
+        "enable_confidence_head": False,
+        "markov_rank": 0,
+    },
+    "eagle3:speculators": lambda: _speculators("eagle3", LLAMA, 3, eagle_aux_hidden_state_layer_ids=[2, 3, 4]),
+    "eagle3:specforge": lambda: {
+        **LLAMA,
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "draft_vocab_size": 512,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 2, 3], "use_aux_hidden_state": True},
+    },
+    "mtp:speculators": lambda: _speculators("mtp", {**MTP_TEXT, "model_type": "qwen3_5_text"}, 3),
+    "mtp:native": lambda: {"model_type": "qwen3_5", "text_config": {**MTP_TEXT, "model_type": "qwen3_5_text"}},
+    "mtp:native-qwen3-next": lambda: {**MTP_TEXT, "model_type": "qwen3_next", "num_experts": 0},
+    "ngram:vllm": lambda: {"method": "ngram", "num_speculative_tokens": 3},
+}
+
+
+def base(layout: str) -> dict:
+    return copy.deepcopy(BASE[layout]())
+
+
+def with_field(raw: dict, path: str, value) -> dict:
+    """A copy of `raw` with the field at `path` set to `value` (namespaces created as needed)."""
+    out = copy.deepcopy(raw)
+    parts = [int(p) if p.isdigit() else p for p in re.findall(r"[^.\[\]]+", path)]
+    node = out
+    for part in parts[:-1]:
+        if isinstance(part, str) and node.get(part) is None:
+            node[part] = {}
+        node = node[part]
+    node[parts[-1]] = value
+    return out
+
+
+# (layout, field path, a value refused, an engine the refusal names, the neutral value accepted);
+# docs/config-fields.md lists each of these as refused (tests/proposers/test_config_fields_doc.py)
+ABSENT = object()  # the neutral value is the field left out
+REFUSALS = [
+    # the block drafters' Qwen3 decoder, in every layout (top level or transformer_layer_config)
+    ("dflash:z-lab", "partial_rotary_factor", 0.5, "llama.cpp", 1.0),
+    ("dflash:z-lab", "rope_parameters.partial_rotary_factor", 0.5, "SGLang", 1.0),
+    ("dflash:z-lab", "rope_parameters.rope_dim", 8, "vLLM", 16),
+    ("dflash:z-lab", "is_neox_style", False, "vLLM", True),
+    ("dflash:z-lab", "rope_is_neox_style", False, "llama.cpp", True),
+    ("dflash:z-lab", "use_gemma_norm", True, "SGLang", False),
+    ("dflash:z-lab", "logit_scale", 2.0, "vLLM", 1.0),
+    ("dflash:z-lab", "model_type", "llama", "vLLM", "qwen3"),
+    ("dflash:speculators", "transformer_layer_config.partial_rotary_factor", 0.5, "vLLM", 1.0),
+    ("dflash:speculators", "transformer_layer_config.is_neox_style", False, "vLLM", True),
+    ("dflash:speculators", "transformer_layer_config.logit_scale", 0.5, "vLLM", 1.0),
+    ("dflash:speculators", "transformer_layer_config.model_type", "llama", "Qwen3", "qwen3"),
+    ("dflash2:speculators", "transformer_layer_config.rope_is_neox_style", False, "llama.cpp", True),
+    ("dspark:speculators", "transformer_layer_config.use_gemma_norm", True, "SGLang", False),
+    ("dspark:specforge", "partial_rotary_factor", 0.25, "vLLM", 1.0),
+    ("dspark:specforge", "model_type", "gemma4_text", "llama.cpp", "qwen3"),
+    ("dspark:deepspec", "logit_scale", 2.0, "vLLM", 1.0),
+    ("dspark:deepspec", "is_neox_style", False, "SGLang", True),
+    # z-lab's DFlash fields (dflash_config first, then the top level)
+    ("dflash:z-lab", "dflash_config.use_swa", True, "llama.cpp", False),
+    ("dflash:z-lab", "dflash_config.attention_sink_bias", True, "SGLang", False),
+    ("dflash:z-lab", "add_swa_attention_sink_bias", True, "vLLM", False),
+    ("dflash:z-lab", "dflash_config.projector_type", "domino", "SGLang", ABSENT),
+    ("dflash:z-lab", "projector_type", "domino", "SGLang", ABSENT),
+    *[("dflash:z-lab", f"dflash_config.{key}", 1, "SGLang", ABSENT) for key in LILICORR_KEYS[1:]],
+    ("dflash:z-lab", "dflash_config.lilicorr_enabled", True, "SGLang", False),
+    ("dflash:z-lab", "dflash_config.sample_from_anchor", True, "vLLM", False),
+    ("dflash:z-lab", "dflash_config.use_aux_hidden_state", False, "vLLM", True),
+    ("dflash:z-lab", "use_aux_hidden_state", False, "vLLM", True),
+    ("dflash:z-lab", "draft_vocab_size", 256, "vLLM", 512),
+    ("dflash:z-lab", "target_hidden_size", 128, "vLLM", 64),
+    ("dflash2:z-lab", "dflash_config.use_swa", True, "vLLM", False),
+    ("dflash2:z-lab", "dflash_config.sample_from_anchor", True, "vLLM", False),
+    # speculators' block drafters
+    ("dflash:speculators", "speculators_config.proposal_methods[0].speculative_tokens", 5, "vLLM", 3),
+    ("dflash2:speculators", "speculators_config.proposal_methods[0].speculative_tokens", 4, "vLLM", 3),
+    ("dspark:speculators", "speculators_config.proposal_methods[0].speculative_tokens", 3, "vLLM", 4),
+    ("dflash:speculators", "target_hidden_size", 128, "vLLM", 64),
+    ("dspark:speculators", "target_hidden_size", 32, "vLLM", 64),
+    ("dspark:speculators", "use_aux_hidden_state", False, "vLLM", True),
+    ("dspark:specforge", "target_hidden_size", 128, "vLLM", 64),
+    # EAGLE-3
+    ("eagle3:speculators", "transformer_layer_config.partial_rotary_factor", 0.5, "SGLang", 1.0),
+    ("eagle3:speculators", "transformer_layer_config.logit_scale", 2.0, "vLLM", 1.0),
+    ("eagle3:specforge", "partial_rotary_factor", 0.5, "vLLM", 1.0),
+    ("eagle3:specforge", "rope_parameters.partial_rotary_factor", 0.75, "SGLang", 1.0),
+    ("eagle3:specforge", "logit_scale", 2.0, "vLLM", 1.0),
+    ("eagle3:specforge", "norm_before_fc", True, "SGLang", False),
+    ("eagle3:specforge", "eagle_config.norm_before_fc", True, "vLLM", False),
+    ("eagle3:specforge", "use_aux_norm", True, "SGLang", False),
+    ("eagle3:specforge", "norm_output", True, "SGLang", ABSENT),
+    ("eagle3:specforge", "norm_before_residual", True, "llama.cpp", False),
+    ("eagle3:specforge", "tie_word_embeddings", True, "SGLang", False),
+    ("eagle3:specforge", "bias", True, "SGLang", False),
+    ("eagle3:specforge", "num_aux_hidden_states", 4, "vLLM", 3),
+    # MTP heads
+    ("mtp:native", "text_config.mtp_num_hidden_layers", 2, "vLLM", 1),
+    ("mtp:native", "text_config.attn_output_gate", False, "vLLM", True),
+    ("mtp:native", "text_config.layer_scale", True, "vLLM", False),
+    ("mtp:native", "text_config.qkv_bias", True, "vLLM", False),
+    ("mtp:native", "text_config.attention_bias", True, "vLLM", False),
+    ("mtp:native-qwen3-next", "num_nextn_predict_layers", 2, "llama.cpp", 1),
+    ("mtp:native-qwen3-next", "num_experts", 512, "vLLM", 0),
+    ("mtp:speculators", "transformer_layer_config.mtp_num_hidden_layers", 3, "SGLang", 1),
+]
+
+# Refusals that predate docs/config-fields.md or need several fields changed at once:
+# (layout, the field the error names, the changes that make the config refused)
+SLIDING = {"layer_types": ["sliding_attention", "full_attention"], "use_sliding_window": True, "sliding_window": 8}
+PRIOR_REFUSALS = [
+    ("dflash:z-lab", "dflash_config.swa_window_size", {**SLIDING, "dflash_config.swa_window_size": 4}),
+    ("dflash:speculators", "sample_from_anchor", {"sample_from_anchor": True}),
+    ("dflash2:speculators", "draft_vocab_size", {"draft_vocab_size": 256}),
+    ("eagle3:speculators", "target_hidden_size", {"target_hidden_size": 48}),
+    ("eagle3:speculators", "transformer_layer_config.model_type", {"transformer_layer_config.model_type": "gemma3"}),
+    ("eagle3:speculators", "layer_types", {"transformer_layer_config.layer_types": ["sliding_attention"]}),
+    ("eagle3:specforge", "sliding_window", {"use_sliding_window": True, "sliding_window": 8}),
+    ("eagle3:specforge", "num_hidden_layers", {"num_hidden_layers": 2}),
+    ("eagle3:specforge", "norm_output", {"norm_output": False}),
+    ("eagle3:specforge", "eagle_config.use_aux_hidden_state", {"eagle_config.use_aux_hidden_state": False}),
+    ("eagle3:specforge", "target_hidden_size", {"target_hidden_size": 48}),
+    ("mtp:native-qwen3-next", "model_type", {"model_type": "qwen3_5_moe_text"}),
+    ("mtp:speculators", "num_nextn_predict_layers", {"num_nextn_predict_layers": 2}),
+]
+
+
+def changed(layout: str, changes: dict) -> dict:
+    raw = base(layout)
+    for path, value in changes.items():
+        raw = with_field(raw, path, value)
+    return raw
