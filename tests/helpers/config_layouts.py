@@ -104,7 +104,15 @@ def with_field(raw: dict, path: str, value) -> dict:
 
 # (layout, field path, a value refused, an engine the refusal names, the neutral value accepted);
 # docs/config-fields.md lists each of these as refused (tests/proposers/test_config_fields_doc.py)
-ABSENT = object()  # the neutral value is the field left out
+class _Absent:
+    """The neutral value is the field left out; its repr names it, so test ids are the same in
+    every pytest-xdist worker (an object()'s address is not)."""
+
+    def __repr__(self) -> str:
+        return "ABSENT"
+
+
+ABSENT = _Absent()
 REFUSALS = [
     # the block drafters' Qwen3 decoder, in every layout (top level or transformer_layer_config)
     ("dflash:z-lab", "partial_rotary_factor", 0.5, "llama.cpp", 1.0),
