@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 import click
@@ -92,6 +93,12 @@ def watch(ckpts, shards, out, interval, once, no_progress, quiet, **options):
     result = run_watch(config, watch_options)
     if once and result.stopped_by is None:
         click.echo(once_summary(result))
+    if result.stopped_by is not None:
+        # a signal: the cleanup has run, so end now; interpreter exit could wait on a library's
+        # worker thread, and a scheduler's SIGTERM must end the process (seen once in a fresh clone)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(result.exit_code)
     sys.exit(result.exit_code)
 
 
