@@ -50,9 +50,8 @@ BLOCK = 4
 LAYERS = [1, 3]
 PROMPTS = 5
 # The paired tau test: 4 new tokens at T = 1 (one to three steps: the step count varies most, so
-# N / E[S] is furthest from E[N / S]); measured on the drafter this module fits under xdist, 100
-# runs a prompt: the wrong rule's shift 2.8 SE at T 1 (2.5 at T 0.7; 1.7-1.8 at 6 or 8 tokens), so
-# 500 runs put it near 6 SE
+# N / E[S] is furthest from E[N / S]), with runs enough that the wrong rule stands well past 3 SE
+# on the drafter this module fits under xdist (`pytest -n 1` fits the same one)
 SHORT, SHORT_RUNS = 4, 500
 LOGIT_SCALE = 3.0  # the random target's mean top-1 probability goes from ~0.4 to ~0.8
 
