@@ -47,6 +47,18 @@ setup: .venv/bin/python
 	# a wheel cached from a build without the server is never reused.
 	$(PY) -m tools.llama_server || { $(PIP) uninstall -q -y llama-cpp-python; \
 	  CMAKE_BUILD_PARALLEL_LEVEL=2 CMAKE_ARGS="$(LLAMA_CMAKE)" nice -n 10 $(PIP) install -q --no-cache-dir 'llama-cpp-python[server]==0.3.36'; }
+	# llama.cpp's converter from the same source package (tools/llama_convert.py: the engine-parity
+	# and GGUF-drafter tests convert targets and drafters with it); it imports sentencepiece and
+	# its own gguf-py (newer than PyPI's gguf of the same version number).
+	$(PIP) install -q sentencepiece
+	test -f $(LLAMA_SHARE)/convert_hf_to_gguf.py || { rm -rf .venv/share/sdist && \
+	  $(PIP) download -q --no-deps --no-binary :all: llama-cpp-python==0.3.36 -d .venv/share/sdist && \
+	  mkdir -p $(LLAMA_SHARE) && tar -xzf .venv/share/sdist/llama_cpp_python-0.3.36.tar.gz -C $(LLAMA_SHARE) \
+	    --strip-components=3 llama_cpp_python-0.3.36/vendor/llama.cpp/convert_hf_to_gguf.py \
+	    llama_cpp_python-0.3.36/vendor/llama.cpp/conversion llama_cpp_python-0.3.36/vendor/llama.cpp/gguf-py && \
+	  rm -rf .venv/share/sdist; }
+
+LLAMA_SHARE = .venv/share/llama.cpp
 
 # llama.cpp's tools (llama-server and the libraries it links) built and installed; the package's
 # own mtmd build (LLAVA_BUILD) off, since the tools build mtmd themselves; no web UI download.

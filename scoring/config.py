@@ -13,6 +13,9 @@ DEFAULT_TREE_NODES = (4, 8, 16, 32, 64, 128, 256)  # DDTree budgets: nodes per t
 # EAGLE-3 dynamic trees, topk x depth - draft tokens: sglang's own default (server_args.py
 # auto_choose_speculative_params: 5 steps, topk 4, 8 draft tokens)
 DEFAULT_EAGLE_TREES = ("4x5-8",)
+# --walk-rule: whose online loop the walk follows (scoring/replay/walk_rules.py registers each by
+# this name; docs/walk-rules.md); the first is the default, the reference dflash_generate
+WALK_RULES = ("dflash", "llama.cpp", "vllm", "sglang")
 
 
 @dataclass
@@ -32,6 +35,7 @@ class ScoreConfig:
     memory_bytes: int = DEFAULT_MEMORY_BYTES  # working memory for one anchor chunk
     attention: str = "auto"
     anchors: str = "all"  # "all": every response position; "walk": only the anchors the walks visit
+    walk_rule: str = WALK_RULES[0]  # --walk-rule: whose online loop the walk follows (scoring/replay/walk_rules.py)
     walk_group_tokens: int = 8192  # walk mode: samples packed per group (tokens)
     limit: int | None = None  # the first N samples (after `datasets`)
     sample: int | None = None  # N samples drawn with `seed`, stratified by dataset

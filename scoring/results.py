@@ -201,6 +201,12 @@ WALK = [
     pa.field("anchor", pa.int64()),
     pa.field("produced", pa.int64()),
     pa.field("accepted_len", pa.int64()),
+    # what the walk rule's loop (run.json walk_rule; docs/walk-rules.md) reports for this step:
+    # drafts verified (0: a plain decode), accepted drafts as it counts them, and whether that
+    # count is exact (False: drafts past the stored response were counted too, a lower bound)
+    pa.field("drafted", pa.int64()),
+    pa.field("counted_accepted", pa.int64()),
+    pa.field("counted_exact", pa.bool_()),
     # chain rows: the drafter's block at this step (block positions 1..block_len-1); its first
     # `accepted_len` entries were accepted, the next one is the guess the target rejected.
     # Null on DDTree and EAGLE tree rows (a tree has no single draft).

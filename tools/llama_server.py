@@ -47,8 +47,11 @@ def free_port() -> int:
 class LlamaServer:
     """One llama-server process serving `gguf` on `port`; `extra` are more of its options."""
 
-    def __init__(self, gguf: Path, log: Path, port: int | None = None, extra: tuple[str, ...] = ()):
+    def __init__(
+        self, gguf: Path, log: Path, port: int | None = None, extra: tuple[str, ...] = (), env: dict | None = None
+    ):
         self.gguf, self.log, self.port, self.extra = gguf, log, port or free_port(), extra
+        self.env = env or {}  # more environment (LLAMA_TRACE=1: one log line per verification step)
         self.process = None
 
     @property
@@ -57,7 +60,7 @@ class LlamaServer:
 
     def start(self, timeout_s: float = 120) -> LlamaServer:
         binary = llama_server_binary()
-        env = llama_server_env(binary)
+        env = {**llama_server_env(binary), **self.env}
         command = [str(binary), "-m", str(self.gguf), "--host", "127.0.0.1", "--port", str(self.port)]
         # One slot: with several, llama.cpp decodes requests together in one batch, and its CPU
         # kernels then round differently, so a response depends on what ran beside it (measured:

@@ -84,7 +84,7 @@ def replay_length(sample, length, proposer, head, columns, options, windows, wid
     reset_peak()
     before = current_rss()
     start = began = time.perf_counter()
-    result = empty_anchor_tensors(sample, length, proposer, options.methods)
+    result = empty_anchor_tensors(sample, length, proposer, options)
     packed = pack_samples(proposer, [sample], columns, options, head)
     context_s = time.perf_counter() - start
     count = result.anchors.numel()

@@ -290,7 +290,7 @@ def child_score(payload: dict) -> dict:
     chunks, anchors = {}, 0
     for sample in shardset.samples(tensors=SAMPLE_TENSORS):
         t = tag(sample.response_len)
-        result = empty_anchor_tensors(sample, sample.response_len, proposer, options.methods)
+        result = empty_anchor_tensors(sample, sample.response_len, proposer, options)
         count = result.anchors.numel()
         with memory.phase(f"context keys/values, {t}"):
             packed = pack_samples(proposer, [sample], columns, options, head)

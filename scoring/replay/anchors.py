@@ -27,6 +27,7 @@ from scoring.replay import metrics
 from scoring.replay.chunk import ScoredChunk, score_chunk
 from scoring.replay.packing import PackedSamples, ReplayOptions, pack_samples
 from scoring.replay.walk import next_stop_positions, walk_finished, walk_in_rounds
+from scoring.replay.walk_rules import walk_rule
 
 
 @dataclass
@@ -37,6 +38,7 @@ class AnchorTensors:
     (token ids), NaN (floats) or NOT_IN_TREE (pop indices)."""
 
     anchors: torch.Tensor  # [A] absolute positions of the block's first token
+    remaining: torch.Tensor  # [A] positions left in the budget from the anchor on (P + budget - t)
     block_len: torch.Tensor  # [A] block queries
     depth: torch.Tensor  # [A] drafts the block proposes (block_len - 1, or block_len drafting from the anchor)
     draft_tokens: torch.Tensor  # [A, L] drafter argmax
@@ -51,16 +53,21 @@ class AnchorTensors:
     method_data: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
-def empty_anchor_tensors(sample: Sample, max_new_tokens: int, proposer: Proposer, methods: dict) -> AnchorTensors:
-    """Per-anchor tensors for every anchor of a sample (`methods`: the planned tree methods'
-    settings by kind), nothing computed yet."""
+def empty_anchor_tensors(
+    sample: Sample, max_new_tokens: int, proposer: Proposer, options: ReplayOptions
+) -> AnchorTensors:
+    """Per-anchor tensors for every anchor of a sample (`options.methods`: the planned tree methods'
+    settings by kind; `options.walk_rule`: whether the tail's blocks are shortened), nothing computed yet."""
+    methods = options.methods
     anchors = torch.arange(sample.prompt_len, sample.input_ids.numel() - 1)
     A, L = anchors.numel(), proposer.max_drafts
-    block_len = proposer.block_len(sample.prompt_len + max_new_tokens - anchors)
+    remaining = sample.prompt_len + max_new_tokens - anchors
+    block_len = proposer.block_len(walk_rule(options.walk_rule).block_remaining(remaining))
     depth = torch.tensor([proposer.depth(b) for b in block_len.tolist()], dtype=torch.long)
     data = {m.kind: m.empty(A, L, methods[m.kind]) for m in registry.TREES if methods.get(m.kind)}
     return AnchorTensors(
         anchors=anchors,
+        remaining=remaining,
         block_len=block_len,
         depth=depth,
         draft_tokens=torch.full((A, L), -1, dtype=torch.long),
@@ -184,7 +191,7 @@ def replay_sample(
 ) -> AnchorTensors:
     """Score every anchor of one sample (all-anchor mode). `feature_columns(features)` selects
     the proposer's layers; `max_new_tokens` is the max_new_tokens the online loop would run with."""
-    result = empty_anchor_tensors(sample, max_new_tokens, proposer, options.methods)
+    result = empty_anchor_tensors(sample, max_new_tokens, proposer, options)
     if result.anchors.numel():
         packed = pack_samples(proposer, [sample], feature_columns, options, target)
         replay_anchors(proposer, target, packed, [result], [(0, r) for r in range(result.anchors.numel())], options)
@@ -204,7 +211,7 @@ def replay_walks(
     """Walk-only mode: score just the anchors the simulated walks visit. One walk per (sample,
     method), a method being a results method name (scoring/methods/); each round batches the
     current anchor of every unfinished walk (anchors shared between methods scored once)."""
-    results = [empty_anchor_tensors(s, b, proposer, options.methods) for s, b in zip(samples, max_new_tokens)]
+    results = [empty_anchor_tensors(s, b, proposer, options) for s, b in zip(samples, max_new_tokens)]
     packed = pack_samples(proposer, samples, feature_columns, options, target)
     next_stop = [next_stop_positions(m) for m in is_stop]
 

@@ -20,6 +20,7 @@ class ReplayOptions(ProposeOptions):
     # the tree methods' settings by kind (scoring/methods/registry.py): {"ddtree": budgets, "eagle-tree":
     # EagleTrees}; the chain always runs
     methods: dict = field(default_factory=lambda: {"ddtree": (256,)})
+    walk_rule: str = "dflash"  # whose loop the walk follows (walk_rules.py): its tail block and counts
 
 
 def prepare_target_head(head: dict[str, torch.Tensor], device: str, dtype: torch.dtype) -> TargetHead:

@@ -29,6 +29,7 @@ from scoring.replay.walk import (
     walk,
     walk_end,
 )
+from scoring.replay.walk_rules import DEFAULT_RULE, RULES, Counts, WalkRule
 
 GREEDY = Sampling()
 
@@ -130,9 +131,11 @@ def inexact_positions(sample, chain: SampledChain | None) -> int:
     return int(sample.argmax_mismatch.sum()) if "argmax_mismatch" in sample.tensors else 0
 
 
-def add_walk_rows(columns: dict, sample, method: str, steps: list, accepted: list[int], result: AnchorTensors) -> None:
-    """walk.parquet's rows of one method's walk over one sample, appended column by column."""
+def add_walk_rows(columns: dict, sample, method: str, steps: list, accepted: list[int], counts, result) -> None:
+    """walk.parquet's rows of one method's walk over one sample, appended column by column;
+    `counts`: what the walk rule's loop reports at each anchor (walk_rules.Counts, as lists)."""
     for step, (anchor, count) in enumerate(steps):
+        i = anchor - sample.prompt_len
         row = (
             sample.dataset,
             sample.sample_id,
@@ -140,8 +143,11 @@ def add_walk_rows(columns: dict, sample, method: str, steps: list, accepted: lis
             step,
             anchor,
             count,
-            accepted[anchor - sample.prompt_len],
-            draft_block(result, anchor - sample.prompt_len) if method == CHAIN else None,
+            accepted[i],
+            counts.drafted[i],
+            counts.accepted[i],
+            counts.exact[i],
+            draft_block(result, i) if method == CHAIN else None,
         )
         for column, value in zip(columns.values(), row):
             column.append(value)
@@ -162,7 +168,9 @@ class Collector:
         positions: int,
         drafts: bool = False,
         sampling: Sampling = GREEDY,
+        rule: WalkRule = RULES[DEFAULT_RULE],
     ):
+        self.rule = rule  # whose loop's counts walk.parquet reports (scoring/replay/walk_rules.py)
         self.plan = plan  # the tree methods' settings by kind (scoring/methods/registry.py)
         self.sampling = sampling  # the shards' settings: the chain is an expectation at T > 0
         self.drafts = drafts  # anchors.parquet keeps every anchor's draft block
@@ -218,13 +226,28 @@ class Collector:
                 sample_rows.append(sample_row(sample, method, [], mismatches, chain))
                 continue
             steps = walk(produced[method], sample.prompt_len, is_stop)
-            add_walk_rows(walk_columns, sample, method, steps, accepted[method].tolist(), result)
+            counts = self.step_counts(result, accepted[method], produced[method], next_stop)
+            add_walk_rows(walk_columns, sample, method, steps, accepted[method].tolist(), counts, result)
             sample_rows.append(sample_row(sample, method, [c for _, c in steps], mismatches))
         self.parts[index] = (
             self.anchor_columns(sample, result, accepted, produced[CHAIN], chain),
             walk_columns,
             sample_rows,
         )
+
+    def step_counts(self, result: AnchorTensors, accepted, produced, next_stop) -> Counts:
+        """The walk rule's drafted and accepted counts at every anchor, as lists."""
+        counts = self.rule.counts(
+            {
+                "accepted": accepted,
+                "produced": produced,
+                "depth": result.depth,
+                "known": (result.target_tokens >= 0).sum(dim=1),
+                "remaining": result.remaining,
+                "stop": next_stop[result.anchors] - result.anchors,
+            }
+        )
+        return Counts(*(values.tolist() for values in (counts.drafted, counts.accepted, counts.exact)))
 
     def anchor_columns(
         self,

@@ -57,6 +57,9 @@ def planned_record(
         "eagle_trees": [tree.name for tree in eagle_trees],
         # an autoregressive chain's drafts per anchor (--steps or the checkpoint's); None: a block family's
         "chain_steps": info.config.block_size if family(info.config.family).chain_steps else None,
+        # --steps on a block family (an engine's shorter block); None: its trained block
+        "block_steps": None if family(info.config.family).chain_steps else config.steps,
+        "walk_rule": config.walk_rule,
         "anchor_set": config.anchors,
         "anchor_drafts": config.anchor_drafts,
         "dtype": dtype_name(dtype),
@@ -128,6 +131,8 @@ def settings_of(record: dict) -> dict:
         "ddtree budgets": record.get("ddtree_budgets"),
         "eagle trees": record.get("eagle_trees") or [],
         "chain steps": record.get("chain_steps"),
+        "block steps": record.get("block_steps"),
+        "walk rule": record.get("walk_rule", "dflash"),
         "anchor set": record.get("anchor_set", "all"),
         "anchor drafts": record.get("anchor_drafts", False),
         "dtype": record.get("dtype"),

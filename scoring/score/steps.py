@@ -27,6 +27,7 @@ from scoring.methods.eagle_tree import EAGLE_TREES, parse_eagle_trees
 from scoring.replay.anchors import replay_sample, replay_walks
 from scoring.replay.packing import ReplayOptions, select_feature_columns
 from scoring.replay.walk import stop_mask
+from scoring.replay.walk_rules import DEFAULT_RULE, walk_rule
 from scoring.score.collect import Collector
 from scoring.score.outputs import check_previous
 from scoring.score.record import planned_record
@@ -69,7 +70,12 @@ class Job:
         """Where this checkpoint's results gather, sample by sample."""
         options = self.options
         return Collector(
-            options.methods, stop_token_ids, self.proposer.max_drafts, self.anchor_drafts, options.sampling
+            options.methods,
+            stop_token_ids,
+            self.proposer.max_drafts,
+            self.anchor_drafts,
+            options.sampling,
+            walk_rule(options.walk_rule),
         )
 
 
@@ -103,7 +109,7 @@ def prepare_job(ckpt: str, shardset: ShardSet, out_dir: str, config: ScoreConfig
         check_compatibility(drafter_config, manifest, ckpt, shardset.uri)
     with timing.stage("load drafter"):
         proposer, info = load_proposer(ckpt, dtype, device, target_layers=layers, override=override)
-    set_chain_steps(config.steps, info.config, ckpt)
+    set_chain_steps(config.steps, info.config, ckpt, config.walk_rule)
     chosen, selection = choose_samples(shardset, config)
     sampling = sampling_of(manifest["settings"])
     plan = method_plan(config, proposer, sampling, ckpt)
@@ -117,6 +123,7 @@ def prepare_job(ckpt: str, shardset: ShardSet, out_dir: str, config: ScoreConfig
         attention=config.attention,
         sampling=sampling,
         methods=plan,
+        walk_rule=config.walk_rule,
     )
     settings = manifest["settings"]
     mine = chosen[dist.rank :: dist.world]
@@ -146,18 +153,28 @@ def method_plan(config: ScoreConfig, proposer: Proposer, sampling, ckpt: str) ->
     return {DDTREE.kind: budgets, EAGLE_TREES.kind: eagle_trees_of(config, proposer, sampling, ckpt)}
 
 
-def set_chain_steps(steps: int | None, drafter_config, ckpt: str) -> None:
-    """--steps: the drafts per anchor of a family whose chain is autoregressive steps (EAGLE-3,
-    MTP: vLLM's num_speculative_tokens), instead of the checkpoint's. A block family's drafts are
-    its trained block, which a serving engine cannot change either: refused by name."""
+def set_chain_steps(steps: int | None, drafter_config, ckpt: str, rule: str = DEFAULT_RULE) -> None:
+    """--steps: the drafts per step instead of the checkpoint's. A chain family's (EAGLE-3, MTP:
+    vLLM's num_speculative_tokens) under any rule; a block family's under an engine's rule, which
+    runs a block of that many drafts (llama.cpp's --spec-draft-n-max, vLLM's num_speculative_tokens),
+    at most its trained block's. dflash_generate always drafts the trained block: refused by name."""
     if steps is None:
         return
-    if not family(drafter_config.family).chain_steps:
+    if family(drafter_config.family).chain_steps:
+        drafter_config.block_size = steps
+        return
+    if rule == DEFAULT_RULE:
         raise UserError(
-            f"--steps: {ckpt} is a {family_label(drafter_config.family)} drafter, which drafts its trained block of "
-            f"{drafter_config.max_drafts} tokens at once; --steps sets the chain of EAGLE-3 and MTP drafters: drop it"
+            f"--steps: {ckpt} is a {family_label(drafter_config.family)} drafter, which dflash_generate runs on its "
+            f"trained block of {drafter_config.max_drafts} drafts; an engine's shorter block needs its walk rule "
+            "(--walk-rule llama.cpp|vllm|sglang), or drop --steps"
         )
-    drafter_config.block_size = steps
+    if steps > drafter_config.max_drafts:
+        raise UserError(
+            f"--steps {steps}: {ckpt} drafts at most {drafter_config.max_drafts} tokens (its trained block); "
+            f"use --steps {drafter_config.max_drafts} or fewer"
+        )
+    drafter_config.block_size = steps + drafter_config.first_draft_slot
 
 
 def eagle_trees_of(config: ScoreConfig, proposer: Proposer, sampling, ckpt: str) -> tuple:

@@ -10,7 +10,7 @@ import click
 from pipeline.common.errors import UserError
 from pipeline.common.sizes import format_size, parse_size
 from proposers.registry import FAMILY_NAMES, LAYOUT_LABELS
-from scoring.config import DEFAULT_EAGLE_TREES, ScoreConfig
+from scoring.config import DEFAULT_EAGLE_TREES, WALK_RULES, ScoreConfig
 from scoring.score.outcome import Status
 from specreplay.commands.defaults import default
 
@@ -79,9 +79,22 @@ def d(name: str):
     "--steps",
     type=click.IntRange(min=1),
     default=None,
-    help="EAGLE-3 and MTP drafters only: drafts per anchor of the chain (vLLM's num_speculative_tokens, "
-    "sglang's --speculative-num-steps); default the checkpoint's (speculators' speculative_tokens; 3 when "
-    "it does not say).",
+    help="Drafts per step: of an EAGLE-3 or MTP chain (vLLM's num_speculative_tokens, sglang's "
+    "--speculative-num-steps; default the checkpoint's speculative_tokens, else 3); of a block drafter "
+    "under an engine's --walk-rule, which runs a block of that many drafts (llama.cpp's "
+    "--spec-draft-n-max, whose default is 3; default the trained block).",
+)
+@click.option(
+    "--walk-rule",
+    type=click.Choice(list(WALK_RULES)),
+    default=d("walk_rule"),
+    show_default=True,
+    help="Whose online loop the walk follows near the end of a response and what it counts as "
+    "accepted: dflash = dflash_generate (block shortened to the budget); llama.cpp = llama-server "
+    "(full block, drafts cut to the budget minus one, a last-token plain decode); vllm, sglang = "
+    "full block, every draft verified, drafts accepted past the end counted (a lower bound "
+    "offline). walk.parquet's drafted/counted_accepted columns hold the engine's numbers "
+    "(docs/walk-rules.md).",
 )
 @click.option("--device", default=d("device"), show_default=True, help="auto (GPU if present), cpu, cuda, cuda:1 ...")
 @click.option(
