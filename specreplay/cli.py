@@ -24,6 +24,7 @@ COMMANDS = {
     "score": "score",
     "fit": "fit",
     "compare": "compare",
+    "compare-online": "compare_online",
     "diagnose": "diagnose",
     "report": "report",
     "log": "log",
@@ -82,7 +83,8 @@ class LazyGroup(click.Group):
         if name not in COMMANDS:
             return None
         module = importlib.import_module(f"specreplay.commands.{COMMANDS[name]}")
-        return getattr(module, name, None) or getattr(module, f"{name}_")
+        attribute = name.replace("-", "_")  # compare-online -> compare_online
+        return getattr(module, attribute, None) or getattr(module, f"{attribute}_")
 
     def invoke(self, ctx):
         from pipeline.common.errors import UserError
@@ -110,6 +112,7 @@ def main():
       specreplay score --ckpt path/to/drafter --shards data/shards/smollm2 --out data/results
       specreplay inspect data/shards/smollm2
       specreplay compare data/results/run7_step_1000 data/results/run7_step_2000
+      specreplay compare-online data/results/run7_step_2000 --server http://127.0.0.1:8080   # served tau low?
       specreplay diagnose --ckpt runs/run7/step_2000 --shards data/shards/smollm2   # tau looks wrong?
       specreplay report data/results --out report.html
       specreplay watch --ckpt 'runs/run7/step_*' --shards data/shards/smollm2 --out data/results \\

@@ -52,8 +52,8 @@ from pipeline.common.dtypes import STORAGE_DTYPES
 from pipeline.common.layer_ids import final_prenorm_id
 from pipeline.common.sampling import Sampling
 from pipeline.common.settings import settings_diff
+from pipeline.engines.client import Unreachable
 from pipeline.extract.config import ExtractConfig
-from pipeline.extract.engines.client import Unreachable
 from pipeline.extract.plan import Item, Plan, plan_extract, validate_numbers, weights_fingerprint
 from pipeline.extract.progress import SilentProgress, TokenProgress
 from pipeline.outdir.builder import finish_manifest, new_manifest, run_facts
@@ -132,7 +132,7 @@ def connect_engine(config: ExtractConfig, tokenizer, info, plan: Plan):
     """The checked servers of --responses-from (pipeline/extract/engines/probe.py), or None."""
     if not config.responses_from:
         return None
-    from pipeline.extract.engines.client import Retry
+    from pipeline.engines.client import Retry
     from pipeline.extract.engines.probe import connect
 
     retry = Retry(timeout=config.request_timeout, retries=config.retries)

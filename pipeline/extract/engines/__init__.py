@@ -5,12 +5,8 @@ engine (vLLM, SGLang, llama.cpp's llama-server) makes the same responses many ti
 engine generates each response; the target's one full forward per sample then captures the
 features and top-k exactly as for a response it generated itself (pipeline/extract/run.py).
 
-    client.py    HTTP with timeouts, retries and backoff; one EngineError line per failure
-    schemas.py   the declared shapes of the engines' answers (pydantic)
-    dialect.py   Request / Reply (token ids in, token ids out) and what an engine module provides
-    llamacpp.py  llama.cpp's POST /completion (prompt ids, "return_tokens")
-    vllm.py      vLLM's POST /v1/completions (prompt ids, "return_token_ids")
-    sglang.py    SGLang's native POST /generate (input_ids -> output_ids)
+The engines themselves (HTTP client, one dialect module per engine): pipeline/engines/.
+
     probe.py     before anything is written: reachable, which engine, the model served, same tokenizer
     cache.py     OUT/responses/: fetched responses, checksummed, never asked for again
     fetch.py     this rank's responses: concurrent requests, checks, finish reasons, greedy marks

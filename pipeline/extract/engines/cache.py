@@ -24,7 +24,7 @@ from pydantic import Field
 
 from pipeline import shards
 from pipeline.common.schema import ClosedSchema, Count, validate
-from pipeline.extract.engines.dialect import Request
+from pipeline.engines.dialect import Request
 
 
 class StoredResponse(ClosedSchema):

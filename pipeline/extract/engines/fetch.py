@@ -24,9 +24,9 @@ from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 
 from pipeline.common.sampling import Sampling
+from pipeline.engines.client import EngineError
+from pipeline.engines.dialect import Reply, Request
 from pipeline.extract.engines.cache import ResponseStore, request_key
-from pipeline.extract.engines.client import EngineError
-from pipeline.extract.engines.dialect import Reply, Request
 from pipeline.extract.engines.probe import Engine
 from pipeline.extract.generate import FINISH_EOS, FINISH_LENGTH, Response, draw_seed
 from pipeline.extract.plan import Item

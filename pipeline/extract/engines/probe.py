@@ -12,15 +12,11 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass
 
-from pipeline.extract.engines.client import Client, EngineError, Refused, Retry
-from pipeline.extract.engines.dialect import Dialect
-from pipeline.extract.engines.llamacpp import LlamaCpp
-from pipeline.extract.engines.schemas import ModelCard, ModelList, Tokenized, read
-from pipeline.extract.engines.sglang import Sglang
-from pipeline.extract.engines.vllm import Vllm
+from pipeline.engines.client import Client, EngineError, Refused, Retry
+from pipeline.engines.dialect import Dialect
+from pipeline.engines.registry import pick_dialect, pick_model, served_models
+from pipeline.engines.schemas import ModelCard, Tokenized, read
 
-DIALECTS: dict[str, Dialect] = {d.name: d for d in (LlamaCpp(), Vllm(), Sglang())}
-AUTO = "auto"
 # Appended to the first prompts as the tokenizer probe: words, digits, code and non-ASCII text.
 PROBE_TEXT = "\nThe 3 quick brown foxes (x=42.5) jumped: def f(a): return a**2 # café, naïve, 東京\n"
 PROBE_PROMPTS = 3  # rendered prompts tokenised with the probe text
@@ -54,53 +50,6 @@ def connect(
         check_vocab_size(client, next(c for c in cards if c.id == model), vocab_size, len(tokenizer))
         check_tokenizer(client, dialect, model, probe, expected)
     return Engine(dialect, clients, model)
-
-
-def served_models(client: Client) -> list[ModelCard]:
-    where = client.url + "/v1/models"
-    cards = read(ModelList, client.get("/v1/models"), where).data
-    if not cards:
-        raise EngineError(f"serving engine {where} serves no model (is it still loading?)")
-    return cards
-
-
-def pick_dialect(found: list[tuple[Client, list[ModelCard]]], engine: str) -> Dialect:
-    if engine != AUTO:
-        if engine not in DIALECTS:
-            raise EngineError(f"--engine {engine!r} is not one of {', '.join([AUTO, *DIALECTS])}")
-        return DIALECTS[engine]
-    by_owner = {d.owned_by: d for d in DIALECTS.values()}
-    named = {client.url: cards[0].owned_by for client, cards in found}
-    unknown = {url: owner for url, owner in named.items() if owner not in by_owner}
-    if unknown:
-        url, owner = next(iter(unknown.items()))
-        raise EngineError(
-            f"serving engine {url}: cannot tell which engine it is (GET /v1/models says owned_by {owner!r}); "
-            f"pass --engine {' or '.join(DIALECTS)}"
-        )
-    if len(set(named.values())) > 1:
-        raise EngineError(f"--responses-from names servers of different engines ({named}); give servers of one engine")
-    return by_owner[next(iter(named.values()))]
-
-
-def pick_model(found: list[tuple[Client, list[ModelCard]]], served_model: str | None) -> str:
-    """--served-model, which every server must serve; without it the one model they all serve."""
-    for client, cards in found:
-        ids = [card.id for card in cards]
-        if served_model is not None and served_model not in ids:
-            raise EngineError(
-                f"serving engine {client.url} does not serve model {served_model!r} (it serves {', '.join(map(repr, ids))}); "
-                f"pass one of those to --served-model"
-            )
-        if served_model is None and len(ids) > 1:
-            raise EngineError(
-                f"serving engine {client.url} serves {len(ids)} models ({', '.join(map(repr, ids))}); "
-                f"say which with --served-model"
-            )
-    names = {cards[0].id for _, cards in found}
-    if served_model is None and len(names) > 1:
-        raise EngineError(f"the servers in --responses-from serve different models ({', '.join(sorted(names))})")
-    return served_model or names.pop()
 
 
 def check_vocab_size(client: Client, card: ModelCard, vocab_size: int, tokenizer_size: int) -> None:

@@ -12,14 +12,14 @@ import pytest
 
 from pipeline import shards
 from pipeline.common.sampling import Sampling
+from pipeline.engines.client import Client, EngineError, Retry, Unreachable
+from pipeline.engines.dialect import Reply, Request
+from pipeline.engines.llamacpp import LlamaCpp
+from pipeline.engines.sglang import Sglang
+from pipeline.engines.vllm import Vllm
 from pipeline.extract.engines.cache import ResponseStore, request_key
-from pipeline.extract.engines.client import Client, EngineError, Retry, Unreachable
-from pipeline.extract.engines.dialect import Reply, Request
 from pipeline.extract.engines.fetch import FINISH_ENGINE_EOS, finish_reason
-from pipeline.extract.engines.llamacpp import LlamaCpp
 from pipeline.extract.engines.probe import connect
-from pipeline.extract.engines.sglang import Sglang
-from pipeline.extract.engines.vllm import Vllm
 from tests.helpers.models import make_tokenizer
 from tests.helpers.serving import FakeServer, free_port, llamacpp_like
 

@@ -22,8 +22,8 @@ from click.testing import CliRunner
 
 from pipeline import shards
 from pipeline.common.errors import UserError
+from pipeline.engines.client import EngineError
 from pipeline.extract.config import ExtractConfig
-from pipeline.extract.engines.client import EngineError
 from pipeline.extract.generate import generate_batch
 from pipeline.extract.inspect import format_report, inspect_extract
 from pipeline.extract.run import run_extract

@@ -89,12 +89,18 @@ def test_a_drafter_for_another_target_names_both_shapes(shards, tmp_path):
     assert f"hidden_size {REFERENCE_HIDDEN}" in line and f"hidden_size {TINY_HIDDEN}" in line, line
 
 
-def test_steps_is_refused_for_a_block_family(shards, tiny_qwen3_dir, tmp_path):
-    """--steps sets an autoregressive chain (EAGLE-3, MTP); a DFlash block is its trained size."""
+def test_steps_on_a_block_family_needs_an_engine_rule_and_fits_the_block(shards, tiny_qwen3_dir, tmp_path):
+    """dflash_generate runs a DFlash drafter's trained block: --steps is refused under the default
+    walk rule, naming the engine rules; under one, more drafts than the block holds are refused."""
     ckpt = _save(fits.Recipe("dflash"), tiny_qwen3_dir, tmp_path / "ckpt")
     out = tmp_path / "out"
-    result = CliRunner().invoke(main, ["score", "--ckpt", ckpt, "--shards", shards, "--out", str(out), "--steps", "4"])
-    errors = [line for line in result.output.splitlines() if line.startswith("error: ")]
-    assert result.exit_code == 1 and len(errors) == 1 and "Traceback" not in result.output, result.output
-    assert "--steps" in errors[0] and "DFlash" in errors[0] and "drop it" in errors[0], errors[0]
-    assert not os.path.exists(out)
+    for extra, wanted in (
+        (["--steps", "2"], "--walk-rule llama.cpp"),
+        (["--steps", "4", "--walk-rule", "llama.cpp"], "--steps 3 or fewer"),
+    ):
+        result = CliRunner().invoke(main, ["score", "--ckpt", ckpt, "--shards", shards, "--out", str(out), *extra])
+        errors = [line for line in result.output.splitlines() if line.startswith("error: ")]
+        assert result.exit_code == 1 and len(errors) == 1 and "Traceback" not in result.output, result.output
+        assert "--steps" in errors[0] and "DFlash" in errors[0] or "at most 3" in errors[0], errors[0]
+        assert wanted in errors[0], errors[0]
+        assert not os.path.exists(out)

@@ -59,6 +59,18 @@ class Reply:
     cut: str | None = None  # the server's own limit ended it early ("its context of 2048 tokens"); None: not cut
 
 
+@dataclass(frozen=True)
+class Acceptance:
+    """What an engine reports of its own speculative decoding for one response, when it does
+    (docs/walk-rules.md#what-engines-report): totals, and per verification step where it says."""
+
+    drafted: int  # draft tokens proposed (llama.cpp draft_n, vLLM num_draft_tokens, SGLang proposed)
+    accepted: int  # draft tokens accepted, as the engine counts them
+    steps: int | None = None  # verification steps, when reported
+    per_step_accepted: tuple[int, ...] | None = None  # vLLM's detailed mode; llama.cpp's LLAMA_TRACE log
+    per_step_drafted: tuple[int, ...] | None = None
+
+
 class Dialect(Protocol):
     name: str  # "llama.cpp", "vllm", "sglang"
     owned_by: str  # what GET /v1/models says in `owned_by`
@@ -68,6 +80,9 @@ class Dialect(Protocol):
 
     def reply(self, data: object, where: str, request: Request) -> Reply:
         """The answer to `generation` as a Reply (EngineError when it is not one)."""
+
+    def acceptance(self, data: object, where: str) -> Acceptance | None:
+        """The engine's own speculative-decoding counts in its answer; None when it reports none."""
 
     def tokenize(self, text: str, model: str) -> tuple[str, dict]:
         """(path, JSON body) that tokenises `text` without adding special tokens."""

@@ -13,9 +13,9 @@ request came before it.
 from __future__ import annotations
 
 from pipeline.common.sampling import Sampling
-from pipeline.extract.engines.client import EngineError
-from pipeline.extract.engines.dialect import Reply, Request, cut_at_length
-from pipeline.extract.engines.schemas import LlamaCppCompletion, read
+from pipeline.engines.client import EngineError
+from pipeline.engines.dialect import Acceptance, Reply, Request, cut_at_length
+from pipeline.engines.schemas import LlamaCppCompletion, read
 
 NEUTRAL = {
     "min_p": 0.0,
@@ -65,6 +65,14 @@ class LlamaCpp:
         if answer.truncated:
             return Reply(list(answer.tokens), False, f"its context size n_ctx ({len(answer.tokens)} tokens generated)")
         return cut_at_length(answer.tokens, answer.stop_type == "eos", request.max_new_tokens, "its n_predict limit")
+
+    def acceptance(self, data: object, where: str) -> Acceptance | None:
+        """timings.draft_n / draft_n_accepted; both absent when nothing was drafted. Per-step
+        counts are in the server's log only (scoring/online/engine_log.py)."""
+        timings = read(LlamaCppCompletion, data, where).timings
+        if timings is None:
+            return None
+        return Acceptance(timings.draft_n or 0, timings.draft_n_accepted or 0)
 
     def tokenize(self, text: str, model: str) -> tuple[str, dict]:
         return "/tokenize", {"content": text, "add_special": False, "parse_special": True}

@@ -9,7 +9,7 @@ from typing import Annotated
 from pydantic import Field
 
 from pipeline.common.schema import Count, Schema, validate
-from pipeline.extract.engines.client import EngineError
+from pipeline.engines.client import EngineError
 
 TokenIds = list[Count]
 
@@ -34,6 +34,14 @@ class Tokenized(Schema):
     tokens: TokenIds
 
 
+class LlamaCppTimings(Schema):
+    """llama.cpp's `timings`: draft_n / draft_n_accepted appear once the request drafted anything
+    (tools/server/server-common.cpp server_slot_stats::to_json)."""
+
+    draft_n: Count | None = None
+    draft_n_accepted: Count | None = None
+
+
 class LlamaCppCompletion(Schema):
     """POST /completion of llama.cpp's server with "return_tokens": true."""
 
@@ -41,6 +49,7 @@ class LlamaCppCompletion(Schema):
     stop_type: str = Field(description='"eos", "limit", "word" or "none"')
     truncated: bool = False  # the context (n_ctx) ran out
     tokens_predicted: Count | None = None
+    timings: LlamaCppTimings | None = None
 
 
 class VllmChoice(Schema):
@@ -49,10 +58,27 @@ class VllmChoice(Schema):
     stop_reason: int | str | None = None
 
 
+class VllmSpecMetrics(Schema):
+    """vLLM's per-request speculative-decoding metrics (served with --per-request-spec-decode-metrics
+    summary|detailed; v1/metrics/stats.py RequestSpecDecodeMetrics.to_dict): the per-step lists in
+    detailed mode only."""
+
+    num_spec_steps: Count
+    num_accepted_draft_tokens: Count
+    num_draft_tokens: Count
+    per_step_accepted: list[Count] | None = None
+    per_step_drafted: list[Count] | None = None
+
+
+class VllmMetrics(Schema):
+    speculative_decoding: VllmSpecMetrics | None = None
+
+
 class VllmCompletion(Schema):
     """POST /v1/completions of vLLM with "return_token_ids": true."""
 
     choices: Annotated[list[VllmChoice], Field(min_length=1, max_length=1)]
+    metrics: VllmMetrics | None = None
 
 
 class SglangFinish(Schema):
@@ -60,7 +86,13 @@ class SglangFinish(Schema):
 
 
 class SglangMeta(Schema):
+    """`meta_info`; the spec_* counters come once a request with speculative decoding finishes
+    (srt/managers/tokenizer_manager.py): verify steps, accepted drafts (not cut at the stop), proposed."""
+
     finish_reason: SglangFinish | None = None
+    spec_verify_ct: Count | None = None
+    spec_num_correct_drafts: Count | None = None
+    spec_num_proposed_drafts: Count | None = None
 
 
 class SglangGenerate(Schema):

@@ -9,9 +9,9 @@ Penalties and min-p are neutral; temperature, top-k and top-p are SGLang's own, 
 from __future__ import annotations
 
 from pipeline.common.sampling import Sampling
-from pipeline.extract.engines.client import EngineError
-from pipeline.extract.engines.dialect import Reply, Request, cut_at_length, sampling_params
-from pipeline.extract.engines.schemas import SglangGenerate, read
+from pipeline.engines.client import EngineError
+from pipeline.engines.dialect import Acceptance, Reply, Request, cut_at_length, sampling_params
+from pipeline.engines.schemas import SglangGenerate, read
 
 
 class Sglang:
@@ -30,6 +30,13 @@ class Sglang:
         if finish not in ("stop", "length"):
             raise EngineError(f"serving engine {where}: sample {request.sample_id!r} finished with {finish!r}")
         return cut_at_length(answer.output_ids, finish == "stop", request.max_new_tokens, "its context length")
+
+    def acceptance(self, data: object, where: str) -> Acceptance | None:
+        """meta_info's spec_* counters (no per-step list: SGLang keeps only a histogram)."""
+        meta = read(SglangGenerate, data, where).meta_info
+        if meta.spec_verify_ct is None:
+            return None
+        return Acceptance(meta.spec_num_proposed_drafts or 0, meta.spec_num_correct_drafts or 0, meta.spec_verify_ct)
 
     def tokenize(self, text: str, model: str) -> tuple[str, dict]:
         return "/tokenize", {"model": model, "prompt": text, "add_special_tokens": False}

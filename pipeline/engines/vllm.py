@@ -10,9 +10,9 @@ temperature, then top-k and top-p), a seed per response. Temperature 0 is vLLM's
 from __future__ import annotations
 
 from pipeline.common.sampling import Sampling
-from pipeline.extract.engines.client import EngineError
-from pipeline.extract.engines.dialect import Reply, Request, cut_at_length, sampling_params
-from pipeline.extract.engines.schemas import VllmCompletion, read
+from pipeline.engines.client import EngineError
+from pipeline.engines.dialect import Acceptance, Reply, Request, cut_at_length, sampling_params
+from pipeline.engines.schemas import VllmCompletion, read
 
 
 class Vllm:
@@ -45,6 +45,20 @@ class Vllm:
             )
         return cut_at_length(
             choice.token_ids, choice.finish_reason == "stop", request.max_new_tokens, "its max_model_len"
+        )
+
+    def acceptance(self, data: object, where: str) -> Acceptance | None:
+        """metrics.speculative_decoding (--per-request-spec-decode-metrics; per-step lists in detailed mode)."""
+        metrics = read(VllmCompletion, data, where).metrics
+        spec = None if metrics is None else metrics.speculative_decoding
+        if spec is None:
+            return None
+        per_step = (spec.per_step_accepted, spec.per_step_drafted)
+        return Acceptance(
+            spec.num_draft_tokens,
+            spec.num_accepted_draft_tokens,
+            spec.num_spec_steps,
+            *(None if values is None else tuple(values) for values in per_step),
         )
 
     def tokenize(self, text: str, model: str) -> tuple[str, dict]:
