@@ -436,3 +436,30 @@ def test_thinly_reached_positions_are_left_out_of_the_console(scored_setup, tmp_
     for k in range(1, len(reached) + 1):
         assert (f"{k}: " in line.split(";")[0]) == (k not in thin), line
     assert f"left out (fewer than {MIN_ANCHORS} anchors reached" in line
+
+
+def test_walk_rules_change_the_tail_block_and_the_counts_not_the_path_formula(scored_setup, tmp_path):
+    """--walk-rule llama.cpp runs the full block at every anchor (dflash_generate shortens it to the
+    budget), cuts the drafts to remaining - 2 and decodes the budget's last token plainly (0
+    drafted); another rule is another setting, refused without --force; --steps under it runs a
+    shorter block everywhere (docs/walk-rules.md)."""
+    tmp, shards, written = scored_setup
+    out = str(tmp_path / "results")
+    base = ["--ckpt", written[-1], "--shards", shards, "--out", out, "--ddtree-budgets", ""]
+    assert _score(base).exit_code == 0
+    target = os.path.join(out, "runs_step_60")
+    reference = pl.read_parquet(os.path.join(target, "anchors.parquet"))
+    refused = _score([*base, "--walk-rule", "llama.cpp"])
+    assert refused.exit_code == 1 and "walk rule: 'dflash' -> 'llama.cpp'" in refused.output, refused.output
+    assert _score([*base, "--walk-rule", "llama.cpp", "--force"]).exit_code == 0
+    anchors = pl.read_parquet(os.path.join(target, "anchors.parquet"))
+    assert reference["block_len"].min() < 4 and set(anchors["block_len"].to_list()) == {4}
+    assert json.load(open(os.path.join(target, "run.json")))["walk_rule"] == "llama.cpp"
+    walk = pl.read_parquet(os.path.join(target, "walk.parquet")).filter(pl.col("method") == "chain")
+    prompt_len = walk.filter(pl.col("step") == 0).select("sample_id", prompt_len="anchor")
+    remaining = walk.join(prompt_len, on="sample_id").select(pl.col("prompt_len") + 24 - pl.col("anchor")).to_series()
+    assert (walk["drafted"] == (remaining - 2).clip(0, 3)).all()
+    assert (walk["counted_accepted"] <= walk["drafted"]).all() and walk["counted_exact"].all()
+    assert _score([*base, "--walk-rule", "llama.cpp", "--steps", "2", "--force"]).exit_code == 0
+    shorter = pl.read_parquet(os.path.join(target, "anchors.parquet"))
+    assert set(shorter["block_len"].to_list()) == {3}
