@@ -33,6 +33,19 @@ def missing_reference() -> str | None:
                 importlib.import_module(name)
         except ImportError as error:
             return f"reference package {name} does not import ({error}): run `make setup` (it installs what it needs)"
+    return missing_engine()
+
+
+def missing_engine() -> str | None:
+    """Why the real engine the engine-parity tests run (llama-server, llama.cpp's converter) is not
+    there, or None."""
+    from tools.llama_convert import CONVERTER_DIR
+    from tools.llama_server import llama_server_runs
+
+    if not llama_server_runs():
+        return "llama-server is not built or does not start: run `make setup` (it builds llama.cpp's server)"
+    if not (CONVERTER_DIR / "convert_hf_to_gguf.py").is_file() or importlib.util.find_spec("sentencepiece") is None:
+        return f"llama.cpp's converter is missing from {CONVERTER_DIR} (or sentencepiece): run `make setup`"
     return None
 
 

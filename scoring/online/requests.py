@@ -21,7 +21,7 @@ class Online:
 
     token_ids: list[int]
     acceptance: Acceptance | None  # None: the engine reported nothing (no speculative decoding?)
-    steps: list[tuple[int, int]] | None  # (accepted, drafted) per step from the log; None without a log
+    steps: list[tuple[int, int]] | None  # (accepted, drafted) per step, when the engine or its log says
 
 
 class Engine:
@@ -43,7 +43,13 @@ class Engine:
         data = self.client.post(*self.dialect.generation(request))
         reply = self.dialect.reply(data, where, request)
         acceptance = self.dialect.acceptance(data, where)
-        return Online(reply.token_ids, acceptance, None if self.tail is None else self.logged_steps(acceptance))
+        return Online(reply.token_ids, acceptance, self.steps(acceptance))
+
+    def steps(self, acceptance: Acceptance | None) -> list[tuple[int, int]] | None:
+        """Per-step counts: the engine's own lists (vLLM's detailed mode), else the log's, else None."""
+        if acceptance is not None and acceptance.per_step_accepted is not None:
+            return list(zip(acceptance.per_step_accepted, acceptance.per_step_drafted or ()))
+        return None if self.tail is None else self.logged_steps(acceptance)
 
     def logged_steps(self, acceptance: Acceptance | None) -> list[tuple[int, int]]:
         """The request's logged steps, waiting briefly until they add up to the engine's totals."""
