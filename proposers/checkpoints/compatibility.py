@@ -82,7 +82,7 @@ def check_compatibility(config: DrafterConfig, manifest: dict, ckpt_path: str, s
     _check_final_layer(config, int(target["num_layers"]), where)
     _check_layers(config, stored, where, _rerun(manifest, shards))
     _check_final_norm(config, manifest, stored, where, _rerun(manifest, shards))
-    _check_widths(config, target, where)
+    _check_widths(config, target, where, gguf=ckpt_path.lower().endswith(".gguf"))
 
 
 def _check_block_and_target(config: DrafterConfig, target: dict, where: str) -> None:
@@ -146,7 +146,7 @@ def _check_final_norm(config: DrafterConfig, manifest: dict, stored: list[int], 
     )
 
 
-def _check_widths(config: DrafterConfig, target: dict, where: str) -> None:
+def _check_widths(config: DrafterConfig, target: dict, where: str, gguf: bool = False) -> None:
     hidden, vocab = int(target["hidden_size"]), int(target["vocab_size"])
     if config.hidden_size != hidden:
         raise CompatibilityError(
@@ -160,8 +160,14 @@ def _check_widths(config: DrafterConfig, target: dict, where: str) -> None:
             f"(vocab_size {vocab}, valid ids 0..{vocab - 1}); the drafter was trained for a different tokenizer"
         )
     if config.vocab_size != vocab:
+        fix = (
+            "convert it again with --target-model-dir naming the target these shards were extracted from (a "
+            "drafter GGUF's vocabulary is that directory's tokenizer, padded to the drafter's vocab_size)"
+            if gguf
+            else f"set vocab_size {vocab} in its config.json if only the field is off: the drafter uses the "
+            f"target's embedding and lm_head"
+        )
         raise CompatibilityError(
             f"{where}: drafter vocab_size {config.vocab_size} != target vocab_size {vocab}; the drafter was "
-            f"configured for a different tokenizer (set vocab_size {vocab} in its config.json if only the "
-            f"field is off: the drafter uses the target's embedding and lm_head)"
+            f"configured for a different tokenizer ({fix})"
         )

@@ -5,7 +5,8 @@ from a key only when that turns it into a name the drafter has, so a correct nam
 touched and a foreign tensor keeps the name it was saved under in the error. Every missing,
 unexpected or mis-shaped tensor is an error: a drafter scored with a silently dropped weight
 would still produce numbers, just wrong ones. Which files make a checkpoint, and whether they
-are whole, is files.py's; whether it fits the shards, compatibility.py's.
+are whole, is files.py's; a llama.cpp drafter GGUF is read back as the checkpoint it was
+converted from by gguf.py; whether it fits the shards, compatibility.py's.
 
 Everything here runs before any compute; nothing of the target model is loaded. `load_proposer`
 hands the loaded drafter to the replay behind the proposer interface (proposers/toolkit/neural.py).
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from proposers.checkpoints import gguf
 from proposers.checkpoints.files import (
     MAX_LISTED,
     CheckpointError,
@@ -216,9 +218,18 @@ def _materialize(skeleton: torch.nn.Module, state: dict, dtype, device, source: 
 
 
 def _read_config(config_file: str, target_layers: int | None = None, override: Override | None = None):
-    """(Parsed, the raw config)."""
-    config_raw = read_json_file(config_file)
+    """(Parsed, the raw config): a config.json, or the config a drafter GGUF reads back as."""
+    config_raw = gguf.gguf_config(config_file) if gguf.is_gguf(config_file) else read_json_file(config_file)
     return parse_config(config_raw, config_file, target_layers, override), config_raw
+
+
+def _checked_files(path: str, config_path: str | None = None) -> tuple[list[str], str]:
+    """(weight files, config file) of a checkpoint complete as far as sizes and headers tell; a
+    drafter GGUF is both (proposers/checkpoints/gguf.py)."""
+    if gguf.is_gguf(path):
+        return [os.path.abspath(path)], os.path.abspath(path)
+    check_checkpoint(path, config_path)
+    return resolve_checkpoint_files(path, config_path)
 
 
 def is_config_only(path: str) -> bool:
@@ -234,8 +245,7 @@ def read_drafter_config(
     refused here already (checkpoint_problem reads headers only)."""
     if is_config_only(path):
         return _read_config(path, target_layers, override)[0].config
-    check_checkpoint(path, config_path)
-    _, config_file = resolve_checkpoint_files(path, config_path)
+    _, config_file = _checked_files(path, config_path)
     return _read_config(config_file, target_layers, override)[0].config
 
 
@@ -243,6 +253,8 @@ def _read_weights(config: DrafterConfig, skeleton, weight_files: list[str], sour
     """(tensors, training metadata): the whole files less what the drafter never reads, or only the
     drafter's part of a target's checkpoint."""
     prefix = skeleton.embedded_prefix
+    if gguf.is_gguf(weight_files[0]):
+        return gguf.gguf_state(weight_files[0]), {}
     if prefix is None:
         return read_state_dict(weight_files, skip=skeleton.reloaded_weights)
     return read_prefixed(weight_files, prefix, source), {}
@@ -271,8 +283,7 @@ def load_drafter(
     variant or field specreplay cannot score exactly), both before any compute; a partly
     written checkpoint (checkpoint_problem) before any tensor is read.
     """
-    check_checkpoint(path, config_path)
-    weight_files, config_file = resolve_checkpoint_files(path, config_path)
+    weight_files, config_file = _checked_files(path, config_path)
     parsed, config_raw = _read_config(config_file, target_layers, override)
     source = weight_files[0] if len(weight_files) == 1 else os.path.dirname(weight_files[0])
     drafter, raw_state, metadata, stripped = _load_weights(

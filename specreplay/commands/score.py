@@ -46,9 +46,9 @@ def d(name: str):
     "ckpts",
     multiple=True,
     required=True,
-    help="Drafter checkpoint: a z-lab directory (config.json + safetensors) or a training "
-    "checkpoint (.safetensors/.pt + config.json beside it). Repeat it or pass a quoted glob "
-    "('runs/*/step_*') to score several; each gets its own results directory.",
+    help="Drafter checkpoint: a z-lab directory (config.json + safetensors), a training "
+    "checkpoint (.safetensors/.pt + config.json beside it) or a llama.cpp drafter .gguf. Repeat it "
+    "or pass a quoted glob ('runs/*/step_*') to score several; each gets its own results directory.",
 )
 @click.option("--shards", required=True, help="Extract output directory (local path or pyarrow.fs URI).")
 @click.option("--out", required=True, help="Parent of the results: each checkpoint writes --out/<parent>_<name>/.")
