@@ -26,14 +26,16 @@ class OnlineConfig:
 
 
 def offline_walks(results_dir: str, rule: str) -> dict[str, OfflineSteps]:
-    """Each sample's chain steps that drafted, from walk.parquet (in step order)."""
+    """Each scored sample's chain steps that drafted, from walk.parquet (in step order); none for a
+    sample whose first response token ended it."""
     walk = pl.read_parquet(f"{results_dir}/{results.FILES['walk']}").filter(pl.col("method") == "chain")
     if "drafted" not in walk.columns:
         raise UserError(
             f"{results_dir}: walk.parquet has no per-step engine counts (scored before walk rules existed): "
             "re-score it with --force and --walk-rule for the engine"
         )
-    walks = {}
+    scored = pl.read_parquet(f"{results_dir}/{results.FILES['samples']}").filter(pl.col("method") == "chain")
+    walks = {sample_id: OfflineSteps([], [], True, rule) for sample_id in scored["sample_id"].to_list()}  # no step
     for (sample_id,), steps in walk.sort("sample_id", "step").group_by("sample_id", maintain_order=True):
         drafting = steps.filter(pl.col("drafted") > 0)
         walks[sample_id] = OfflineSteps(
@@ -85,7 +87,7 @@ def summary(verdicts: list[Verdict]) -> dict:
     """Counts over the samples, and the pooled totals over those whose responses are the stored ones."""
     same = [v for v in verdicts if v.response == "same" and v.online is not None]
     return {
-        "samples": len(verdicts),
+        "compared": len(verdicts),
         "same_response": len(same),
         "equal": sum(v.verdict == "equal" for v in verdicts),
         "differs": sum(v.verdict == "differs" for v in verdicts),

