@@ -43,7 +43,8 @@ def compare_online(results_dir, server, engine, engine_log, limit, request_timeo
     \b
     Example:
       LLAMA_TRACE=1 llama-server -m target.gguf -md drafter.gguf --spec-type draft-dflash \\
-          --spec-draft-n-max 15 --parallel 1 --port 8080 2> server.log &
+          --spec-draft-n-max 15 --parallel 1 -fa off -ctk f32 -ctv f32 -ctkd f32 -ctvd f32 \\
+          --port 8080 2> server.log &
       specreplay score --ckpt drafter/ --shards data/shards/t --out data/results --walk-rule llama.cpp --steps 15
       specreplay compare-online data/results/x_drafter --server http://127.0.0.1:8080 --engine-log server.log
     """

@@ -61,22 +61,25 @@ def new_drafter(target, *, aux_ids, steps: int, draft_vocab: torch.Tensor | None
 
 
 def training_documents(target, sequences: list[torch.Tensor], prompt_lens: list[int]) -> list[dict]:
-    """Per sequence, speculators' training fields after its `shift_batch` (index i: x_{i+1}, g_i,
-    the verifier's pre-norm state at i + 1, position i + 1), the loss on response anchors."""
+    """Per sequence, speculators' training fields (training_document) from the target's states."""
     documents = []
     for ids, prompt_len in zip(sequences, prompt_lens):
         _, features, pre_norm = target_states(target, ids)
-        loss_mask = (torch.arange(ids.numel()) >= prompt_len).long()
-        documents.append(
-            dict(
-                hidden_states=features[:-1],
-                input_ids=ids[1:],
-                verifier_last_hidden_states=pre_norm[1:],
-                loss_mask=loss_mask[1:],
-                position_ids=torch.arange(1, ids.numel()),
-            )
-        )
+        documents.append(training_document(ids, prompt_len, features, pre_norm))
     return documents
+
+
+def training_document(ids: torch.Tensor, prompt_len: int, features: torch.Tensor, pre_norm: torch.Tensor) -> dict:
+    """speculators' training fields of one sequence after its `shift_batch` (index i: x_{i+1}, g_i,
+    the verifier's pre-norm state at i + 1, position i + 1), the loss on response anchors."""
+    loss_mask = (torch.arange(ids.numel()) >= prompt_len).long()
+    return dict(
+        hidden_states=features[:-1],
+        input_ids=ids[1:],
+        verifier_last_hidden_states=pre_norm[1:],
+        loss_mask=loss_mask[1:],
+        position_ids=torch.arange(1, ids.numel()),
+    )
 
 
 def packed_batch(documents: list[dict]) -> dict:

@@ -221,7 +221,7 @@ def load_target_weights(model, target_dir: str) -> None:
     from safetensors.torch import load_file
 
     weights = load_file(os.path.join(target_dir, "model.safetensors"))
-    head = weights["lm_head.weight"]
+    head = weights.get("lm_head.weight", weights["model.embed_tokens.weight"])  # a tied target saves no lm_head
     if model.use_draft_vocab:
         head = head[model.t2d.bool()]
     model.embed_tokens.weight.copy_(weights["model.embed_tokens.weight"])

@@ -33,6 +33,7 @@ import polars as pl
 import torch
 
 from tests.helpers import family_fits as fits
+from tests.helpers.eagle3_online import training_document
 from tests.helpers.models import seeded, text_kwargs
 from tools.llama_convert import converter
 from tools.llama_server import LlamaServer
@@ -229,22 +230,12 @@ def eagle3_drafter(target_dir: str, sequences, out_dir, aux_ids, steps: int, dra
 
 
 def _eagle3_documents(target, sequences, aux_ids) -> list[dict]:
-    """eagle3_online.training_documents for these aux ids: speculators' fields after its
-    `shift_batch` (index i: x_{i+1}, g_i, the pre-norm state at i + 1), loss on response anchors."""
+    """eagle3_online.training_documents for these aux ids."""
     documents = []
     for ids, prompt_len in sequences:
         states, pre_norm = fits.target_states(target, ids)
         features = torch.cat([states[i] for i in aux_ids], dim=-1)
-        loss_mask = (torch.arange(ids.numel()) >= prompt_len).long()
-        documents.append(
-            dict(
-                hidden_states=features[:-1],
-                input_ids=ids[1:],
-                verifier_last_hidden_states=pre_norm[1:],
-                loss_mask=loss_mask[1:],
-                position_ids=torch.arange(1, ids.numel()),
-            )
-        )
+        documents.append(training_document(ids, prompt_len, features, pre_norm))
     return documents
 
 
