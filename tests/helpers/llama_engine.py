@@ -69,17 +69,27 @@ def smollm2_tokenizer(save_dir) -> None:
 
 @torch.no_grad()
 def engine_target(
-    save_dir, prompts: list[list[int]], max_new: int, live: int = 64, gain: float = 0.75, layers: int = 8, seed: int = 0
+    save_dir,
+    prompts: list[list[int]],
+    max_new: int,
+    live: int = 64,
+    gain: float = 0.75,
+    layers: int = 8,
+    seed: int = 0,
+    model=None,
 ) -> str:
     """family_fits.random_target's recipe (lm_head x 3, each MLP `gain` x the residual entering it)
     at SmolLM2's vocabulary, emitting only the `live` ids from SPECIAL on (the other lm_head rows
     zero: a short fit then learns its loops), its stop token moved to STOP (`_move_stop_token`),
-    saved with SmolLM2's tokenizer and a generation config whose eos is STOP."""
+    saved with SmolLM2's tokenizer and a generation config whose eos is STOP. `model`: another
+    random causal LM at SmolLM2's vocabulary shaped so, in place, instead of a Qwen3 of `layers`
+    (the MTP engine test's Qwen3.5)."""
     from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
 
-    config = Qwen3Config(**{**text_kwargs(layers), "vocab_size": SMOLLM2_VOCAB}, rope_theta=10000.0)
-    with seeded(seed):
-        model = Qwen3ForCausalLM(config).eval()
+    if model is None:
+        config = Qwen3Config(**{**text_kwargs(layers), "vocab_size": SMOLLM2_VOCAB}, rope_theta=10000.0)
+        with seeded(seed):
+            model = Qwen3ForCausalLM(config).eval()
     model.lm_head.weight.mul_(3.0)
     # logit 0 never wins: only ids SPECIAL .. SPECIAL + live - 1 are emitted (no special token, EOG to llama.cpp)
     model.lm_head.weight[:SPECIAL] = 0.0
@@ -245,8 +255,10 @@ def _eagle3_documents(target, sequences, aux_ids) -> list[dict]:
 @contextmanager
 def serving(target_gguf, drafter_gguf, spec_type: str, n_max: int, log: Path):
     """llama-server with the target, the drafter of `spec_type` (e.g. draft-dflash) drafting
-    `n_max` tokens a step (--spec-draft-n-max), one slot, LLAMA_TRACE=1; stopped on exit."""
-    extra = ("-md", str(drafter_gguf), "--spec-type", spec_type, "--spec-draft-n-max", str(n_max), *EXACT)
+    `n_max` tokens a step (--spec-draft-n-max), one slot, LLAMA_TRACE=1; stopped on exit.
+    `drafter_gguf` None: no -md, the drafter lives in the target's GGUF (draft-mtp's heads)."""
+    model = () if drafter_gguf is None else ("-md", str(drafter_gguf))
+    extra = (*model, "--spec-type", spec_type, "--spec-draft-n-max", str(n_max), *EXACT)
     server = LlamaServer(Path(target_gguf), log, extra=extra, env={"LLAMA_TRACE": "1"}).start()
     try:
         yield server
