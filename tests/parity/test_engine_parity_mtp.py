@@ -36,7 +36,15 @@ from pipeline.shards import ShardSet
 from tests.helpers import chain_parity as chains, llama_engine as engine, mtp_online
 from tests.helpers.models import _qwen35_text_config, seeded
 from tests.helpers.prompts import write_prompts
-from tests.parity.test_engine_parity import MAX_NEW, PROMPTS, TABLE, Drafter, Setup, _assert_engine_counts, _prompt_ids
+from tests.parity.test_engine_parity import (  # one_thread: the autouse fixture (one thread, the table printed)
+    MAX_NEW,
+    PROMPTS,
+    Drafter,
+    Setup,
+    _assert_engine_counts,
+    _prompt_ids,
+    one_thread,  # noqa: F401
+)
 from tools.llama_convert import convert
 
 pytestmark = pytest.mark.slow
@@ -45,18 +53,6 @@ LAYERS = 4
 STEPS = 3  # the native head's default (mtp.DEFAULT_STEPS): what --walk-rule dflash runs
 FIT_STEPS = 400
 FIT_LR = 5e-3
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-    print(
-        "\nfamily  layout       n_max  samples  differing  steps  cut  stop-last  accepted/drafted  dflash-rule differs"
-    )
-    print("\n".join(row for row in TABLE if row.startswith("mtp ")))
 
 
 def _qwen35(seed: int = 0):
