@@ -78,7 +78,8 @@ def run_compare_online(config: OnlineConfig, progress=None) -> tuple[dict, list[
         "engine": engine.dialect.name,
         "model": engine.model,
         "walk_rule": rule,
-        "per_step": config.engine_log is not None,
+        # per-step counts came from the log or from the engine's own answer (vLLM's detailed mode)
+        "per_step": any(v.per_step for v in verdicts),
     }
     return facts, verdicts
 

@@ -33,6 +33,7 @@ class Verdict:
     offline: tuple[int, int]  # (accepted, drafted) summed over the walk
     online: tuple[int, int] | None  # the engine's totals
     first_difference: int | None  # the first step whose counts differ (None: none, or not compared)
+    per_step: bool  # the engine's per-step counts were compared (not only its totals)
     verdict: str  # "equal", "differs", "not comparable"
     points_at: str
 
@@ -50,7 +51,7 @@ def judge(
 ) -> Verdict:
     totals = (sum(a for a, _ in offline.steps), sum(d for _, d in offline.steps))
     reported = None if online.acceptance is None else (online.acceptance.accepted, online.acceptance.drafted)
-    row = dict(sample_id=sample_id, dataset=dataset, offline=totals, online=reported)
+    row = dict(sample_id=sample_id, dataset=dataset, offline=totals, online=reported, per_step=online.steps is not None)
     diverged = first_divergence(online.token_ids, stored)
     if diverged is not None:
         why = (

@@ -37,11 +37,14 @@ class Counts:
 @dataclass(frozen=True)
 class WalkRule:
     name: str
-    truncates_block: bool  # the drafter runs a block shortened to the budget (else the full block)
-    cuts_to_budget: bool  # drafts are cut to the budget minus one before verification
-    stop_as_last_draft_counts: bool  # a stop token matched as the last draft is counted as accepted
-    counts_past_end: bool  # accepted drafts past the stop token or the budget are counted
-    source: str  # where the rule is read (docs/walk-rules.md has the lines)
+    cuts_to_budget: bool  # llama.cpp: drafts cut to the budget minus one before verification
+    counts_past_end: bool  # vLLM, SGLang: accepted drafts past the stop token or the budget are counted
+
+    @property
+    def truncates_block(self) -> bool:
+        """Only the reference shortens the block to the budget; the engines run it full and cut or
+        verify afterwards."""
+        return not (self.cuts_to_budget or self.counts_past_end)
 
     def block_remaining(self, remaining: torch.Tensor) -> torch.Tensor:
         """The `remaining` a proposer's block_len sees: the budget, or no limit when the loop drafts
@@ -54,7 +57,7 @@ class WalkRule:
         known (drafts the stored response can verify), remaining (positions left in the budget
         from the anchor on, P + budget - t) and stop (the first stop token's offset, next_stop - t)."""
         accepted, depth = steps["accepted"], steps["depth"]
-        if not self.cuts_to_budget and not self.counts_past_end:  # dflash_generate's acceptance lengths
+        if self.truncates_block:  # dflash_generate's acceptance lengths
             return Counts(depth, steps["produced"] - 1, torch.ones_like(accepted, dtype=torch.bool))
         if self.cuts_to_budget:
             return self._cut_counts(accepted, depth, steps["remaining"], steps["stop"])
@@ -68,22 +71,20 @@ class WalkRule:
         drafted = torch.minimum(depth, (remaining - 2).clamp(min=0))
         counted = torch.minimum(accepted, drafted)
         through_stop = (stop <= drafted) & (accepted >= stop)  # the stop token drafted and matched
-        at_stop = torch.where(stop == drafted, stop, stop - 1) if self.stop_as_last_draft_counts else stop - 1
-        counted = torch.where(through_stop, at_stop, counted)
+        counted = torch.where(through_stop, torch.where(stop == drafted, stop, stop - 1), counted)
         return Counts(drafted, counted, torch.ones_like(accepted, dtype=torch.bool))
 
 
 RULES = {
     rule.name: rule
     for rule in (
-        WalkRule("dflash", True, False, False, False, "dflash.model.dflash_generate"),
-        WalkRule("llama.cpp", False, True, True, False, "llama.cpp tools/server/server-context.cpp"),
-        WalkRule("vllm", False, False, False, True, "vllm/v1/core/sched/scheduler.py"),
-        WalkRule("sglang", False, False, False, True, "sglang/srt/managers/scheduler_components"),
+        WalkRule("dflash", cuts_to_budget=False, counts_past_end=False),
+        WalkRule("llama.cpp", cuts_to_budget=True, counts_past_end=False),
+        WalkRule("vllm", cuts_to_budget=False, counts_past_end=True),
+        WalkRule("sglang", cuts_to_budget=False, counts_past_end=True),
     )
 }
-DEFAULT_RULE = WALK_RULES[0]
-assert tuple(RULES) == WALK_RULES, "scoring/config.py WALK_RULES names the rules registered here"
+DEFAULT_RULE = WALK_RULES[0]  # scoring/config.py WALK_RULES names these (tests/scoring/replay/test_walk_rules.py)
 
 
 def walk_rule(name: str) -> WalkRule:

@@ -67,7 +67,6 @@ def compare_online(results_dir, server, engine, engine_log, limit, request_timeo
 
 
 def headline(facts: dict, totals: dict) -> str:
-    rate = lambda accepted, drafted: f"{accepted}/{drafted}" + (f" ({accepted / drafted:.3f})" if drafted else "")  # noqa: E731
     return (
         f"{facts['engine']} serving {facts['model']}, walk rule {facts['walk_rule']}: {totals['equal']} of "
         f"{totals['compared']} samples equal, {totals['differs']} differ, {totals['not_comparable']} not comparable "
@@ -75,6 +74,10 @@ def headline(facts: dict, totals: dict) -> str:
         f"{rate(totals['offline_accepted'], totals['offline_drafted'])}, online "
         f"{rate(totals['online_accepted'], totals['online_drafted'])}"
     )
+
+
+def rate(accepted: int, drafted: int) -> str:
+    return f"{accepted}/{drafted}" + (f" ({accepted / drafted:.3f})" if drafted else "")
 
 
 def table(verdicts) -> str:

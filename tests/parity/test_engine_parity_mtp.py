@@ -15,7 +15,7 @@ is the stored one, their sums equal to the timings, at most one differing respon
 accept drafts, drafts cut near the budget, and the default `--walk-rule dflash` differing somewhere).
 
 Known difference, so the test is an expected failure (strict: it fails loudly once llama.cpp or a
-walk rule closes the gap; measured on sample p3 at n_max 3 and 2, the other 11 samples equal step
+walk rule closes the gap; sample p3 at n_max 3 and 2 shows it, the other 11 samples equal step
 for step, per-sample sums equal to the timings): llama.cpp's draft
 KV holds one slot more than vLLM's rule and specreplay's replay. process() pairs every token of a
 target batch with the hidden row before it, the batch's first token with `pending_h`
