@@ -24,6 +24,7 @@ as `from tests.helpers.<module> import ...`. tests/conftest.py holds only fixtur
   chain_parity                          prompts, extract/score, walk and tau tables, z-scores of the chain parity tests
   llama_engine     a real llama-server with a drafter: the tiny target llama.cpp's converter accepts (SmolLM2's
                    tokenizer), GGUFs, the server, its per-step counts (engine parity, compare-online)
+  engine_parity    what the engine-parity tests share: setup records, prompts, the per-step comparison with llama-server
   gguf_drafters    every family's drafter GGUF converted by llama.cpp's converter (GGUF drafter tests)
 """
 

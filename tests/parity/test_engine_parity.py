@@ -23,22 +23,16 @@ from __future__ import annotations
 
 import json
 import shutil
-from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
-import torch
 
 from pipeline.shards import ShardSet
-from tests.helpers import chain_parity as chains, family_fits as fits, llama_engine as engine
+from tests.helpers import chain_parity as chains, engine_parity as parity, family_fits as fits, llama_engine as engine
 from tests.helpers.eagle3_reference import write_specforge
 from tests.helpers.prompts import write_prompts
 
 pytestmark = pytest.mark.slow
 
-MAX_NEW = 32
-PROMPTS = 12
-MOST_DIFFERING = 1  # engine responses allowed to differ from the stored ones (float rounding)
 TARGET_LAYERS = 8  # llama.cpp's converter's EAGLE-3 default layers [2, L // 2, L - 3] are then distinct
 # extract's (output-of-layer) ids: the DFlash/DSpark aux ids 2, 4 (speculators: before layer i), EAGLE-3's 2, 4, 5
 LAYERS = [1, 3, 4]
@@ -67,47 +61,11 @@ SMOLLM2_PROMPTS = [
     "What color is the sky on a clear day?",
     "Spell the word 'cat' backwards.",
 ]
-TABLE: list[str] = []
-
-
-@dataclass(frozen=True)
-class Setup:
-    tmp: Path
-    target: str  # the HF directory
-    target_gguf: str
-    shards: str  # extracted from the HF directory, greedy
-    sequences: list  # (ids, prompt length) the drafters are fitted on: llama_engine.continuations
-    converter: engine.Converter
-
-
-@dataclass(frozen=True)
-class Drafter:
-    family: str
-    layout: str
-    path: str  # the checkpoint specreplay scores
-    gguf: str  # the same drafter converted by llama.cpp's converter
-    spec_type: str  # llama-server --spec-type
-    drafts: int  # drafts of the trained block / chain: what --walk-rule dflash runs
-
-
-def _prompt_ids(count: int, seed: int = 7) -> list[list[int]]:
-    """Ids 300..699: none of the ids the target emits (llama_engine.engine_target's live ids)."""
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(300, 700, (6 + i % 4,), generator=gen).tolist() for i in range(count)]
 
 
 @pytest.fixture(scope="module", autouse=True)
 def one_thread():
-    """One intra-op thread (on shared cores OpenMP's spinning workers slow tiny calls down); the
-    table of every case compared, printed at the end."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-    print(
-        "\nfamily  layout       n_max  samples  differing  steps  cut  stop-last  accepted/drafted  dflash-rule differs"
-    )
-    print("\n".join(TABLE))
+    yield from parity.threads_and_table("")
 
 
 @pytest.fixture(scope="module")
@@ -118,21 +76,23 @@ def converter():
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory, converter) -> Setup:
+def setup(tmp_path_factory, converter) -> parity.Setup:
     tmp = tmp_path_factory.mktemp("engine_parity")
-    prompts = _prompt_ids(PROMPTS)
-    model_dir = engine.engine_target(tmp / "target", prompts, MAX_NEW, layers=TARGET_LAYERS)
+    prompts = parity.prompt_ids(parity.PROMPTS)
+    model_dir = engine.engine_target(tmp / "target", prompts, parity.MAX_NEW, layers=TARGET_LAYERS)
     records = [{"id": f"p{i}", "input_ids": ids} for i, ids in enumerate(prompts)]
-    shards = chains.extract(tmp / "shards", model_dir, write_prompts(tmp / "prompts.jsonl", records), MAX_NEW, LAYERS)
+    shards = chains.extract(
+        tmp / "shards", model_dir, write_prompts(tmp / "prompts.jsonl", records), parity.MAX_NEW, LAYERS
+    )
     finish = {s.finish_reason for s in ShardSet(shards).samples(tensors=[])}
     assert finish == {"eos", "length"}, finish  # some responses end at the stop token, others at the budget
-    sequences = engine.continuations(model_dir, prompts, MAX_NEW)
-    return Setup(tmp, model_dir, converter.convert(model_dir, tmp / "target.gguf"), shards, sequences, converter)
+    sequences = engine.continuations(model_dir, prompts, parity.MAX_NEW)
+    return parity.Setup(tmp, model_dir, converter.convert(model_dir, tmp / "target.gguf"), shards, sequences, converter)
 
 
-def _converted(setup: Setup, family: str, layout: str, path: str, spec_type: str, drafts: int) -> Drafter:
+def _converted(setup: parity.Setup, family: str, layout: str, path: str, spec_type: str, drafts: int) -> parity.Drafter:
     gguf = setup.converter.convert(path, setup.tmp / f"{family}-{layout}.gguf", target_dir=setup.target)
-    return Drafter(family, layout, path, gguf, spec_type, drafts)
+    return parity.Drafter(family, layout, path, gguf, spec_type, drafts)
 
 
 @pytest.fixture(scope="module")
@@ -184,82 +144,30 @@ def dflash2(setup):
     return _converted(setup, "dflash2", "z-lab", twin, "draft-dflash", DFLASH2.block_size - 1)
 
 
-def _assert_engine_counts(
-    setup: Setup, drafter: Drafter, n_max: int, most_differing: int = MOST_DIFFERING, per_step: float = 0.2
-) -> dict:
-    """Score with the llama.cpp rule, serve, and compare per sample whose engine response is the
-    stored one; the default rule's walk must differ somewhere when it runs the same block.
-    Returns the llama.cpp rule's walk counts."""
-    tmp, shards, name = setup.tmp, setup.shards, f"{drafter.family}-{drafter.layout}-n{n_max}"
-    walk = engine.walk_counts(_score(drafter, shards, tmp / f"{name}-llama", walk_rule="llama.cpp", steps=n_max))
-    stored = {s.sample_id: s for s in ShardSet(shards).samples(tensors=[])}
-    with engine.serving(setup.target_gguf, drafter.gguf, drafter.spec_type, n_max, tmp / f"{name}.log") as server:
-        runs = {
-            sid: engine.engine_run(server, s.input_ids[: s.prompt_len].tolist(), MAX_NEW) for sid, s in stored.items()
-        }
-    same = [sid for sid, s in stored.items() if runs[sid].tokens == s.input_ids[s.prompt_len :].tolist()]
-    for sid in same:
-        run = runs[sid]
-        assert run.steps == walk.get(sid, []), (sid, run.steps, walk.get(sid))
-        assert (sum(a for a, _ in run.steps), sum(d for _, d in run.steps)) == (run.draft_n_accepted, run.draft_n)
-    differs = "-"
-    if n_max == drafter.drafts:
-        wrong = engine.walk_counts(_score(drafter, shards, tmp / f"{name}-dflash"))
-        differs = sum(runs[sid].steps != wrong.get(sid, []) for sid in same)
-    steps = [step for sid in same for step in runs[sid].steps]
-    accepted, drafted, cut = sum(a for a, _ in steps), sum(d for _, d in steps), sum(d < n_max for _, d in steps)
-    last = sum(_stop_drafted_last(runs[sid], stored[sid]) for sid in same)
-    TABLE.append(
-        f"{drafter.family:<7} {drafter.layout:<12} {n_max:>5}  {len(same):>7}  {len(stored) - len(same):>9}  "
-        f"{len(steps):>5}  {cut:>3}  {last:>9}  {accepted:>7}/{drafted:<8}  {differs}"
-    )
-    print(f"\n{TABLE[-1]}")
-    assert len(stored) - len(same) <= most_differing, f"{len(stored) - len(same)} engine responses differ"
-    assert accepted / len(steps) > per_step * n_max, (accepted, len(steps))  # blocks accept several drafts
-    assert cut > 0 or n_max == 1  # drafts cut near the budget were compared (one draft is never cut, only dropped)
-    assert last > 0 or n_max > 1  # one draft a step: some response's stop token was drafted and accepted
-    assert differs != 0  # the comparison can fail: the reference's rule is not the engine's
-    return walk
-
-
-def _stop_drafted_last(run: engine.EngineRun, sample) -> bool:
-    """Whether the engine counted an accepted draft past the stored response: a stop token
-    accepted as the last draft, the bonus token after it dropped (common/sampling.cpp:696-707).
-    Before the budget's last token every step drafts, so the tokens it accounts for are the
-    prefill's one plus accepted + 1 a step."""
-    response = sample.input_ids[sample.prompt_len :]
-    accounted = 1 + sum(a + 1 for a, _ in run.steps)
-    return sample.finish_reason == "eos" and response.numel() < MAX_NEW - 1 and accounted > response.numel()
-
-
-def _score(drafter: Drafter, shards: str, out, **options) -> str:
-    return chains.score(drafter.path, shards, out, eagle_trees=[], **options)
-
-
 @pytest.mark.parametrize("n_max", [DFLASH.block_size - 1, 2, 1])
 def test_dflash_zlab_counts_equal_llama_server(setup, dflash, n_max):
     """The full block and shorter ones: llama.cpp drafts a block of n_max + 1 (common/speculative.cpp:
     1203-1210), not the trained one; with one draft a step, a drafted stop token is the last draft."""
-    _assert_engine_counts(setup, dflash, n_max)
+    parity.assert_engine_counts(setup, dflash, n_max)
 
 
 def test_dspark_speculators_counts_equal_llama_server(setup, dspark):
-    _assert_engine_counts(setup, dspark, dspark.drafts)
+    parity.assert_engine_counts(setup, dspark, dspark.drafts)
 
 
 def test_dspark_deepspec_counts_equal_llama_server(setup, deepspec):
-    _assert_engine_counts(setup, deepspec, deepspec.drafts)
+    parity.assert_engine_counts(setup, deepspec, deepspec.drafts)
 
 
 @pytest.mark.parametrize("layout", ["speculators", "specforge"])
 def test_eagle3_counts_equal_llama_server(setup, eagle3, layout):
-    _assert_engine_counts(setup, eagle3[layout], EAGLE3_STEPS)
+    parity.assert_engine_counts(setup, eagle3[layout], EAGLE3_STEPS)
 
 
 def test_dflash2_zlab_counts_equal_llama_server(setup, dflash2):
     """Also: the selector decides drafts here. The same drafter with selector top-k 1 (each draft
     its unary argmax) walks differently, so equal counts check llama.cpp's selector walk too."""
-    walk = _assert_engine_counts(setup, dflash2, dflash2.drafts)
+    walk = parity.assert_engine_counts(setup, dflash2, dflash2.drafts)
     unary = setup.tmp / "zlab-dflash2-top1"
     shutil.copytree(dflash2.path, unary)
     config = json.loads((unary / "config.json").read_text())
@@ -280,11 +188,11 @@ def test_compare_online_and_the_gguf_drafter_against_llama_server(setup, dflash)
     from specreplay.cli import main
 
     n_max, tmp = dflash.drafts, setup.tmp
-    served = _score(dflash, setup.shards, tmp / "online-llama", walk_rule="llama.cpp", steps=n_max)
+    served = parity.score(dflash, setup.shards, tmp / "online-llama", walk_rule="llama.cpp", steps=n_max)
     gguf = chains.score(dflash.gguf, setup.shards, tmp / "online-gguf", walk_rule="llama.cpp", steps=n_max)
     assert engine.walk_counts(gguf) == engine.walk_counts(served)
-    reference = _score(dflash, setup.shards, tmp / "online-dflash")
-    shorter = _score(dflash, setup.shards, tmp / "online-short", walk_rule="llama.cpp", steps=n_max - 1)
+    reference = parity.score(dflash, setup.shards, tmp / "online-dflash")
+    shorter = parity.score(dflash, setup.shards, tmp / "online-short", walk_rule="llama.cpp", steps=n_max - 1)
     log = tmp / "online.log"
     with engine.serving(setup.target_gguf, dflash.gguf, dflash.spec_type, n_max, log) as server:
 
@@ -295,8 +203,10 @@ def test_compare_online_and_the_gguf_drafter_against_llama_server(setup, dflash)
 
         outcomes = {name: compare(path) for name, path in [("gguf", gguf), ("dflash", reference), ("short", shorter)]}
     code, report = outcomes["gguf"]
-    assert code == 0 and report["compared"] == PROMPTS, report
-    assert report["equal"] == PROMPTS - report["not_comparable"] >= PROMPTS - MOST_DIFFERING, report
+    assert code == 0 and report["compared"] == parity.PROMPTS, report
+    assert report["equal"] == parity.PROMPTS - report["not_comparable"] >= parity.PROMPTS - parity.MOST_DIFFERING, (
+        report
+    )
     assert report["online_accepted"] == report["offline_accepted"] > 0
     for name, wanted in [("dflash", "--walk-rule llama.cpp"), ("short", f"--steps {n_max}")]:
         code, report = outcomes[name]
@@ -305,7 +215,7 @@ def test_compare_online_and_the_gguf_drafter_against_llama_server(setup, dflash)
 
 
 @pytest.fixture(scope="module")
-def smollm2(tmp_path_factory, converter) -> Setup:
+def smollm2(tmp_path_factory, converter) -> parity.Setup:
     """The real SmolLM2-135M as extract loads it, its F32 GGUF, greedy shards of chat prompts."""
     from pipeline.extract.target import resolve_model_dir
 
@@ -313,10 +223,14 @@ def smollm2(tmp_path_factory, converter) -> Setup:
     model_dir = str(resolve_model_dir("smollm2")[2])
     records = [{"id": f"s{i}", "prompt": text} for i, text in enumerate(SMOLLM2_PROMPTS)]
     layers = [i - 1 for i in SMOLLM2_AUX]
-    shards = chains.extract(tmp / "shards", "smollm2", write_prompts(tmp / "prompts.jsonl", records), MAX_NEW, layers)
+    shards = chains.extract(
+        tmp / "shards", "smollm2", write_prompts(tmp / "prompts.jsonl", records), parity.MAX_NEW, layers
+    )
     prompts = [s.input_ids[: s.prompt_len].tolist() for s in ShardSet(shards).samples(tensors=[])]
-    sequences = engine.continuations(model_dir, prompts, MAX_NEW)
-    return Setup(tmp, model_dir, converter.convert(model_dir, tmp / "smollm2.gguf"), shards, sequences, converter)
+    sequences = engine.continuations(model_dir, prompts, parity.MAX_NEW)
+    return parity.Setup(
+        tmp, model_dir, converter.convert(model_dir, tmp / "smollm2.gguf"), shards, sequences, converter
+    )
 
 
 def test_dflash_zlab_on_the_real_smollm2_counts_equal_llama_server(smollm2):
@@ -329,4 +243,4 @@ def test_dflash_zlab_on_the_real_smollm2_counts_equal_llama_server(smollm2):
     drafter = _converted(smollm2, "dflash", "z-lab-smollm2", twin, "draft-dflash", recipe.block_size - 1)
     # a drafter of a 576-wide target fitted for seconds accepts fewer drafts a step than the tiny
     # target's: a lower bar, still many steps accepting drafts for every rule to be compared on
-    _assert_engine_counts(smollm2, drafter, drafter.drafts, most_differing=SMOLLM2_DIFFERING, per_step=0.1)
+    parity.assert_engine_counts(smollm2, drafter, drafter.drafts, most_differing=SMOLLM2_DIFFERING, per_step=0.1)

@@ -33,18 +33,9 @@ import pytest
 import torch
 
 from pipeline.shards import ShardSet
-from tests.helpers import chain_parity as chains, llama_engine as engine, mtp_online
+from tests.helpers import chain_parity as chains, engine_parity as parity, llama_engine as engine, mtp_online
 from tests.helpers.models import _qwen35_text_config, seeded
 from tests.helpers.prompts import write_prompts
-from tests.parity.test_engine_parity import (  # one_thread: the autouse fixture (one thread, the table printed)
-    MAX_NEW,
-    PROMPTS,
-    Drafter,
-    Setup,
-    _assert_engine_counts,
-    _prompt_ids,
-    one_thread,  # noqa: F401
-)
 from tools.llama_convert import convert
 
 pytestmark = pytest.mark.slow
@@ -72,12 +63,12 @@ def _qwen35(seed: int = 0):
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory) -> tuple[Setup, Drafter, float]:
+def setup(tmp_path_factory) -> tuple[parity.Setup, parity.Drafter, float]:
     tmp = tmp_path_factory.mktemp("engine_parity_mtp")
-    prompts = _prompt_ids(PROMPTS)
+    prompts = parity.prompt_ids(parity.PROMPTS)
     target = _qwen35()
-    model_dir = engine.engine_target(tmp / "target", prompts, MAX_NEW, model=target)
-    sequences = engine.continuations(model_dir, prompts, MAX_NEW)
+    model_dir = engine.engine_target(tmp / "target", prompts, parity.MAX_NEW, model=target)
+    sequences = engine.continuations(model_dir, prompts, parity.MAX_NEW)
     # MtpHead builds its layer as layer 0 of the config it is given: a full-attention one
     head_config = copy.deepcopy(target.config)
     head_config.layer_types = ["full_attention"] * LAYERS
@@ -87,12 +78,19 @@ def setup(tmp_path_factory) -> tuple[Setup, Drafter, float]:
     mtp_online.save_head(head.eval(), model_dir)
     records = [{"id": f"p{i}", "input_ids": ids} for i, ids in enumerate(prompts)]
     # id L: the final hidden state before the final norm, whose weight the shards' target head keeps
-    shards = chains.extract(tmp / "shards", model_dir, write_prompts(tmp / "prompts.jsonl", records), MAX_NEW, [LAYERS])
+    shards = chains.extract(
+        tmp / "shards", model_dir, write_prompts(tmp / "prompts.jsonl", records), parity.MAX_NEW, [LAYERS]
+    )
     finish = {s.finish_reason for s in ShardSet(shards).samples(tensors=[])}
     assert finish == {"eos", "length"}, finish
     gguf = str(convert(model_dir, tmp / "target.gguf"))  # the MTP block kept as blk.L.nextn.*
-    setup = Setup(tmp, model_dir, gguf, shards, sequences, converter=None)
-    return setup, Drafter("mtp", "native", model_dir, None, "draft-mtp", STEPS), loss
+    setup = parity.Setup(tmp, model_dir, gguf, shards, sequences, converter=None)
+    return setup, parity.Drafter("mtp", "native", model_dir, None, "draft-mtp", STEPS), loss
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    yield from parity.threads_and_table("mtp ")
 
 
 @pytest.mark.xfail(
@@ -105,4 +103,4 @@ def setup(tmp_path_factory) -> tuple[Setup, Drafter, float]:
 def test_mtp_native_counts_equal_llama_server(setup, n_max):
     setup, drafter, loss = setup
     print(f"\nfitted MTP head: step-1 loss {loss:.3f}")
-    _assert_engine_counts(setup, drafter, n_max)
+    parity.assert_engine_counts(setup, drafter, n_max)

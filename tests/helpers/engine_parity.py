@@ -1,0 +1,110 @@
+"""What the engine-parity tests share (tests/parity/test_engine_parity.py, test_engine_parity_mtp.py):
+the setup and drafter records, the prompts, and the comparison of specreplay's llama.cpp walk with a
+running llama-server's per-step counts (llama_engine.py serves and reads it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pipeline.shards import ShardSet
+from tests.helpers import chain_parity as chains, llama_engine as engine
+
+MAX_NEW = 32
+PROMPTS = 12
+MOST_DIFFERING = 1  # engine responses allowed to differ from the stored ones (float rounding)
+TABLE: list[str] = []  # one row per case compared, printed when a module ends
+TABLE_HEADER = (
+    "family  layout       n_max  samples  differing  steps  cut  stop-last  accepted/drafted  dflash-rule differs"
+)
+
+
+@dataclass(frozen=True)
+class Setup:
+    tmp: Path
+    target: str  # the HF directory
+    target_gguf: str
+    shards: str  # extracted from the HF directory, greedy
+    sequences: list  # (ids, prompt length) the drafters are fitted on: llama_engine.continuations
+    converter: engine.Converter
+
+
+@dataclass(frozen=True)
+class Drafter:
+    family: str
+    layout: str
+    path: str  # the checkpoint specreplay scores
+    gguf: str  # the same drafter converted by llama.cpp's converter
+    spec_type: str  # llama-server --spec-type
+    drafts: int  # drafts of the trained block / chain: what --walk-rule dflash runs
+
+
+def prompt_ids(count: int, seed: int = 7) -> list[list[int]]:
+    """Ids 300..699: none of the ids the target emits (llama_engine.engine_target's live ids)."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(300, 700, (6 + i % 4,), generator=gen).tolist() for i in range(count)]
+
+
+def threads_and_table(family_prefix: str):
+    """A module fixture's body: one intra-op thread (on shared cores OpenMP's spinning workers slow
+    tiny calls down), then the rows of TABLE starting with `family_prefix` printed at the end."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+    print("\n" + TABLE_HEADER)
+    print("\n".join(row for row in TABLE if row.startswith(family_prefix)))
+
+
+def assert_engine_counts(
+    setup: Setup, drafter: Drafter, n_max: int, most_differing: int = MOST_DIFFERING, per_step: float = 0.2
+) -> dict:
+    """Score with the llama.cpp rule, serve, and compare per sample whose engine response is the
+    stored one; the default rule's walk must differ somewhere when it runs the same block.
+    Returns the llama.cpp rule's walk counts."""
+    tmp, shards, name = setup.tmp, setup.shards, f"{drafter.family}-{drafter.layout}-n{n_max}"
+    walk = engine.walk_counts(score(drafter, shards, tmp / f"{name}-llama", walk_rule="llama.cpp", steps=n_max))
+    stored = {s.sample_id: s for s in ShardSet(shards).samples(tensors=[])}
+    with engine.serving(setup.target_gguf, drafter.gguf, drafter.spec_type, n_max, tmp / f"{name}.log") as server:
+        runs = {
+            sid: engine.engine_run(server, s.input_ids[: s.prompt_len].tolist(), MAX_NEW) for sid, s in stored.items()
+        }
+    same = [sid for sid, s in stored.items() if runs[sid].tokens == s.input_ids[s.prompt_len :].tolist()]
+    for sid in same:
+        run = runs[sid]
+        assert run.steps == walk.get(sid, []), (sid, run.steps, walk.get(sid))
+        assert (sum(a for a, _ in run.steps), sum(d for _, d in run.steps)) == (run.draft_n_accepted, run.draft_n)
+    differs = "-"
+    if n_max == drafter.drafts:
+        wrong = engine.walk_counts(score(drafter, shards, tmp / f"{name}-dflash"))
+        differs = sum(runs[sid].steps != wrong.get(sid, []) for sid in same)
+    steps = [step for sid in same for step in runs[sid].steps]
+    accepted, drafted, cut = sum(a for a, _ in steps), sum(d for _, d in steps), sum(d < n_max for _, d in steps)
+    last = sum(stop_drafted_last(runs[sid], stored[sid]) for sid in same)
+    TABLE.append(
+        f"{drafter.family:<7} {drafter.layout:<12} {n_max:>5}  {len(same):>7}  {len(stored) - len(same):>9}  "
+        f"{len(steps):>5}  {cut:>3}  {last:>9}  {accepted:>7}/{drafted:<8}  {differs}"
+    )
+    print(f"\n{TABLE[-1]}")
+    assert len(stored) - len(same) <= most_differing, f"{len(stored) - len(same)} engine responses differ"
+    assert accepted / len(steps) > per_step * n_max, (accepted, len(steps))  # blocks accept several drafts
+    assert cut > 0 or n_max == 1  # drafts cut near the budget were compared (one draft is never cut, only dropped)
+    assert last > 0 or n_max > 1  # one draft a step: some response's stop token was drafted and accepted
+    assert differs != 0  # the comparison can fail: the reference's rule is not the engine's
+    return walk
+
+
+def stop_drafted_last(run: engine.EngineRun, sample) -> bool:
+    """Whether the engine counted an accepted draft past the stored response: a stop token
+    accepted as the last draft, the bonus token after it dropped (common/sampling.cpp:696-707).
+    Before the budget's last token every step drafts, so the tokens it accounts for are the
+    prefill's one plus accepted + 1 a step."""
+    response = sample.input_ids[sample.prompt_len :]
+    accounted = 1 + sum(a + 1 for a, _ in run.steps)
+    return sample.finish_reason == "eos" and response.numel() < MAX_NEW - 1 and accounted > response.numel()
+
+
+def score(drafter: Drafter, shards: str, out, **options) -> str:
+    return chains.score(drafter.path, shards, out, eagle_trees=[], **options)
