@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import importlib
 import os
+import signal
 import sys
+import threading
 import warnings
 
 import click
@@ -73,6 +75,25 @@ def one_line_warning(message, category, filename, lineno, line=None) -> str:
 _default_format = warnings.formatwarning
 
 
+def note_interrupts() -> threading.Event:
+    """An event set by Ctrl-C. The KeyboardInterrupt itself can be swallowed by native code it
+    lands in (safetensors turns it into a ValueError): an error raised after Ctrl-C is its echo
+    and ends as the interrupt does."""
+    seen = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        return seen  # signals reach the main thread only
+    previous = signal.getsignal(signal.SIGINT)
+    if previous is not signal.default_int_handler:
+        return seen  # a caller's own handler (a test harness, an embedding app) stays in charge
+
+    def handler(signum, frame):
+        seen.set()
+        signal.default_int_handler(signum, frame)
+
+    signal.signal(signal.SIGINT, handler)
+    return seen
+
+
 class LazyGroup(click.Group):
     """Subcommands imported on first use, so one verb never loads another's stage."""
 
@@ -90,14 +111,24 @@ class LazyGroup(click.Group):
         from pipeline.common.errors import UserError
 
         warnings.formatwarning = one_line_warning
+        handler = signal.getsignal(signal.SIGINT)
+        seen = note_interrupts()
         try:
             return super().invoke(ctx)
-        except (UserError, *PATH_ERRORS) as error:
-            fail(error)
         except KeyboardInterrupt:
             interrupted(ctx.invoked_subcommand)
-        finally:  # in-process callers (tests, CliRunner) get Python's format back
+        except (UserError, *PATH_ERRORS) as error:
+            if seen.is_set():
+                interrupted(ctx.invoked_subcommand)
+            fail(error)
+        except Exception:
+            if seen.is_set():
+                interrupted(ctx.invoked_subcommand)
+            raise
+        finally:  # in-process callers (tests, CliRunner) get Python's format and handler back
             warnings.formatwarning = _default_format
+            if threading.current_thread() is threading.main_thread():
+                signal.signal(signal.SIGINT, handler)
 
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})

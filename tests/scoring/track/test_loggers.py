@@ -291,6 +291,11 @@ def wandb_records(path: str):
 
 def read_wandb(wandb_dir, run_id: str) -> dict[int, dict[str, float]]:
     """specreplay/step -> {tag: value} over every offline run directory of `run_id`."""
+    import wandb
+
+    # wandb's service closes a finished run's file (flushing its buffer) after `finish` returns;
+    # a CLI process waits for that on exit, an in-process CliRunner call does not
+    wandb.teardown()
     found: dict[int, dict[str, float]] = {}
     for path in sorted(glob.glob(os.path.join(str(wandb_dir), "wandb", f"offline-run-*-{run_id}", "*.wandb"))):
         for record in wandb_records(path):
