@@ -63,7 +63,7 @@ class ProposeOptions:
     dtype: torch.dtype = torch.float32
     device: str = "cpu"
     attention: str = "auto"  # auto: flex_attention on CUDA, blockwise (chunked context keys) on CPU
-    conventions: Conventions = REFERENCE  # score: always the reference; diagnose changes one switch
+    conventions: Conventions = REFERENCE  # score: the walk rule's (WalkRule.conventions); diagnose changes one switch
 
     @property
     def attention_backend(self) -> str:

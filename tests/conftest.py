@@ -10,6 +10,7 @@ tests/helpers/ (import them as `from tests.helpers.models import build_tiny_qwen
 from __future__ import annotations
 
 import importlib.util
+import os
 import warnings
 
 import pytest
@@ -54,6 +55,23 @@ def pytest_configure(config):
     problem = missing_reference()
     if problem:
         pytest.exit(problem, returncode=3)
+    share_the_cores()
+
+
+def share_the_cores() -> None:
+    """Under pytest-xdist, each worker's share of the cores for torch and for the processes it
+    starts (CLI runs, torchrun, llama-server): W workers each running as many threads as there are
+    cores oversubscribe them, and OpenMP's spinning threads then slow small calls many times over.
+    Thread counts a caller set in the environment stay."""
+    import torch
+
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers < 2:
+        return
+    share = str(max(1, len(os.sched_getaffinity(0)) // workers))
+    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "LLAMA_ARG_THREADS"):
+        os.environ.setdefault(name, share)
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 @pytest.fixture(scope="session")

@@ -66,7 +66,9 @@ class LlamaServer:
         # kernels then round differently, so a response depends on what ran beside it (measured:
         # 2 of 6 greedy responses changed between two runs with --parallel 2). Requests beyond the
         # slot wait in the server's queue, so a client still has several in flight.
-        command += ["--ctx-size", "4096", "--parallel", "1", "--threads", "2", *self.extra]
+        # Threads: LLAMA_ARG_THREADS when set (the test suite's share of the cores for each worker)
+        threads = os.environ.get("LLAMA_ARG_THREADS", "2")
+        command += ["--ctx-size", "4096", "--parallel", "1", "--threads", threads, *self.extra]
         with open(self.log, "ab") as log:
             self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
         wait_healthy(self.url, self.process, self.log, timeout_s)

@@ -3,8 +3,9 @@
 A drafter trained under a convention that differs from the reference's (block position ids one
 too high, the wrong feature layer, one context position too many, ...) scores badly under the
 reference, although its weights are fine. `specreplay diagnose` replays a checkpoint with one
-switch changed at a time to find which. `score` always uses `REFERENCE`, the reference's
-semantics (docs/anchors-and-blocks.md), so nothing here changes what `score` computes.
+switch changed at a time to find which. `score` uses `REFERENCE`, the reference's semantics
+(docs/anchors-and-blocks.md), except where its --walk-rule names an engine that computes a
+drafter otherwise (`lead_slot`: llama.cpp's MTP; scoring/replay/walk_rules.py).
 
 Every switch is stated relative to an anchor t, whose block [x_t, mask, ...] drafts t + 1 ...:
 """
@@ -42,10 +43,20 @@ class Conventions:
     # True: an MTP head reads the target's final hidden state BEFORE the target's final norm
     # (speculators' MTP training data); reference: after it, as vLLM serves MTP heads (mtp.py).
     prenorm_hidden: bool = False
+    # True: llama.cpp's MTP draft KV (docs/walk-rules.md): slot k reads (x_k, the target's row
+    # k - 1) at position k, slot 0 the prompt's first token with a zero row (a server slot's first
+    # request), so the chain's slots and steps sit one position later than vLLM's and every anchor
+    # sees one slot more. Reference: slot s reads (x_{s+1}, row s) at position s.
+    lead_slot: bool = False
 
     def __post_init__(self):
         if self.window not in WINDOW_MODES:
             raise ValueError(f"window must be one of {WINDOW_MODES}, got {self.window!r}")
+
+    @property
+    def visible_offset(self) -> int:
+        """Context rows anchor t sees past t - 1 (the shifted context, or the lead slot)."""
+        return self.context_offset + int(self.lead_slot)
 
     @property
     def is_reference(self) -> bool:

@@ -203,7 +203,7 @@ def chunk_hidden(model, packed: PackedTokens, chunk: Chunk, target: TargetHead, 
     table = model.embedding_table(target.embed)  # the target's, unless the drafter keeps its own copy (DeepSpec)
     block_embeds = torch.nn.functional.embedding(block_ids, table).to(options.dtype) * embed_scale  # [a, b, H]
     # no anchor here sees context at or past this key
-    visible_ctx = int((starts + chunk.anchors).max()) + conventions.context_offset
+    visible_ctx = int((starts + chunk.anchors).max()) + conventions.visible_offset
     chunk_context = [tuple(t[:, :visible_ctx] for t in entry) for entry in packed.state]
     hidden = model(
         block_embeds,

@@ -69,6 +69,9 @@ class StepChainDrafter(DraftHead):
         is never visible to an anchor (anchor t sees slots < t <= T - 2), its own token stands in."""
         if tokens is None or embed is None:
             raise ValueError("a step chain's context rows read the sample's tokens and the target's embedding")
+        if conventions.lead_slot:  # slot k reads (x_k, row k - 1); the last row is never visible
+            features = torch.cat([torch.zeros_like(features[:1]), features[:-1]])
+            tokens = torch.cat([tokens[:1], tokens])
         device, dtype = self.fc.weight.device, dtype or features.dtype
         total = features.shape[0]
         rows = chunk_rows or total
@@ -128,6 +131,7 @@ class StepChainDrafter(DraftHead):
         tokens x_t, y_{t+1}, ..., the input of each step."""
         if conventions.block_position_offset or conventions.context_offset:
             raise ValueError("a step chain has no block whose positions or context could shift")
+        anchors = anchors + int(conventions.lead_slot)  # llama.cpp's slot t is the reference's t - 1
         with timing.stage("drafter steps", anchors=block_embeds.shape[0], block=block_embeds.shape[1]):
             return self._steps(block_embeds, anchors, context, _backend(attention), ctx_starts)
 

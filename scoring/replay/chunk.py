@@ -39,9 +39,9 @@ def score_chunk(
     top-k, and under "methods" each planned tree method's data (a Future when computed in a worker
     thread)."""
     drafts, nonfinite = finite_drafts(drafts)
-    if packed.nonfinite_from is not None:  # anchor t sees context 0 .. t - 1 + context_offset
+    if packed.nonfinite_from is not None:  # anchor t sees context 0 .. t - 1 + visible_offset
         nonfinite = nonfinite | (
-            chunk.anchors + options.conventions.context_offset > packed.nonfinite_from[chunk.sample_idx]
+            chunk.anchors + options.conventions.visible_offset > packed.nonfinite_from[chunk.sample_idx]
         )
     draft = drafts.logits.argmax(dim=-1) if drafts.tokens is None else drafts.tokens
     depth = draft.shape[1]

@@ -8,7 +8,7 @@ accepted-draft counts they report. docs/walk-rules.md gives every rule with its 
                 before the drafter runs; it reports acceptance lengths (`produced`)
     llama.cpp   llama-server: the full block is drafted, then cut to the budget minus one; a step with
                 no draft left is a plain decode (0 drafted); a stop token matched as the last draft
-                counts as accepted
+                counts as accepted; an MTP head's draft KV holds one slot more (Conventions.lead_slot)
     vllm        vLLM: the full block is drafted and verified; accepted drafts past the stop token or
                 the budget are counted too (the stored response cannot say how many: a lower bound)
     sglang      SGLang: as vLLM
@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from proposers.toolkit.conventions import REFERENCE, Conventions
 from scoring.config import WALK_RULES
 
 BIG = 1 << 30  # `remaining` that never shortens a block
@@ -39,6 +40,12 @@ class WalkRule:
     name: str
     cuts_to_budget: bool  # llama.cpp: drafts cut to the budget minus one before verification
     counts_past_end: bool  # vLLM, SGLang: accepted drafts past the stop token or the budget are counted
+    mtp_lead_slot: bool = False  # llama.cpp: an MTP head's draft KV holds the prompt's first token too
+
+    def conventions(self, family: str) -> Conventions:
+        """How the replay computes a drafter of `family` under this loop: the reference's, except an
+        MTP head under llama.cpp (its extra first slot: Conventions.lead_slot)."""
+        return Conventions(lead_slot=True) if self.mtp_lead_slot and family == "mtp" else REFERENCE
 
     @property
     def truncates_block(self) -> bool:
@@ -79,7 +86,7 @@ RULES = {
     rule.name: rule
     for rule in (
         WalkRule("dflash", cuts_to_budget=False, counts_past_end=False),
-        WalkRule("llama.cpp", cuts_to_budget=True, counts_past_end=False),
+        WalkRule("llama.cpp", cuts_to_budget=True, counts_past_end=False, mtp_lead_slot=True),
         WalkRule("vllm", cuts_to_budget=False, counts_past_end=True),
         WalkRule("sglang", cuts_to_budget=False, counts_past_end=True),
     )

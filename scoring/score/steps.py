@@ -124,6 +124,7 @@ def prepare_job(ckpt: str, shardset: ShardSet, out_dir: str, config: ScoreConfig
         sampling=sampling,
         methods=plan,
         walk_rule=config.walk_rule,
+        conventions=walk_rule(config.walk_rule).conventions(info.config.family),
     )
     settings = manifest["settings"]
     mine = chosen[dist.rank :: dist.world]

@@ -57,9 +57,12 @@ def extract(out, model_dir, prompts, max_new: int, layer_ids, temperature=0.0, n
     return str(out)
 
 
-def score(ckpt: str, shards: str, out, **options) -> str:
-    [outcome] = run_score(ScoreConfig(ckpts=[ckpt], shards=shards, out=str(out), tree_nodes=[], force=True, **options))
-    assert outcome.status == "scored", outcome.error
+def score(ckpt: str, shards: str, out, force: bool = True, **options) -> str:
+    """The results directory of `ckpt` scored on `shards`; force=False keeps one already there
+    with the same settings (score's own check)."""
+    config = ScoreConfig(ckpts=[ckpt], shards=shards, out=str(out), tree_nodes=[], force=force, **options)
+    [outcome] = run_score(config)
+    assert outcome.status in (("scored",) if force else ("scored", "skipped")), outcome.error
     return outcome.out_dir
 
 

@@ -59,17 +59,26 @@ def threads_and_table(family_prefix: str):
 
 
 def assert_engine_counts(
-    setup: Setup, drafter: Drafter, n_max: int, most_differing: int = MOST_DIFFERING, per_step: float = 0.2
+    setup: Setup,
+    drafter: Drafter,
+    n_max: int,
+    most_differing: int = MOST_DIFFERING,
+    per_step: float = 0.2,
+    fresh_slots: bool = False,
 ) -> dict:
     """Score with the llama.cpp rule, serve, and compare per sample whose engine response is the
     stored one; the default rule's walk must differ somewhere when it runs the same block.
-    Returns the llama.cpp rule's walk counts."""
+    `fresh_slots`: every request on a server slot of its own, which no earlier request has left
+    state in. Returns the llama.cpp rule's walk counts."""
     tmp, shards, name = setup.tmp, setup.shards, f"{drafter.family}-{drafter.layout}-n{n_max}"
-    walk = engine.walk_counts(score(drafter, shards, tmp / f"{name}-llama", walk_rule="llama.cpp", steps=n_max))
+    walk = engine.walk_counts(scored(setup, drafter, n_max, "llama.cpp"))
     stored = {s.sample_id: s for s in ShardSet(shards).samples(tensors=[])}
-    with engine.serving(setup.target_gguf, drafter.gguf, drafter.spec_type, n_max, tmp / f"{name}.log") as server:
+    slots = len(stored) if fresh_slots else 1
+    log = tmp / f"{name}.log"
+    with engine.serving(setup.target_gguf, drafter.gguf, drafter.spec_type, n_max, log, slots) as server:
         runs = {
-            sid: engine.engine_run(server, s.input_ids[: s.prompt_len].tolist(), MAX_NEW) for sid, s in stored.items()
+            sid: engine.engine_run(server, s.input_ids[: s.prompt_len].tolist(), MAX_NEW, i if fresh_slots else None)
+            for i, (sid, s) in enumerate(stored.items())
         }
     same = [sid for sid, s in stored.items() if runs[sid].tokens == s.input_ids[s.prompt_len :].tolist()]
     for sid in same:
@@ -78,7 +87,7 @@ def assert_engine_counts(
         assert (sum(a for a, _ in run.steps), sum(d for _, d in run.steps)) == (run.draft_n_accepted, run.draft_n)
     differs = "-"
     if n_max == drafter.drafts:
-        wrong = engine.walk_counts(score(drafter, shards, tmp / f"{name}-dflash"))
+        wrong = engine.walk_counts(scored(setup, drafter, n_max, "dflash"))
         differs = sum(runs[sid].steps != wrong.get(sid, []) for sid in same)
     steps = [step for sid in same for step in runs[sid].steps]
     accepted, drafted, cut = sum(a for a, _ in steps), sum(d for _, d in steps), sum(d < n_max for _, d in steps)
@@ -108,3 +117,11 @@ def stop_drafted_last(run: engine.EngineRun, sample) -> bool:
 
 def score(drafter: Drafter, shards: str, out, **options) -> str:
     return chains.score(drafter.path, shards, out, eagle_trees=[], **options)
+
+
+def scored(setup: Setup, drafter: Drafter, n_max: int, rule: str) -> str:
+    """`drafter` scored under walk rule `rule` (llama.cpp: `n_max` drafts a step; dflash: the
+    trained block), once per module: a later test asking for the same gets the same directory."""
+    out = setup.tmp / f"{drafter.family}-{drafter.layout}-n{n_max}-{rule}"
+    steps = dict(walk_rule="llama.cpp", steps=n_max) if rule == "llama.cpp" else {}
+    return score(drafter, setup.shards, out, force=False, **steps)

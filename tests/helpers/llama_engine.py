@@ -252,12 +252,13 @@ def _eagle3_documents(target, sequences, aux_ids) -> list[dict]:
 
 
 @contextmanager
-def serving(target_gguf, drafter_gguf, spec_type: str, n_max: int, log: Path):
+def serving(target_gguf, drafter_gguf, spec_type: str, n_max: int, log: Path, slots: int = 1):
     """llama-server with the target, the drafter of `spec_type` (e.g. draft-dflash) drafting
-    `n_max` tokens a step (--spec-draft-n-max), one slot, LLAMA_TRACE=1; stopped on exit.
+    `n_max` tokens a step (--spec-draft-n-max), `slots` slots, LLAMA_TRACE=1; stopped on exit.
     `drafter_gguf` None: no -md, the drafter lives in the target's GGUF (draft-mtp's heads)."""
     model = () if drafter_gguf is None else ("-md", str(drafter_gguf))
     extra = (*model, "--spec-type", spec_type, "--spec-draft-n-max", str(n_max), *EXACT)
+    extra += ("--parallel", str(slots)) if slots > 1 else ()  # after LlamaServer's own --parallel 1: it wins
     server = LlamaServer(Path(target_gguf), log, extra=extra, env={"LLAMA_TRACE": "1"}).start()
     try:
         yield server
@@ -276,12 +277,15 @@ class EngineRun:
     draft_n_accepted: int
 
 
-def engine_run(server: LlamaServer, prompt: list[int], n_predict: int) -> EngineRun:
-    """POST /completion with the prompt as token ids, greedy, no prompt cache; the step lines are
-    those of the request's task, read once the log holds its closing `total time` line (the
-    server's logger writes from its own thread, after the answer may have left)."""
+def engine_run(server: LlamaServer, prompt: list[int], n_predict: int, slot: int | None = None) -> EngineRun:
+    """POST /completion with the prompt as token ids, greedy, no prompt cache, on server slot
+    `slot` (None: the server's choice); the step lines are those of the request's task, read once
+    the log holds its closing `total time` line (the server's logger writes from its own thread,
+    after the answer may have left)."""
     start = server.log.stat().st_size
     body = dict(prompt=prompt, n_predict=n_predict, temperature=0.0, top_k=1, cache_prompt=False, return_tokens=True)
+    if slot is not None:
+        body["id_slot"] = slot
     request = urllib.request.Request(
         server.url + "/completion", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
     )

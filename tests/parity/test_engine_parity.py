@@ -188,10 +188,10 @@ def test_compare_online_and_the_gguf_drafter_against_llama_server(setup, dflash)
     from specreplay.cli import main
 
     n_max, tmp = dflash.drafts, setup.tmp
-    served = parity.score(dflash, setup.shards, tmp / "online-llama", walk_rule="llama.cpp", steps=n_max)
+    served = parity.scored(setup, dflash, n_max, "llama.cpp")
     gguf = chains.score(dflash.gguf, setup.shards, tmp / "online-gguf", walk_rule="llama.cpp", steps=n_max)
     assert engine.walk_counts(gguf) == engine.walk_counts(served)
-    reference = parity.score(dflash, setup.shards, tmp / "online-dflash")
+    reference = parity.scored(setup, dflash, n_max, "dflash")
     shorter = parity.score(dflash, setup.shards, tmp / "online-short", walk_rule="llama.cpp", steps=n_max - 1)
     log = tmp / "online.log"
     with engine.serving(setup.target_gguf, dflash.gguf, dflash.spec_type, n_max, log) as server:
