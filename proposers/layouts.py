@@ -26,6 +26,15 @@ from proposers.toolkit.speculators_layout import SpeculatorsFormat
 KNOWN_ELSEWHERE = {
     "Gemma4DSparkModel": "DeepSpec's Gemma 4 DSpark",
 }
+# the key of an engine's speculative config naming its method -> the layouts' class variable listing theirs
+METHOD_KEYS = {"method": "METHODS", "spec-type": "SPEC_TYPES"}
+# llama-server's other --spec-type values (common/speculative.cpp:33-45), and what to do instead
+_STATEFUL = "keeps state across steps and requests (docs/walk-rules.md#n-gram-types); specreplay does not replay it yet"
+_WEIGHTED = "a drafter with weights: give its checkpoint directory (or its GGUF) as --ckpt, not a config of flags"
+SPEC_TYPES_ELSEWHERE = {
+    **{name: _STATEFUL for name in ("ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache")},
+    **{name: _WEIGHTED for name in ("draft-eagle3", "draft-dflash", "draft-dspark", "draft-mtp")},
+}
 UNSAID_ARCHITECTURE = "DFlashDraftModel"  # z-lab's DFlash v1 saves configs without `architectures`
 
 
@@ -60,10 +69,11 @@ class Detected:
 
 
 def _tables(classes: list[type]) -> tuple[dict, dict, dict, dict]:
-    """(speculators_model_type, an engine's speculative `method`, model_type, architecture) -> layout
-    class, over `classes`: each layout declares how it is recognised."""
+    """(speculators_model_type, an engine's speculative method, model_type, architecture) -> layout
+    class, over `classes`: each layout declares how it is recognised. The methods are keyed by
+    (the config's key naming them, its value): vLLM's `method`, llama-server's `spec-type`."""
     speculators = {c.FAMILY: c for c in classes if issubclass(c, SpeculatorsFormat)}
-    methods = {m: c for c in classes for m in vars(c).get("METHODS", ())}
+    methods = {(key, m): c for c in classes for key, names in METHOD_KEYS.items() for m in vars(c).get(names, ())}
     model_types = {t: c for c in classes for t in vars(c).get("MODEL_TYPES", ())}
     architectures = {a: c for c in classes for a in vars(c).get("ARCHITECTURES", ())}
     return speculators, methods, model_types, architectures
@@ -79,8 +89,9 @@ def detect_layout(raw: dict, source: str, override: Override | None = None) -> D
     kind = raw.get("speculators_model_type")
     if kind is not None or (override and override.layout == "speculators"):
         return Detected(_speculators_layout(kind, speculators, source, override))
-    if "method" in raw and (methods or not override):  # an engine's speculative config: a proposer with no weights
-        return Detected(_method_layout(raw["method"], methods, source))
+    for key in METHOD_KEYS:  # an engine's speculative config: a proposer with no weights
+        if key in raw and (any(k == key for k, _ in methods) or not override):
+            return Detected(_method_layout(raw[key], methods, source, key))
     if raw.get("model_type") in model_types:
         return Detected(model_types[raw["model_type"]], _assumed_native(raw, override))
     return _by_architecture(raw, source, classes, architectures, override)
@@ -96,10 +107,14 @@ def _speculators_layout(kind, speculators: dict, source: str, override: Override
     return speculators[kind]
 
 
-def _method_layout(method, methods: dict, source: str) -> type:
-    if not isinstance(method, str) or method not in methods:
-        raise SchemaError(f"{source}: field 'method' is {found(method)}; expected one of {sorted(methods)}")
-    return methods[method]
+def _method_layout(method, methods: dict, source: str, key: str) -> type:
+    """The layout of an engine's speculative method named by field `key`."""
+    if key == "spec-type" and method in SPEC_TYPES_ELSEWHERE:
+        raise SchemaError(f"{source}: field {key!r} is {method!r}: {SPEC_TYPES_ELSEWHERE[method]}")
+    if not isinstance(method, str) or (key, method) not in methods:
+        expected = sorted(m for k, m in methods if k == key)
+        raise SchemaError(f"{source}: field {key!r} is {found(method)}; expected one of {expected}")
+    return methods[key, method]
 
 
 def _assumed_native(raw: dict, override: Override | None) -> str | None:

@@ -22,7 +22,7 @@ from types import ModuleType
 from typing import Any
 
 # Every family, by its folder under proposers/ (results' drafter_family values; `score --family`)
-FAMILY_NAMES = ("dflash", "dflash2", "dspark", "eagle3", "mtp", "ngram")
+FAMILY_NAMES = ("dflash", "dflash2", "dspark", "eagle3", "mtp", "ngram", "draft")
 
 # Whose config layout a drafter was read from, as messages and the headline name them
 LAYOUT_LABELS = {
@@ -32,6 +32,7 @@ LAYOUT_LABELS = {
     "deepspec": "DeepSpec",
     "native": "the target's own",
     "vllm": "vLLM's",
+    "llama.cpp": "llama.cpp's",
 }
 
 

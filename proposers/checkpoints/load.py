@@ -328,9 +328,11 @@ def load_proposer(path: str, dtype=torch.float32, device="cpu", target_layers=No
             f"{path}: a {parsed.family.label} drafter needs its weights: pass its checkpoint directory (config.json "
             f"and weights), not its config alone"
         )
+    proposer = parsed.family.proposer(parsed.config)
+    weights = proposer.load(dtype, device) if hasattr(proposer, "load") else {}  # a draft model's own
     info = CheckpointInfo(
         path=os.path.abspath(path),
-        content_hash=tensors_hash({}, config_raw),
+        content_hash=tensors_hash(weights, config_raw),
         config=parsed.config,
         config_raw=config_raw,
         step=None,
@@ -338,4 +340,4 @@ def load_proposer(path: str, dtype=torch.float32, device="cpu", target_layers=No
         config_file=os.path.abspath(path),
         assumed=parsed.assumed,
     )
-    return parsed.family.proposer(parsed.config), info
+    return proposer, info

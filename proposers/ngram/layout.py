@@ -1,13 +1,18 @@
-"""The n-gram proposer's config: vLLM's `speculative_config` of method "ngram" (vllm/config/speculative.py
-`SpeculativeConfig`: `num_speculative_tokens`, `prompt_lookup_min`, `prompt_lookup_max`), given to
-`score --ckpt` as a JSON file: `{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4}`.
+"""The n-gram proposers' configs, each given to `score --ckpt` as a JSON file:
+
+- vLLM's `speculative_config` of method "ngram" (vllm/config/speculative.py `SpeculativeConfig`:
+  `num_speculative_tokens`, `prompt_lookup_min`, `prompt_lookup_max`):
+  `{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4}`;
+- llama-server's flags of `--spec-type ngram-simple` (common/arg.cpp), named as on its command line
+  without the dashes: `{"spec-type": "ngram-simple", "spec-ngram-simple-size-n": 3, "spec-ngram-simple-size-m": 8}`.
+
 Every other key is refused by name: a setting this proposer does not read would be silently dropped."""
 
 from __future__ import annotations
 
 from typing import ClassVar, Literal
 
-from pydantic import model_validator
+from pydantic import Field, model_validator
 
 from pipeline.common.schema import ClosedSchema, Positive
 
@@ -60,4 +65,45 @@ class VllmNgram(ClosedSchema):
         return []  # it reads the tokens alone: shards extracted with --layer-ids none serve it
 
 
-LAYOUTS = (VllmNgram,)
+# llama-server's bound on its n-gram flags (common/arg.cpp:4289-4318)
+LLAMA_NGRAM_MAX = 1024
+
+
+class LlamaNgramSimple(ClosedSchema):
+    """llama-server's `--spec-type ngram-simple` (common/ngram-map.cpp common_ngram_simple_draft):
+    the last size-n tokens looked up in the history, the size-m tokens after the latest match
+    drafted. `--spec-draft-n-max` does not apply to it (the server's n-gram drafts are as long as
+    their own settings allow), so its key is refused here like any other."""
+
+    LAYOUT: ClassVar[str] = "llama.cpp"
+    CONVENTION: ClassVar[str] = "output"
+    SPEC_TYPES: ClassVar[tuple[str, ...]] = ("ngram-simple",)
+
+    spec_type: Literal["ngram-simple"] = Field(alias="spec-type")
+    size_n: int = Field(12, ge=1, le=LLAMA_NGRAM_MAX, alias="spec-ngram-simple-size-n")
+    size_m: int = Field(48, ge=1, le=LLAMA_NGRAM_MAX, alias="spec-ngram-simple-size-m")
+    # parsed by llama-server and read by nothing (common/speculative.cpp:1764-1765): kept, unused
+    min_hits: int = Field(1, ge=1, le=LLAMA_NGRAM_MAX, alias="spec-ngram-simple-min-hits")
+
+    @property
+    def family(self) -> str:
+        return "ngram"
+
+    @property
+    def evidence(self) -> str:
+        return f"spec-type {self.spec_type!r}"
+
+    def check_complete(self, source: str) -> None:
+        """Nothing to add: every flag has llama-server's default."""
+
+    def namespaces(self) -> dict:
+        return {}
+
+    def stored_layer_ids(self) -> list[int]:
+        return []
+
+    def feature_layers(self, source: str, num_target_layers: int | None = None) -> list[int]:
+        return []
+
+
+LAYOUTS = (VllmNgram, LlamaNgramSimple)

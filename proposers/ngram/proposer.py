@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from proposers.interface import Chunk, Drafts, Needs, PackedTokens, point_mass_logprob
+from proposers.ngram.llama_simple import simple_drafts
 
 UNPROPOSED = -1  # the token at a slot past a short proposal (Drafts.limit says how many there are)
 
@@ -55,7 +56,8 @@ def lookup_drafts(ids, starts, anchors, min_n, max_n, k, out, counts) -> None:
 
 
 class NgramProposer:
-    """vLLM's `ngram` method as a Proposer: tokens only, no state, K drafts (or fewer) per anchor."""
+    """An n-gram lookup as a Proposer: tokens only, no state, K drafts (or fewer) per anchor; vLLM's
+    `ngram` (here) or llama-server's `ngram-simple` (llama_simple.py), as the config's rule says."""
 
     needs = Needs()  # the stored tokens alone
     independent_drafts = False  # no distribution: DDTree has no marginals to build a tree from
@@ -89,10 +91,11 @@ class NgramProposer:
         anchors = chunk.anchors.cpu().numpy()
         out = np.full((anchors.shape[0], chunk.block_len), UNPROPOSED, dtype=ids.dtype)
         counts = np.zeros(anchors.shape[0], dtype=np.int64)
-        cfg = self.config
-        lookup_drafts(
-            ids, starts[chunk.sample_idx.cpu().numpy()], anchors, cfg.min_n, cfg.max_n, chunk.block_len, out, counts
-        )
+        cfg, starts = self.config, starts[chunk.sample_idx.cpu().numpy()]
+        if cfg.rule == "ngram-simple":
+            simple_drafts(ids, starts, anchors, cfg.min_n, chunk.block_len, out, counts)
+        else:
+            lookup_drafts(ids, starts, anchors, cfg.min_n, cfg.max_n, chunk.block_len, out, counts)
         device = chunk.anchors.device
         return Drafts(None, torch.from_numpy(out).long().to(device), torch.from_numpy(counts).to(device))
 

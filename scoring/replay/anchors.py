@@ -40,7 +40,9 @@ class AnchorTensors:
     anchors: torch.Tensor  # [A] absolute positions of the block's first token
     remaining: torch.Tensor  # [A] positions left in the budget from the anchor on (P + budget - t)
     block_len: torch.Tensor  # [A] block queries
-    depth: torch.Tensor  # [A] drafts the block proposes (block_len - 1, or block_len drafting from the anchor)
+    # [A] drafts the block proposes (block_len - 1, or block_len drafting from the anchor; fewer
+    # where the proposer cut them: Drafts.limit)
+    depth: torch.Tensor
     draft_tokens: torch.Tensor  # [A, L] drafter argmax
     target_tokens: torch.Tensor  # [A, L] stored (greedy) tokens, -1 where unknown
     target_logprob: torch.Tensor  # [A, L] log q_k(y_k)
@@ -172,6 +174,7 @@ def _write_chunk(results: list[AnchorTensors], sample_idx, rows, depth: int, sco
         for method, data in planned:
             method.write(out.method_data[method.kind], r, depth, data[mine])
         out.nonfinite[r] = scored.nonfinite[mine]
+        out.depth[r] = scored.proposed[mine]  # what the engines count as drafted at the step
         out.computed[r] = True
 
 

@@ -28,6 +28,7 @@ class ScoredChunk:
     sampled_logprob: torch.Tensor  # log q(target) under the shards' sampling (NaN when greedy)
     kl: torch.Tensor  # KL on the stored top-k
     nonfinite: torch.Tensor  # [a] bool
+    proposed: torch.Tensor  # [a] drafts proposed: depth, or fewer (a confidence cut, a short n-gram match)
     methods: dict
 
 
@@ -53,13 +54,15 @@ def score_chunk(
         target_logprob, kl = _distribution_metrics(drafts, scores, lse, targets, known, packed, chunk, positions)
     if not options.sampling.greedy:  # log q_j(y_j), the proposer's rule (docs/sampling.md)
         sampled = torch.where(known, proposer.draft_logprob(drafts, targets, options.sampling), sampled)
+    proposed = torch.full((draft.shape[0],), depth, dtype=torch.long, device=draft.device)
     if drafts.limit is not None:  # drafts past a confidence head's cut are never proposed
         cut = torch.arange(depth, device=draft.device)[None, :] >= drafts.limit[:, None]
         draft = draft.masked_fill(cut, NOT_PROPOSED)
         sampled = sampled.masked_fill(cut & known, float("-inf"))
+        proposed = drafts.limit.clamp(max=depth).long()
     scored = ChunkScores(proposer, packed, chunk, target, options, drafts, scores, lse, targets, known)
     planned = {m.kind: m.chunk(scored, options.methods[m.kind]) for m in TREES if options.methods.get(m.kind)}
-    cpu = (t.cpu() for t in (draft, targets, target_logprob, sampled, kl, nonfinite))
+    cpu = (t.cpu() for t in (draft, targets, target_logprob, sampled, kl, nonfinite, proposed))
     return ScoredChunk(*cpu, methods=planned)
 
 

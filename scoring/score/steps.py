@@ -161,6 +161,9 @@ def set_chain_steps(steps: int | None, drafter_config, ckpt: str, rule: str = DE
     at most its trained block's. dflash_generate always drafts the trained block: refused by name."""
     if steps is None:
         return
+    fixed = getattr(drafter_config, "fixed_steps", None)  # a proposer whose engine has no such flag
+    if fixed:
+        raise UserError(f"--steps: {fixed}")
     if family(drafter_config.family).chain_steps:
         drafter_config.block_size = steps
         return

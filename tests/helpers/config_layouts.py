@@ -82,6 +82,8 @@ BASE = {
     "mtp:native": lambda: {"model_type": "qwen3_5", "text_config": {**MTP_TEXT, "model_type": "qwen3_5_text"}},
     "mtp:native-qwen3-next": lambda: {**MTP_TEXT, "model_type": "qwen3_next", "num_experts": 0},
     "ngram:vllm": lambda: {"method": "ngram", "num_speculative_tokens": 3},
+    "ngram:llama.cpp": lambda: {"spec-type": "ngram-simple", "spec-ngram-simple-size-n": 3},
+    "draft:llama.cpp": lambda: {"spec-type": "draft-simple", "model-draft": "small"},
 }
 
 
@@ -179,6 +181,9 @@ REFUSALS = [
     ("mtp:native-qwen3-next", "num_nextn_predict_layers", 2, "llama.cpp", 1),
     ("mtp:native-qwen3-next", "num_experts", 512, "vLLM", 0),
     ("mtp:speculators", "transformer_layer_config.mtp_num_hidden_layers", 3, "SGLang", 1),
+    # a standalone draft model
+    ("draft:llama.cpp", "spec-draft-n-min", 2, "llama.cpp", 0),
+    ("draft:llama.cpp", "spec-draft-p-min", 0.6, "llama.cpp", 0.0),
 ]
 
 # Refusals that predate docs/config-fields.md or need several fields changed at once:

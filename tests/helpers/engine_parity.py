@@ -28,7 +28,8 @@ class Setup:
     target_gguf: str
     shards: str  # extracted from the HF directory, greedy
     sequences: list  # (ids, prompt length) the drafters are fitted on: llama_engine.continuations
-    converter: engine.Converter
+    converter: engine.Converter | None
+    max_new: int = MAX_NEW  # the extract's budget, each request's n_predict
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,8 @@ class Drafter:
     gguf: str  # the same drafter converted by llama.cpp's converter
     spec_type: str  # llama-server --spec-type
     drafts: int  # drafts of the trained block / chain: what --walk-rule dflash runs
+    flags: tuple[str, ...] = ()  # more llama-server options (an n-gram type's sizes)
+    steps: bool = True  # `score --steps` = the server's --spec-draft-n-max (n-gram types ignore that flag)
 
 
 def prompt_ids(count: int, seed: int = 7) -> list[list[int]]:
@@ -75,9 +78,11 @@ def assert_engine_counts(
     stored = {s.sample_id: s for s in ShardSet(shards).samples(tensors=[])}
     slots = len(stored) if fresh_slots else 1
     log = tmp / f"{name}.log"
-    with engine.serving(setup.target_gguf, drafter.gguf, drafter.spec_type, n_max, log, slots) as server:
+    with engine.serving(setup.target_gguf, drafter.gguf, drafter.spec_type, n_max, log, slots, drafter.flags) as server:
         runs = {
-            sid: engine.engine_run(server, s.input_ids[: s.prompt_len].tolist(), MAX_NEW, i if fresh_slots else None)
+            sid: engine.engine_run(
+                server, s.input_ids[: s.prompt_len].tolist(), setup.max_new, i if fresh_slots else None
+            )
             for i, (sid, s) in enumerate(stored.items())
         }
     same = [sid for sid, s in stored.items() if runs[sid].tokens == s.input_ids[s.prompt_len :].tolist()]
@@ -91,7 +96,7 @@ def assert_engine_counts(
         differs = sum(runs[sid].steps != wrong.get(sid, []) for sid in same)
     steps = [step for sid in same for step in runs[sid].steps]
     accepted, drafted, cut = sum(a for a, _ in steps), sum(d for _, d in steps), sum(d < n_max for _, d in steps)
-    last = sum(stop_drafted_last(runs[sid], stored[sid]) for sid in same)
+    last = sum(stop_drafted_last(runs[sid], stored[sid], setup.max_new) for sid in same)
     TABLE.append(
         f"{drafter.family:<7} {drafter.layout:<12} {n_max:>5}  {len(same):>7}  {len(stored) - len(same):>9}  "
         f"{len(steps):>5}  {cut:>3}  {last:>9}  {accepted:>7}/{drafted:<8}  {differs}"
@@ -105,14 +110,14 @@ def assert_engine_counts(
     return walk
 
 
-def stop_drafted_last(run: engine.EngineRun, sample) -> bool:
+def stop_drafted_last(run: engine.EngineRun, sample, max_new: int) -> bool:
     """Whether the engine counted an accepted draft past the stored response: a stop token
     accepted as the last draft, the bonus token after it dropped (common/sampling.cpp:696-707).
     Before the budget's last token every step drafts, so the tokens it accounts for are the
     prefill's one plus accepted + 1 a step."""
     response = sample.input_ids[sample.prompt_len :]
     accounted = 1 + sum(a + 1 for a, _ in run.steps)
-    return sample.finish_reason == "eos" and response.numel() < MAX_NEW - 1 and accounted > response.numel()
+    return sample.finish_reason == "eos" and response.numel() < max_new - 1 and accounted > response.numel()
 
 
 def score(drafter: Drafter, shards: str, out, **options) -> str:
@@ -122,6 +127,6 @@ def score(drafter: Drafter, shards: str, out, **options) -> str:
 def scored(setup: Setup, drafter: Drafter, n_max: int, rule: str) -> str:
     """`drafter` scored under walk rule `rule` (llama.cpp: `n_max` drafts a step; dflash: the
     trained block), once per module: a later test asking for the same gets the same directory."""
-    out = setup.tmp / f"{drafter.family}-{drafter.layout}-n{n_max}-{rule}"
-    steps = dict(walk_rule="llama.cpp", steps=n_max) if rule == "llama.cpp" else {}
+    out = setup.tmp / f"{drafter.family}-{drafter.layout}-{Path(drafter.path).stem}-n{n_max}-{rule}"
+    steps = dict(walk_rule="llama.cpp", steps=n_max if drafter.steps else None) if rule == "llama.cpp" else {}
     return score(drafter, setup.shards, out, force=False, **steps)

@@ -252,12 +252,13 @@ def _eagle3_documents(target, sequences, aux_ids) -> list[dict]:
 
 
 @contextmanager
-def serving(target_gguf, drafter_gguf, spec_type: str, n_max: int, log: Path, slots: int = 1):
+def serving(target_gguf, drafter_gguf, spec_type: str, n_max: int, log: Path, slots: int = 1, flags=()):
     """llama-server with the target, the drafter of `spec_type` (e.g. draft-dflash) drafting
-    `n_max` tokens a step (--spec-draft-n-max), `slots` slots, LLAMA_TRACE=1; stopped on exit.
-    `drafter_gguf` None: no -md, the drafter lives in the target's GGUF (draft-mtp's heads)."""
+    `n_max` tokens a step (--spec-draft-n-max), `slots` slots, more options `flags`, LLAMA_TRACE=1;
+    stopped on exit. `drafter_gguf` None: no -md, the drafter lives in the target's GGUF
+    (draft-mtp's heads) or there is none (the n-gram types)."""
     model = () if drafter_gguf is None else ("-md", str(drafter_gguf))
-    extra = (*model, "--spec-type", spec_type, "--spec-draft-n-max", str(n_max), *EXACT)
+    extra = (*model, "--spec-type", spec_type, "--spec-draft-n-max", str(n_max), *flags, *EXACT)
     extra += ("--parallel", str(slots)) if slots > 1 else ()  # after LlamaServer's own --parallel 1: it wins
     server = LlamaServer(Path(target_gguf), log, extra=extra, env={"LLAMA_TRACE": "1"}).start()
     try:

@@ -199,3 +199,56 @@ def test_diagnose_refuses_a_proposer_without_weights_in_one_line(tmp_path):
     lines = run.output.strip().splitlines()
     assert len(lines) == 1 and "no training convention to diagnose" in lines[0] and " score --ckpt " in lines[0]
     assert not out.exists()
+
+
+# --------------------------------------------------------------------------------------------- llama.cpp
+
+LLAMA_SIMPLE = {"spec-type": "ngram-simple"}
+
+
+def test_llama_ngram_simple_config_takes_the_servers_flags_and_defaults():
+    def sizes(**fields) -> tuple:
+        config = parse_config({**LLAMA_SIMPLE, **fields}, "simple.json").config
+        return config.layout, config.rule, config.min_n, config.max_n, config.block_size
+
+    assert sizes() == ("llama.cpp", "ngram-simple", 12, 12, 48)  # common/common.h's defaults
+    assert sizes(**{"spec-ngram-simple-size-n": 3, "spec-ngram-simple-size-m": 8}) == (
+        "llama.cpp",
+        "ngram-simple",
+        3,
+        3,
+        8,
+    )
+    assert sizes(**{"spec-ngram-simple-min-hits": 4})[2:] == (12, 12, 48)  # the server parses it and reads it nowhere
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"spec-type": "ngram-mod"}, "field 'spec-type' is 'ngram-mod': keeps state across steps and requests"),
+        ({"spec-type": "ngram-smart"}, r"field 'spec-type' is 'ngram-smart' \(a string\); expected one of \["),
+        ({"spec-ngram-simple-size-n": 0}, "spec-ngram-simple-size-n"),
+        ({"spec-ngram-simple-size-m": 1025}, "spec-ngram-simple-size-m"),
+        ({"spec-ngram-simple-size-n": "3"}, "spec-ngram-simple-size-n"),  # a JSON string is not a size
+        ({"spec-draft-n-max": 8}, "spec-draft-n-max"),  # the server ignores it for n-gram types: refused, not dropped
+    ],
+)
+def test_a_llama_ngram_config_the_server_would_not_run_as_given_is_refused_by_name(fields, message):
+    with pytest.raises(DrafterConfigError, match=message) as error:
+        parse_config({**LLAMA_SIMPLE, **fields}, "simple.json")
+    assert str(error.value).startswith("simple.json: ") and "\n" not in str(error.value)
+
+
+def test_steps_on_a_llama_ngram_config_is_one_error_line(scored, tmp_path):
+    """--steps stands for the server's --spec-draft-n-max, which its n-gram types ignore."""
+    _, _, shards, _ = scored
+    config = tmp_path / "simple.json"
+    config.write_text(json.dumps({**LLAMA_SIMPLE, "spec-ngram-simple-size-m": 8}))
+    args = ["score", "--ckpt", str(config), "--shards", shards, "--out", str(tmp_path / "out"), "--steps", "4"]
+    run = CliRunner().invoke(main, [*args, "--walk-rule", "llama.cpp"])
+    assert run.exit_code == 1, run.output  # score's code for "a checkpoint failed", the line saying why
+    line = run.output.strip().splitlines()[0]
+    assert line == f"error: {config}: --steps: llama-server's ngram-simple drafts up to spec-ngram-simple-size-m " + (
+        "tokens whatever --spec-draft-n-max says; set that key in its config instead"
+    )
+    assert not list((tmp_path / "out").glob("*/walk.parquet"))

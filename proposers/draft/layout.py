@@ -1,0 +1,56 @@
+"""The draft model's config: llama-server's flags of `--spec-type draft-simple` (common/arg.cpp),
+named as on its command line without the dashes, in a JSON file given to `score --ckpt`:
+`{"spec-type": "draft-simple", "model-draft": "small/", "spec-draft-n-max": 4}`. `model-draft` is the
+transformers checkpoint directory the server's GGUF was converted from (relative to the JSON file's
+folder, or absolute). Every other key is refused by name."""
+
+from __future__ import annotations
+
+from typing import ClassVar, Literal
+
+from pydantic import Field
+
+from pipeline.common.schema import ClosedSchema
+
+LABEL = "draft model"
+
+DRAFT_MAX = 1024  # llama-server's bound on its draft sizes (common/arg.cpp)
+
+
+class LlamaDraftSimple(ClosedSchema):
+    """llama-server's `--spec-type draft-simple` (common/speculative.cpp:179-450): n-max greedy drafts
+    a step from the draft model's own KV cache; a draft whose top-10 probability falls below p-min
+    ends the chain; a chain shorter than n-min is dropped (both refused above 0 by config.py)."""
+
+    LAYOUT: ClassVar[str] = "llama.cpp"
+    CONVENTION: ClassVar[str] = "output"
+    SPEC_TYPES: ClassVar[tuple[str, ...]] = ("draft-simple",)
+
+    spec_type: Literal["draft-simple"] = Field(alias="spec-type")
+    model_draft: str = Field(alias="model-draft")
+    n_max: int = Field(3, ge=1, le=DRAFT_MAX, alias="spec-draft-n-max")  # common/common.h:328
+    n_min: int = Field(0, ge=0, le=DRAFT_MAX, alias="spec-draft-n-min")  # common/common.h:329
+    p_min: float = Field(0.0, ge=0.0, le=1.0, alias="spec-draft-p-min")  # common/common.h:332
+
+    @property
+    def family(self) -> str:
+        return "draft"
+
+    @property
+    def evidence(self) -> str:
+        return f"spec-type {self.spec_type!r}"
+
+    def check_complete(self, source: str) -> None:
+        """Nothing to add: every flag but the model has llama-server's default."""
+
+    def namespaces(self) -> dict:
+        return {}
+
+    def stored_layer_ids(self) -> list[int]:
+        return []
+
+    def feature_layers(self, source: str, num_target_layers: int | None = None) -> list[int]:
+        return []  # the tokens alone
+
+
+LAYOUTS = (LlamaDraftSimple,)

@@ -1,0 +1,93 @@
+"""A standalone draft model at every anchor, as llama-server's draft-simple runs it
+(common/speculative.cpp:179-450), teacher-forced along the stored response.
+
+Online, the draft model's KV cache follows the target's batches (process()), and at anchor t it
+decodes the last sampled token x_t, then each draft in turn: draft j is the argmax of its
+next-token logits after x_0 .. x_t, d_1 .. d_{j-1} (a top-10 sampler whose first candidate is the
+argmax). Draft j is verified only while d_1 .. d_{j-1} were the stored tokens, so offline every
+draft is the argmax of one causal forward over the stored sequence: draft j at t is top[t + j - 1]
+(`prepare`, one forward per sample; `propose` gathers). The server's p-min and n-min (default 0)
+are refused by the config: with them the chain's length depends on drafts after a rejected one. q
+is a point mass: llama-server verifies a draft by sampling the target and comparing.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from pipeline.common import timing
+from pipeline.common.errors import UserError
+from proposers.interface import Chunk, Drafts, Needs, PackedTokens, point_mass_logprob
+
+UNPROPOSED = -1  # a slot past the stored sequence: never verified
+ROWS = 1024  # positions whose logits one lm_head product holds
+
+
+class DraftModelProposer:
+    """A causal LM drafting greedily: tokens only, no target features."""
+
+    needs = Needs()
+    independent_drafts = False  # each draft is conditioned on the ones before it
+
+    def __init__(self, config):
+        self.config = config
+        self.family, self.layout = config.family, config.layout
+        self.model = None
+
+    def load(self, dtype: torch.dtype, device: str) -> dict:
+        """Load the draft model; its weights (for the results' content hash)."""
+        from transformers import AutoModelForCausalLM
+
+        if not os.path.isfile(os.path.join(self.config.model_dir, "config.json")):
+            raise UserError(
+                f"{self.config.model_dir}: no config.json: the draft config's 'model-draft' must name the draft "
+                "model's transformers checkpoint directory (the one its GGUF was converted from)"
+            )
+        with timing.stage("load draft model"):
+            model = AutoModelForCausalLM.from_pretrained(self.config.model_dir, dtype=dtype)
+        self.model = model.to(device).eval()
+        return {name: t.detach().cpu() for name, t in model.state_dict().items()}
+
+    @property
+    def max_drafts(self) -> int:
+        return self.config.block_size
+
+    def block_len(self, remaining: torch.Tensor) -> torch.Tensor:
+        """n-max drafts at every anchor: the server cuts them to the budget afterwards (walk rule)."""
+        return torch.full_like(remaining, self.config.block_size)
+
+    def depth(self, block_len: int) -> int:
+        return block_len
+
+    def prepare(self, samples, target, options):
+        """Per sample, the draft model's argmax after every prefix, concatenated [sum N]."""
+        tops = [self._greedy(tokens.to(options.device)) for tokens, _ in samples]
+        return torch.cat(tops), [None for _ in tops]
+
+    @torch.no_grad()
+    def _greedy(self, tokens: torch.Tensor) -> torch.Tensor:
+        """[N] the argmax of the next token after each prefix of `tokens`."""
+        with timing.stage("draft model forward", tokens=tokens.numel()):
+            hidden = self.model.base_model(tokens[None]).last_hidden_state[0]  # [N, H] after the final norm
+        head = self.model.get_output_embeddings()
+        return torch.cat([head(rows).argmax(dim=-1) for rows in hidden.split(ROWS)])  # [r, V] logits at a time
+
+    def anchors_per_chunk(self, block_len: int, ctx_len: int, vocab: int, options) -> int:
+        return max(1, options.memory_bytes // (64 * block_len))  # a few numbers per draft
+
+    def propose(self, packed: PackedTokens, chunks: list[Chunk], target, options) -> list[Drafts]:
+        return [self._drafts(packed, chunk) for chunk in chunks]
+
+    def _drafts(self, packed: PackedTokens, chunk: Chunk) -> Drafts:
+        """Draft j at anchor t: top[t + j - 1]; unknown past the stored sequence (never verified)."""
+        top = packed.state
+        starts, lengths = packed.starts[chunk.sample_idx], packed.lengths[chunk.sample_idx]
+        positions = chunk.anchors[:, None] + torch.arange(chunk.block_len, device=top.device)[None, :]  # [a, K]
+        flat = (starts[:, None] + positions).clamp(max=top.numel() - 1)
+        drafts = torch.where(positions < lengths[:, None], top[flat], torch.full_like(flat, UNPROPOSED))
+        return Drafts(None, drafts.long())
+
+    def draft_logprob(self, drafts: Drafts, tokens: torch.Tensor, sampling) -> torch.Tensor:
+        return point_mass_logprob(drafts, tokens, sampling)

@@ -1,0 +1,86 @@
+"""Exactness against a real engine for a standalone draft model: `specreplay score --ckpt draft.json
+--walk-rule llama.cpp` (llama-server's draft-simple flags, `model-draft` the draft's transformers
+directory) reports, step for step, the accepted-draft counts llama-server reports with `--spec-type
+draft-simple -md draft.gguf` (the same draft converted by llama.cpp's converter), for every sample
+whose engine response is the stored one (engine_parity.assert_engine_counts).
+
+The target is a tiny random Qwen3 of llama_engine.engine_target's recipe; the draft model a smaller
+Qwen3 at the same vocabulary and tokenizer, fitted briefly by next-token loss on the target's own
+greedy continuations (a random draft accepts nothing). The shards hold no feature layer: a draft
+model reads the tokens alone. draft-simple keeps no state between requests.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipeline.shards import ShardSet
+from tests.helpers import chain_parity as chains, engine_parity as parity, llama_engine as engine
+from tests.helpers.models import seeded, text_kwargs
+from tests.helpers.prompts import write_prompts
+from tools.llama_convert import convert
+
+pytestmark = pytest.mark.slow
+
+MAX_NEW = 48
+FIT_STEPS, FIT_LR = 40, 3e-3  # a draft that also misses: rejections compared too
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    yield from parity.threads_and_table("draft")
+
+
+def fitted_draft(target_dir: str, sequences, out) -> str:
+    """A 2-layer Qwen3 at the target's vocabulary fitted to its greedy continuations, saved with the
+    target's tokenizer (the converter reads it)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(**{**text_kwargs(2), "vocab_size": engine.SMOLLM2_VOCAB}, rope_theta=10000.0)
+    with seeded(5):
+        model = Qwen3ForCausalLM(config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=FIT_LR)
+    for _ in range(FIT_STEPS):
+        loss = sum(model(ids[None], labels=ids[None]).loss for ids, _ in sequences) / len(sequences)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.eval().save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (Path(target_dir) / name).exists():
+            shutil.copy(Path(target_dir) / name, Path(out) / name)
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory) -> tuple[parity.Setup, str, str]:
+    tmp = tmp_path_factory.mktemp("engine_parity_draft")
+    prompts = parity.prompt_ids(parity.PROMPTS)
+    model_dir = engine.engine_target(tmp / "target", prompts, MAX_NEW, layers=4)
+    records = [{"id": f"p{i}", "input_ids": ids} for i, ids in enumerate(prompts)]
+    shards = chains.extract(tmp / "shards", model_dir, write_prompts(tmp / "prompts.jsonl", records), MAX_NEW, [])
+    finish = {s.finish_reason for s in ShardSet(shards).samples(tensors=[])}
+    assert finish == {"eos", "length"}, finish
+    sequences = engine.continuations(model_dir, prompts, MAX_NEW)
+    draft = fitted_draft(tmp / "target", sequences, tmp / "draft")
+    gguf = str(convert(model_dir, tmp / "target.gguf"))
+    draft_gguf = str(convert(draft, tmp / "draft.gguf"))
+    return parity.Setup(tmp, model_dir, gguf, shards, sequences, converter=None, max_new=MAX_NEW), draft, draft_gguf
+
+
+def draft_simple(setup: parity.Setup, draft: str, gguf: str, n_max: int) -> parity.Drafter:
+    path = setup.tmp / f"draft-simple-{n_max}.json"
+    path.write_text(json.dumps({"spec-type": "draft-simple", "model-draft": "draft", "spec-draft-n-max": n_max}))
+    return parity.Drafter("draft", "llama.cpp", str(path), gguf, "draft-simple", n_max)
+
+
+@pytest.mark.parametrize("n_max", [4, 1])
+def test_draft_simple_counts_equal_llama_server(setup, n_max):
+    """n-max greedy drafts a step, cut to the budget."""
+    setup, draft, gguf = setup
+    parity.assert_engine_counts(setup, draft_simple(setup, draft, gguf, n_max), n_max, per_step=0.1)
