@@ -10,20 +10,20 @@ from typing import ClassVar, Literal
 
 from pydantic import Field
 
-from pipeline.common.schema import ClosedSchema
+from proposers.toolkit.engine_settings import EngineSettings
 
 LABEL = "draft model"
 
 DRAFT_MAX = 1024  # llama-server's bound on its draft sizes (common/arg.cpp)
 
 
-class LlamaDraftSimple(ClosedSchema):
+class LlamaDraftSimple(EngineSettings):
     """llama-server's `--spec-type draft-simple` (common/speculative.cpp:179-450): n-max greedy drafts
     a step from the draft model's own KV cache; a draft whose top-10 probability falls below p-min
     ends the chain; a chain shorter than n-min is dropped (both refused above 0 by config.py)."""
 
+    FAMILY: ClassVar[str] = "draft"
     LAYOUT: ClassVar[str] = "llama.cpp"
-    CONVENTION: ClassVar[str] = "output"
     SPEC_TYPES: ClassVar[tuple[str, ...]] = ("draft-simple",)
 
     spec_type: Literal["draft-simple"] = Field(alias="spec-type")
@@ -33,24 +33,8 @@ class LlamaDraftSimple(ClosedSchema):
     p_min: float = Field(0.0, ge=0.0, le=1.0, alias="spec-draft-p-min")  # common/common.h:332
 
     @property
-    def family(self) -> str:
-        return "draft"
-
-    @property
     def evidence(self) -> str:
         return f"spec-type {self.spec_type!r}"
-
-    def check_complete(self, source: str) -> None:
-        """Nothing to add: every flag but the model has llama-server's default."""
-
-    def namespaces(self) -> dict:
-        return {}
-
-    def stored_layer_ids(self) -> list[int]:
-        return []
-
-    def feature_layers(self, source: str, num_target_layers: int | None = None) -> list[int]:
-        return []  # the tokens alone
 
 
 LAYOUTS = (LlamaDraftSimple,)

@@ -19,21 +19,19 @@ import torch
 
 from pipeline.common import timing
 from pipeline.common.errors import UserError
-from proposers.interface import Chunk, Drafts, Needs, PackedTokens, point_mass_logprob
+from proposers.interface import Chunk, Drafts, PackedTokens
+from proposers.toolkit.token_chain import TokenChain
 
 UNPROPOSED = -1  # a slot past the stored sequence: never verified
 ROWS = 1024  # positions whose logits one lm_head product holds
 
 
-class DraftModelProposer:
-    """A causal LM drafting greedily: tokens only, no target features."""
-
-    needs = Needs()
-    independent_drafts = False  # each draft is conditioned on the ones before it
+class DraftModelProposer(TokenChain):
+    """A causal LM drafting greedily: tokens only, no target features; n-max drafts at every anchor,
+    which the server cuts to the budget afterwards (walk rule)."""
 
     def __init__(self, config):
-        self.config = config
-        self.family, self.layout = config.family, config.layout
+        super().__init__(config)
         self.model = None
 
     def load(self, dtype: torch.dtype, device: str) -> dict:
@@ -50,17 +48,6 @@ class DraftModelProposer:
         self.model = model.to(device).eval()
         return {name: t.detach().cpu() for name, t in model.state_dict().items()}
 
-    @property
-    def max_drafts(self) -> int:
-        return self.config.block_size
-
-    def block_len(self, remaining: torch.Tensor) -> torch.Tensor:
-        """n-max drafts at every anchor: the server cuts them to the budget afterwards (walk rule)."""
-        return torch.full_like(remaining, self.config.block_size)
-
-    def depth(self, block_len: int) -> int:
-        return block_len
-
     def prepare(self, samples, target, options):
         """Per sample, the draft model's argmax after every prefix, concatenated [sum N]."""
         tops = [self._greedy(tokens.to(options.device)) for tokens, _ in samples]
@@ -74,9 +61,6 @@ class DraftModelProposer:
         head = self.model.get_output_embeddings()
         return torch.cat([head(rows).argmax(dim=-1) for rows in hidden.split(ROWS)])  # [r, V] logits at a time
 
-    def anchors_per_chunk(self, block_len: int, ctx_len: int, vocab: int, options) -> int:
-        return max(1, options.memory_bytes // (64 * block_len))  # a few numbers per draft
-
     def propose(self, packed: PackedTokens, chunks: list[Chunk], target, options) -> list[Drafts]:
         return [self._drafts(packed, chunk) for chunk in chunks]
 
@@ -88,6 +72,3 @@ class DraftModelProposer:
         flat = (starts[:, None] + positions).clamp(max=top.numel() - 1)
         drafts = torch.where(positions < lengths[:, None], top[flat], torch.full_like(flat, UNPROPOSED))
         return Drafts(None, drafts.long())
-
-    def draft_logprob(self, drafts: Drafts, tokens: torch.Tensor, sampling) -> torch.Tensor:
-        return point_mass_logprob(drafts, tokens, sampling)

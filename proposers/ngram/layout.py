@@ -14,14 +14,15 @@ from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
 
-from pipeline.common.schema import ClosedSchema, Positive
+from pipeline.common.schema import Positive
+from proposers.toolkit.engine_settings import EngineSettings
 
 LABEL = "n-gram"
 
 
-class VllmNgram(ClosedSchema):
+class VllmNgram(EngineSettings):
+    FAMILY: ClassVar[str] = "ngram"
     LAYOUT: ClassVar[str] = "vllm"
-    CONVENTION: ClassVar[str] = "output"
     METHODS: ClassVar[tuple[str, ...]] = ("ngram",)
 
     method: Literal["ngram"]
@@ -44,39 +45,22 @@ class VllmNgram(ClosedSchema):
         return (low or high, high or low)
 
     @property
-    def family(self) -> str:
-        return "ngram"
-
-    @property
     def evidence(self) -> str:
         return "method 'ngram'"
-
-    def check_complete(self, source: str) -> None:
-        """Nothing to add: the schema itself requires every field the lookup needs."""
-
-    def namespaces(self) -> dict:
-        """No namespace is a transformers config: the schema is closed (proposers/fields/known.py)."""
-        return {}
-
-    def stored_layer_ids(self) -> list[int]:
-        return []
-
-    def feature_layers(self, source: str, num_target_layers: int | None = None) -> list[int]:
-        return []  # it reads the tokens alone: shards extracted with --layer-ids none serve it
 
 
 # llama-server's bound on its n-gram flags (common/arg.cpp:4289-4318)
 LLAMA_NGRAM_MAX = 1024
 
 
-class LlamaNgramSimple(ClosedSchema):
+class LlamaNgramSimple(EngineSettings):
     """llama-server's `--spec-type ngram-simple` (common/ngram-map.cpp common_ngram_simple_draft):
     the last size-n tokens looked up in the history, the size-m tokens after the latest match
     drafted. `--spec-draft-n-max` does not apply to it (the server's n-gram drafts are as long as
     their own settings allow), so its key is refused here like any other."""
 
+    FAMILY: ClassVar[str] = "ngram"
     LAYOUT: ClassVar[str] = "llama.cpp"
-    CONVENTION: ClassVar[str] = "output"
     SPEC_TYPES: ClassVar[tuple[str, ...]] = ("ngram-simple",)
 
     spec_type: Literal["ngram-simple"] = Field(alias="spec-type")
@@ -86,24 +70,8 @@ class LlamaNgramSimple(ClosedSchema):
     min_hits: int = Field(1, ge=1, le=LLAMA_NGRAM_MAX, alias="spec-ngram-simple-min-hits")
 
     @property
-    def family(self) -> str:
-        return "ngram"
-
-    @property
     def evidence(self) -> str:
         return f"spec-type {self.spec_type!r}"
-
-    def check_complete(self, source: str) -> None:
-        """Nothing to add: every flag has llama-server's default."""
-
-    def namespaces(self) -> dict:
-        return {}
-
-    def stored_layer_ids(self) -> list[int]:
-        return []
-
-    def feature_layers(self, source: str, num_target_layers: int | None = None) -> list[int]:
-        return []
 
 
 LAYOUTS = (VllmNgram, LlamaNgramSimple)

@@ -19,8 +19,9 @@ import numba
 import numpy as np
 import torch
 
-from proposers.interface import Chunk, Drafts, Needs, PackedTokens, point_mass_logprob
+from proposers.interface import Chunk, Drafts, PackedTokens
 from proposers.ngram.llama_simple import simple_drafts
+from proposers.toolkit.token_chain import TokenChain
 
 UNPROPOSED = -1  # the token at a slot past a short proposal (Drafts.limit says how many there are)
 
@@ -55,33 +56,13 @@ def lookup_drafts(ids, starts, anchors, min_n, max_n, k, out, counts) -> None:
         counts[i] = _lookup(ids, starts[i], starts[i] + anchors[i] + 1, min_n, max_n, k, out[i])
 
 
-class NgramProposer:
+class NgramProposer(TokenChain):
     """An n-gram lookup as a Proposer: tokens only, no state, K drafts (or fewer) per anchor; vLLM's
-    `ngram` (here) or llama-server's `ngram-simple` (llama_simple.py), as the config's rule says."""
-
-    needs = Needs()  # the stored tokens alone
-    independent_drafts = False  # no distribution: DDTree has no marginals to build a tree from
-
-    def __init__(self, config):
-        self.config = config
-        self.family, self.layout = config.family, config.layout
-
-    @property
-    def max_drafts(self) -> int:
-        return self.config.block_size
-
-    def block_len(self, remaining: torch.Tensor) -> torch.Tensor:
-        """K drafts at every anchor: vLLM's proposer does not shorten them to the budget."""
-        return torch.full_like(remaining, self.config.block_size)
-
-    def depth(self, block_len: int) -> int:
-        return block_len
+    `ngram` (here) or llama-server's `ngram-simple` (llama_simple.py), as the config's rule says.
+    Neither engine shortens the K drafts to the budget (TokenChain)."""
 
     def prepare(self, samples, target, options):
         return None, [None for _ in samples]  # nothing to compute ahead: the lookup reads the tokens
-
-    def anchors_per_chunk(self, block_len: int, ctx_len: int, vocab: int, options) -> int:
-        return max(1, options.memory_bytes // (64 * block_len))  # a few ints per draft
 
     def propose(self, packed: PackedTokens, chunks: list[Chunk], target, options) -> list[Drafts]:
         ids, starts = packed.ids.cpu().numpy(), packed.starts.cpu().numpy()
@@ -98,6 +79,3 @@ class NgramProposer:
             lookup_drafts(ids, starts, anchors, cfg.min_n, cfg.max_n, chunk.block_len, out, counts)
         device = chunk.anchors.device
         return Drafts(None, torch.from_numpy(out).long().to(device), torch.from_numpy(counts).to(device))
-
-    def draft_logprob(self, drafts: Drafts, tokens: torch.Tensor, sampling) -> torch.Tensor:
-        return point_mass_logprob(drafts, tokens, sampling)
