@@ -14,6 +14,7 @@ import signal
 import sys
 import threading
 import warnings
+from contextlib import contextmanager
 
 import click
 
@@ -75,23 +76,28 @@ def one_line_warning(message, category, filename, lineno, line=None) -> str:
 _default_format = warnings.formatwarning
 
 
-def note_interrupts() -> threading.Event:
-    """An event set by Ctrl-C. The KeyboardInterrupt itself can be swallowed by native code it
-    lands in (safetensors turns it into a ValueError): an error raised after Ctrl-C is its echo
-    and ends as the interrupt does."""
+@contextmanager
+def interrupts_noted():
+    """An event set by Ctrl-C while the block runs (Python's SIGINT handler back after it). The
+    KeyboardInterrupt itself can be swallowed by native code it lands in (safetensors turns it into
+    a ValueError): an error raised after Ctrl-C is its echo and ends as the interrupt does. Only in
+    the main thread (signals reach no other) and over Python's own handler (a caller's, e.g. a test
+    harness's, stays in charge)."""
     seen = threading.Event()
-    if threading.current_thread() is not threading.main_thread():
-        return seen  # signals reach the main thread only
-    previous = signal.getsignal(signal.SIGINT)
-    if previous is not signal.default_int_handler:
-        return seen  # a caller's own handler (a test harness, an embedding app) stays in charge
+    main = threading.current_thread() is threading.main_thread()
+    if not main or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield seen
+        return
 
     def handler(signum, frame):
         seen.set()
         signal.default_int_handler(signum, frame)
 
     signal.signal(signal.SIGINT, handler)
-    return seen
+    try:
+        yield seen
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 class LazyGroup(click.Group):
@@ -111,24 +117,19 @@ class LazyGroup(click.Group):
         from pipeline.common.errors import UserError
 
         warnings.formatwarning = one_line_warning
-        handler = signal.getsignal(signal.SIGINT)
-        seen = note_interrupts()
         try:
-            return super().invoke(ctx)
+            with interrupts_noted() as seen:
+                return super().invoke(ctx)
         except KeyboardInterrupt:
             interrupted(ctx.invoked_subcommand)
-        except (UserError, *PATH_ERRORS) as error:
+        except Exception as error:
             if seen.is_set():
                 interrupted(ctx.invoked_subcommand)
-            fail(error)
-        except Exception:
-            if seen.is_set():
-                interrupted(ctx.invoked_subcommand)
+            if isinstance(error, (UserError, *PATH_ERRORS)):
+                fail(error)
             raise
-        finally:  # in-process callers (tests, CliRunner) get Python's format and handler back
+        finally:  # in-process callers (tests, CliRunner) get Python's format back
             warnings.formatwarning = _default_format
-            if threading.current_thread() is threading.main_thread():
-                signal.signal(signal.SIGINT, handler)
 
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})

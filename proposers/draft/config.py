@@ -34,7 +34,7 @@ def parse_config(checked: LlamaDraftSimple, raw: dict, source: str = "config", t
             "draft below it, also after a draft the target rejected, whose successors the stored response does "
             "not hold; not replayed yet: score with the server's default 0"
         )
-    return DraftConfig(model_dir, checked.n_max)
+    return DraftConfig(model_dir, checked.n_max, raw=raw)
 
 
 FAMILY = Family(

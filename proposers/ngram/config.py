@@ -16,7 +16,7 @@ class NgramConfig:
     block_size: int  # drafts per step at most: vLLM's num_speculative_tokens, llama.cpp's size-m
     family: str = "ngram"
     layout: str = "vllm"
-    rule: str = "vllm"  # whose lookup (proposer.py LOOKUPS): vLLM's ngram, llama.cpp's ngram-simple
+    rule: str = "vllm"  # whose lookup: vLLM's ngram (proposer.py), llama.cpp's ngram-simple (llama_simple.py)
     # why `score --steps` cannot set block_size (None: it is the engine's draft-length flag)
     fixed_steps: str | None = None
     raw: dict = field(default_factory=dict, repr=False)

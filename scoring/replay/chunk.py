@@ -56,10 +56,10 @@ def score_chunk(
         sampled = torch.where(known, proposer.draft_logprob(drafts, targets, options.sampling), sampled)
     proposed = torch.full((draft.shape[0],), depth, dtype=torch.long, device=draft.device)
     if drafts.limit is not None:  # drafts past a confidence head's cut are never proposed
-        cut = torch.arange(depth, device=draft.device)[None, :] >= drafts.limit[:, None]
+        proposed = drafts.limit.clamp(max=depth).long()
+        cut = torch.arange(depth, device=draft.device)[None, :] >= proposed[:, None]
         draft = draft.masked_fill(cut, NOT_PROPOSED)
         sampled = sampled.masked_fill(cut & known, float("-inf"))
-        proposed = drafts.limit.clamp(max=depth).long()
     scored = ChunkScores(proposer, packed, chunk, target, options, drafts, scores, lse, targets, known)
     planned = {m.kind: m.chunk(scored, options.methods[m.kind]) for m in TREES if options.methods.get(m.kind)}
     cpu = (t.cpu() for t in (draft, targets, target_logprob, sampled, kl, nonfinite, proposed))
