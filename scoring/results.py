@@ -22,6 +22,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline.common.schema import Count, Number, Schema, SchemaError, found, validate
+from proposers import baselines
 from proposers.registry import family_label, layout_label
 from scoring.methods import registry as methods
 
@@ -48,7 +49,9 @@ FILES = {
 def result_dir_name(path: str) -> str:
     """A checkpoint's results sub-directory under --out: 'run1_step_200' for run1/step_200/
     and for run1/step_200.pt. One per checkpoint whatever their number, so a checkpoint scored
-    alone and in a glob lands in the same place."""
+    alone and in a glob lands in the same place. A baseline's name: `ngram_vllm_k=4`."""
+    if baselines.is_named(path):
+        return baselines.dir_name(path)
     path = os.path.normpath(os.path.abspath(path))
     parent, base = os.path.split(path)
     stem = os.path.splitext(base)[0] if os.path.isfile(path) else base

@@ -29,6 +29,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file as load_safetensors_file
 
 from pipeline.common.errors import UserError
+from proposers import baselines
 
 MAX_LISTED = 20  # names listed in one error message
 
@@ -322,7 +323,10 @@ def parse_step(path: str, *metadata: dict) -> int | None:
 
 
 def display_name(path: str) -> str:
-    """Directory name, or parent/file; a bare step directory (`checkpoint-1500`) gets its run's name too."""
+    """Directory name, or parent/file; a bare step directory (`checkpoint-1500`) gets its run's name too;
+    a baseline's name as given (`ngram:vllm:k=4`)."""
+    if baselines.is_named(path):
+        return path
     path = os.path.abspath(path)
     base, parent = os.path.basename(path), os.path.basename(os.path.dirname(path))
     if os.path.isfile(path) or STEP_PATTERN.fullmatch(base) or re.fullmatch(r"\d+", base):

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from proposers import baselines
 from proposers.checkpoints import gguf
 from proposers.checkpoints.files import (
     MAX_LISTED,
@@ -149,7 +150,7 @@ def check_state_dict(
 class CheckpointInfo:
     """Identity of a loaded checkpoint; every output row carries it."""
 
-    path: str  # absolute
+    path: str  # absolute, or a baseline's name as given (`ngram:vllm:k=4`)
     content_hash: str  # sha256 hex over weight bytes + canonical config JSON
     config: DrafterConfig
     config_raw: dict = field(repr=False)
@@ -219,7 +220,12 @@ def _materialize(skeleton: torch.nn.Module, state: dict, dtype, device, source: 
 
 def _read_config(config_file: str, target_layers: int | None = None, override: Override | None = None):
     """(Parsed, the raw config): a config.json, or the config a drafter GGUF reads back as."""
-    config_raw = gguf.gguf_config(config_file) if gguf.is_gguf(config_file) else read_json_file(config_file)
+    if baselines.is_named(config_file):
+        config_raw = baselines.config_of(config_file)
+    elif gguf.is_gguf(config_file):
+        config_raw = gguf.gguf_config(config_file)
+    else:
+        config_raw = read_json_file(config_file)
     return parse_config(config_raw, config_file, target_layers, override), config_raw
 
 
@@ -233,8 +239,9 @@ def _checked_files(path: str, config_path: str | None = None) -> tuple[list[str]
 
 
 def is_config_only(path: str) -> bool:
-    """A proposer that loads no weights is given as its config file alone (`--ckpt ngram.json`)."""
-    return path.endswith(".json") and os.path.isfile(path)
+    """A proposer that loads no weights is given as its config file alone (`--ckpt ngram.json`), or
+    by name (`--ckpt ngram:vllm:k=4`, proposers/baselines.py)."""
+    return (path.endswith(".json") and os.path.isfile(path)) or baselines.is_named(path)
 
 
 def read_drafter_config(
@@ -330,14 +337,15 @@ def load_proposer(path: str, dtype=torch.float32, device="cpu", target_layers=No
         )
     proposer = parsed.family.proposer(parsed.config)
     weights = proposer.load(dtype, device) if hasattr(proposer, "load") else {}  # a draft model's own
+    where = path if baselines.is_named(path) else os.path.abspath(path)  # a name is kept as given
     info = CheckpointInfo(
-        path=os.path.abspath(path),
+        path=where,
         content_hash=tensors_hash(weights, config_raw),
         config=parsed.config,
         config_raw=config_raw,
         step=None,
         name=display_name(path),
-        config_file=os.path.abspath(path),
+        config_file=where,
         assumed=parsed.assumed,
     )
     return proposer, info

@@ -24,6 +24,7 @@ import os
 from dataclasses import dataclass, field
 
 from pipeline.common.versions import specreplay_version
+from scoring.report.baselines import baselines_section
 from scoring.report.data import (
     TAU_UNIT,
     Duplicate,
@@ -242,6 +243,7 @@ def render_report(
         f'<p class="caption">One row per dataset and checkpoint; τ in {TAU_UNIT}. Hover a column title for its '
         f"definition. “(all)” pools every sample.{_sampled_caption(results)}</p>",
         summary_table(results),
+        baselines_section(results),
         diagnose_section(diagnoses or []),
         *_plot_sections(results),
         "<h2>Worst prompts</h2>",

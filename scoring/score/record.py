@@ -10,7 +10,6 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
-import os
 import platform
 import sys
 
@@ -75,7 +74,7 @@ def run_record(planned: dict, ckpt: str, info: CheckpointInfo, shardset: ShardSe
     manifest = shardset.manifest
     record = copy.deepcopy(planned)  # the planned record stays as planned
     record["checkpoint"].update(
-        path=os.path.abspath(ckpt),
+        path=info.path,  # absolute, or a baseline's name as given
         name=info.name,
         step=info.step,
         family=info.config.family,

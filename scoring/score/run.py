@@ -9,6 +9,7 @@ import os
 from pipeline.common import timing
 from pipeline.common.distributed import Dist, dist_from_env, init_dist
 from pipeline.shards import ShardSet
+from proposers import baselines
 from proposers.interface import TargetHead
 from scoring.config import ScoreConfig
 from scoring.replay.packing import prepare_target_head
@@ -19,9 +20,13 @@ from scoring.score.steps import check_anchor_set, resolve_device_dtype
 
 
 def expand_checkpoints(patterns: list[str]) -> list[str]:
-    """Paths as given, globs expanded (sorted), duplicates dropped; missing paths are an error."""
+    """Paths as given, globs expanded (sorted), duplicates dropped; missing paths are an error. A
+    baseline's name (`ngram:vllm:k=4`, proposers/baselines.py) is kept as it is."""
     paths: list[str] = []
     for pattern in patterns:
+        if baselines.is_named(pattern):
+            paths += [pattern] if pattern not in paths else []
+            continue
         literal = os.path.exists(pattern) or not any(c in pattern for c in "*?[")
         matches = [pattern] if literal else sorted(glob.glob(pattern))
         if not matches:

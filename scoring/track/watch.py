@@ -33,7 +33,6 @@ import shutil
 import signal
 import sys
 import time
-import warnings
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -43,8 +42,8 @@ from pipeline.common.errors import UserError
 from pipeline.shards import ShardSet
 from proposers.checkpoints.files import WEIGHT_EXTENSIONS, checkpoint_problem, parse_step, resolve_checkpoint_files
 from scoring import results
+from scoring.compare.baselines import Versus, paired_row
 from scoring.compare.bootstrap import digits, judge
-from scoring.compare.run import CompareError, CompareWarning, headline_row, run_comparison
 from scoring.config import ScoreConfig
 from scoring.replay.packing import prepare_target_head
 from scoring.report.page import write_report
@@ -81,6 +80,7 @@ class WatchOptions:
     echo: Callable[[str], None] = print
     program: str = "specreplay"  # how hints name the console script (specreplay.hints.program())
     warn: Callable[[str], None] = field(default=lambda line: print(line, file=sys.stderr, flush=True))
+    baselines: tuple[str, ...] = ()  # scored once first; each checkpoint's line is followed by one per baseline
 
 
 @dataclass
@@ -229,15 +229,10 @@ def stop_on_signals():
 
 def change_against(previous_dir: str, out_dir: str) -> str:
     """'+0.120 (95% CI 0.010 to 0.230, better)': pooled chain tau of out_dir minus previous_dir
-    with compare's paired-bootstrap interval (scoring/compare/run.py run_comparison)."""
-    try:
-        with warnings.catch_warnings():  # compare's warnings are for its own report; one line here
-            warnings.simplefilter("ignore", CompareWarning)
-            row = headline_row(run_comparison(previous_dir, out_dir).table.to_dicts())
-    except CompareError as error:
-        return f"not compared ({error})"
-    if row is None or not row["n"]:
-        return "not compared (no paired samples)"
+    with compare's paired-bootstrap interval (scoring/compare/baselines.py paired_row)."""
+    row = paired_row(previous_dir, out_dir)
+    if isinstance(row, str):
+        return row
     delta, low, high = row["delta"], row["ci_low"], row["ci_high"]
     if row["n"] < 2:
         return f"{delta:+.3f} (one paired sample, no interval)"
@@ -271,6 +266,7 @@ class Watcher:
         self.owners: dict[str, str] = {}  # results directory -> checkpoint path
         self.steps: dict[str, int | None] = {}  # results directory -> step, for "previous"
         self.names: dict[str, str] = {}  # results directory -> checkpoint name, for the report's title
+        self.baseline_dirs: dict[str, str] = {}  # baseline name -> its results directory
         self.shardset = ShardSet(config.shards)
         check_anchor_set(self.shardset, config)
         device, dtype = resolve_device_dtype(config.device, config.dtype, Dist())
@@ -322,6 +318,19 @@ class Watcher:
         self.current = None
         return outcome
 
+    def score_baselines(self) -> None:
+        """Score each --baseline once (found scored under --out on a restart), before any checkpoint;
+        one that cannot be scored ends the watch before it starts."""
+        for name in self.options.baselines:
+            out_dir = os.path.join(self.config.out, results.result_dir_name(name))
+            if read_record(out_dir) is None:
+                self.say(f"scoring baseline {name}")
+            outcome = self.score(name, out_dir)
+            if outcome.status == Status.FAILED:
+                raise UserError(f"--baseline {name}: {outcome.error}")
+            self.baseline_dirs[outcome.name] = out_dir
+            self.say(f"baseline {headline(outcome.name, outcome.summary)}")
+
     def fail(self, path: str, tracker: Tracker, error: str) -> None:
         tracker.failed[path] = tracker.seen.get(path, ())
         self.result.failed.append(path)
@@ -346,6 +355,8 @@ class Watcher:
             else "no earlier step scored to compare with"
         )
         self.options.echo(f"scored {step_label(step)}: {headline(outcome.name, outcome.summary)}; {change}")
+        for name, base_dir in self.baseline_dirs.items():
+            self.options.echo(f"  {Versus(step_label(step), name, paired_row(base_dir, outcome.out_dir)).line}")
         for line in floor_warning(outcome.summary, outcome.ckpt, self.config.shards, self.options.program):
             self.options.warn(line)
         self.report(outcome.name, step)
@@ -418,6 +429,7 @@ def run_watch(config: ScoreConfig, options: WatchOptions) -> WatchResult:
     with stop_on_signals():
         try:
             watcher = Watcher(config, options)
+            watcher.score_baselines()
             watch_loop(watcher, Tracker(config.ckpts))
         except Stopped as stop:
             stopped_message(watcher, stop, options)

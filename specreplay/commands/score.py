@@ -9,6 +9,7 @@ import click
 
 from pipeline.common.errors import UserError
 from pipeline.common.sizes import format_size, parse_size
+from proposers.baselines import NAMED
 from proposers.registry import FAMILY_NAMES, LAYOUT_LABELS
 from scoring.config import DEFAULT_EAGLE_TREES, WALK_RULES, ScoreConfig
 from scoring.score.outcome import Status
@@ -47,8 +48,11 @@ def d(name: str):
     multiple=True,
     required=True,
     help="Drafter checkpoint: a z-lab directory (config.json + safetensors), a training "
-    "checkpoint (.safetensors/.pt + config.json beside it) or a llama.cpp drafter .gguf. Repeat it "
-    "or pass a quoted glob ('runs/*/step_*') to score several; each gets its own results directory.",
+    "checkpoint (.safetensors/.pt + config.json beside it) or a llama.cpp drafter .gguf; or a baseline "
+    "that needs no trained drafter, as its engine's settings in a .json file or by name: "
+    f"{', '.join(entry.usage() for entry in NAMED)} (docs/baselines.md). Repeat "
+    "it or pass a quoted glob ('runs/*/step_*') to score several; each gets its own results directory, and "
+    "each trained drafter is compared with each baseline scored beside it.",
 )
 @click.option("--shards", required=True, help="Extract output directory (local path or pyarrow.fs URI).")
 @click.option("--out", required=True, help="Parent of the results: each checkpoint writes --out/<parent>_<name>/.")
@@ -230,11 +234,16 @@ class OutcomePrinter:
             click.echo(line, err=True)
 
     def finish(self, outcomes: list, out: str) -> None:
+        from scoring.compare.baselines import lines as baseline_lines
         from scoring.score.console import across_table, failure_lines, next_lines
         from specreplay.hints import program
 
         if sum(o.summary is not None for o in outcomes) >= 2:
             click.echo("\n" + "\n".join(across_table(outcomes)))
+            versus = baseline_lines([o.out_dir for o in outcomes if o.summary is not None])
+            if versus:
+                click.echo("against the baselines (pooled chain tau, 95% paired-bootstrap interval):")
+                click.echo("\n".join(f"  {line}" for line in versus))
         timed = self.times.summary_line()
         if timed is not None and not self.quiet and sum(o.status == Status.SCORED for o in outcomes) >= 2:
             click.echo(timed)

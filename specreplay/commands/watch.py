@@ -50,6 +50,15 @@ LOGGER_OPTIONS = ("tensorboard", "wandb_project", "wandb_run_id", "mlflow_uri", 
     help="Score what is complete now (two looks min(interval, 2 s) apart), write --out/report.html (also when "
     "nothing was new) and exit: for cron and CI.",
 )
+@click.option(
+    "--baseline",
+    "baselines",
+    multiple=True,
+    metavar="NAME",
+    help="A baseline to put every checkpoint beside, repeatable: a name (ngram:vllm:k=4, draft:PATH:n=4) or an "
+    "engine's settings .json, as `score --ckpt` takes them. Scored once first; each checkpoint's line is "
+    "followed by its pooled chain tau against each baseline's with the paired 95% interval.",
+)
 @click.option("--no-progress", is_flag=True, help="No progress bars.")
 @click.option("--quiet", is_flag=True, help="No progress bars; only the line of each scored checkpoint and problems.")
 @click.option("--tensorboard", default=None, metavar="DIR", help="Log to TensorBoard event files in DIR.")
@@ -57,7 +66,7 @@ LOGGER_OPTIONS = ("tensorboard", "wandb_project", "wandb_run_id", "mlflow_uri", 
 @click.option("--wandb-run-id", default=None, metavar="ID", help="W&B run to append to (e.g. the training run's).")
 @click.option("--mlflow-uri", default=None, metavar="URI", help="Log to this MLflow tracking URI.")
 @click.option("--mlflow-run-id", default=None, metavar="ID", help="MLflow run to append to.")
-def watch(ckpts, shards, out, interval, once, no_progress, quiet, **options):
+def watch(ckpts, shards, out, interval, once, baselines, no_progress, quiet, **options):
     """Score every checkpoint of a training run as it lands, once each, oldest step first.
 
     A checkpoint is scored when it is complete (config and weights present, every indexed shard
@@ -65,7 +74,8 @@ def watch(ckpts, shards, out, interval, once, no_progress, quiet, **options):
     written, truncated or corrupt is reported once and looked at again at each poll. Results go
     where `score` puts them, and they are the only state: a restart skips what is scored. After
     each checkpoint: one line (step, tau chain, best DDTree, change against the previous step
-    with its 95% paired-bootstrap interval), --out/report.html rewritten, the loggers fed.
+    with its 95% paired-bootstrap interval; with --baseline, one line per baseline: "step 4000: tau
+    2.91 vs ngram:vllm:k=4 1.38, +1.53 [+1.41, +1.66]"), --out/report.html rewritten, the loggers fed.
     Ctrl-C or SIGTERM stops it cleanly (exit 130/143); the checkpoint being scored is redone
     by the next run.
 
@@ -89,6 +99,7 @@ def watch(ckpts, shards, out, interval, once, no_progress, quiet, **options):
         echo=click.echo,
         warn=lambda line: click.echo(line, err=True),
         program=program(),
+        baselines=tuple(baselines),
     )
     result = run_watch(config, watch_options)
     if once and result.stopped_by is None:

@@ -252,3 +252,22 @@ def test_steps_on_a_llama_ngram_config_is_one_error_line(scored, tmp_path):
         "tokens whatever --spec-draft-n-max says; set that key in its config instead"
     )
     assert not list((tmp_path / "out").glob("*/walk.parquet"))
+
+
+@pytest.mark.parametrize(
+    "name, message",
+    [
+        ("ngram:vllm:k=0", "field 'num_speculative_tokens'"),  # out of range
+        ("ngram:llama.cpp:n=2000", "field 'spec-ngram-simple-size-n'"),  # above the server's 1024
+        ("ngram:vllm:k=3,lookahead=2", "'lookahead'"),  # a key vLLM's config does not have
+        ("ngram:vlm:k=3", "no such baseline"),
+    ],
+)
+def test_a_bad_baseline_name_is_one_error_line_and_writes_nothing(scored, tmp_path, name, message):
+    _, _, shards, _ = scored
+    out = tmp_path / "out"
+    run = CliRunner().invoke(main, ["score", "--ckpt", name, "--shards", shards, "--out", str(out)])
+    assert run.exit_code in (1, 2), run.output
+    errors = [line for line in run.output.strip().splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and message in errors[0] and name in errors[0], run.output
+    assert "Traceback" not in run.output and not list(out.glob("*/run.json"))

@@ -420,3 +420,76 @@ def test_watch_help_imports_nothing_heavy():
     assert proc.returncode == 0, proc.stderr[-2000:]
     loaded = {line.split("|")[-1].strip().split(".")[0] for line in proc.stderr.splitlines() if "|" in line}
     assert "click" in loaded and not loaded & {"torch", "pyarrow", "polars", "transformers"}
+
+
+# --------------------------------------------------------------------------- baselines
+
+
+LOOKUP_NAME = "ngram:vllm:k=3,min=1,max=2"
+LOOKUP = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
+VERSUS = r"tau (\S+) vs {name} (\S+), (\S+) \[(\S+), (\S+)\]"
+
+
+def pooled_difference(drafter_dir, baseline_dir) -> tuple[float, float, float]:
+    """(drafter tau, baseline tau, mean paired difference) of chain tau over the samples, from
+    samples.parquet directly."""
+    taus = [
+        pl.read_parquet(os.path.join(d, "samples.parquet"))
+        .filter(pl.col("method") == "chain")
+        .select("sample_id", "tau")
+        for d in (drafter_dir, baseline_dir)
+    ]
+    both = taus[0].join(taus[1], on="sample_id", suffix="_base")
+    assert both.height == 4, both
+    return both["tau"].mean(), both["tau_base"].mean(), (both["tau"] - both["tau_base"]).mean()
+
+
+def assert_versus(numbers: tuple, drafter_dir, baseline_dir) -> None:
+    tau, base, delta, low, high = (float(x) for x in numbers)
+    want = pooled_difference(drafter_dir, baseline_dir)
+    assert (tau, base, delta) == pytest.approx(want, abs=0.006), (numbers, want)  # printed to 2 decimals
+    assert low <= delta <= high, numbers
+
+
+def test_baselines_by_name_stand_beside_each_checkpoint_in_watch_score_and_report(setup, tmp_path):
+    """`watch --baseline NAME` scores the named n-gram once, then puts each checkpoint beside it with
+    the paired interval; `score` with checkpoints and the baseline prints the same line; the report
+    has the same numbers; the name scores exactly what its JSON file does."""
+    run, out = tmp_path / "run", tmp_path / "results"
+    ckpts = complete_run(setup, run)
+    first = once(setup, f"{run}/step_*", str(out), "--baseline", LOOKUP_NAME)
+    assert first.exit_code == 0 and "once: 3 scored" in first.output, first.output
+    base_dir = out / "ngram_vllm_k=3_min=1_max=2"
+    assert f"scoring baseline {LOOKUP_NAME}" in first.output and (base_dir / "run.json").exists()
+    for step in ckpts:
+        pattern = rf"^scored step {step}: .*\n  step {step}: " + VERSUS.format(name=re.escape(LOOKUP_NAME)) + "$"
+        found = re.search(pattern, first.output, re.M)
+        assert found, first.output
+        assert_versus(found.groups(), out / f"run_step_{step}", base_dir)
+    again = once(setup, f"{run}/step_*", str(out), "--baseline", LOOKUP_NAME)  # a restart rescoring nothing
+    assert "scoring baseline" not in again.output and "once: 0 scored, 3 already scored" in again.output
+
+    page = (out / "report.html").read_text(encoding="utf-8")
+    section = page.split('<h2 id="baselines">')[1].split("<h2")[0]
+    rows = re.findall(
+        r"<tr><td>(.*?)</td><td>(.*?)</td>" + "<td>(.*?)</td>" * 3 + r"<td>([^<]+) to ([^<]+)</td>", section
+    )
+    assert [r[0].replace("<wbr>", "") for r in rows] == [f"run/step_{s}" for s in sorted(ckpts)], rows  # by step
+    for label, baseline, *numbers in rows:
+        assert baseline == LOOKUP_NAME
+        assert_versus(numbers, out / f"run_step_{label.rsplit('_', 1)[1]}", base_dir)
+
+    config = tmp_path / "lookup.json"
+    config.write_text(json.dumps(LOOKUP))
+    other = tmp_path / "scored"
+    args = ["score", "--ckpt", str(run / "step_900"), "--ckpt", str(config), "--ckpt", LOOKUP_NAME]
+    scored = CliRunner().invoke(main, [*args, "--shards", setup.shards, "--out", str(other), "--ddtree-budgets", ""])
+    assert scored.exit_code == 0, scored.output
+    for name in (LOOKUP_NAME, f"{tmp_path.name}/lookup.json"):
+        line = re.search(r"^  run/step_900: " + VERSUS.format(name=re.escape(name)) + "$", scored.output, re.M)
+        assert line, scored.output
+        assert_versus(line.groups(), other / "run_step_900", base_dir)
+    named, filed = (
+        pl.read_parquet(other / d / "walk.parquet") for d in ("ngram_vllm_k=3_min=1_max=2", f"{tmp_path.name}_lookup")
+    )
+    assert named.drop("checkpoint").equals(filed.drop("checkpoint"))  # one rule, one hash: only the name differs
