@@ -57,6 +57,12 @@ class Family:
     # its chain is autoregressive steps whose number an engine sets (`score --steps`: EAGLE-3, MTP);
     # False: it drafts its trained block at once
     chain_steps: bool = False
+    # a family without `model` that loads weights of its own (a draft model): (config) -> their count,
+    # read before loading (a pass's size; refused over --memory-budget); None: it loads none
+    parameters: Callable[[Any], int] | None = None
+    # a family without `model`: (config, manifest, shards uri, ckpt) -> None, raising when it cannot
+    # draft for the shards' target (a draft model's vocabulary); trained drafters: compatibility.py
+    check_shards: Callable[[Any, dict, str, str], None] | None = None
 
     @property
     def label(self) -> str:

@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass, field
 
 from pipeline.common.errors import UserError
+from proposers.draft.checks import check_shards, parameters
 from proposers.draft.layout import LlamaDraftSimple
 from proposers.draft.proposer import DraftModelProposer
 from proposers.registry import Family
@@ -38,5 +39,12 @@ def parse_config(checked: LlamaDraftSimple, raw: dict, source: str = "config", t
 
 
 FAMILY = Family(
-    "draft", parse_config, model=None, proposer=DraftModelProposer, independent_drafts=False, chain_steps=True
+    "draft",
+    parse_config,
+    model=None,
+    proposer=DraftModelProposer,
+    independent_drafts=False,
+    chain_steps=True,
+    parameters=parameters,
+    check_shards=check_shards,
 )

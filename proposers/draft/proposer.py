@@ -13,12 +13,10 @@ is a point mass: llama-server verifies a draft by sampling the target and compar
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from pipeline.common import timing
-from pipeline.common.errors import UserError
+from proposers.draft.checks import model_config
 from proposers.interface import Chunk, Drafts, PackedTokens
 from proposers.toolkit.token_chain import TokenChain
 
@@ -38,11 +36,7 @@ class DraftModelProposer(TokenChain):
         """Load the draft model; its weights (for the results' content hash)."""
         from transformers import AutoModelForCausalLM
 
-        if not os.path.isfile(os.path.join(self.config.model_dir, "config.json")):
-            raise UserError(
-                f"{self.config.model_dir}: no config.json: the draft config's 'model-draft' must name the draft "
-                "model's transformers checkpoint directory (the one its GGUF was converted from)"
-            )
+        model_config(self.config)  # one error line when the directory holds no model
         with timing.stage("load draft model"):
             model = AutoModelForCausalLM.from_pretrained(self.config.model_dir, dtype=dtype)
         self.model = model.to(device).eval()

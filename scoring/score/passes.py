@@ -33,6 +33,7 @@ from pipeline.shards import ShardSet
 from proposers.checkpoints.load import read_drafter_config
 from proposers.detect import build_drafter
 from proposers.interface import TargetHead
+from proposers.registry import family
 from scoring.config import ScoreConfig
 from scoring.score.collect import Collector
 from scoring.score.outcome import Outcome, Status
@@ -98,7 +99,8 @@ def weight_bytes(ckpt: str, dtype: torch.dtype, override=None) -> int:
         config = read_drafter_config(ckpt, override=override)
         with torch.device("meta"):  # shapes without memory
             model = build_drafter(config)
-        params = 0 if model is None else sum(p.numel() for p in model.parameters())
+        counted = family(config.family).parameters  # a family loading weights of its own (a draft model)
+        params = sum(p.numel() for p in model.parameters()) if model is not None else counted(config) if counted else 0
     except FAILURES:
         return 0
     return params * torch.empty((), dtype=dtype).element_size()

@@ -15,6 +15,7 @@ from pipeline.common.distributed import Dist, resolve_device
 from pipeline.common.dtypes import resolve_dtype
 from pipeline.common.errors import UserError
 from pipeline.common.sampling import sampling_of
+from pipeline.common.sizes import format_size
 from pipeline.shards import ShardSet
 from proposers.checkpoints.compatibility import check_compatibility, target_layers
 from proposers.checkpoints.load import CheckpointInfo, load_proposer, read_drafter_config
@@ -98,6 +99,25 @@ def check_anchor_set(shardset: ShardSet, config: ScoreConfig) -> None:
         )
 
 
+def check_fit(drafter_config, shardset: ShardSet, ckpt: str, dtype: torch.dtype, memory_bytes: int) -> None:
+    """Whether the checkpoint can draft for the shards' target, before any weight is read: a trained
+    drafter's widths and layers (compatibility.py), a family's own check (a draft model's vocabulary),
+    and a draft model's size against --memory-budget."""
+    record = family(drafter_config.family)
+    if record.model is not None:
+        check_compatibility(drafter_config, shardset.manifest, ckpt, shardset.uri)
+    elif record.check_shards is not None:
+        record.check_shards(drafter_config, shardset.manifest, shardset.uri, ckpt)
+    if record.parameters is not None:
+        size = record.parameters(drafter_config) * torch.empty((), dtype=dtype).element_size()
+        if size > memory_bytes:
+            raise UserError(
+                f"the {record.label} takes {format_size(size)} at {str(dtype).removeprefix('torch.')}, more "
+                f"than --memory-budget {format_size(memory_bytes)}; raise --memory-budget if the machine holds it, "
+                "score in bf16 (--dtype bf16), or choose a smaller model"
+            )
+
+
 def prepare_job(ckpt: str, shardset: ShardSet, out_dir: str, config: ScoreConfig, dist: Dist) -> Job | None:
     """Load the checkpoint for replay; None when out_dir already holds its results."""
     device, dtype = resolve_device_dtype(config.device, config.dtype, dist)
@@ -105,8 +125,7 @@ def prepare_job(ckpt: str, shardset: ShardSet, out_dir: str, config: ScoreConfig
     layers = target_layers(manifest)
     override = family_override(config.family)
     drafter_config = read_drafter_config(ckpt, target_layers=layers, override=override)
-    if family(drafter_config.family).model is not None:  # a drafter's fit to the shards, before any weight
-        check_compatibility(drafter_config, manifest, ckpt, shardset.uri)
+    check_fit(drafter_config, shardset, ckpt, dtype, config.memory_bytes)
     with timing.stage("load drafter"):
         proposer, info = load_proposer(ckpt, dtype, device, target_layers=layers, override=override)
     set_chain_steps(config.steps, info.config, ckpt, config.walk_rule)
