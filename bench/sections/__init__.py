@@ -20,6 +20,7 @@ DEFAULT = (
     "ddtree",
     "checkpoints",
     "families",
+    "baselines",
     "eagle",
     "gemm",
     "fp8",

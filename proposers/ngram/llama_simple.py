@@ -20,22 +20,34 @@ import numba
 
 
 @numba.njit(cache=True, nogil=True)
-def _simple(ids, start, anchor, n, m, out) -> int:
-    """Drafts at `anchor` of the sample starting at ids[start] into out; returns how many."""
-    history = anchor  # H = x_0 .. x_{t-1}
-    if history <= n + m + 1:
-        return 0
-    pattern = start + anchor - n + 1  # x_{t-n+1} .. x_t
-    match = 0
-    for j in range(history - n - 1, 0, -1):  # the latest occurrence first
+def _latest_match(ids, start, anchor, n, prev) -> int:
+    """The latest j in history - n - 1 .. 1 with H[j .. j+n-1] = x_{t-n+1} .. x_t, or 0: the earlier
+    occurrences e of x_t (occurrences.py), latest first, end such a window at e = j + n - 1."""
+    pattern, e = start + anchor - n + 1, prev[start + anchor]
+    while e != -1 and e - start > anchor - 2:  # a window ending there starts after history - n - 1
+        e = prev[e]
+    while e != -1:
+        j = e - start - n + 1
+        if j < 1:  # position 0 is never tried, and every further occurrence is earlier
+            return 0
         same = True
-        for k in range(n):
+        for k in range(n - 1):  # the last tokens are equal: the chain holds x_t's occurrences
             if ids[start + j + k] != ids[pattern + k]:
                 same = False
                 break
         if same:
-            match = j
-            break
+            return j
+        e = prev[e]
+    return 0
+
+
+@numba.njit(cache=True, nogil=True)
+def _simple(ids, start, anchor, n, m, out, prev) -> int:
+    """Drafts at `anchor` of the sample starting at ids[start] into out; returns how many."""
+    history = anchor  # H = x_0 .. x_{t-1}
+    if history <= n + m + 1:
+        return 0
+    match = _latest_match(ids, start, anchor, n, prev)
     if match == 0:
         return 0
     count = min(m, history - (match + n))
@@ -47,8 +59,8 @@ def _simple(ids, start, anchor, n, m, out) -> int:
 
 
 @numba.njit(cache=True, nogil=True)
-def simple_drafts(ids, starts, anchors, n, m, out, counts) -> None:
+def simple_drafts(ids, starts, anchors, n, m, out, counts, prev) -> None:
     """For anchor i (position anchors[i] of the sample starting at starts[i] in ids): its drafts in
-    out[i] and their number in counts[i]."""
+    out[i] and their number in counts[i]; prev: the occurrence chain of ids (occurrences.py)."""
     for i in range(anchors.shape[0]):
-        counts[i] = _simple(ids, starts[i], anchors[i], n, m, out[i])
+        counts[i] = _simple(ids, starts[i], anchors[i], n, m, out[i], prev)

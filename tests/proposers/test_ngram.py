@@ -16,6 +16,8 @@ import torch
 from click.testing import CliRunner
 
 from proposers.detect import parse_config
+from proposers.ngram.llama_simple import simple_drafts
+from proposers.ngram.occurrences import occurrences
 from proposers.ngram.proposer import lookup_drafts
 from proposers.toolkit.config import DrafterConfigError
 from specreplay.cli import main
@@ -27,7 +29,10 @@ def drafts(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
     """The proposer's drafts after `tokens` (the anchor is the last of them)."""
     ids = np.array(tokens, dtype=np.int64)
     out, counts = np.full((1, k), -1, dtype=np.int64), np.zeros(1, dtype=np.int64)
-    lookup_drafts(ids, np.array([0]), np.array([len(tokens) - 1]), min_n, max_n, k, out, counts)
+    chains = occurrences(ids, np.array([len(ids)]))
+    lookup_drafts(
+        ids, np.array([0]), np.array([len(tokens) - 1]), min_n, max_n, k, out, counts, chains.first, chains.nxt
+    )
     return out[0, : counts[0]].tolist()
 
 
@@ -59,8 +64,62 @@ def test_a_batch_of_anchors_looks_up_each_one_in_its_own_sample():
     ids = np.array(a + b, dtype=np.int64)
     starts, anchors = np.array([0, len(a), len(a)]), np.array([len(a) - 1, len(b) - 1, 1])
     out, counts = np.full((3, 2), -1, dtype=np.int64), np.zeros(3, dtype=np.int64)
-    lookup_drafts(ids, starts, anchors, 1, 3, 2, out, counts)
+    chains = occurrences(ids, np.array([len(a), len(b)]))
+    lookup_drafts(ids, starts, anchors, 1, 3, 2, out, counts, chains.first, chains.nxt)
     assert [out[i, : counts[i]].tolist() for i in range(3)] == [[9, 1], [4, 0], []]  # b[:2] = [7, 8]: no repeat
+
+
+def vllm_scan(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
+    """vLLM's rule as its docstring states it, every earlier end scanned: the longest match of the
+    suffix (capped at max_n) ending at an earlier position, the earliest on ties, at least min_n."""
+    t, best, best_end = len(tokens) - 1, 0, -1
+    for e in range(t):
+        length = 0
+        while length < max_n and length <= e and tokens[e - length] == tokens[t - length]:
+            length += 1
+        if length > best:
+            best, best_end = length, e
+    return [] if best < min_n else tokens[best_end + 1 : best_end + 1 + k]
+
+
+def llama_simple_scan(tokens: list[int], n: int, m: int) -> list[int]:
+    """common_ngram_simple_draft (common/ngram-map.cpp:49-112) line by line: H = tokens[:-1], the last
+    token apart; the latest start j in L-n-1 .. 1 whose n tokens are the pattern."""
+    history, last = tokens[:-1], tokens[-1]
+    size = len(history)
+    if size <= n + m + 1:
+        return []
+    pattern = history[size - n + 1 :] + [last]
+    match = next((j for j in range(size - n - 1, 0, -1) if history[j : j + n] == pattern), 0)
+    if match == 0:
+        return []
+    count = min(m, size - (match + n))
+    return [] if count < n else history[match + n : match + n + count]
+
+
+@pytest.mark.parametrize("vocab", [2, 5, 40])
+def test_the_occurrence_chains_find_what_a_scan_of_every_position_finds(vocab):
+    """The lookups walk the earlier occurrences of the last token (proposers/ngram/occurrences.py);
+    on random streams over small vocabularies (long runs, many ties) every anchor's drafts equal the
+    scan of every earlier position, for both rules, samples laid end to end."""
+    rng = np.random.default_rng(vocab)
+    samples = [rng.integers(0, vocab, size).tolist() for size in (1, 7, 60, 200)]
+    ids = np.array([t for s in samples for t in s], dtype=np.int64)
+    lengths = np.array([len(s) for s in samples])
+    chains = occurrences(ids, lengths)
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    sample_of = np.repeat(np.arange(len(samples)), lengths)
+    anchors = np.concatenate([np.arange(n) for n in lengths])
+    for min_n, max_n, k in ((1, 1, 3), (1, 3, 4), (2, 4, 5), (3, 3, 2)):
+        out, counts = np.full((len(ids), k), -1, dtype=np.int64), np.zeros(len(ids), dtype=np.int64)
+        lookup_drafts(ids, starts[sample_of], anchors, min_n, max_n, k, out, counts, chains.first, chains.nxt)
+        for i, (s, t) in enumerate(zip(sample_of, anchors)):
+            assert out[i, : counts[i]].tolist() == vllm_scan(samples[s][: t + 1], min_n, max_n, k), (s, t)
+    for n, m in ((1, 1), (1, 4), (2, 3), (3, 8)):
+        out, counts = np.full((len(ids), m), -1, dtype=np.int64), np.zeros(len(ids), dtype=np.int64)
+        simple_drafts(ids, starts[sample_of], anchors, n, m, out, counts, chains.prev)
+        for i, (s, t) in enumerate(zip(sample_of, anchors)):
+            assert out[i, : counts[i]].tolist() == llama_simple_scan(samples[s][: t + 1], n, m), (s, t, n, m)
 
 
 # --------------------------------------------------------------------------------------------- config
