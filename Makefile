@@ -57,6 +57,11 @@ setup: .venv/bin/python
 	    --strip-components=3 llama_cpp_python-0.3.36/vendor/llama.cpp/convert_hf_to_gguf.py \
 	    llama_cpp_python-0.3.36/vendor/llama.cpp/conversion llama_cpp_python-0.3.36/vendor/llama.cpp/gguf-py && \
 	  rm -rf .venv/share/sdist; }
+	# Arctic Inference's suffix decoding (arctic-inference 0.3.0's C++ suffix tree, the package vLLM's
+	# `suffix` method imports), built for CPU from its source package with cmake and nanobind into
+	# .venv/share/arctic_suffix/: the reference tests/proposers/test_suffix.py compares the suffix
+	# proposer with. About 35 s on 2 cores; skipped once it imports.
+	$(PY) -m tools.arctic_suffix
 
 LLAMA_SHARE = .venv/share/llama.cpp
 

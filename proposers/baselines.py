@@ -45,11 +45,48 @@ NAMED = (
         describes="llama-server's ngram-simple (n-gram of n tokens, up to m drafts)",
     ),
     NamedBaseline(
+        "ngram:llama.cpp-map-k",
+        {"spec-type": "ngram-map-k"},
+        {"n": "spec-ngram-map-k-size-n", "m": "spec-ngram-map-k-size-m"},
+        describes="llama-server's ngram-map-k (per-slot map; replayed along the server's loop)",
+    ),
+    NamedBaseline(
+        "ngram:llama.cpp-map-k4v",
+        {"spec-type": "ngram-map-k4v"},
+        {"n": "spec-ngram-map-k4v-size-n", "m": "spec-ngram-map-k4v-size-m", "hits": "spec-ngram-map-k4v-min-hits"},
+        describes="llama-server's ngram-map-k4v (per-slot map of values; replayed along the server's loop)",
+    ),
+    NamedBaseline(
+        "ngram:llama.cpp-mod",
+        {"spec-type": "ngram-mod"},
+        {"n": "spec-ngram-mod-n-match", "min": "spec-ngram-mod-n-min", "max": "spec-ngram-mod-n-max"},
+        describes="llama-server's ngram-mod (one table for every request; replayed along the server's loop)",
+    ),
+    NamedBaseline(
+        "suffix:vllm",
+        {"method": "suffix"},
+        {
+            "k": "num_speculative_tokens",
+            "depth": "suffix_decoding_max_tree_depth",
+            "cached": "suffix_decoding_max_cached_requests",
+            "factor": "suffix_decoding_max_spec_factor",
+            "prob": "suffix_decoding_min_token_prob",
+        },
+        describes="vLLM's suffix decoding (Arctic Inference's trees over the prompt and earlier responses)",
+    ),
+    NamedBaseline(
         "draft",
         {"spec-type": "draft-simple"},
         {"n": "spec-draft-n-max"},
         path_key="model-draft",
         describes="a standalone draft model (a transformers directory), as llama-server's draft-simple runs it",
+    ),
+    NamedBaseline(
+        "draft-vllm",
+        {"method": "draft_model"},
+        {"k": "num_speculative_tokens"},
+        path_key="model",
+        describes="a standalone draft model, as vLLM's draft_model runs it",
     ),
 )
 _SETTINGS = re.compile(r"[\w.-]+=[^,=:]*(,[\w.-]+=[^,=:]*)*")

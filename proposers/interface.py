@@ -17,6 +17,8 @@ The life of a proposer in one replay:
     propose(chunks)          per chunk of anchors, its Drafts: a chain of `depth` drafts per anchor
     draft_logprob(...)       log q of given drafts at T > 0, under its own sampling rule
     tree_candidates(...)     optional: its own tree proposals (EAGLE-3's dynamic tree)
+    begin(...), accept(...)  optional: a proposer with state along the online loop (ServerStateful)
+    serve(samples)           optional: a proposer with state across requests alone (RequestStateful)
 
 Geometry: at an anchor with `remaining` positions left in the generation budget a proposer runs
 `block_len(remaining)` queries (the anchors table's `block_len`) and proposes `depth(block_len)`
@@ -101,6 +103,10 @@ class Chunk:
     sample_idx: torch.Tensor  # [a]
     anchors: torch.Tensor  # [a]
     block_len: int  # queries of every anchor's block (the same for a chunk)
+    # [a] drafts the online loop can verify at each anchor (llama-server's n_draft_max; none: it asks
+    # for no draft there); None: not told. Read by a ServerStateful proposer, whose state a draft
+    # call changes.
+    room: torch.Tensor | None = None
 
 
 @dataclass
@@ -189,6 +195,49 @@ class TreeProposer(Proposer, Protocol):
         self, packed: PackedTokens, chunk: Chunk, topk: int, depth: int, target: TargetHead, options: ProposeOptions
     ) -> TreeCandidates:
         """The candidates of a `depth`-level beam of `topk` at the chunk's anchors."""
+
+
+@runtime_checkable
+class ServerStateful(Proposer, Protocol):
+    """A proposer whose drafts depend on its own earlier steps and on earlier requests (llama-server's
+    ngram-map-k, ngram-map-k4v, ngram-mod: proposers/ngram/), so its drafts exist only along the online
+    loop's own path. The replay calls it as the server does, one request at a time in the replay's
+    order, one step at a time along the walk (scoring/replay/anchors.py replay_walks):
+
+        begin(packed, s)         the request's prompt is in (also when no step follows)
+        propose(one anchor)      the step's draft call; Chunk.room <= 0: the server makes none
+        accept(accepted)         after the step: the drafts the server counted as accepted
+    """
+
+    def begin(self, packed: PackedTokens, sample_idx: int) -> None:
+        """Start the request of sample `sample_idx` of `packed` (its prompt: packed.prompt_lens)."""
+
+    def accept(self, accepted: int) -> None:
+        """The last step's verification: `accepted` drafts (ignored after a step without a draft)."""
+
+
+def is_stateful(proposer: Proposer) -> bool:
+    """Whether the proposer keeps state along the online loop (ServerStateful)."""
+    return isinstance(proposer, ServerStateful)
+
+
+@runtime_checkable
+class RequestStateful(Proposer, Protocol):
+    """A proposer whose drafts depend on the requests served before, not on its own drafts (vLLM's
+    suffix decoding: a global tree of earlier responses, proposers/suffix/): teacher-forced at every
+    anchor like any other, given the samples before it. The replay serves it every sample once, one
+    at a time, in the replay's order, each group before its `prepare` (scoring/replay/packing.py),
+    a sample without an anchor too; run.json's `requests` says so (scoring/score/steps.py)."""
+
+    requests: str  # what the requests before a sample change, for run.json
+
+    def serve(self, requests: list[tuple[torch.Tensor, int]]) -> None:
+        """The next samples (token ids [N], prompt length), in order, after those served before."""
+
+
+def serves_requests(proposer: Proposer) -> bool:
+    """Whether the proposer's drafts depend on the samples served before (RequestStateful)."""
+    return isinstance(proposer, RequestStateful)
 
 
 def drafts_trees(proposer: Proposer) -> bool:

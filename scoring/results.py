@@ -195,7 +195,7 @@ IDENTITY = [
     pa.field("checkpoint_step", pa.int64()),
     pa.field(
         "drafter_family", pa.string()
-    ),  # proposers/registry.py FAMILY_NAMES: dflash, dflash2, dspark, eagle3, mtp, ngram, draft
+    ),  # proposers/registry.py FAMILY_NAMES: dflash, dflash2, dspark, eagle3, mtp, ngram, draft, suffix
     pa.field("drafter_layout", pa.string()),  # whose config.json layout: z-lab, speculators, specforge, deepspec
 ]
 WALK = [

@@ -113,7 +113,7 @@ def anchors_per_second(proposer, sequences, reps: int) -> tuple[float, int, floa
 
 
 def ngram_figures(ctx, real) -> dict:
-    reps = ctx.args.reps or 3
+    reps = max(ctx.args.reps or 0, 20)  # milliseconds a rep: the minimum of many
     length = 1024 if ctx.args.quick else 4096
     inputs = {"score prompts (SmolLM2)": real, f"synthetic, {length} tokens x 8": synthetic_sequences(8, length)}
     figures = {}
@@ -124,6 +124,43 @@ def ngram_figures(ctx, real) -> dict:
             figures[f"{name} | {data}"] = {"anchors_per_s": rate, "anchors": anchors, "others_cpu": others}
             log(f"baselines: {name} on {data}: {rate / 1e6:.2f} M anchors/s ({anchors} anchors)")
     return figures
+
+
+STATEFUL = {"spec-type": "ngram-mod", "spec-ngram-mod-n-match": 3, "spec-ngram-mod-n-min": 2, "spec-ngram-mod-n-max": 8}
+
+
+def stateful_figures(ctx, shard_dir: str) -> dict:
+    """llama-server's ngram-mod through `score` (walk-only, one step at a time along the server's
+    loop): walk steps per second, the whole replay (shard reading, scoring, writing) included."""
+    import json
+
+    from scoring.config import ScoreConfig
+    from scoring.score.run import run_score
+
+    path = ctx.work / "ngram-mod.json"
+    path.write_text(json.dumps(STATEFUL))
+    out = ctx.work / "baselines-stateful"
+    config = ScoreConfig(
+        ckpts=[str(path)], shards=shard_dir, out=str(out), walk_rule="llama.cpp", tree_nodes=[], force=True
+    )
+    start = time.perf_counter()
+    [outcome] = run_score(config)
+    seconds = time.perf_counter() - start
+    assert outcome.status == "scored", outcome.error
+    steps = _walk_steps(outcome.out_dir)
+    log(f"baselines: ngram-mod through score: {steps} steps in {seconds:.2f}s")
+    return {
+        "steps": steps,
+        "seconds": seconds,
+        "steps_per_s": steps / seconds,
+        "others_cpu": others_cpu(start, time.perf_counter()),
+    }
+
+
+def _walk_steps(out_dir: str) -> int:
+    import pyarrow.parquet as pq
+
+    return pq.read_metadata(f"{out_dir}/walk.parquet").num_rows
 
 
 # --------------------------------------------------------------------------- a draft model
@@ -170,10 +207,10 @@ def online_draft(model, ids: torch.Tensor, prompt_len: int) -> int:
     while t < len(ids) - 1:
         catch_up = ids[cache.get_seq_length() : t]  # the prompt, or accepted tokens not yet in the cache
         if catch_up.numel():
-            model(catch_up[None], past_key_values=cache)
+            model(catch_up[None], cache=cache)
         token, drafts = ids[t : t + 1], []
         for _ in range(K):
-            token = model(token[None], past_key_values=cache).logits[0, -1:].argmax(-1)
+            token = model(token[None], cache=cache).logits[0, -1:].argmax(-1)
             drafts.append(int(token))
         forwarded += catch_up.numel() + K
         stored = ids[t + 1 : t + 1 + K].tolist()
@@ -218,7 +255,8 @@ def run(ctx) -> tuple[dict, Rows]:
     torch.set_num_threads(1)  # per core
     try:
         real = stored_sequences(shards(ctx))
-        figures = {"ngram": ngram_figures(ctx, real), "draft": draft_figures(ctx, real)}
+        figures = {"ngram": ngram_figures(ctx, real), "stateful": stateful_figures(ctx, shards(ctx))}
+        figures["draft"] = draft_figures(ctx, real)
     finally:
         torch.set_num_threads(threads)
     return figures, rows_of(figures)
@@ -236,6 +274,12 @@ def rows_of(figures: dict) -> Rows:
             met=rate > TARGET_ANCHORS_PER_S,
             others=[f["others_cpu"]],
         )
+    f = figures["stateful"]
+    rows.add(
+        f"  llama.cpp ngram-mod through score, one step at a time ({f['steps']} walk steps, all included)",
+        f"{f['steps_per_s']:.0f} steps/s",
+        others=[f["others_cpu"]],
+    )
     d = figures["draft"]
     rows.add(
         f"  draft model (SmolLM2 first {DRAFT_LAYERS} layers, K {K}): online / offline wall, {d['samples']} samples",

@@ -11,7 +11,7 @@ import torch
 
 from pipeline.common.errors import UserError
 from pipeline.shards.schema import TOKENIZER_DIR
-from proposers.draft.vocabulary import check_vocabulary
+from proposers.draft.vocabulary import VocabularyError, check_vocabulary
 
 
 def model_config(config):
@@ -47,5 +47,10 @@ def check_shards(config, manifest: dict, uri: str, ckpt: str) -> None:
     """The draft model's vocabulary against the shards' target, before any weight is read."""
     target = {**(manifest.get("target") or {}), **((manifest.get("settings") or {}).get("target") or {})}
     where = f"draft model {config.model_dir} vs shards {uri}"
-    draft_vocab = int(model_config(config).vocab_size)
-    check_vocabulary(config.model_dir, draft_vocab, int(target["vocab_size"]), _stored_tokenizer(uri), where)
+    draft_vocab, target_vocab = int(model_config(config).vocab_size), int(target["vocab_size"])
+    if config.layout == "vllm" and draft_vocab != target_vocab:  # speculative.py:2040-2055
+        raise VocabularyError(
+            f"{where}: the draft model's vocabulary has {draft_vocab} tokens, the target's {target_vocab}: vLLM "
+            "requires the same size; a draft model needs the target's tokenizer"
+        )
+    check_vocabulary(config.model_dir, draft_vocab, target_vocab, _stored_tokenizer(uri), where)

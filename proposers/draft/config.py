@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from pipeline.common.errors import UserError
 from proposers.draft.checks import check_shards, parameters
-from proposers.draft.layout import LlamaDraftSimple
+from proposers.draft.layout import VllmDraftModel
 from proposers.draft.proposer import DraftModelProposer
 from proposers.registry import Family
 
@@ -21,9 +21,16 @@ class DraftConfig:
     raw: dict = field(default_factory=dict, repr=False)
 
 
-def parse_config(checked: LlamaDraftSimple, raw: dict, source: str = "config", target_layers: int | None = None):
+def _model_dir(path: str, source: str) -> str:
+    """The draft model's directory: absolute, or relative to the config file's folder."""
     folder = os.path.dirname(os.path.abspath(source))
-    model_dir = os.path.normpath(os.path.join(folder, os.path.expanduser(checked.model_draft)))
+    return os.path.normpath(os.path.join(folder, os.path.expanduser(path)))
+
+
+def parse_config(checked, raw: dict, source: str = "config", target_layers: int | None = None):
+    if isinstance(checked, VllmDraftModel):
+        return _vllm_config(checked, raw, source)
+    model_dir = _model_dir(checked.model_draft, source)
     if checked.n_min > 0:  # the server drops a chain shorter than n-min after cutting it to the budget
         raise UserError(
             f"{source}: field 'spec-draft-n-min' is {checked.n_min}: llama.cpp's minimum draft length is not "
@@ -36,6 +43,20 @@ def parse_config(checked: LlamaDraftSimple, raw: dict, source: str = "config", t
             "not hold; not replayed yet: score with the server's default 0"
         )
     return DraftConfig(model_dir, checked.n_max, raw=raw)
+
+
+def _vllm_config(checked: VllmDraftModel, raw: dict, source: str) -> DraftConfig:
+    if checked.draft_sample_method != "greedy":  # q would be the draft model's own distribution
+        raise UserError(
+            f"{source}: field 'draft_sample_method' is {checked.draft_sample_method!r}: vLLM's probabilistic "
+            "drafting is not replayed yet; score with its default 'greedy'"
+        )
+    if checked.use_heterogeneous_vocab:  # vLLM's token-level intersection of two vocabularies
+        raise UserError(
+            f"{source}: field 'use_heterogeneous_vocab' is true: vLLM's mapping of a draft model's other "
+            "vocabulary is not replayed yet; give one with the target's tokenizer"
+        )
+    return DraftConfig(_model_dir(checked.model, source), checked.num_speculative_tokens, layout="vllm", raw=raw)
 
 
 FAMILY = Family(

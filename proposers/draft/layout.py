@@ -37,4 +37,25 @@ class LlamaDraftSimple(EngineSettings):
         return f"spec-type {self.spec_type!r}"
 
 
-LAYOUTS = (LlamaDraftSimple,)
+class VllmDraftModel(EngineSettings):
+    """vLLM's `speculative_config` of method "draft_model" (vllm/config/speculative.py,
+    v1/spec_decode/draft_model.py): num_speculative_tokens greedy drafts a step from the draft
+    model (draft_sample_method "greedy": v1/spec_decode/llm_base_proposer.py:437-457), verified with
+    no draft probabilities. Probabilistic drafting and heterogeneous vocabularies are refused."""
+
+    FAMILY: ClassVar[str] = "draft"
+    LAYOUT: ClassVar[str] = "vllm"
+    METHODS: ClassVar[tuple[str, ...]] = ("draft_model",)
+
+    method: Literal["draft_model"]
+    model: str
+    num_speculative_tokens: int = Field(ge=1)
+    draft_sample_method: Literal["greedy", "probabilistic"] = "greedy"  # speculative.py:634
+    use_heterogeneous_vocab: bool = False  # speculative.py:496
+
+    @property
+    def evidence(self) -> str:
+        return "method 'draft_model'"
+
+
+LAYOUTS = (LlamaDraftSimple, VllmDraftModel)

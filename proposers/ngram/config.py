@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from proposers.ngram.layout import LlamaNgramSimple, VllmNgram
+from proposers.ngram.layout import LlamaNgramMap, LlamaNgramMod, LlamaNgramSimple, VllmNgram
 from proposers.ngram.proposer import NgramProposer
+from proposers.ngram.stateful import LlamaStatefulProposer
 from proposers.registry import Family
 
 
@@ -16,13 +17,34 @@ class NgramConfig:
     block_size: int  # drafts per step at most: vLLM's num_speculative_tokens, llama.cpp's size-m
     family: str = "ngram"
     layout: str = "vllm"
-    rule: str = "vllm"  # whose lookup: vLLM's ngram (proposer.py), llama.cpp's ngram-simple (llama_simple.py)
+    # whose lookup: vLLM's ngram (proposer.py), llama.cpp's ngram-simple (llama_simple.py), ngram-map-k,
+    # ngram-map-k4v (llama_map.py) or ngram-mod (llama_mod.py)
+    rule: str = "vllm"
+    min_hits: int = 1  # ngram-map-k4v: draft calls a key needs before it drafts
+    n_min: int = 0  # ngram-mod: fewer chained tokens drop the draft
     # why `score --steps` cannot set block_size (None: it is the engine's draft-length flag)
     fixed_steps: str | None = None
     raw: dict = field(default_factory=dict, repr=False)
 
 
+FIXED_STEPS = (
+    "llama-server's n-gram types draft as many tokens as their own settings allow whatever --spec-draft-n-max "
+    "says; set {key} in its config instead"
+)
+
+
 def parse_config(checked, raw: dict, source: str = "config", target_layers: int | None = None):
+    if isinstance(checked, LlamaNgramMap):
+        n, m, hits = checked.sizes
+        fixed = FIXED_STEPS.format(key=f"spec-ngram-map-{checked.spec_type.removeprefix('ngram-map-')}-size-m")
+        rule = checked.spec_type
+        return NgramConfig(n, n, m, layout="llama.cpp", rule=rule, fixed_steps=fixed, min_hits=hits, raw=raw)
+    if isinstance(checked, LlamaNgramMod):
+        fixed = FIXED_STEPS.format(key="spec-ngram-mod-n-max")
+        n = checked.n_match
+        return NgramConfig(
+            n, n, checked.n_max, layout="llama.cpp", rule="ngram-mod", fixed_steps=fixed, n_min=checked.n_min, raw=raw
+        )
     if isinstance(checked, LlamaNgramSimple):
         n = checked.size_n
         fixed = (
@@ -35,4 +57,12 @@ def parse_config(checked, raw: dict, source: str = "config", target_layers: int 
     return NgramConfig(low, high, checked.num_speculative_tokens, raw=raw)
 
 
-FAMILY = Family("ngram", parse_config, model=None, proposer=NgramProposer, independent_drafts=False, chain_steps=True)
+STATEFUL_RULES = ("ngram-map-k", "ngram-map-k4v", "ngram-mod")
+
+
+def ngram_proposer(config: NgramConfig):
+    """The lookup as a Proposer: a stateless one at every anchor, or one with state along the server's loop."""
+    return LlamaStatefulProposer(config) if config.rule in STATEFUL_RULES else NgramProposer(config)
+
+
+FAMILY = Family("ngram", parse_config, model=None, proposer=ngram_proposer, independent_drafts=False, chain_steps=True)

@@ -74,4 +74,63 @@ class LlamaNgramSimple(EngineSettings):
         return f"spec-type {self.spec_type!r}"
 
 
-LAYOUTS = (VllmNgram, LlamaNgramSimple)
+class LlamaNgramMap(EngineSettings):
+    """llama-server's `--spec-type ngram-map-k` / `ngram-map-k4v` (common/ngram-map.cpp): a hash map of
+    the slot's earlier n-grams whose draft length follows each step's acceptance (llama_map.py).
+    Each type reads its own flags; the other type's are refused."""
+
+    FAMILY: ClassVar[str] = "ngram"
+    LAYOUT: ClassVar[str] = "llama.cpp"
+    SPEC_TYPES: ClassVar[tuple[str, ...]] = ("ngram-map-k", "ngram-map-k4v")
+
+    spec_type: Literal["ngram-map-k", "ngram-map-k4v"] = Field(alias="spec-type")
+    k_size_n: int = Field(12, ge=1, le=LLAMA_NGRAM_MAX, alias="spec-ngram-map-k-size-n")  # common/common.h:361-365
+    k_size_m: int = Field(48, ge=1, le=LLAMA_NGRAM_MAX, alias="spec-ngram-map-k-size-m")
+    k_min_hits: int = Field(1, ge=1, alias="spec-ngram-map-k-min-hits")  # read by nothing (ngram-map.cpp:382-399)
+    k4v_size_n: int = Field(12, ge=1, le=LLAMA_NGRAM_MAX, alias="spec-ngram-map-k4v-size-n")
+    k4v_size_m: int = Field(48, ge=1, le=LLAMA_NGRAM_MAX, alias="spec-ngram-map-k4v-size-m")
+    k4v_min_hits: int = Field(1, ge=1, alias="spec-ngram-map-k4v-min-hits")
+
+    @model_validator(mode="after")
+    def _own_flags(self):
+        other = "k4v" if self.spec_type == "ngram-map-k" else "k"
+        given = sorted(
+            f"spec-ngram-map-{other}-{n}"
+            for n in ("size-n", "size-m", "min-hits")
+            if f"{other}_{n.replace('-', '_')}" in self.model_fields_set
+        )
+        if given:
+            raise ValueError(f"{', '.join(given)} set for spec-type {self.spec_type!r}, which reads its own flags only")
+        return self
+
+    @property
+    def sizes(self) -> tuple[int, int, int]:
+        """(n, m, min hits) of the chosen type."""
+        if self.spec_type == "ngram-map-k":
+            return self.k_size_n, self.k_size_m, self.k_min_hits
+        return self.k4v_size_n, self.k4v_size_m, self.k4v_min_hits
+
+    @property
+    def evidence(self) -> str:
+        return f"spec-type {self.spec_type!r}"
+
+
+class LlamaNgramMod(EngineSettings):
+    """llama-server's `--spec-type ngram-mod` (common/ngram-mod.cpp, common/speculative.cpp:1849-2022):
+    one hash table of next tokens shared by every slot and request (llama_mod.py)."""
+
+    FAMILY: ClassVar[str] = "ngram"
+    LAYOUT: ClassVar[str] = "llama.cpp"
+    SPEC_TYPES: ClassVar[tuple[str, ...]] = ("ngram-mod",)
+
+    spec_type: Literal["ngram-mod"] = Field(alias="spec-type")
+    n_match: int = Field(24, ge=1, le=LLAMA_NGRAM_MAX, alias="spec-ngram-mod-n-match")  # common/common.h:354-359
+    n_min: int = Field(48, ge=0, le=LLAMA_NGRAM_MAX, alias="spec-ngram-mod-n-min")
+    n_max: int = Field(64, ge=0, le=LLAMA_NGRAM_MAX, alias="spec-ngram-mod-n-max")
+
+    @property
+    def evidence(self) -> str:
+        return f"spec-type {self.spec_type!r}"
+
+
+LAYOUTS = (VllmNgram, LlamaNgramSimple, LlamaNgramMap, LlamaNgramMod)

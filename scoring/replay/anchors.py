@@ -21,8 +21,9 @@ import torch
 
 from pipeline.common import timing
 from pipeline.shards import Sample
-from proposers.interface import Chunk, Proposer, TargetHead
+from proposers.interface import Chunk, Proposer, TargetHead, is_stateful, serves_requests
 from scoring.methods import registry
+from scoring.methods.chain import CHAIN
 from scoring.replay import metrics
 from scoring.replay.chunk import ScoredChunk, score_chunk
 from scoring.replay.packing import PackedSamples, ReplayOptions, pack_samples
@@ -113,9 +114,12 @@ def _replay_anchors(proposer, target, packed, results, wanted, options) -> None:
     batches = [[c] for c, small in zip(chunks, is_small) if not small]
     batches += _batches_of([c for c, small in zip(chunks, is_small) if small], SMALL_CHUNK_ROWS * 4)
     anchors = torch.stack([results[s].anchors[r] for s, r in wanted])
+    room = walk_rule(options.walk_rule).room(torch.stack([results[s].remaining[r] for s, r in wanted]))
     previous = None  # the last chunk, written once its methods' data is in (computed meanwhile)
     for batch in batches:
-        on_device = [Chunk(sample_idx[p].to(options.device), anchors[p].to(options.device), b) for p, b, _ in batch]
+        on_device = [
+            _chunk(sample_idx[p], anchors[p], b, None if room is None else room[p], options) for p, b, _ in batch
+        ]
         drafts = proposer.propose(packed, on_device, target, options)
         for (part, _, depth), chunk, chunk_drafts in zip(batch, on_device, drafts):
             scored = score_chunk(proposer, packed, chunk, target, options, chunk_drafts)
@@ -124,6 +128,11 @@ def _replay_anchors(proposer, target, packed, results, wanted, options) -> None:
             previous = (sample_idx[part], rows[part], depth, scored)
     if previous is not None:
         _write_chunk(results, *previous)
+
+
+def _chunk(sample_idx, anchors, block_len: int, room, options) -> Chunk:
+    device = options.device
+    return Chunk(sample_idx.to(device), anchors.to(device), block_len, None if room is None else room.to(device))
 
 
 def _chunks(proposer, target, packed, results, sample_idx, rows, options) -> list[tuple]:
@@ -178,6 +187,19 @@ def _write_chunk(results: list[AnchorTensors], sample_idx, rows, depth: int, sco
         out.computed[r] = True
 
 
+def step_inputs(result: AnchorTensors, accepted, produced, next_stop: torch.Tensor) -> dict:
+    """What a walk rule's counts read of the anchors of `result` (WalkRule.counts), given their
+    accepted drafts and produced tokens; next_stop: next_stop_positions of the sample."""
+    return {
+        "accepted": accepted,
+        "produced": produced,
+        "depth": result.depth,
+        "known": (result.target_tokens >= 0).sum(dim=1),
+        "remaining": result.remaining,
+        "stop": next_stop[result.anchors] - result.anchors,
+    }
+
+
 def at_rows(result: AnchorTensors, rows) -> AnchorTensors:
     """The anchors `rows` (an index, slice or mask) of `result`."""
     fields = {name: getattr(result, name)[rows] for name in AnchorTensors.__dataclass_fields__ if name != "method_data"}
@@ -195,7 +217,7 @@ def replay_sample(
     """Score every anchor of one sample (all-anchor mode). `feature_columns(features)` selects
     the proposer's layers; `max_new_tokens` is the max_new_tokens the online loop would run with."""
     result = empty_anchor_tensors(sample, max_new_tokens, proposer, options)
-    if result.anchors.numel():
+    if result.anchors.numel() or serves_requests(proposer):  # served even without an anchor: later ones see it
         packed = pack_samples(proposer, [sample], feature_columns, options, target)
         replay_anchors(proposer, target, packed, [result], [(0, r) for r in range(result.anchors.numel())], options)
     return result
@@ -232,8 +254,16 @@ def replay_walks(
         r, out = slice(row(s, position), row(s, position) + 1), results[s]
         accepted = registry.accepted(out, methods[m], options.methods, r)
         anchor = out.anchors[r]
-        return int(metrics.produced_tokens(accepted, anchor, samples[s].input_ids.numel(), next_stop[s][anchor])[0])
+        made = metrics.produced_tokens(accepted, anchor, samples[s].input_ids.numel(), next_stop[s][anchor])
+        if stateful:  # the server's verification, as the walk rule counts it
+            counts = walk_rule(options.walk_rule).counts(step_inputs(at_rows(out, r), accepted, made, next_stop[s]))
+            proposer.accept(int(counts.accepted[0]))
+        return int(made[0])
 
+    stateful = is_stateful(proposer)
+    if stateful:  # one request at a time: begin, then its walk, before the next request begins
+        assert len(samples) == 1 and methods == [CHAIN], (len(samples), methods)
+        proposer.begin(packed, 0)
     starts = {(s, m): sample.prompt_len for s, sample in enumerate(samples) for m in range(len(methods))}
     walk_in_rounds(starts, lambda key, position: walk_finished(position, is_stop[key[0]]), score, produced)
     return results

@@ -10,7 +10,7 @@ import torch
 
 from pipeline.common.sampling import Sampling
 from pipeline.shards import Sample
-from proposers.interface import PackedTokens, ProposeOptions, Proposer, TargetHead
+from proposers.interface import PackedTokens, ProposeOptions, Proposer, TargetHead, serves_requests
 
 
 @dataclass
@@ -74,6 +74,8 @@ def pack_samples(
     feature columns selected as the proposer reads them (none when it needs none)."""
     device = options.device
     inputs = ((s.input_ids, feature_columns(s.features) if proposer.needs.feature_layers else None) for s in samples)
+    if serves_requests(proposer):  # its state across requests: every sample served once, in replay order
+        proposer.serve([(s.input_ids, s.prompt_len) for s in samples])
     state, first_bad = proposer.prepare(inputs, target, options)
     nonfinite_from = [s.input_ids.numel() if bad is None else bad for s, bad in zip(samples, first_bad)]
     lengths = torch.tensor([s.input_ids.numel() for s in samples], device=device)

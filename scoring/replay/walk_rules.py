@@ -53,6 +53,12 @@ class WalkRule:
         verify afterwards."""
         return not (self.cuts_to_budget or self.counts_past_end)
 
+    def room(self, remaining: torch.Tensor) -> torch.Tensor | None:
+        """[A] drafts the loop can verify at anchors with `remaining` positions left: llama-server's
+        n_draft_max (get_n_draft_max: n_remaining - 1, n_remaining = remaining - 1; at most 0: it
+        asks for no draft); None for the loops that verify whatever is drafted."""
+        return (remaining - 2).clamp(min=0) if self.cuts_to_budget else None
+
     def block_remaining(self, remaining: torch.Tensor) -> torch.Tensor:
         """The `remaining` a proposer's block_len sees: the budget, or no limit when the loop drafts
         a full block whatever is left."""

@@ -20,7 +20,7 @@ from scoring.methods import registry as methods
 from scoring.methods.chain import CHAIN
 from scoring.prompts import user_message
 from scoring.replay import metrics
-from scoring.replay.anchors import AnchorTensors, at_rows
+from scoring.replay.anchors import AnchorTensors, at_rows, step_inputs
 from scoring.replay.walk import (
     expected_tau as walk_expected_tau,
     next_stop_positions,
@@ -237,16 +237,7 @@ class Collector:
 
     def step_counts(self, result: AnchorTensors, accepted, produced, next_stop) -> Counts:
         """The walk rule's drafted and accepted counts at every anchor, as lists."""
-        counts = self.rule.counts(
-            {
-                "accepted": accepted,
-                "produced": produced,
-                "depth": result.depth,
-                "known": (result.target_tokens >= 0).sum(dim=1),
-                "remaining": result.remaining,
-                "stop": next_stop[result.anchors] - result.anchors,
-            }
-        )
+        counts = self.rule.counts(step_inputs(result, accepted, produced, next_stop))
         return Counts(*(values.tolist() for values in (counts.drafted, counts.accepted, counts.exact)))
 
     def anchor_columns(

@@ -134,6 +134,7 @@ def settings_of(record: dict) -> dict:
         "walk rule": record.get("walk_rule", "dflash"),
         "anchor set": record.get("anchor_set", "all"),
         "anchor drafts": record.get("anchor_drafts", False),
+        "requests": record.get("requests"),  # a proposer with state across requests: their order
         "dtype": record.get("dtype"),
         "samples": record.get("shards", {}).get("samples"),
         "sample ids": selection.get("ids_hash"),

@@ -6,6 +6,7 @@ the steps together, several checkpoints per pass over the shards."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -19,7 +20,7 @@ from pipeline.common.sizes import format_size
 from pipeline.shards import ShardSet
 from proposers.checkpoints.compatibility import check_compatibility, target_layers
 from proposers.checkpoints.load import CheckpointInfo, load_proposer, read_drafter_config
-from proposers.interface import Proposer, drafts_trees
+from proposers.interface import Proposer, drafts_trees, is_stateful, serves_requests
 from proposers.layouts import Override
 from proposers.registry import family, family_label
 from scoring.config import DEFAULT_EAGLE_TREES, ScoreConfig
@@ -131,8 +132,14 @@ def prepare_job(ckpt: str, shardset: ShardSet, out_dir: str, config: ScoreConfig
     set_chain_steps(config.steps, info.config, ckpt, config.walk_rule)
     chosen, selection = choose_samples(shardset, config)
     sampling = sampling_of(manifest["settings"])
+    if is_stateful(proposer):
+        config = stateful_config(config, info, sampling, dist)
     plan = method_plan(config, proposer, sampling, ckpt)
     planned = planned_record(info, shardset, config, dtype, selection, proposer.independent_drafts, plan)
+    if is_stateful(proposer):
+        planned["requests"] = REQUEST_ORDER
+    if serves_requests(proposer):
+        planned["requests"] = served_order(proposer, info, dist)
     if check_previous(out_dir, planned, config.force):
         return None
     options = ReplayOptions(
@@ -159,6 +166,35 @@ def prepare_job(ckpt: str, shardset: ShardSet, out_dir: str, config: ScoreConfig
         planned,
         **run,
     )
+
+
+# How a proposer with state along the online loop is replayed (run.json `requests`)
+REQUEST_ORDER = "one at a time on one server slot, in the shards' sample order (selection.samples)"
+
+
+def stateful_config(config: ScoreConfig, info: CheckpointInfo, sampling, dist: Dist) -> ScoreConfig:
+    """A proposer with state along the online loop (proposers.interface.ServerStateful) replayed as its
+    server runs it: greedy, under llama-server's loop, in one process, walk-only (its drafts exist
+    only along its own path), one request at a time (groups of one sample)."""
+    name = f"{info.name}: llama-server's {info.config_raw.get('spec-type')}"
+    if config.walk_rule != "llama.cpp":
+        raise UserError(f"{name} keeps state along the server's loop; replay it under that loop: --walk-rule llama.cpp")
+    if not sampling.greedy:
+        raise UserError(
+            f"{name} keeps state along the server's loop, which sampled responses do not fix: greedy shards only"
+        )
+    if dist.world > 1:
+        raise UserError(f"{name} replays its requests one after another; score it in one process, not under torchrun")
+    return dataclasses.replace(config, anchors="walk", walk_group_tokens=0)
+
+
+def served_order(proposer, info: CheckpointInfo, dist: Dist) -> str:
+    """run.json's `requests` for a proposer with state across requests alone (RequestStateful: its
+    drafts at every anchor, given the samples served before): their order. One process only: a rank
+    would keep its own state over every world-th sample."""
+    if dist.world > 1:
+        raise UserError(f"{info.name}: {proposer.requests}; score it in one process, not under torchrun")
+    return f"one at a time, each to its end, in the shards' sample order (selection.samples): {proposer.requests}"
 
 
 def family_override(text: str | None) -> Override | None:

@@ -84,6 +84,8 @@ BASE = {
     "ngram:vllm": lambda: {"method": "ngram", "num_speculative_tokens": 3},
     "ngram:llama.cpp": lambda: {"spec-type": "ngram-simple", "spec-ngram-simple-size-n": 3},
     "draft:llama.cpp": lambda: {"spec-type": "draft-simple", "model-draft": "small"},
+    "draft:vllm": lambda: {"method": "draft_model", "model": "small", "num_speculative_tokens": 3},
+    "suffix:vllm": lambda: {"method": "suffix"},
 }
 
 
@@ -184,6 +186,8 @@ REFUSALS = [
     # a standalone draft model
     ("draft:llama.cpp", "spec-draft-n-min", 2, "llama.cpp", 0),
     ("draft:llama.cpp", "spec-draft-p-min", 0.6, "llama.cpp", 0.0),
+    ("draft:vllm", "draft_sample_method", "probabilistic", "vLLM", "greedy"),
+    ("draft:vllm", "use_heterogeneous_vocab", True, "vLLM", False),
 ]
 
 # Refusals that predate docs/config-fields.md or need several fields changed at once:

@@ -244,3 +244,15 @@ def test_dflash_zlab_on_the_real_smollm2_counts_equal_llama_server(smollm2):
     # a drafter of a 576-wide target fitted for seconds accepts fewer drafts a step than the tiny
     # target's: a lower bar, still many steps accepting drafts for every rule to be compared on
     parity.assert_engine_counts(smollm2, drafter, drafter.drafts, most_differing=SMOLLM2_DIFFERING, per_step=0.1)
+
+
+def test_draft_simple_on_the_real_smollm2_counts_equal_llama_server(smollm2):
+    """A standalone draft model for the real target: a 2-layer Qwen3 at SmolLM2's vocabulary fitted
+    to SmolLM2's own greedy continuations, saved with its tokenizer, converted by llama.cpp's
+    converter and served with `--spec-type draft-simple -md` beside SmolLM2's F32 GGUF."""
+    draft = engine.fitted_draft_model(smollm2.target, smollm2.sequences, smollm2.tmp / "draft")
+    path = smollm2.tmp / "draft-simple.json"
+    path.write_text(json.dumps({"spec-type": "draft-simple", "model-draft": "draft", "spec-draft-n-max": 4}))
+    gguf = smollm2.converter.convert(draft, smollm2.tmp / "draft.gguf")
+    drafter = parity.Drafter("draft", "llama.cpp", str(path), gguf, "draft-simple", 4)
+    parity.assert_engine_counts(smollm2, drafter, 4, most_differing=SMOLLM2_DIFFERING, per_step=0.05)

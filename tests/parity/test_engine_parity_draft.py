@@ -13,48 +13,22 @@ model reads the tokens alone. draft-simple keeps no state between requests.
 from __future__ import annotations
 
 import json
-import shutil
-from pathlib import Path
 
 import pytest
-import torch
 
 from pipeline.shards import ShardSet
 from tests.helpers import chain_parity as chains, engine_parity as parity, llama_engine as engine
-from tests.helpers.models import seeded, text_kwargs
 from tests.helpers.prompts import write_prompts
 from tools.llama_convert import convert
 
 pytestmark = pytest.mark.slow
 
 MAX_NEW = 48
-FIT_STEPS, FIT_LR = 40, 3e-3  # a draft that also misses: rejections compared too
 
 
 @pytest.fixture(scope="module", autouse=True)
 def one_thread():
     yield from parity.threads_and_table("draft")
-
-
-def fitted_draft(target_dir: str, sequences, out) -> str:
-    """A 2-layer Qwen3 at the target's vocabulary fitted to its greedy continuations, saved with the
-    target's tokenizer (the converter reads it)."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    config = Qwen3Config(**{**text_kwargs(2), "vocab_size": engine.SMOLLM2_VOCAB}, rope_theta=10000.0)
-    with seeded(5):
-        model = Qwen3ForCausalLM(config)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=FIT_LR)
-    for _ in range(FIT_STEPS):
-        loss = sum(model(ids[None], labels=ids[None]).loss for ids, _ in sequences) / len(sequences)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    model.eval().save_pretrained(out)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        if (Path(target_dir) / name).exists():
-            shutil.copy(Path(target_dir) / name, Path(out) / name)
-    return str(out)
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +41,7 @@ def setup(tmp_path_factory) -> tuple[parity.Setup, str, str]:
     finish = {s.finish_reason for s in ShardSet(shards).samples(tensors=[])}
     assert finish == {"eos", "length"}, finish
     sequences = engine.continuations(model_dir, prompts, MAX_NEW)
-    draft = fitted_draft(tmp / "target", sequences, tmp / "draft")
+    draft = engine.fitted_draft_model(tmp / "target", sequences, tmp / "draft")
     gguf = str(convert(model_dir, tmp / "target.gguf"))
     draft_gguf = str(convert(draft, tmp / "draft.gguf"))
     return parity.Setup(tmp, model_dir, gguf, shards, sequences, converter=None, max_new=MAX_NEW), draft, draft_gguf

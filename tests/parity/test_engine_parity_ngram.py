@@ -67,3 +67,116 @@ def test_ngram_simple_counts_equal_llama_server(setup, n, m):
     )
     other = chains.score(str(vllm), setup.shards, setup.tmp / f"vllm-{n}-{m}", walk_rule="llama.cpp", eagle_trees=[])
     assert engine.walk_counts(other) != walk
+
+
+# --------------------------------------------------------------------------------------------- with state
+
+# llama-server's types that keep state: their settings (the server's flags) and the requests in
+# order on one slot (engine_parity serves one slot and sends the samples in the shards' order,
+# which is the replay's order: run.json `requests`).
+STATEFUL = {
+    "ngram-map-k": {"spec-ngram-map-k-size-n": 2, "spec-ngram-map-k-size-m": 6},
+    "ngram-map-k4v": {"spec-ngram-map-k4v-size-n": 2, "spec-ngram-map-k4v-size-m": 6},
+    "ngram-map-k4v hits 2": {
+        "spec-ngram-map-k4v-size-n": 1,
+        "spec-ngram-map-k4v-size-m": 4,
+        "spec-ngram-map-k4v-min-hits": 2,
+    },
+    "ngram-mod": {"spec-ngram-mod-n-match": 3, "spec-ngram-mod-n-min": 2, "spec-ngram-mod-n-max": 8},
+}
+
+
+# over a conversation (responses of one or two repeated ids): sizes at which every type drafts and accepts
+CONVERSATION = {
+    "ngram-map-k n3": {"spec-ngram-map-k-size-n": 3, "spec-ngram-map-k-size-m": 4},
+    "ngram-map-k4v n3 hits 2": {
+        "spec-ngram-map-k4v-size-n": 3,
+        "spec-ngram-map-k4v-size-m": 4,
+        "spec-ngram-map-k4v-min-hits": 2,
+    },
+    "ngram-mod": STATEFUL["ngram-mod"],
+}
+
+
+def stateful(setup: parity.Setup, name: str, sizes: dict | None = None) -> tuple[parity.Drafter, int]:
+    """(the config file of the type `name` with its sizes, and those flags; its longest draft)."""
+    spec_type, sizes = spec_type_of(name), sizes or STATEFUL[name]
+    path = setup.tmp / f"{name.replace(' ', '-')}.json"
+    path.write_text(json.dumps({"spec-type": spec_type, **sizes}))
+    flags = tuple(x for key, value in sizes.items() for x in (f"--{key}", str(value)))
+    longest = next(v for k, v in sizes.items() if k.endswith(("size-m", "n-max")))
+    # drafts=0: no other walk rule replays it (the server's loop is part of its rule)
+    return parity.Drafter("ngram", "llama.cpp", str(path), None, spec_type, 0, flags=flags, steps=False), longest
+
+
+@pytest.mark.parametrize("name", list(STATEFUL))
+def test_stateful_ngram_counts_equal_llama_server(setup, name):
+    """Each type's state carried from step to step and from request to request, as the server's one
+    slot carries it: per-step counts equal for every sample."""
+    drafter, longest = stateful(setup, name)
+    walk = parity.assert_engine_counts(setup, drafter, longest, per_step=0.02)
+    # the comparison fails on the plausible wrong rules: ngram-mod's table begun afresh for every
+    # request; ngram-map's draft lengths ignoring what the last step accepted. (Here every prompt is
+    # shorter than the slot's last history, so the server's begin drops a map's entries anyway.)
+    if spec_type_of(name) == "ngram-mod":
+        wrong = {"fresh state per request": fresh_per_request}
+    else:
+        wrong = {"acceptance ignored": acceptance_ignored}
+    for what, patch in wrong.items():
+        with pytest.MonkeyPatch.context() as mp:
+            patch(mp)
+            out = chains.score(drafter.path, setup.shards, setup.tmp / f"{name}-{what}", walk_rule="llama.cpp")
+        assert engine.walk_counts(out) != walk, what
+
+
+TURNS = 5
+
+
+@pytest.fixture(scope="module")
+def conversation(setup, tmp_path_factory) -> parity.Setup:
+    """One conversation of TURNS requests on the same target: each prompt the previous prompt, its
+    stored response and a few new ids, so it is longer than the slot's last history and ngram-map's
+    begin keeps the map (common/ngram-map.cpp:139-218): the state carried from request to request."""
+    tmp = tmp_path_factory.mktemp("engine_parity_ngram_turns")
+    prompt, extra, records = parity.prompt_ids(1, seed=11)[0], parity.prompt_ids(TURNS, seed=12), []
+    for turn in range(TURNS):
+        records.append({"id": f"t{turn}", "input_ids": list(prompt)})
+        path = write_prompts(tmp / f"prompts-{turn}.jsonl", records)
+        shards = chains.extract(tmp / f"shards-{turn}", setup.target, path, MAX_NEW, [])
+        [last] = [s for s in ShardSet(shards).samples(tensors=[]) if s.sample_id == f"t{turn}"]
+        prompt = last.input_ids.tolist() + extra[turn]
+    return parity.Setup(tmp, setup.target, setup.target_gguf, shards, [], converter=None, max_new=MAX_NEW)
+
+
+@pytest.mark.parametrize("name", list(CONVERSATION))
+def test_stateful_ngram_counts_equal_llama_server_over_a_conversation(conversation, name):
+    """The same over the turns of one conversation: a map carried into the next request, and a
+    replay that begins every request afresh (the plausible wrong rule) differs."""
+    drafter, longest = stateful(conversation, name, CONVERSATION[name])
+    walk = parity.assert_engine_counts(conversation, drafter, longest, per_step=0.02)
+    with pytest.MonkeyPatch.context() as mp:
+        fresh_per_request(mp)
+        out = chains.score(drafter.path, conversation.shards, conversation.tmp / f"{name}-fresh", walk_rule="llama.cpp")
+    assert engine.walk_counts(out) != walk
+
+
+def spec_type_of(name: str) -> str:
+    return name.split()[0]
+
+
+def fresh_per_request(mp: pytest.MonkeyPatch) -> None:
+    from proposers.ngram import stateful as module
+
+    begin = module.LlamaStatefulProposer.begin
+
+    def afresh(self, packed, sample_idx):
+        self.engine = module.engine_of(self.config)
+        begin(self, packed, sample_idx)
+
+    mp.setattr(module.LlamaStatefulProposer, "begin", afresh)
+
+
+def acceptance_ignored(mp: pytest.MonkeyPatch) -> None:
+    from proposers.ngram import llama_map
+
+    mp.setattr(llama_map.NgramMap, "accept", lambda self, accepted: None)

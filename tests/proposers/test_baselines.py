@@ -24,6 +24,23 @@ NAMES = {
         {"spec-type": "ngram-simple", "spec-ngram-simple-size-n": 3, "spec-ngram-simple-size-m": 8},
         "ngram_llama.cpp_n=3_m=8",
     ),
+    "ngram:llama.cpp-mod:n=4,min=2,max=8": (
+        {"spec-type": "ngram-mod", "spec-ngram-mod-n-match": 4, "spec-ngram-mod-n-min": 2, "spec-ngram-mod-n-max": 8},
+        "ngram_llama.cpp-mod_n=4_min=2_max=8",
+    ),
+    "ngram:llama.cpp-map-k4v:hits=2": (
+        {"spec-type": "ngram-map-k4v", "spec-ngram-map-k4v-min-hits": 2},
+        "ngram_llama.cpp-map-k4v_hits=2",
+    ),
+    "suffix:vllm:k=8,depth=16,prob=0.2": (
+        {
+            "method": "suffix",
+            "num_speculative_tokens": 8,
+            "suffix_decoding_max_tree_depth": 16,
+            "suffix_decoding_min_token_prob": 0.2,
+        },
+        "suffix_vllm_k=8_depth=16_prob=0.2",
+    ),
     "draft:/models/small-lm/:n=4": (
         {"spec-type": "draft-simple", "model-draft": "/models/small-lm", "spec-draft-n-max": 4},
         "draft_small-lm_n=4",
@@ -59,7 +76,7 @@ def test_a_path_that_exists_is_never_a_name(tmp_path, monkeypatch):
     [
         (
             "ngram:vlm",
-            "no such baseline; named ones: ngram:vllm[:k=N,min=N,max=N], ngram:llama.cpp[:n=N,m=N], draft:PATH",
+            "no such baseline; named ones: ngram:vllm[:k=N,min=N,max=N], ngram:llama.cpp[:n=N,m=N], ngram:llama",
         ),
         ("ngram:vllm:k", "settings 'k' are not key=value pairs separated by commas: ngram:vllm[:k=N,min=N,max=N]"),
         ("ngram:vllm:k=4,k=5", "'k' is given twice"),

@@ -64,13 +64,17 @@ def swap_two_tokens(directory) -> None:
     path.write_text(json.dumps(tokenizer))
 
 
-def bigger_vocabulary(directory) -> None:
-    """The same tokenizer, a model with 129 rows more than the target: llama-server's limit is 128."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+def rows_more(more: int):
+    """An edit: the same tokenizer, a model with `more` embedding rows than the target."""
 
-    config = AutoConfig.from_pretrained(directory)
-    config.vocab_size = TINY_VOCAB + 129
-    AutoModelForCausalLM.from_config(config).save_pretrained(directory)
+    def edit(directory) -> None:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        config = AutoConfig.from_pretrained(directory)
+        config.vocab_size = TINY_VOCAB + more
+        AutoModelForCausalLM.from_config(config).save_pretrained(directory)
+
+    return edit
 
 
 def no_tokenizer(directory) -> None:
@@ -82,7 +86,7 @@ def no_tokenizer(directory) -> None:
     "edit, message",
     [
         (swap_two_tokens, "token 10 is "),
-        (bigger_vocabulary, f"the draft model's vocabulary has {TINY_VOCAB + 129} tokens, the target's {TINY_VOCAB}"),
+        (rows_more(129), f"the draft model's vocabulary has {TINY_VOCAB + 129} tokens, the target's {TINY_VOCAB}"),
         (no_tokenizer, "no tokenizer (tokenizer.json, tokenizer.model, vocab.json)"),
     ],
     ids=["another tokenizer", "vocabulary 129 apart", "no tokenizer"],
@@ -97,14 +101,7 @@ def test_a_draft_model_llama_server_would_refuse_is_one_error_line(shards, tiny_
 
 
 def test_a_vocabulary_128_apart_is_still_the_servers_limit(shards, tiny_qwen3_dir, tmp_path):
-    def padded(directory) -> None:
-        from transformers import AutoConfig, AutoModelForCausalLM
-
-        config = AutoConfig.from_pretrained(directory)
-        config.vocab_size = TINY_VOCAB + 128
-        AutoModelForCausalLM.from_config(config).save_pretrained(directory)
-
-    draft = changed_copy(tiny_qwen3_dir, tmp_path / "draft", padded)
+    draft = changed_copy(tiny_qwen3_dir, tmp_path / "draft", rows_more(128))  # llama-server's limit is 128
     run = score(shards, draft_json(tmp_path, draft), tmp_path / "out")
     assert run.exit_code == 0, run.output
 
@@ -115,3 +112,43 @@ def test_a_draft_model_over_the_memory_budget_is_one_error_line(shards, tiny_qwe
     errors = [line for line in run.output.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "more than --memory-budget 64KiB" in errors[0] and "float32" in errors[0], run.output
     assert not list((tmp_path / "out").glob("*/run.json"))
+
+
+# --------------------------------------------------------------------------------------------- vLLM's
+
+
+def test_vllms_draft_model_by_name_accepts_every_draft_of_the_target_itself(shards, tiny_qwen3_dir, tmp_path):
+    """vLLM's method "draft_model" (greedy drafting, the default) under vLLM's walk rule."""
+    run = score(shards, f"draft-vllm:{tiny_qwen3_dir}:k={N_MAX}", tmp_path / "out", "--walk-rule", "vllm")
+    assert run.exit_code == 0, run.output
+    walk = pl.read_parquet(next((tmp_path / "out").glob("*/walk.parquet")))
+    assert set(walk["drafter_layout"]) == {"vllm"}
+    known = walk.filter(pl.col("counted_exact"))
+    assert (known["counted_accepted"] == known["drafted"]).all() and (known["drafted"] == N_MAX).sum() >= 3, walk
+
+
+def test_vllm_refuses_a_vocabulary_one_token_apart_which_llama_server_takes(shards, tiny_qwen3_dir, tmp_path):
+    """vLLM requires the same vocabulary size (vllm/config/speculative.py verify_equal_vocab_size_if_draft_model)."""
+    draft = changed_copy(tiny_qwen3_dir, tmp_path / "draft", rows_more(1))
+    run = score(shards, f"draft-vllm:{draft}:k={N_MAX}", tmp_path / "out", "--walk-rule", "vllm")
+    assert run.exit_code == 1 and "vLLM requires the same size" in run.output, run.output
+    assert score(shards, draft_json(tmp_path, draft), tmp_path / "llama").exit_code == 0
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"draft_sample_method": "probabilistic"}, "field 'draft_sample_method' is 'probabilistic'"),
+        ({"use_heterogeneous_vocab": True}, "field 'use_heterogeneous_vocab' is true"),
+        ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
+        ({"draft_tensor_parallel_size": 1}, "draft_tensor_parallel_size"),  # a key not replayed: refused, not dropped
+    ],
+)
+def test_a_vllm_draft_config_not_replayed_as_given_is_refused_by_name(fields, message):
+    from pipeline.common.errors import UserError
+    from proposers.detect import parse_config
+
+    raw = {"method": "draft_model", "model": "small/", "num_speculative_tokens": 3, **fields}
+    with pytest.raises(UserError, match=message) as error:
+        parse_config(raw, "vllm-draft.json")
+    assert str(error.value).startswith("vllm-draft.json: ") and "\n" not in str(error.value)

@@ -284,7 +284,7 @@ def test_llama_ngram_simple_config_takes_the_servers_flags_and_defaults():
 @pytest.mark.parametrize(
     "fields, message",
     [
-        ({"spec-type": "ngram-mod"}, "field 'spec-type' is 'ngram-mod': keeps state across steps and requests"),
+        ({"spec-type": "ngram-cache"}, "field .spec-type. is .ngram-cache.: keeps per-slot n-gram counts whose ties"),
         ({"spec-type": "ngram-smart"}, r"field 'spec-type' is 'ngram-smart' \(a string\); expected one of \["),
         ({"spec-ngram-simple-size-n": 0}, "spec-ngram-simple-size-n"),
         ({"spec-ngram-simple-size-m": 1025}, "spec-ngram-simple-size-m"),
@@ -330,3 +330,31 @@ def test_a_bad_baseline_name_is_one_error_line_and_writes_nothing(scored, tmp_pa
     errors = [line for line in run.output.strip().splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and message in errors[0] and name in errors[0], run.output
     assert "Traceback" not in run.output and not list(out.glob("*/run.json"))
+
+
+def test_llama_stateful_configs_take_the_servers_flags_and_defaults():
+    def read(raw: dict) -> tuple:
+        config = parse_config(raw, "state.json").config
+        return config.rule, config.min_n, config.block_size, config.min_hits, config.n_min
+
+    assert read({"spec-type": "ngram-map-k"}) == ("ngram-map-k", 12, 48, 1, 0)  # common/common.h's defaults
+    assert read({"spec-type": "ngram-map-k4v", "spec-ngram-map-k4v-min-hits": 3}) == ("ngram-map-k4v", 12, 48, 3, 0)
+    assert read({"spec-type": "ngram-mod"}) == ("ngram-mod", 24, 64, 1, 48)  # --spec-default's values
+    with pytest.raises(DrafterConfigError, match="spec-ngram-map-k4v-size-n set for spec-type 'ngram-map-k'"):
+        parse_config({"spec-type": "ngram-map-k", "spec-ngram-map-k4v-size-n": 3}, "state.json")
+    with pytest.raises(DrafterConfigError, match="spec-ngram-mod-n-match"):
+        parse_config({"spec-type": "ngram-mod", "spec-ngram-mod-n-match": 0}, "state.json")
+
+
+def test_a_stateful_type_outside_the_servers_loop_is_one_error_line(scored, tmp_path):
+    """Its drafts depend on the server's own loop: another --walk-rule is refused by name."""
+    _, _, shards, _ = scored
+    config = tmp_path / "mod.json"
+    config.write_text(json.dumps({"spec-type": "ngram-mod", "spec-ngram-mod-n-match": 2}))
+    run = CliRunner().invoke(main, ["score", "--ckpt", str(config), "--shards", shards, "--out", str(tmp_path / "out")])
+    assert run.exit_code == 1, run.output
+    errors = [line for line in run.output.splitlines() if line.startswith("error:")]
+    assert (
+        len(errors) == 1 and "keeps state along the server's loop" in errors[0] and "--walk-rule llama.cpp" in errors[0]
+    )
+    assert not list((tmp_path / "out").glob("*/run.json"))
