@@ -63,6 +63,11 @@ NAMED = (
         describes="llama-server's ngram-mod (one table for every request; replayed along the server's loop)",
     ),
     NamedBaseline(
+        "ngram:llama.cpp-cache",
+        {"spec-type": "ngram-cache"},
+        describes="llama-server's ngram-cache (per-slot n-gram counts; replayed along the server's loop)",
+    ),
+    NamedBaseline(
         "suffix:vllm",
         {"method": "suffix"},
         {

@@ -29,13 +29,8 @@ KNOWN_ELSEWHERE = {
 # the key of an engine's speculative config naming its method -> the layouts' class variable listing theirs
 METHOD_KEYS = {"method": "METHODS", "spec-type": "SPEC_TYPES"}
 # llama-server's other --spec-type values (common/speculative.cpp:33-45), and what to do instead
-_CACHE = (
-    "keeps per-slot n-gram counts whose ties the server breaks in its hash maps' iteration order "
-    "(docs/walk-rules.md#n-gram-types); specreplay does not replay it yet"
-)
 _WEIGHTED = "a drafter with weights: give its checkpoint directory (or its GGUF) as --ckpt, not a config of flags"
 SPEC_TYPES_ELSEWHERE = {
-    "ngram-cache": _CACHE,
     **{name: _WEIGHTED for name in ("draft-eagle3", "draft-dflash", "draft-dspark", "draft-mtp")},
 }
 UNSAID_ARCHITECTURE = "DFlashDraftModel"  # z-lab's DFlash v1 saves configs without `architectures`

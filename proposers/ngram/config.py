@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from proposers.ngram.layout import LlamaNgramMap, LlamaNgramMod, LlamaNgramSimple, VllmNgram
+from pipeline.common.errors import UserError
+from proposers.ngram.layout import LlamaNgramCache, LlamaNgramMap, LlamaNgramMod, LlamaNgramSimple, VllmNgram
 from proposers.ngram.proposer import NgramProposer
 from proposers.ngram.stateful import LlamaStatefulProposer
 from proposers.registry import Family
@@ -33,7 +34,22 @@ FIXED_STEPS = (
 )
 
 
+def _cache_config(checked: LlamaNgramCache, raw: dict, source: str) -> NgramConfig:
+    for key, value in (
+        ("lookup-cache-static", checked.lookup_cache_static),
+        ("lookup-cache-dynamic", checked.lookup_cache_dynamic),
+    ):
+        if value is not None:  # cache files drafted from beside the slot's own counts
+            raise UserError(
+                f"{source}: field {key!r}: ngram-cache's cache files are not replayed yet; score without them"
+            )
+    fixed = "llama-server's ngram-cache drafts up to 8 tokens whatever --spec-draft-n-max says (it has no size flag)"
+    return NgramConfig(1, 4, 8, layout="llama.cpp", rule="ngram-cache", fixed_steps=fixed, raw=raw)
+
+
 def parse_config(checked, raw: dict, source: str = "config", target_layers: int | None = None):
+    if isinstance(checked, LlamaNgramCache):
+        return _cache_config(checked, raw, source)
     if isinstance(checked, LlamaNgramMap):
         n, m, hits = checked.sizes
         fixed = FIXED_STEPS.format(key=f"spec-ngram-map-{checked.spec_type.removeprefix('ngram-map-')}-size-m")
@@ -57,7 +73,7 @@ def parse_config(checked, raw: dict, source: str = "config", target_layers: int 
     return NgramConfig(low, high, checked.num_speculative_tokens, raw=raw)
 
 
-STATEFUL_RULES = ("ngram-map-k", "ngram-map-k4v", "ngram-mod")
+STATEFUL_RULES = ("ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache")
 
 
 def ngram_proposer(config: NgramConfig):

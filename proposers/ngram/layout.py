@@ -133,4 +133,22 @@ class LlamaNgramMod(EngineSettings):
         return f"spec-type {self.spec_type!r}"
 
 
-LAYOUTS = (VllmNgram, LlamaNgramSimple, LlamaNgramMap, LlamaNgramMod)
+class LlamaNgramCache(EngineSettings):
+    """llama-server's `--spec-type ngram-cache` (common/ngram-cache.cpp, common/speculative.cpp:2024-2161):
+    per-slot counts of the tokens after earlier n-grams (llama_cache.py). It has no size flag (8 drafts,
+    n-grams of 1 to 4 tokens); the static and dynamic cache files are declared and refused by config.py."""
+
+    FAMILY: ClassVar[str] = "ngram"
+    LAYOUT: ClassVar[str] = "llama.cpp"
+    SPEC_TYPES: ClassVar[tuple[str, ...]] = ("ngram-cache",)
+
+    spec_type: Literal["ngram-cache"] = Field(alias="spec-type")
+    lookup_cache_static: str | None = Field(None, alias="lookup-cache-static")  # -lcs (common/arg.cpp:1624-1630)
+    lookup_cache_dynamic: str | None = Field(None, alias="lookup-cache-dynamic")  # -lcd (common/arg.cpp:1631-1637)
+
+    @property
+    def evidence(self) -> str:
+        return f"spec-type {self.spec_type!r}"
+
+
+LAYOUTS = (VllmNgram, LlamaNgramSimple, LlamaNgramMap, LlamaNgramMod, LlamaNgramCache)

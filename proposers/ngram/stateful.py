@@ -1,5 +1,5 @@
 """llama-server's n-gram types that keep state along the server's loop (ngram-map-k, ngram-map-k4v:
-llama_map.py; ngram-mod: llama_mod.py) as a ServerStateful proposer (proposers/interface.py): the
+llama_map.py; ngram-mod: llama_mod.py; ngram-cache: llama_cache.py) as a ServerStateful proposer (proposers/interface.py): the
 replay begins each request, asks for each step's draft along the walk and reports what the server
 counted as accepted, as llama-server does for one slot serving the requests one after another.
 
@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from proposers.interface import Chunk, Drafts, PackedTokens
+from proposers.ngram.llama_cache import NgramCache
 from proposers.ngram.llama_map import NgramMap
 from proposers.ngram.llama_mod import NgramMod
 from proposers.toolkit.token_chain import TokenChain
@@ -24,6 +25,8 @@ def engine_of(config):
     """One slot's state machine for the config's type (and ngram-mod's shared table)."""
     if config.rule == "ngram-mod":
         return NgramMod(config.min_n, config.n_min, config.block_size)
+    if config.rule == "ngram-cache":
+        return NgramCache()
     return NgramMap(config.min_n, config.block_size, config.rule == "ngram-map-k", config.min_hits)
 
 

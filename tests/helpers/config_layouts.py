@@ -82,7 +82,7 @@ BASE = {
     "mtp:native": lambda: {"model_type": "qwen3_5", "text_config": {**MTP_TEXT, "model_type": "qwen3_5_text"}},
     "mtp:native-qwen3-next": lambda: {**MTP_TEXT, "model_type": "qwen3_next", "num_experts": 0},
     "ngram:vllm": lambda: {"method": "ngram", "num_speculative_tokens": 3},
-    "ngram:llama.cpp": lambda: {"spec-type": "ngram-simple", "spec-ngram-simple-size-n": 3},
+    "ngram:llama.cpp": lambda: {"spec-type": "ngram-simple"},
     "draft:llama.cpp": lambda: {"spec-type": "draft-simple", "model-draft": "small"},
     "draft:vllm": lambda: {"method": "draft_model", "model": "small", "num_speculative_tokens": 3},
     "suffix:vllm": lambda: {"method": "suffix"},
@@ -207,6 +207,8 @@ PRIOR_REFUSALS = [
     ("eagle3:specforge", "target_hidden_size", {"target_hidden_size": 48}),
     ("mtp:native-qwen3-next", "model_type", {"model_type": "qwen3_5_moe_text"}),
     ("mtp:speculators", "num_nextn_predict_layers", {"num_nextn_predict_layers": 2}),
+    ("ngram:llama.cpp", "lookup-cache-static", {"spec-type": "ngram-cache", "lookup-cache-static": "static.bin"}),
+    ("ngram:llama.cpp", "lookup-cache-dynamic", {"spec-type": "ngram-cache", "lookup-cache-dynamic": "dynamic.bin"}),
 ]
 
 

@@ -95,16 +95,20 @@ CONVERSATION = {
         "spec-ngram-map-k4v-min-hits": 2,
     },
     "ngram-mod": STATEFUL["ngram-mod"],
+    # no size flag: 8 drafts from n-grams of 1 to 4 tokens. Only here: a step learns nothing unless it
+    # accepted a draft (a one-token chunk holds no n-gram), so a response draws only on the n-grams
+    # of its prompt, and the single-turn prompts share none with the responses
+    "ngram-cache": {},
 }
 
 
 def stateful(setup: parity.Setup, name: str, sizes: dict | None = None) -> tuple[parity.Drafter, int]:
     """(the config file of the type `name` with its sizes, and those flags; its longest draft)."""
-    spec_type, sizes = spec_type_of(name), sizes or STATEFUL[name]
+    spec_type, sizes = spec_type_of(name), STATEFUL[name] if sizes is None else sizes
     path = setup.tmp / f"{name.replace(' ', '-')}.json"
     path.write_text(json.dumps({"spec-type": spec_type, **sizes}))
     flags = tuple(x for key, value in sizes.items() for x in (f"--{key}", str(value)))
-    longest = next(v for k, v in sizes.items() if k.endswith(("size-m", "n-max")))
+    longest = next((v for k, v in sizes.items() if k.endswith(("size-m", "n-max"))), 8)  # ngram-cache: 8
     # drafts=0: no other walk rule replays it (the server's loop is part of its rule)
     return parity.Drafter("ngram", "llama.cpp", str(path), None, spec_type, 0, flags=flags, steps=False), longest
 

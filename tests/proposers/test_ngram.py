@@ -15,6 +15,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from pipeline.common.errors import UserError
 from proposers.detect import parse_config
 from proposers.ngram.llama_simple import simple_drafts
 from proposers.ngram.occurrences import occurrences
@@ -284,7 +285,7 @@ def test_llama_ngram_simple_config_takes_the_servers_flags_and_defaults():
 @pytest.mark.parametrize(
     "fields, message",
     [
-        ({"spec-type": "ngram-cache"}, "field .spec-type. is .ngram-cache.: keeps per-slot n-gram counts whose ties"),
+        ({"spec-type": "draft-eagle3"}, "field .spec-type. is .draft-eagle3.: a drafter with weights"),
         ({"spec-type": "ngram-smart"}, r"field 'spec-type' is 'ngram-smart' \(a string\); expected one of \["),
         ({"spec-ngram-simple-size-n": 0}, "spec-ngram-simple-size-n"),
         ({"spec-ngram-simple-size-m": 1025}, "spec-ngram-simple-size-m"),
@@ -344,6 +345,9 @@ def test_llama_stateful_configs_take_the_servers_flags_and_defaults():
         parse_config({"spec-type": "ngram-map-k", "spec-ngram-map-k4v-size-n": 3}, "state.json")
     with pytest.raises(DrafterConfigError, match="spec-ngram-mod-n-match"):
         parse_config({"spec-type": "ngram-mod", "spec-ngram-mod-n-match": 0}, "state.json")
+    assert read({"spec-type": "ngram-cache"}) == ("ngram-cache", 1, 8, 1, 0)  # n-grams of 1..4 tokens, 8 drafts
+    with pytest.raises(UserError, match="field 'lookup-cache-static': ngram-cache's cache files are not replayed"):
+        parse_config({"spec-type": "ngram-cache", "lookup-cache-static": "static.bin"}, "state.json")
 
 
 def test_a_stateful_type_outside_the_servers_loop_is_one_error_line(scored, tmp_path):
