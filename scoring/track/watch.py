@@ -208,7 +208,8 @@ def remove_own_staging(out_dir: str) -> None:
 @contextlib.contextmanager
 def stop_on_signals():
     """SIGINT/SIGTERM raise Stopped once; a second signal while stopping is ignored, so the
-    cleanup runs to its end. The previous handlers come back on exit."""
+    cleanup runs to its end. The previous handlers come back on exit. Yields the signals received
+    (a library may turn Stopped into its own error: the watcher checks this list)."""
     raised = []
 
     def handler(signum, frame):
@@ -218,7 +219,7 @@ def stop_on_signals():
 
     previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        yield
+        yield raised
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
@@ -259,8 +260,9 @@ class Watcher:
     """Scores the checkpoints a Tracker hands it, with one prepared target head, and does what
     follows each: its line, the report, the loggers."""
 
-    def __init__(self, config: ScoreConfig, options: WatchOptions):
+    def __init__(self, config: ScoreConfig, options: WatchOptions, signals: list[int] | None = None):
         self.config, self.options = config, options
+        self.signals = signals if signals is not None else []  # stop_on_signals' list of signals received
         self.result = WatchResult()
         self.current: str | None = None  # the results directory being written
         self.owners: dict[str, str] = {}  # results directory -> checkpoint path
@@ -313,6 +315,8 @@ class Watcher:
             )
         except Exception as error:  # noqa: BLE001 - reported in one line, the watch goes on
             remove_own_staging(out_dir)
+            if self.signals:  # the stop arrived inside a library that made it its own error (pydantic's
+                raise Stopped(self.signals[0]) from error  # schema builder): it is still the stop
             message = str(error) if isinstance(error, UserError) else f"{type(error).__name__}: {error}"
             outcome = Outcome(path, out_dir, Status.FAILED, error=message, name=path)
         self.current = None
@@ -426,9 +430,9 @@ def run_watch(config: ScoreConfig, options: WatchOptions) -> WatchResult:
         options.echo(f"no checkpoint matches {' '.join(config.ckpts)} yet; nothing to score")
         return WatchResult()
     watcher = None
-    with stop_on_signals():
+    with stop_on_signals() as signals:
         try:
-            watcher = Watcher(config, options)
+            watcher = Watcher(config, options, signals)
             watcher.score_baselines()
             watch_loop(watcher, Tracker(config.ckpts))
         except Stopped as stop:
