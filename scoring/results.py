@@ -111,6 +111,7 @@ class RunShards(Schema):
     uri: str | None = None
     sampling: RunSampling | None = None
     target: str | None = None
+    target_facts: dict[str, Count] | None = None  # the target's sizes, TARGET_FACTS (older results: absent)
     feature_dtype: str | None = None
     excluded_samples: Count = 0
     responses: dict | None = None  # extract --responses-from: {engine, model, sampling_rule}; None: the target's
@@ -139,6 +140,8 @@ class RunRecord(Schema):
     versions: dict[str, Any] | None = None
     command: list[str] | None = None
 
+
+TARGET_FACTS = ("num_layers", "hidden_size", "vocab_size")  # run.json shards.target_facts
 
 RUN_FIX = "rescore that checkpoint with `specreplay score --force` (or restore run.json from a copy)"
 

@@ -38,6 +38,14 @@ def init_dist(dist: Dist) -> None:
             torch.distributed.init_process_group("gloo")
 
 
+def leave_dist(dist: Dist) -> None:
+    """Tear the process group down before exit: left to the interpreter's exit, gloo's threads
+    can be destroyed while still joinable, and the rank aborts ("terminate called without an
+    active exception") after its work is done."""
+    if dist.world > 1 and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
 def barrier(dist: Dist) -> None:
     if dist.world > 1:
         torch.distributed.barrier()

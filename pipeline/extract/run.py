@@ -47,7 +47,7 @@ import torch
 
 from pipeline import shards
 from pipeline.common import timing
-from pipeline.common.distributed import Dist, barrier, dist_from_env, init_dist, resolve_device
+from pipeline.common.distributed import Dist, barrier, dist_from_env, init_dist, leave_dist, resolve_device
 from pipeline.common.dtypes import STORAGE_DTYPES
 from pipeline.common.layer_ids import final_prenorm_id
 from pipeline.common.sampling import Sampling
@@ -267,8 +267,7 @@ def run_extract(config: ExtractConfig, progress=None, loaded=None) -> dict:
         with lock or contextlib.nullcontext():
             return _run(config, dist, records, progress, loaded)
     finally:
-        if dist.world > 1 and torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+        leave_dist(dist)
 
 
 def load_model_once(config: ExtractConfig, dist: Dist, device: str):

@@ -85,6 +85,8 @@ def run_record(planned: dict, ckpt: str, info: CheckpointInfo, shardset: ShardSe
         uri=shardset.uri,
         sampling=sampling.as_dict(),
         target=manifest.get("target", {}).get("name"),
+        # the target's sizes (settings.target): what a speed profile is checked against (scoring/speed/)
+        target_facts={k: v for k, v in manifest["settings"]["target"].items() if k in results.TARGET_FACTS},
         feature_dtype=manifest.get("tensors", {}).get("features"),
         excluded_samples=int(manifest.get("totals", {}).get("excluded_samples", 0)),
         responses=manifest.get("settings", {}).get("responses"),

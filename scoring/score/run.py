@@ -7,7 +7,7 @@ import glob
 import os
 
 from pipeline.common import timing
-from pipeline.common.distributed import Dist, dist_from_env, init_dist
+from pipeline.common.distributed import Dist, dist_from_env, init_dist, leave_dist
 from pipeline.shards import ShardSet
 from proposers import baselines
 from proposers.interface import TargetHead
@@ -73,9 +73,12 @@ def run_score(config: ScoreConfig, progress=None, on_outcome=None) -> list[Outco
         head = prepare_target_head(shardset.target_head(), device, dtype)  # the stored-dtype copy is dropped here
     init_dist(dist)
     outcomes = []
-    for lane in scored_lanes(paths, dirs, shardset, head, config, dist, progress):
-        if lane.outcome is not None:  # rank 0
-            outcomes.append(lane.outcome)
-            if on_outcome is not None:
-                on_outcome(lane.outcome)
+    try:
+        for lane in scored_lanes(paths, dirs, shardset, head, config, dist, progress):
+            if lane.outcome is not None:  # rank 0
+                outcomes.append(lane.outcome)
+                if on_outcome is not None:
+                    on_outcome(lane.outcome)
+    finally:
+        leave_dist(dist)
     return outcomes

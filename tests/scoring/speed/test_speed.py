@@ -1,0 +1,149 @@
+"""`specreplay speed`: predicted speed from results and a cost profile (docs/speed.md)."""
+
+from __future__ import annotations
+
+import json
+
+import polars as pl
+import pytest
+from click.testing import CliRunner
+
+from scoring.speed.predict import as_rows
+from scoring.speed.profile import FORMAT, load_profile
+from scoring.speed.run import predict_results
+from specreplay.cli import main
+from tests.helpers.fake_results import write_fake_results
+
+TARGET = {"name": "tiny", "num_layers": 4, "hidden_size": 64, "vocab_size": 512}
+
+
+def write_result(path, family: str, taus: dict[str, float], drafts: int = 4, name: str = "run_step_1") -> str:
+    """A results directory whose pooled summary holds `taus` per method, for a chain of `drafts`."""
+    identity = {"checkpoint": name, "checkpoint_hash": name, "checkpoint_step": 1, "drafter_family": family}
+    summary = [
+        {"dataset": "(all)", "method": method, "tau": tau, "accept_rate_by_position": [0.5] * drafts}
+        for method, tau in taus.items()
+    ]
+    run = {"checkpoint": {"family": family, "name": name}, "shards": {"target_facts": dict(TARGET, name=None)}}
+    run["shards"]["target_facts"] = {k: v for k, v in TARGET.items() if k != "name"}
+    return write_fake_results(path, identity, [], summary, run=run)
+
+
+def write_profile(path, verify, drafters=(), target=None) -> str:
+    """A profile of `verify` [(batch, tokens, seconds)] and `drafters` [(family, batch, tokens, seconds)]."""
+    data = {
+        "format": FORMAT,
+        "target": target or TARGET,
+        "measured": {"engine": "hand", "device": "none", "context_len": 128},
+        "verify": [{"batch": b, "tokens": n, "seconds": s} for b, n, s in verify],
+        "drafters": [{"family": f, "batch": b, "tokens": n, "seconds": s} for f, b, n, s in drafters],
+    }
+    path.write_text(json.dumps(data))
+    return str(path)
+
+
+def rows_of(results_dir, profile_path, batches=None) -> dict:
+    """(batch, method) -> prediction row."""
+    rows = as_rows(predict_results([results_dir], load_profile(profile_path), batches))
+    return {(r["batch"], r["method"]): r for r in rows}
+
+
+def test_a_free_drafter_over_a_flat_verification_speeds_up_by_tau(tmp_path):
+    """Verification whose time does not grow with the tokens verified (memory-bound decoding) and
+    a drafter costing nothing: each step takes a plain step's time, so the speedup is tau."""
+    result = write_result(tmp_path / "r", "ngram", {"chain": 1.7})
+    profile = write_profile(tmp_path / "p.json", [(1, 1, 0.01), (1, 8, 0.01)])
+    row = rows_of(result, profile)[(1, "chain")]
+    assert row["verified"] == 5 and row["draft_s"] == 0.0
+    assert row["speedup"] == pytest.approx(1.7)
+    assert row["tokens_per_s"] == pytest.approx(170.0) and row["plain_tokens_per_s"] == pytest.approx(100.0)
+
+
+def test_the_step_prices_the_method_s_verified_tokens_and_the_drafter_s_passes(tmp_path):
+    """A DFlash block of 4 drafts: chain verifies 5 tokens, ddtree-16 verifies 17 (root not
+    counted), both after one block pass of 5 queries; times between measured counts interpolate."""
+    result = write_result(tmp_path / "r", "dflash", {"chain": 2.0, "ddtree-16": 2.6})
+    verify = [(1, 1, 0.010), (1, 5, 0.012), (1, 33, 0.040)]
+    profile = write_profile(tmp_path / "p.json", verify, [("dflash", 1, 5, 0.003)])
+    rows = rows_of(result, profile)
+    chain, tree = rows[(1, "chain")], rows[(1, "ddtree-16")]
+    assert (chain["verified"], tree["verified"]) == (5, 17)
+    assert chain["step_s"] == pytest.approx(0.012 + 0.003)
+    assert tree["verify_s"] == pytest.approx(0.012 + (0.040 - 0.012) * 12 / 28)
+    assert tree["speedup"] == pytest.approx(2.6 * 0.010 / (tree["verify_s"] + 0.003))
+
+
+def test_an_autoregressive_drafter_runs_one_pass_per_draft_and_a_tree_per_level(tmp_path):
+    result = write_result(tmp_path / "r", "eagle3", {"chain": 2.2, "eagle-tree-4x5-8": 2.9}, drafts=3)
+    verify = [(1, 1, 0.010), (1, 8, 0.014)]
+    drafters = [("eagle3", 1, 1, 0.001), ("eagle3", 1, 4, 0.002)]
+    rows = rows_of(result, write_profile(tmp_path / "p.json", verify, drafters))
+    assert rows[(1, "chain")]["draft_s"] == pytest.approx(3 * 0.001)
+    assert rows[(1, "eagle-tree-4x5-8")]["verified"] == 8
+    assert rows[(1, "eagle-tree-4x5-8")]["draft_s"] == pytest.approx(0.001 + 4 * 0.002)
+
+
+def test_the_fastest_configuration_changes_with_the_batch_size(tmp_path):
+    """Batch 1 is memory-bound (a larger tree is nearly free: the largest wins); at batch 32 the
+    forward's time grows with every token verified and the short chain wins."""
+    result = write_result(tmp_path / "r", "dflash", {"chain": 2.0, "ddtree-16": 2.6, "ddtree-64": 2.9})
+    verify = [(1, 1, 0.010), (1, 65, 0.011), (32, 1, 0.012), (32, 5, 0.02), (32, 65, 0.4)]
+    drafters = [("dflash", 1, 5, 0.001), ("dflash", 32, 5, 0.004)]
+    rows = as_rows(predict_results([result], load_profile(write_profile(tmp_path / "p.json", verify, drafters))))
+    best = {r["batch"]: r["method"] for r in rows if r["best"]}
+    assert best == {1: "ddtree-64", 32: "chain"}
+
+
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        (lambda p: p["target"].update(vocab_size=1024), "target.vocab_size is 1024"),
+        (lambda p: p["verify"][1].update(seconds=0.0), "verify[1].seconds"),
+        (lambda p: p["verify"][1].update(seconds=-0.01), "verify[1].seconds"),
+        (lambda p: p["verify"].append(dict(p["verify"][1])), "batch 1, 5 tokens is given twice"),
+        (lambda p: p["verify"].pop(0), "needed"),  # no plain decode measured: tokens 1 missing
+        (lambda p: p["verify"].pop(), "17 tokens per sequence are needed"),  # ddtree-16 past the largest
+        (lambda p: p["drafters"].clear(), "no drafter cost for family 'dflash'"),
+        (lambda p: p.update(format="other"), "format"),
+    ],
+    ids=[
+        "other-target",
+        "zero-time",
+        "negative-time",
+        "twice",
+        "no-plain",
+        "budget-past-measured",
+        "no-drafter",
+        "format",
+    ],
+)
+def test_a_bad_profile_is_one_error_line(tmp_path, change, words):
+    result = write_result(tmp_path / "r", "dflash", {"chain": 2.0, "ddtree-16": 2.6})
+    verify = [(1, 1, 0.010), (1, 5, 0.012), (1, 17, 0.02)]
+    path = tmp_path / "p.json"
+    write_profile(path, verify, [("dflash", 1, 5, 0.003)])
+    data = json.loads(path.read_text())
+    change(data)
+    path.write_text(json.dumps(data))
+    run = CliRunner().invoke(main, ["speed", result, "--profile", str(path)])
+    assert run.exit_code == 2, run.output
+    [line] = [x for x in run.output.splitlines() if x]
+    assert line.startswith("error: ") and str(path) in line and words in line, line
+
+
+def test_the_console_names_the_fastest_per_batch_and_out_writes_every_row(tmp_path):
+    result = write_result(tmp_path / "r", "dflash", {"chain": 2.0, "ddtree-16": 2.6})
+    verify = [(1, 1, 0.010), (1, 17, 0.011), (8, 1, 0.012), (8, 17, 0.05)]
+    drafters = [("dflash", 1, 5, 0.001), ("dflash", 8, 5, 0.002)]
+    profile = write_profile(tmp_path / "p.json", verify, drafters)
+    out = tmp_path / "speed.csv"
+    run = CliRunner().invoke(main, ["speed", result, "--profile", profile, "--out", str(out)])
+    assert run.exit_code == 0, run.output
+    assert "batch 1: fastest run_step_1 ddtree-16" in run.output
+    assert "batch 8: fastest run_step_1 chain" in run.output
+    table = pl.read_csv(out)
+    assert table.height == 4 and table.filter(pl.col("best")).height == 2
+    unmeasured = CliRunner().invoke(main, ["speed", result, "--profile", profile, "--batch", "4"])
+    assert unmeasured.exit_code == 2 and "batch size 4 is not measured" in unmeasured.output
+    only = CliRunner().invoke(main, ["speed", result, "--profile", profile, "--batch", "8", "--method", "ddtree-16"])
+    assert only.exit_code == 0 and "batch 8: fastest run_step_1 ddtree-16, 0.60x" in only.output, only.output
