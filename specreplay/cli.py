@@ -29,6 +29,7 @@ COMMANDS = {
     "compare": "compare",
     "compare-online": "compare_online",
     "diagnose": "diagnose",
+    "profile": "profile",
     "speed": "speed",
     "report": "report",
     "log": "log",
@@ -147,7 +148,8 @@ def main():
       specreplay compare data/results/run7_step_1000 data/results/run7_step_2000
       specreplay compare-online data/results/run7_step_2000 --server http://127.0.0.1:8080   # served tau low?
       specreplay diagnose --ckpt runs/run7/step_2000 --shards data/shards/smollm2   # tau looks wrong?
-      specreplay speed data/results --profile my-gpu.json   # fastest configuration per batch size
+      specreplay profile --target target.gguf --out cpu.json   # the serving side's costs, measured here
+      specreplay speed data/results --profile cpu.json   # fastest configuration per batch size
       specreplay report data/results --out report.html
       specreplay watch --ckpt 'runs/run7/step_*' --shards data/shards/smollm2 --out data/results \\
           --tensorboard runs/run7/logs      # beside a training run

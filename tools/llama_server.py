@@ -8,24 +8,23 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
-import sysconfig
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
+from pipeline.common.llama_cpp import binary_env, installed_binary
+
 
 def llama_server_binary() -> Path:
     """`llama-server` as `make setup` installs it: site-packages/bin/ of this interpreter."""
-    path = Path(sysconfig.get_paths()["purelib"]) / "bin" / "llama-server"
+    path = installed_binary("llama-server")
     assert path.is_file(), f"{path} is missing: run `make setup` (it builds llama.cpp's server from llama-cpp-python)"
     return path
 
 
 def llama_server_env(binary: Path) -> dict:
-    """Its shared libraries are installed beside it (site-packages/lib, llama_cpp/lib), not on the loader's path."""
-    site = binary.parent.parent
-    return {**os.environ, "LD_LIBRARY_PATH": f"{site / 'lib'}:{site / 'llama_cpp' / 'lib'}"}
+    return binary_env(binary)
 
 
 def llama_server_runs() -> bool:

@@ -25,7 +25,7 @@ class Configuration:
     checkpoint: str
     family: str
     method: str
-    tau: float
+    tau: float  # tokens per step over the workload (tokens_per_step)
     drafts: int  # the chain's drafts per step (a block drafter's block minus one)
 
 
@@ -44,6 +44,15 @@ class Prediction:
     speedup: float
 
 
+def tokens_per_step(row: dict) -> float:
+    """A workload's tokens per step: tokens produced over steps, pooled over the samples (its
+    throughput's numerator; the mean of per-sample tau weighs a short sample like a long one).
+    Without walk counts (sampled shards' chain: an expectation), the expected tau."""
+    if row.get("steps") and row.get("tokens_produced") is not None:
+        return row["tokens_produced"] / row["steps"]
+    return row["tau"]
+
+
 def configurations(summary_rows: list[dict], record: dict, name: str) -> list[Configuration]:
     """The pooled rows of a result's summary with a tau, as configurations (chain first)."""
     pooled = {r["method"]: r for r in summary_rows if r["dataset"] == "(all)" and r["tau"] is not None}
@@ -51,7 +60,7 @@ def configurations(summary_rows: list[dict], record: dict, name: str) -> list[Co
         return []
     drafts = len(pooled[CHAIN]["accept_rate_by_position"] or [])
     family = record["checkpoint"]["family"]
-    return [Configuration(name, family, method, row["tau"], drafts) for method, row in pooled.items()]
+    return [Configuration(name, family, method, tokens_per_step(row), drafts) for method, row in pooled.items()]
 
 
 def cost(curve: Curve | None, tokens: int, what: str, batch: int, profile: Profile) -> float:

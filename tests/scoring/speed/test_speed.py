@@ -15,6 +15,7 @@ from specreplay.cli import main
 from tests.helpers.fake_results import write_fake_results
 
 TARGET = {"name": "tiny", "num_layers": 4, "hidden_size": 64, "vocab_size": 512}
+TARGET_FACTS = {k: v for k, v in TARGET.items() if k != "name"}  # as run.json records them
 
 
 def write_result(path, family: str, taus: dict[str, float], drafts: int = 4, name: str = "run_step_1") -> str:
@@ -24,8 +25,7 @@ def write_result(path, family: str, taus: dict[str, float], drafts: int = 4, nam
         {"dataset": "(all)", "method": method, "tau": tau, "accept_rate_by_position": [0.5] * drafts}
         for method, tau in taus.items()
     ]
-    run = {"checkpoint": {"family": family, "name": name}, "shards": {"target_facts": dict(TARGET, name=None)}}
-    run["shards"]["target_facts"] = {k: v for k, v in TARGET.items() if k != "name"}
+    run = {"checkpoint": {"family": family, "name": name}, "shards": {"target_facts": TARGET_FACTS}}
     return write_fake_results(path, identity, [], summary, run=run)
 
 
@@ -57,6 +57,17 @@ def test_a_free_drafter_over_a_flat_verification_speeds_up_by_tau(tmp_path):
     assert row["verified"] == 5 and row["draft_s"] == 0.0
     assert row["speedup"] == pytest.approx(1.7)
     assert row["tokens_per_s"] == pytest.approx(170.0) and row["plain_tokens_per_s"] == pytest.approx(100.0)
+
+
+def test_throughput_pools_tokens_over_steps_not_the_mean_of_per_sample_tau(tmp_path):
+    """Two samples, 1 step of 4 tokens and 9 steps of 1: per-sample taus average 2.5, the workload
+    appends 13 tokens in 10 steps, 1.3 a step: its throughput's rate."""
+    identity = {"checkpoint": "a", "checkpoint_hash": "a", "checkpoint_step": 1, "drafter_family": "ngram"}
+    row = {"dataset": "(all)", "method": "chain", "tau": 2.5, "steps": 10, "tokens_produced": 13}
+    run = {"checkpoint": {"family": "ngram", "name": "a"}, "shards": {"target_facts": TARGET_FACTS}}
+    result = write_fake_results(tmp_path / "r", identity, [], [dict(row, accept_rate_by_position=[0.5] * 3)], run=run)
+    profile = write_profile(tmp_path / "p.json", [(1, 1, 0.01), (1, 4, 0.01)])
+    assert rows_of(result, profile)[(1, "chain")]["speedup"] == pytest.approx(1.3)
 
 
 def test_the_step_prices_the_method_s_verified_tokens_and_the_drafter_s_passes(tmp_path):

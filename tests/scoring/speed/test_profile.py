@@ -1,0 +1,53 @@
+"""`specreplay profile`: a cost profile measured by llama.cpp's real llama-bench (make setup builds
+it), on the real SmolLM2-135M GGUF the package ships; what `speed` then reads."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+from gguf import GGUFReader
+
+from pipeline.common.llama_cpp import installed_binary
+from pipeline.extract.target import smollm2_gguf_path
+from scoring.speed.profile import load_profile
+from specreplay.cli import main
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory):
+    assert installed_binary("llama-bench").is_file(), "llama-bench is not built: run `make setup`"
+    gguf = str(smollm2_gguf_path())
+    out = tmp_path_factory.mktemp("profile") / "cpu.json"
+    args = ["profile", "--target", gguf, "--draft", f"draft={gguf}", "--tokens", "1-2,4", "--context", "8"]
+    run = CliRunner().invoke(main, [*args, "--reps", "1", "--threads", "1", "--out", str(out)])
+    assert run.exit_code == 0, run.output
+    return gguf, out, args
+
+
+def test_the_profile_holds_every_count_asked_and_the_gguf_s_sizes(measured):
+    """The sizes as the gguf package's own reader reads the file (not this project's reader)."""
+    gguf, out, _ = measured
+    profile = load_profile(str(out))  # it validates as `speed` reads it
+    assert [(p.batch, p.tokens) for p in profile.file.verify] == [(1, 1), (1, 2), (1, 4)]
+    assert [(d.family, d.tokens) for d in profile.file.drafters] == [("draft", 1)]
+    assert profile.file.measured.context_len == 8
+    reader = GGUFReader(gguf)
+    arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+    layers = int(reader.fields[f"{arch}.block_count"].parts[-1][0])
+    hidden = int(reader.fields[f"{arch}.embedding_length"].parts[-1][0])
+    vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+    target = profile.file.target
+    assert (target.num_layers, target.hidden_size, target.vocab_size) == (layers, hidden, vocab)
+
+
+def test_an_existing_profile_is_not_replaced_and_bad_counts_are_refused(measured):
+    _, out, args = measured
+    before = out.read_text()
+    again = CliRunner().invoke(main, [*args, "--out", str(out)])
+    assert again.exit_code == 2 and f"error: {out} exists" in again.output
+    assert out.read_text() == before and json.loads(before)["verify"]
+    for tokens in ("0-3", "5-2", "x"):
+        bad = CliRunner().invoke(main, ["profile", "--target", args[2], "--tokens", tokens, "--out", str(out) + "2"])
+        assert bad.exit_code == 2 and "--tokens" in bad.output, bad.output
