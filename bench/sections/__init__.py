@@ -21,6 +21,7 @@ DEFAULT = (
     "checkpoints",
     "families",
     "baselines",
+    "speed",
     "eagle",
     "gemm",
     "fp8",

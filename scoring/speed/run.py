@@ -56,3 +56,13 @@ def predict_results(
     if not kept:
         raise UserError(f"no scored configuration is one of {', '.join(methods)} under {', '.join(paths)}")
     return predict(profile, kept, batches)
+
+
+def fastest_line(directory: str, profile: Profile) -> str:
+    """'predicted speedup: batch 1 2.31x (ddtree-16), batch 8 1.12x (chain)': the fastest
+    configuration of one result per measured batch size (score's headline with --profile)."""
+    from scoring.speed.predict import best_per_batch
+
+    best = best_per_batch(predict(profile, result_configurations(directory, profile)))
+    parts = [f"batch {b} {p.speedup:.2f}x ({p.method})" for b, p in sorted(best.items())]
+    return f"predicted speedup ({profile.source}): " + ", ".join(parts)

@@ -147,10 +147,18 @@ def d(name: str):
 @click.option(
     "--force", is_flag=True, help="Re-score and replace results already in --out, even when their settings differ."
 )
+@click.option(
+    "--profile",
+    "profile_path",
+    default=None,
+    metavar="PROFILE.json",
+    help="A cost profile of the serving side (`specreplay profile`, docs/speed.md): each headline adds the "
+    "fastest configuration's predicted speedup per measured batch size (`specreplay speed` has the table).",
+)
 @click.option("--no-progress", is_flag=True, help="No progress bars (the tables are still printed).")
 @click.option("--quiet", is_flag=True, help="No progress bars and no tables: one headline line per checkpoint.")
 @click.option("--json", "as_json", is_flag=True, help="Print the outcome of every checkpoint as JSON (stdout) instead.")
-def score(no_progress, quiet, as_json, **options):
+def score(no_progress, quiet, as_json, profile_path, **options):
     """Replay stored shards through drafter checkpoints; write exact acceptance metrics.
 
     Each checkpoint gets its own results directory, --out/<parent>_<name>/ (runs/tiny/step_300
@@ -188,7 +196,8 @@ def score(no_progress, quiet, as_json, **options):
     check_output_dir(config.out, "--out")
     from pipeline.common import timing
 
-    printer = OutcomePrinter(quiet or as_json, config.shards)
+    profile = checked_profile(profile_path, config.shards)
+    printer = OutcomePrinter(quiet or as_json, config.shards, profile)
     with timing.recording(printer.times):  # what the checkpoints share, said once (PassTimes)
         outcomes = run_score(config, progress=bars(no_progress or quiet), on_outcome=None if as_json else printer)
     if not outcomes:  # ranks other than 0 under torchrun
@@ -203,13 +212,25 @@ def score(no_progress, quiet, as_json, **options):
         sys.exit(1)
 
 
+def checked_profile(path: str | None, shards: str):
+    """The --profile, validated and checked against the shards' target before anything is scored."""
+    if path is None:
+        return None
+    from pipeline.shards import ShardSet
+    from scoring.speed.profile import load_profile
+
+    profile = load_profile(path)
+    profile.check_target(ShardSet(shards).manifest["settings"]["target"], shards)
+    return profile
+
+
 class OutcomePrinter:
     """Prints each checkpoint as it finishes, then the table across them and what to run next."""
 
-    def __init__(self, quiet: bool, shards: str):
+    def __init__(self, quiet: bool, shards: str, profile=None):
         from scoring.score.console import PassTimes
 
-        self.quiet, self.shards = quiet, shards
+        self.quiet, self.shards, self.profile = quiet, shards, profile
         self.times = PassTimes()  # the timing recorder of the run
 
     def __call__(self, outcome) -> None:
@@ -225,6 +246,10 @@ class OutcomePrinter:
             click.echo("")
             print_table(outcome.summary, outcome.record, outcome.out_dir, self.times.took(outcome.record))
         click.echo(headline(outcome.name, outcome.summary))
+        if self.profile is not None:
+            from scoring.speed.run import fastest_line
+
+            click.echo(f"  {fastest_line(outcome.out_dir, self.profile)}")
         if outcome.assumed:
             click.echo(f"  note: {outcome.name}: {outcome.assumed}", err=True)
         if self.quiet and outcome.status == Status.SCORED:

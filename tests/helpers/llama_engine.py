@@ -301,6 +301,7 @@ class EngineRun:
     steps: list[tuple[int, int]]
     draft_n: int
     draft_n_accepted: int
+    timings: dict | None = None  # the answer's `timings` as the server reports them (predicted_ms, ...)
 
 
 def engine_run(server: LlamaServer, prompt: list[int], n_predict: int, slot: int | None = None) -> EngineRun:
@@ -323,7 +324,7 @@ def engine_run(server: LlamaServer, prompt: list[int], n_predict: int, slot: int
     assert len(tasks) <= 1, tasks
     steps = [(int(a), int(d)) for _, a, d in STEP_LINE.findall(text)]
     timings = reply["timings"]
-    return EngineRun(reply["tokens"], steps, timings.get("draft_n", 0), timings.get("draft_n_accepted", 0))
+    return EngineRun(reply["tokens"], steps, timings.get("draft_n", 0), timings.get("draft_n_accepted", 0), timings)
 
 
 def _request_log(log: Path, start: int, timeout_s: float = 30) -> str:

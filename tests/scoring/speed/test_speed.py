@@ -158,3 +158,31 @@ def test_the_console_names_the_fastest_per_batch_and_out_writes_every_row(tmp_pa
     assert unmeasured.exit_code == 2 and "batch size 4 is not measured" in unmeasured.output
     only = CliRunner().invoke(main, ["speed", result, "--profile", profile, "--batch", "8", "--method", "ddtree-16"])
     assert only.exit_code == 0 and "batch 8: fastest run_step_1 ddtree-16, 0.60x" in only.output, only.output
+
+
+def test_score_with_a_profile_adds_the_fastest_per_batch_and_refuses_another_target_first(tmp_path, tiny_qwen3_dir):
+    """A real score of a baseline on a tiny target's shards: the headline's extra line names the
+    predicted speedup the speed command computes from the same result; a profile of another
+    target is refused before anything is scored."""
+    from pipeline.shards import ShardSet
+    from tests.helpers.shards import tiny_shards
+
+    shards = tiny_shards(tmp_path, tiny_qwen3_dir, [{"id": "a", "prompt": "one two one two one two"}], 24)
+    target = ShardSet(shards).manifest["settings"]["target"]
+    facts = {k: target[k] for k in ("num_layers", "hidden_size", "vocab_size")}
+    profile = write_profile(
+        tmp_path / "p.json", [(1, 1, 0.01), (1, 5, 0.012), (4, 1, 0.02), (4, 5, 0.05)], target=facts
+    )
+    args = ["score", "--ckpt", "ngram:vllm:k=4", "--shards", shards, "--quiet", "--profile", profile]
+    run = CliRunner().invoke(main, [*args, "--out", str(tmp_path / "out")])
+    assert run.exit_code == 0, run.output
+    [result] = [str(p) for p in (tmp_path / "out").iterdir()]
+    [line] = [x.strip() for x in run.output.splitlines() if x.strip().startswith("predicted speedup")]
+    expected = {r["batch"]: r["speedup"] for r in rows_of(result, profile).values()}
+    assert (
+        line == f"predicted speedup ({profile}): batch 1 {expected[1]:.2f}x (chain), batch 4 {expected[4]:.2f}x (chain)"
+    )
+    other = write_profile(tmp_path / "q.json", [(1, 1, 0.01), (1, 5, 0.012)], target=dict(facts, hidden_size=7))
+    refused = CliRunner().invoke(main, [*args[:-1], other, "--out", str(tmp_path / "out2")])
+    assert refused.exit_code == 2 and "target.hidden_size is 7" in refused.output
+    assert not (tmp_path / "out2").exists()
