@@ -41,15 +41,40 @@ def batch_lines(rows: list[dict], batch: int) -> list[str]:
     return [head, *aligned(list(COLUMNS), cells, left={"checkpoint", "method"}), ""]
 
 
+def print_synthetic(paths: list[str], engine: str) -> None:
+    """Each results directory's acceptance as the engine's synthetic setting, one line each."""
+    from pipeline.common.errors import UserError
+    from scoring import results
+    from scoring.speed.export import llama_cpp_flag, vllm_synthetic
+
+    directories = [d for path in paths for d in results.results_dirs_below(path)]
+    if not directories:
+        raise UserError(f"no results directory (with {results.FILES['summary']}) under {', '.join(paths)}")
+    for directory in directories:
+        setting = llama_cpp_flag(directory) if engine == "llama.cpp" else json.dumps(vllm_synthetic(directory))
+        click.echo(f"{directory}: {setting}")
+
+
 @click.command()
 @click.argument("results_paths", metavar="RESULTS...", nargs=-1, required=True)
 @click.option(
     "--profile",
     "profile_path",
-    required=True,
+    default=None,
     metavar="PROFILE.json",
     help="Cost profile of the serving side: the target's verification forward and each drafter's forward "
-    "by batch size and tokens per sequence (docs/speed.md declares it).",
+    "by batch size and tokens per sequence (`specreplay profile`; docs/speed.md declares it). Needed except "
+    "for --export llama.cpp / vllm.",
+)
+@click.option(
+    "--export",
+    "export",
+    type=click.Choice(["llama.cpp", "vllm", "vllm-dynamic"]),
+    default=None,
+    help="Print the acceptance in an engine's own synthetic form instead, to time a serving stack at exactly "
+    "it: llama.cpp = llama-server's --spec-synth-rates, vllm = vLLM's synthetic rejection sampler rates (one "
+    "per results directory); vllm-dynamic = vLLM's num_speculative_tokens_per_batch_size, the fastest K per "
+    "batch size among results of one drafter at several K (needs --profile).",
 )
 @click.option(
     "--batch",
@@ -66,7 +91,7 @@ def batch_lines(rows: list[dict], batch: int) -> list[str]:
 )
 @click.option("--out", default=None, help="Also write every prediction to this .parquet or .csv file.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON (the profile's measurement and every row).")
-def speed(results_paths, profile_path, batches, methods, out, as_json):
+def speed(results_paths, profile_path, export, batches, methods, out, as_json):
     """Which configuration is fastest at each batch size, and by how much? From each results
     directory's exact tau (summary.parquet, pooled over datasets) and a measured cost profile:
     step time = the target verifying the step's tokens + the drafter's forwards; tokens/s =
@@ -78,6 +103,7 @@ def speed(results_paths, profile_path, batches, methods, out, as_json):
     \b
     Example:
       specreplay speed data/results --profile my-gpu.json
+      specreplay speed data/results/run7_step_300 --export llama.cpp   # llama-server --spec-synth-rates
       specreplay speed data/results/runs_step_300 --profile my-gpu.json --batch 1 --batch 8 --out speed.csv
     """
     from scoring.speed.predict import as_rows
@@ -85,7 +111,19 @@ def speed(results_paths, profile_path, batches, methods, out, as_json):
     from scoring.speed.run import predict_results
     from specreplay.commands.compare import write_table
 
+    if export in ("llama.cpp", "vllm"):
+        print_synthetic(list(results_paths), export)
+        return
+    if profile_path is None:
+        raise click.UsageError("give --profile (measure one with `specreplay profile`)")
     profile = load_profile(profile_path)
+    if export == "vllm-dynamic":
+        from scoring.speed.export import vllm_dynamic
+
+        click.echo(
+            json.dumps(vllm_dynamic(predict_results(list(results_paths), profile, list(batches) or None, ["chain"])))
+        )
+        return
     rows = as_rows(predict_results(list(results_paths), profile, list(batches) or None, list(methods) or None))
     if out:
         import polars as pl

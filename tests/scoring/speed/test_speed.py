@@ -160,16 +160,24 @@ def test_the_console_names_the_fastest_per_batch_and_out_writes_every_row(tmp_pa
     assert only.exit_code == 0 and "batch 8: fastest run_step_1 ddtree-16, 0.60x" in only.output, only.output
 
 
-def test_score_with_a_profile_adds_the_fastest_per_batch_and_refuses_another_target_first(tmp_path, tiny_qwen3_dir):
-    """A real score of a baseline on a tiny target's shards: the headline's extra line names the
-    predicted speedup the speed command computes from the same result; a profile of another
-    target is refused before anything is scored."""
+@pytest.fixture(scope="module")
+def scored(tmp_path_factory, tiny_qwen3_dir):
+    """A real extract of a tiny target and its shards' target sizes."""
     from pipeline.shards import ShardSet
     from tests.helpers.shards import tiny_shards
 
-    shards = tiny_shards(tmp_path, tiny_qwen3_dir, [{"id": "a", "prompt": "one two one two one two"}], 24)
+    tmp = tmp_path_factory.mktemp("speed")
+    records = [{"id": "a", "prompt": "one two one two one two"}, {"id": "b", "prompt": "three four three four"}]
+    shards = tiny_shards(tmp, tiny_qwen3_dir, records, 24)
     target = ShardSet(shards).manifest["settings"]["target"]
-    facts = {k: target[k] for k in ("num_layers", "hidden_size", "vocab_size")}
+    return tmp, shards, {k: target[k] for k in ("num_layers", "hidden_size", "vocab_size")}
+
+
+def test_score_with_a_profile_adds_the_fastest_per_batch_and_refuses_another_target_first(scored, tmp_path):
+    """A real score of a baseline on a tiny target's shards: the headline's extra line names the
+    predicted speedup the speed command computes from the same result; a profile of another
+    target is refused before anything is scored."""
+    _, shards, facts = scored
     profile = write_profile(
         tmp_path / "p.json", [(1, 1, 0.01), (1, 5, 0.012), (4, 1, 0.02), (4, 5, 0.05)], target=facts
     )
@@ -186,3 +194,62 @@ def test_score_with_a_profile_adds_the_fastest_per_batch_and_refuses_another_tar
     refused = CliRunner().invoke(main, [*args[:-1], other, "--out", str(tmp_path / "out2")])
     assert refused.exit_code == 2 and "target.hidden_size is 7" in refused.output
     assert not (tmp_path / "out2").exists()
+
+
+def write_walk_result(path, accepted: list[int], drafted: list[int]) -> str:
+    """A chain result of K = 4 whose walk steps accepted `accepted` of `drafted` drafts."""
+    identity = {"checkpoint": "w", "checkpoint_hash": "w", "checkpoint_step": 1, "drafter_family": "dflash"}
+    summary = [{"dataset": "(all)", "method": "chain", "tau": 2.0, "accept_rate_by_position": [0.9, 0.8, 0.7, 0.6]}]
+    walk = [
+        {"dataset": "d", "sample_id": "s", "method": "chain", "step": i, "accepted_len": a, "drafted": d}
+        for i, (a, d) in enumerate(zip(accepted, drafted))
+    ]
+    run = {"checkpoint": {"family": "dflash", "name": "w"}, "shards": {"target_facts": TARGET_FACTS}}
+    return write_fake_results(path, identity, [], summary, walk=walk, run=run)
+
+
+def test_synthetic_rates_are_the_walk_s_unconditional_acceptance_and_llama_server_reads_them_so(tmp_path):
+    """Full steps (4 drafts verified) accepted 0, 1, 2, 4, 4, 3, 1, 0: P_k = the share accepting at
+    least k = 6/8, 4/8, 3/8, 2/8 (a step cut to 2 drafts at the end does not count). The real
+    llama-server takes the flag (it refuses rates that rise or a count other than its draft limit)
+    and states the mean acceptance length it will draw, 1 + sum P_k."""
+    from pipeline.extract.target import smollm2_gguf_path
+    from tools.llama_server import LlamaServer
+
+    result = write_walk_result(tmp_path / "r", [0, 1, 2, 4, 4, 3, 1, 0, 2], [4] * 8 + [2])
+    run = CliRunner().invoke(main, ["speed", result, "--export", "llama.cpp"])
+    assert run.exit_code == 0, run.output
+    flags = run.output.strip().split(": ", 1)[1].split()
+    assert flags == ["--spec-draft-n-max", "4", "--spec-synth-rates", "0.75,0.5,0.375,0.25"]
+    vllm = CliRunner().invoke(main, ["speed", result, "--export", "vllm"])
+    setting = json.loads(vllm.output.strip().split(": ", 1)[1])
+    assert setting == {
+        "num_speculative_tokens": 4,
+        "rejection_sample_method": "synthetic",
+        "synthetic_acceptance_rates": [0.75, 0.5, 0.375, 0.25],
+    }
+    ngram = ("--spec-type", "ngram-simple", "--spec-ngram-simple-size-m", "4")
+    server = LlamaServer(smollm2_gguf_path(), tmp_path / "server.log", extra=(*ngram, *flags)).start()
+    server.stop()
+    log = (tmp_path / "server.log").read_text()
+    assert "synthetic acceptance: n_max = 4, mean length = 2.875000" in log, log[-3000:]
+
+
+def test_the_dynamic_schedule_takes_the_fastest_k_per_batch_size(tmp_path):
+    """One drafter scored at K 2 and K 6: free verification at batch 1 favours K 6; at batch 16
+    verification grows with the tokens and K 2 wins. vLLM's schedule starts at batch size 1."""
+    for k, tau in ((2, 2.2), (6, 3.0)):
+        identity = {"checkpoint": "d", "checkpoint_hash": "d", "checkpoint_step": 1, "drafter_family": "ngram"}
+        summary = [{"dataset": "(all)", "method": "chain", "tau": tau, "accept_rate_by_position": [0.5] * k}]
+        run = {"checkpoint": {"family": "ngram", "name": "d"}, "shards": {"target_facts": TARGET_FACTS}}
+        write_fake_results(tmp_path / "results" / f"k{k}", identity, [], summary, run=run)
+    verify = [(1, 1, 0.01), (1, 7, 0.01), (16, 1, 0.02), (16, 3, 0.025), (16, 7, 0.06)]
+    profile = write_profile(tmp_path / "p.json", verify)
+    run = CliRunner().invoke(
+        main, ["speed", str(tmp_path / "results"), "--profile", profile, "--export", "vllm-dynamic"]
+    )
+    assert run.exit_code == 0, run.output
+    assert json.loads(run.output) == {
+        "num_speculative_tokens": 6,
+        "num_speculative_tokens_per_batch_size": [[1, 15, 6], [16, 16, 2]],
+    }
