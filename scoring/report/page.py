@@ -43,6 +43,7 @@ from scoring.report.plots import (
     plot_tau_vs_step,
 )
 from scoring.report.sample import SampleViews, anchor_id, choose_samples, sample_section
+from scoring.report.speed import speed_parts
 from scoring.report.tables import inputs_table, reach_table, summary_table, worst_prompts_table
 from scoring.results import ALL_DATASETS as ALL
 
@@ -198,6 +199,14 @@ def _plot_sections(results: Results) -> list[str]:
     ]
 
 
+def _speed_section(results: Results, profile) -> str:
+    """ "Predicted speed" (report --profile), or nothing without a profile."""
+    if profile is None:
+        return ""
+    caption, png, table = speed_parts(results, profile)
+    return _section("Predicted speed", caption, (png, None), table)
+
+
 def _sampled_caption(results) -> str:
     """The words the console uses for results scored on sampled shards (empty when none is)."""
     if "temperature" not in results.summary.columns or not (results.summary["temperature"].fill_null(0) > 0).any():
@@ -226,10 +235,12 @@ def render_report(
     generated: dt.datetime | None = None,
     views: SampleViews | None = None,
     diagnoses: list | None = None,
+    profile=None,
 ) -> str:
     """The complete HTML document as a string. An unknown --sample id raises ReportError.
     `diagnoses` (report_diagnose.load_diagnoses) add a Diagnose section after the summary;
-    with no results they are the whole page."""
+    with no results they are the whole page. `profile` (scoring/speed/profile.py) adds the
+    Predicted speed section."""
     views = views or SampleViews()
     title = title or "specreplay report"
     generated = generated or dt.datetime.now(dt.timezone.utc)
@@ -244,6 +255,7 @@ def render_report(
         f"definition. “(all)” pools every sample.{_sampled_caption(results)}</p>",
         summary_table(results),
         baselines_section(results),
+        _speed_section(results, profile),
         diagnose_section(diagnoses or []),
         *_plot_sections(results),
         "<h2>Worst prompts</h2>",
@@ -276,7 +288,12 @@ class Written:
 
 
 def write_report(
-    paths: list[str], out: str, title: str | None = None, worst: int = 10, views: SampleViews | None = None
+    paths: list[str],
+    out: str,
+    title: str | None = None,
+    worst: int = 10,
+    views: SampleViews | None = None,
+    profile=None,
 ) -> Written:
     """Find, load, render and write atomically (nothing is written when rendering fails)."""
     diagnoses = load_diagnoses(paths)
@@ -287,7 +304,9 @@ def write_report(
             raise
         results = None  # diagnoses only
     views = views or SampleViews()
-    text = render_report(results, title=title, worst=worst, inputs=list(paths), views=views, diagnoses=diagnoses)
+    text = render_report(
+        results, title=title, worst=worst, inputs=list(paths), views=views, diagnoses=diagnoses, profile=profile
+    )
     out = os.path.abspath(out)
     os.makedirs(os.path.dirname(out), exist_ok=True)
     tmp = out + ".tmp"

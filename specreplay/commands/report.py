@@ -47,7 +47,15 @@ import click
     metavar="PATH",
     help="Tokenizer directory for the token view (default: the one extract saved under <shards>/tokenizer/).",
 )
-def report(results, out, title, worst, sample_views, samples, shards, tokenizer):
+@click.option(
+    "--profile",
+    "profile_path",
+    default=None,
+    metavar="PROFILE.json",
+    help="A cost profile (`specreplay profile`, docs/speed.md): adds a Predicted speed section (speedup against "
+    "the tokens verified per step, per batch size; the fastest configuration per checkpoint and batch size).",
+)
+def report(results, out, title, worst, sample_views, samples, shards, tokenizer, profile_path):
     """Write one self-contained HTML report (plots embedded, opens offline) from score results.
 
     RESULTS are directories written by `specreplay score`, or parents holding several: every
@@ -71,7 +79,12 @@ def report(results, out, title, worst, sample_views, samples, shards, tokenizer)
     from scoring.report.page import SampleViews, write_report
 
     views = SampleViews(count=sample_views, ids=list(samples), shards=shards, tokenizer=tokenizer)
-    written = write_report(list(results), out, title=title, worst=worst, views=views)
+    profile = None
+    if profile_path is not None:
+        from scoring.speed.profile import load_profile
+
+        profile = load_profile(profile_path)
+    written = write_report(list(results), out, title=title, worst=worst, views=views, profile=profile)
     for duplicate in written.duplicates:
         click.echo(
             f"skipped {duplicate.skipped}: same checkpoint (hash {duplicate.checkpoint_hash}) on the same shards "

@@ -253,3 +253,26 @@ def test_the_dynamic_schedule_takes_the_fastest_k_per_batch_size(tmp_path):
         "num_speculative_tokens": 6,
         "num_speculative_tokens_per_batch_size": [[1, 15, 6], [16, 16, 2]],
     }
+
+
+def test_the_report_with_a_profile_shows_the_fastest_per_batch_as_speed_computes_it(scored, tmp_path):
+    _, shards, facts = scored
+    out = tmp_path / "out"
+    for k in (2, 6):
+        run = CliRunner().invoke(
+            main, ["score", "--ckpt", f"ngram:vllm:k={k}", "--shards", shards, "--quiet", "--out", str(out)]
+        )
+        assert run.exit_code == 0, run.output
+    verify = [(1, 1, 0.01), (1, 7, 0.011), (8, 1, 0.02), (8, 7, 0.09)]
+    profile = write_profile(tmp_path / "p.json", verify, target=facts)
+    page = tmp_path / "report.html"
+    run = CliRunner().invoke(main, ["report", str(out), "--out", str(page), "--profile", profile])
+    assert run.exit_code == 0, run.output
+    text = page.read_text()
+    assert "<h2>Predicted speed</h2>" in text and "Plain tokens/s" in text
+    rows = as_rows(predict_results([str(out)], load_profile(profile)))
+    for r in rows:
+        if r["best"]:
+            assert f"<td>{r['batch']}</td><td>{r['method']}</td><td>{r['tau']:.3f}</td>" in text, r
+    without = CliRunner().invoke(main, ["report", str(out), "--out", str(tmp_path / "plain.html")])
+    assert without.exit_code == 0 and "Predicted speed" not in (tmp_path / "plain.html").read_text()
