@@ -94,8 +94,16 @@ def write_table(df, path: str) -> None:
     "(samples.parquet tokens_hash) are paired, the others are counted in `differing`.",
 )
 @click.option("--out", default=None, help="Also write the comparison to this .parquet or .csv file.")
+@click.option(
+    "--profile",
+    "profile_path",
+    default=None,
+    metavar="PROFILE.json",
+    help="A cost profile (`specreplay profile`, docs/speed.md): also each side's fastest configuration and its "
+    "predicted speedup per measured batch size.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON (rows and warnings) instead of the table.")
-def compare(a, b, methods, datasets, resamples, seed, confidence, allow_different_shards, out, as_json):
+def compare(a, b, methods, datasets, resamples, seed, confidence, allow_different_shards, out, profile_path, as_json):
     """Is checkpoint B better than A? tau difference B - A per dataset and method, with a
     paired bootstrap confidence interval over samples and a plain-words verdict; the same for
     the all-anchor streak (anchors.parquet). The first line is the pooled chain verdict.
@@ -114,6 +122,11 @@ def compare(a, b, methods, datasets, resamples, seed, confidence, allow_differen
     """
     from scoring.compare.run import run_comparison
 
+    profile = None
+    if profile_path is not None:
+        from scoring.speed.profile import load_profile
+
+        profile = load_profile(profile_path)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         comparison = run_comparison(
@@ -127,6 +140,11 @@ def compare(a, b, methods, datasets, resamples, seed, confidence, allow_differen
             allow_different_shards=allow_different_shards,
         )
     notes = [str(w.message) for w in caught]
+    predicted = {}
+    if profile is not None:
+        from scoring.speed.run import fastest_line
+
+        predicted = {side: fastest_line(d, profile) for side, d in (("A", comparison.dir_a), ("B", comparison.dir_b))}
     rows = comparison.table.to_dicts()
     if out:
         write_table(comparison.table, out)
@@ -134,12 +152,14 @@ def compare(a, b, methods, datasets, resamples, seed, confidence, allow_differen
         for note in notes:
             click.echo(f"warning: {note}", err=True)
         payload = as_payload(comparison, a, b, resamples, seed, allow_different_shards, notes)
-        click.echo(json.dumps(payload, indent=1))
+        click.echo(json.dumps({**payload, "predicted_speed": predicted} if predicted else payload, indent=1))
     else:
         click.echo(comparison.headline)
         for note in notes:
             click.echo(f"warning: {note}", err=True)
         _print_report(comparison, rows, resamples, seed)
+        for side, line in predicted.items():
+            click.echo(f"{side}: {line}")
     if out:
         click.echo(f"wrote {out}", err=as_json)
 

@@ -276,3 +276,10 @@ def test_the_report_with_a_profile_shows_the_fastest_per_batch_as_speed_computes
             assert f"<td>{r['batch']}</td><td>{r['method']}</td><td>{r['tau']:.3f}</td>" in text, r
     without = CliRunner().invoke(main, ["report", str(out), "--out", str(tmp_path / "plain.html")])
     assert without.exit_code == 0 and "Predicted speed" not in (tmp_path / "plain.html").read_text()
+    a, b = sorted(str(p) for p in out.iterdir() if p.is_dir())
+    compared = CliRunner().invoke(main, ["compare", a, b, "--profile", profile, "--resamples", "50"])
+    assert compared.exit_code == 0, compared.output
+    for side, directory in (("A", a), ("B", b)):
+        best = {r["batch"]: r for r in as_rows(predict_results([directory], load_profile(profile))) if r["best"]}
+        line = ", ".join(f"batch {n} {r['speedup']:.2f}x ({r['method']})" for n, r in sorted(best.items()))
+        assert f"{side}: predicted speedup ({profile}): {line}" in compared.output
