@@ -9,7 +9,27 @@ import os
 import click
 
 
-def token_counts(text: str) -> list[int]:
+def served_rows(target, serve: dict, ks: list[int], context, requests, threads, extra, out) -> list[dict]:
+    """Each --serve drafter's profile rows, one per K, timed inside llama-server (its logs beside --out)."""
+    from scoring.speed.llama_server import served_pass
+
+    work = os.path.splitext(out)[0] + "-logs"
+    os.makedirs(work, exist_ok=True)
+    setting = dict(context=context, requests=requests, n_predict=32, threads=threads, extra=tuple(extra), work=work)
+    rows = [served_pass(family, gguf, target, k, setting) for family, gguf in serve.items() for k in ks]
+    return merged(rows)
+
+
+def merged(rows: list[dict]) -> list[dict]:
+    """One row per (family, batch, tokens): an autoregressive drafter's one-token pass timed at
+    several K is their mean."""
+    groups: dict[tuple, list[dict]] = {}
+    for row in rows:
+        groups.setdefault((row["family"], row["batch"], row["tokens"]), []).append(row)
+    return [dict(same[0], seconds=sum(r["seconds"] for r in same) / len(same)) for same in groups.values()]
+
+
+def token_counts(text: str, option: str = "--tokens") -> list[int]:
     """'1-5,8,16' -> [1, 2, 3, 4, 5, 8, 16]: counts and inclusive ranges, comma-separated."""
     counts: set[int] = set()
     for part in text.split(","):
@@ -17,22 +37,22 @@ def token_counts(text: str) -> list[int]:
         try:
             first, last = int(low), int(high or low)
         except ValueError:
-            raise click.BadParameter(f"{part!r} is not a count or a range like 1-17", param_hint="--tokens") from None
+            raise click.BadParameter(f"{part!r} is not a count or a range like 1-17", param_hint=option) from None
         if first < 1 or last < first:
-            raise click.BadParameter(f"{part!r}: counts start at 1 and a range goes up", param_hint="--tokens")
+            raise click.BadParameter(f"{part!r}: counts start at 1 and a range goes up", param_hint=option)
         counts.update(range(first, last + 1))
     return sorted(counts)
 
 
-def draft_models(items: tuple[str, ...]) -> dict[str, str]:
+def draft_models(items: tuple[str, ...], option: str = "--draft") -> dict[str, str]:
     """('draft=small.gguf', ...) -> {family: GGUF}."""
     found = {}
     for item in items:
         family, _, path = item.partition("=")
         if not path or family in found:
-            raise click.BadParameter(f"{item!r}: give FAMILY=PATH.gguf, each family once", param_hint="--draft")
+            raise click.BadParameter(f"{item!r}: give FAMILY=PATH.gguf, each family once", param_hint=option)
         if not os.path.isfile(path):
-            raise click.BadParameter(f"{path}: no such file", param_hint="--draft")
+            raise click.BadParameter(f"{path}: no such file", param_hint=option)
         found[family] = path
     return found
 
@@ -70,11 +90,46 @@ def draft_models(items: tuple[str, ...]) -> dict[str, str]:
     help="More llama-bench options, as the server runs (e.g. --llama-arg=-fa --llama-arg=off); repeatable.",
 )
 @click.option(
+    "--serve",
+    "served",
+    multiple=True,
+    metavar="FAMILY=DRAFTER.gguf",
+    help="A drafter llama-bench cannot run (DFlash, DSpark, EAGLE-3, an MTP head: give the target's GGUF), "
+    "timed inside llama-server serving the target with it, at each K of --serve-drafts; repeatable.",
+)
+@click.option(
+    "--serve-drafts",
+    default="1-8",
+    show_default=True,
+    help="Drafts per step (--spec-draft-n-max) to time each --serve drafter at: counts and ranges.",
+)
+@click.option(
+    "--serve-requests",
+    default=3,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Requests timed per --serve drafter and K (after one warm-up request), --context prompt tokens each.",
+)
+@click.option(
     "--llama-bench", "llama_bench", default=None, help="llama-bench's path (default: make setup's, else PATH)."
 )
 @click.option("--out", required=True, help="The profile JSON to write.")
 @click.option("--force", is_flag=True, help="Replace an existing --out file.")
-def profile(target, drafts, tokens, context, reps, threads, llama_args, llama_bench, out, force):
+def profile(
+    target,
+    drafts,
+    tokens,
+    context,
+    reps,
+    threads,
+    llama_args,
+    served,
+    serve_drafts,
+    serve_requests,
+    llama_bench,
+    out,
+    force,
+):
     """Measure how long the target's forward takes for 1, 2, ... tokens per sequence after
     --context tokens, and each draft model's one-token forward, with llama.cpp's own llama-bench on
     this machine: the cost profile `specreplay speed` predicts tokens per second from. One
@@ -84,6 +139,7 @@ def profile(target, drafts, tokens, context, reps, threads, llama_args, llama_be
     \b
     Example:
       specreplay profile --target smollm2-f32.gguf --draft draft=small-f32.gguf --tokens 1-9 --out cpu.json
+      specreplay profile --target t.gguf --serve dflash=dflash.gguf --serve-drafts 4,8,15 --tokens 1-16 --out cpu.json
       specreplay speed data/results --profile cpu.json
     """
     from pipeline.common.errors import UserError
@@ -91,9 +147,24 @@ def profile(target, drafts, tokens, context, reps, threads, llama_args, llama_be
 
     if os.path.exists(out) and not force:
         raise UserError(f"{out} exists; give another --out or --force to replace it")
+    serve = draft_models(served, "--serve")
+    from scoring.speed.llama_server import SPEC_TYPES
+
+    both = sorted(set(serve) & set(draft_models(drafts)))
+    if both:
+        raise click.BadParameter(f"{both[0]} is given to --draft too: time each drafter one way", param_hint="--serve")
+    unserved = [family for family in serve if family not in SPEC_TYPES]
+    if unserved:
+        raise click.BadParameter(
+            f"llama-server serves no {unserved[0]!r} drafter ({', '.join(SPEC_TYPES)})", param_hint="--serve"
+        )
+    ks = token_counts(serve_drafts, "--serve-drafts")
     measured = measure(
         target, draft_models(drafts), token_counts(tokens), context, reps, threads, llama_args, llama_bench
     )
+    if serve:
+        measured["drafters"] += served_rows(target, serve, ks, context, serve_requests, threads, llama_args, out)
+        measured["measured"]["notes"] += "; drafters timed inside llama-server: " + ", ".join(serve)
     with open(out, "w") as f:
         json.dump(measured, f, indent=1)
     verify = measured["verify"]

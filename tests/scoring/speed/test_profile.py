@@ -26,6 +26,26 @@ def measured(tmp_path_factory):
     return gguf, out, args
 
 
+def test_a_drafter_timed_inside_llama_server_is_one_row_per_k(measured):
+    """draft-simple (the target as its own draft model) served at K 2 and 3: a pass is its draft
+    call over K, timed by the server's own counters after a warm-up request, one row (the mean
+    over the K) for its one-token pass; the logs are kept."""
+    gguf, out, _ = measured
+    served = out.parent / "served.json"
+    args = ["profile", "--target", gguf, "--tokens", "1", "--context", "8", "--reps", "1", "--threads", "1"]
+    serve = ["--serve", f"draft={gguf}", "--serve-drafts", "2-3", "--serve-requests", "1"]
+    run = CliRunner().invoke(main, [*args, *serve, "--out", str(served)])
+    assert run.exit_code == 0, run.output
+    profile = load_profile(str(served))
+    assert [(d.family, d.tokens) for d in profile.file.drafters] == [("draft", 1)]
+    assert "drafters timed inside llama-server: draft" in profile.file.measured.notes
+    logs = sorted(p.name for p in (out.parent / "served-logs").iterdir())
+    assert logs == ["server-draft-2.log", "server-draft-3.log"]
+    assert all("statistics     draft-simple" in (out.parent / "served-logs" / name).read_text() for name in logs)
+    both = CliRunner().invoke(main, [*args, *serve, "--draft", f"draft={gguf}", "--out", str(served) + "2"])
+    assert both.exit_code == 2 and "time each drafter one way" in both.output
+
+
 def test_the_profile_holds_every_count_asked_and_the_gguf_s_sizes(measured):
     """The sizes as the gguf package's own reader reads the file (not this project's reader)."""
     gguf, out, _ = measured
@@ -48,6 +68,10 @@ def test_an_existing_profile_is_not_replaced_and_bad_counts_are_refused(measured
     again = CliRunner().invoke(main, [*args, "--out", str(out)])
     assert again.exit_code == 2 and f"error: {out} exists" in again.output
     assert out.read_text() == before and json.loads(before)["verify"]
+    unserved = CliRunner().invoke(
+        main, ["profile", "--target", args[2], "--serve", f"ngram={args[2]}", "--out", str(out) + "3"]
+    )
+    assert unserved.exit_code == 2 and "llama-server serves no 'ngram' drafter" in unserved.output
     for tokens in ("0-3", "5-2", "x"):
         bad = CliRunner().invoke(main, ["profile", "--target", args[2], "--tokens", tokens, "--out", str(out) + "2"])
         assert bad.exit_code == 2 and "--tokens" in bad.output, bad.output
