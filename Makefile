@@ -62,6 +62,10 @@ setup: .venv/bin/python
 	# .venv/share/arctic_suffix/: the reference tests/proposers/test_suffix.py compares the suffix
 	# proposer with. About 35 s on 2 cores; skipped once it imports.
 	$(PY) -m tools.arctic_suffix
+	# SGLang 0.5.23's n-gram corpus (the C++ trie behind --speculative-algorithm NGRAM), compiled with g++ from
+	# the sglang wheel's sources into .venv/share/sglang_ngram/: the reference tests/proposers/test_sglang_ngram.py
+	# compares the ngram:sglang proposer with. About 15 s on 2 cores; skipped once it loads.
+	$(PY) -m tools.sglang_ngram
 
 LLAMA_SHARE = .venv/share/llama.cpp
 

@@ -68,6 +68,19 @@ NAMED = (
         describes="llama-server's ngram-cache (per-slot n-gram counts; replayed along the server's loop)",
     ),
     NamedBaseline(
+        "ngram:sglang",
+        {"speculative_algorithm": "NGRAM"},
+        {
+            "n": "speculative_num_draft_tokens",
+            "depth": "speculative_ngram_max_trie_depth",
+            "min": "speculative_ngram_min_bfs_breadth",
+            "max": "speculative_ngram_max_bfs_breadth",
+            "match": "speculative_ngram_match_type",
+            "capacity": "speculative_ngram_capacity",
+        },
+        describes="SGLang's NGRAM (one trie for every request, a tree of n - 1 drafts; replayed along SGLang's loop)",
+    ),
+    NamedBaseline(
         "suffix:vllm",
         {"method": "suffix"},
         {
@@ -92,6 +105,13 @@ NAMED = (
         {"k": "num_speculative_tokens"},
         path_key="model",
         describes="a standalone draft model, as vLLM's draft_model runs it",
+    ),
+    NamedBaseline(
+        "pard-vllm",
+        {"method": "draft_model", "parallel_drafting": True},
+        {"k": "num_speculative_tokens"},
+        path_key="model",
+        describes="a parallel draft model (PARD: K drafts in one pass through mask tokens), as vLLM's draft_model runs it",
     ),
 )
 _SETTINGS = re.compile(r"[\w.-]+=[^,=:]*(,[\w.-]+=[^,=:]*)*")
@@ -134,6 +154,8 @@ def _split(entry: NamedBaseline, text: str) -> tuple[str | None, str]:
 
 
 def _value(text: str):
+    if text in ("true", "false"):  # a JSON boolean, as the engine's config file would spell it
+        return text == "true"
     for kind in (int, float):
         try:
             return kind(text)

@@ -27,7 +27,8 @@ KNOWN_ELSEWHERE = {
     "Gemma4DSparkModel": "DeepSpec's Gemma 4 DSpark",
 }
 # the key of an engine's speculative config naming its method -> the layouts' class variable listing theirs
-METHOD_KEYS = {"method": "METHODS", "spec-type": "SPEC_TYPES"}
+# (vLLM's `method`, llama-server's `spec-type`, SGLang's `speculative_algorithm`)
+METHOD_KEYS = {"method": "METHODS", "spec-type": "SPEC_TYPES", "speculative_algorithm": "ALGORITHMS"}
 # llama-server's other --spec-type values (common/speculative.cpp:33-45), and what to do instead
 _WEIGHTED = "a drafter with weights: give its checkpoint directory (or its GGUF) as --ckpt, not a config of flags"
 SPEC_TYPES_ELSEWHERE = {

@@ -36,6 +36,7 @@ LAYOUT_LABELS = {
     "native": "the target's own",
     "vllm": "vLLM's",
     "llama.cpp": "llama.cpp's",
+    "sglang": "SGLang's",
 }
 
 

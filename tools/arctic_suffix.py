@@ -20,6 +20,8 @@ import tarfile
 import tempfile
 from pathlib import Path
 
+from tools.reference_build import ensure_built
+
 VERSION = "0.3.0"
 SDIST = f"arctic_inference-{VERSION}"
 SHARE = Path(sys.prefix) / "share" / "arctic_suffix"  # .venv/share/arctic_suffix
@@ -98,15 +100,7 @@ def build_reference() -> None:
 
 
 def main() -> int:
-    if reference_imports():
-        print(f"Arctic Inference {VERSION} suffix decoding: built in {SHARE}")
-        return 0
-    build_reference()
-    if not reference_imports():
-        print(f"error: the suffix decoding built in {SHARE} does not import", file=sys.stderr)
-        return 1
-    print(f"Arctic Inference {VERSION} suffix decoding: built in {SHARE}")
-    return 0
+    return ensure_built(reference_imports, build_reference, f"Arctic Inference {VERSION} suffix decoding", SHARE)
 
 
 if __name__ == "__main__":

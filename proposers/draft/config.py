@@ -6,8 +6,9 @@ import os
 from dataclasses import dataclass, field
 
 from pipeline.common.errors import UserError
-from proposers.draft.checks import check_shards, parameters
+from proposers.draft.checks import check_shards, model_config, parameters
 from proposers.draft.layout import VllmDraftModel
+from proposers.draft.pard import PardProposer, mask_token_id
 from proposers.draft.proposer import DraftModelProposer
 from proposers.registry import Family
 
@@ -18,6 +19,7 @@ class DraftConfig:
     block_size: int  # drafts per step: llama-server's --spec-draft-n-max (`score --steps` sets it)
     family: str = "draft"
     layout: str = "llama.cpp"
+    parallel_drafting: bool = False  # vLLM's PARD: K drafts from one pass over K - 1 mask tokens (pard.py)
     raw: dict = field(default_factory=dict, repr=False)
 
 
@@ -56,16 +58,29 @@ def _vllm_config(checked: VllmDraftModel, raw: dict, source: str) -> DraftConfig
             f"{source}: field 'use_heterogeneous_vocab' is true: vLLM's mapping of a draft model's other "
             "vocabulary is not replayed yet; give one with the target's tokenizer"
         )
-    return DraftConfig(_model_dir(checked.model, source), checked.num_speculative_tokens, layout="vllm", raw=raw)
+    model_dir, k = _model_dir(checked.model, source), checked.num_speculative_tokens
+    return DraftConfig(model_dir, k, layout="vllm", parallel_drafting=checked.parallel_drafting, raw=raw)
+
+
+def proposer(config: DraftConfig):
+    """vLLM's parallel drafting (PARD) or the autoregressive chain both engines run."""
+    return PardProposer(config) if config.parallel_drafting else DraftModelProposer(config)
+
+
+def check_draft(config: DraftConfig, manifest: dict, uri: str, ckpt: str) -> None:
+    """The draft model against the shards (checks.py) and, for PARD, its mask token: before any weight."""
+    check_shards(config, manifest, uri, ckpt)
+    if config.parallel_drafting:
+        mask_token_id(model_config(config), f"draft model {config.model_dir}")
 
 
 FAMILY = Family(
     "draft",
     parse_config,
     model=None,
-    proposer=DraftModelProposer,
+    proposer=proposer,
     independent_drafts=False,
     chain_steps=True,
     parameters=parameters,
-    check_shards=check_shards,
+    check_shards=check_draft,
 )

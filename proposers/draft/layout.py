@@ -41,7 +41,9 @@ class VllmDraftModel(EngineSettings):
     """vLLM's `speculative_config` of method "draft_model" (vllm/config/speculative.py,
     v1/spec_decode/draft_model.py): num_speculative_tokens greedy drafts a step from the draft
     model (draft_sample_method "greedy": v1/spec_decode/llm_base_proposer.py:437-457), verified with
-    no draft probabilities. Probabilistic drafting and heterogeneous vocabularies are refused."""
+    no draft probabilities. Probabilistic drafting and heterogeneous vocabularies are refused.
+    `parallel_drafting` true: PARD, K drafts from one pass over the last sampled token and K - 1 mask
+    tokens, the mask id read from the draft's config.json (proposers/draft/pard.py)."""
 
     FAMILY: ClassVar[str] = "draft"
     LAYOUT: ClassVar[str] = "vllm"
@@ -52,10 +54,11 @@ class VllmDraftModel(EngineSettings):
     num_speculative_tokens: int = Field(ge=1)
     draft_sample_method: Literal["greedy", "probabilistic"] = "greedy"  # speculative.py:634
     use_heterogeneous_vocab: bool = False  # speculative.py:496
+    parallel_drafting: bool = False  # speculative.py:511; PARD (pard.py)
 
     @property
     def evidence(self) -> str:
-        return "method 'draft_model'"
+        return "method 'draft_model'" + (" with parallel_drafting" if self.parallel_drafting else "")
 
 
 LAYOUTS = (LlamaDraftSimple, VllmDraftModel)

@@ -5,8 +5,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pipeline.common.errors import UserError
-from proposers.ngram.layout import LlamaNgramCache, LlamaNgramMap, LlamaNgramMod, LlamaNgramSimple, VllmNgram
+from proposers.ngram.layout import (
+    LlamaNgramCache,
+    LlamaNgramMap,
+    LlamaNgramMod,
+    LlamaNgramSimple,
+    SglangNgram,
+    VllmNgram,
+)
 from proposers.ngram.proposer import NgramProposer
+from proposers.ngram.sglang import SglangNgramProposer, SglangSettings
 from proposers.ngram.stateful import LlamaStatefulProposer
 from proposers.registry import Family
 
@@ -19,12 +27,13 @@ class NgramConfig:
     family: str = "ngram"
     layout: str = "vllm"
     # whose lookup: vLLM's ngram (proposer.py), llama.cpp's ngram-simple (llama_simple.py), ngram-map-k,
-    # ngram-map-k4v (llama_map.py) or ngram-mod (llama_mod.py)
+    # ngram-map-k4v (llama_map.py), ngram-mod (llama_mod.py) or SGLang's NGRAM ("sglang": sglang.py)
     rule: str = "vllm"
     min_hits: int = 1  # ngram-map-k4v: draft calls a key needs before it drafts
     n_min: int = 0  # ngram-mod: fewer chained tokens drop the draft
     # why `score --steps` cannot set block_size (None: it is the engine's draft-length flag)
     fixed_steps: str | None = None
+    sglang: SglangSettings | None = None  # SGLang's NGRAM: its flags
     raw: dict = field(default_factory=dict, repr=False)
 
 
@@ -47,7 +56,35 @@ def _cache_config(checked: LlamaNgramCache, raw: dict, source: str) -> NgramConf
     return NgramConfig(1, 4, 8, layout="llama.cpp", rule="ngram-cache", fixed_steps=fixed, raw=raw)
 
 
+def _sglang_config(checked: SglangNgram, raw: dict, source: str) -> NgramConfig:
+    """SGLang's NGRAM: a tree of speculative_num_draft_tokens - 1 nodes, its longest path the chain."""
+    if checked.speculative_ngram_external_corpus_path is not None:  # a suffix automaton beside the trie
+        raise UserError(
+            f"{source}: field 'speculative_ngram_external_corpus_path': SGLang's external n-gram corpus is not "
+            "replayed yet; score without it"
+        )
+    settings = SglangSettings(
+        draft_token_num=checked.speculative_num_draft_tokens,
+        max_trie_depth=checked.speculative_ngram_max_trie_depth,
+        min_bfs_breadth=checked.speculative_ngram_min_bfs_breadth,
+        max_bfs_breadth=checked.speculative_ngram_max_bfs_breadth,
+        match_type=checked.speculative_ngram_match_type,
+        capacity=checked.speculative_ngram_capacity,
+        overlap=not checked.disable_overlap_schedule,
+    )
+    fixed = (
+        "SGLang's NGRAM drafts a tree of speculative_num_draft_tokens - 1 nodes whatever --steps says; set "
+        "speculative_num_draft_tokens in its config instead"
+    )
+    depth = settings.max_trie_depth
+    return NgramConfig(
+        1, depth, settings.budget, layout="sglang", rule="sglang", fixed_steps=fixed, sglang=settings, raw=raw
+    )
+
+
 def parse_config(checked, raw: dict, source: str = "config", target_layers: int | None = None):
+    if isinstance(checked, SglangNgram):
+        return _sglang_config(checked, raw, source)
     if isinstance(checked, LlamaNgramCache):
         return _cache_config(checked, raw, source)
     if isinstance(checked, LlamaNgramMap):
@@ -78,6 +115,8 @@ STATEFUL_RULES = ("ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache")
 
 def ngram_proposer(config: NgramConfig):
     """The lookup as a Proposer: a stateless one at every anchor, or one with state along the server's loop."""
+    if config.rule == "sglang":
+        return SglangNgramProposer(config)
     return LlamaStatefulProposer(config) if config.rule in STATEFUL_RULES else NgramProposer(config)
 
 

@@ -151,4 +151,53 @@ class LlamaNgramCache(EngineSettings):
         return f"spec-type {self.spec_type!r}"
 
 
-LAYOUTS = (VllmNgram, LlamaNgramSimple, LlamaNgramMap, LlamaNgramMod, LlamaNgramCache)
+# SGLang's bound on speculative_num_draft_tokens: reconstruct_indices_from_tree_mask's (kernels/jit/csrc/speculative/tree.cuh:182)
+SGLANG_MAX_DRAFT_TOKENS = 1024
+
+
+class SglangNgram(EngineSettings):
+    """SGLang's `--speculative-algorithm NGRAM` (SGLang 0.5.23: srt/speculative/ngram_worker.py and its
+    C++ corpus, kernels/jit/csrc/ngram_corpus/), its ServerArgs fields as `sglang.Engine(...)` takes them:
+    a trie of the tokens its own steps saw, shared by every request, drafting a tree (sglang.py). Defaults
+    and checks: srt/arg_groups/fields/spec.py:250-283, speculative_hook.py:1285-1345 (12 draft tokens),
+    ngram.cpp:12-40 (the corpus's own). An external corpus is not replayed (config.py refuses its path);
+    without one, its SAM budget and token bound are read by nothing (ngram.cpp:170-175)."""
+
+    FAMILY: ClassVar[str] = "ngram"
+    LAYOUT: ClassVar[str] = "sglang"
+    ALGORITHMS: ClassVar[tuple[str, ...]] = ("NGRAM",)
+
+    speculative_algorithm: Literal["NGRAM"]
+    # 1 would verify a tree of the last token alone (no draft): not replayed
+    speculative_num_draft_tokens: int = Field(12, ge=2, le=SGLANG_MAX_DRAFT_TOKENS)
+    speculative_ngram_min_bfs_breadth: int = Field(1, ge=1)  # ngram.cpp:17-20
+    speculative_ngram_max_bfs_breadth: int = Field(10, ge=1)
+    speculative_ngram_match_type: Literal["BFS", "PROB"] = "BFS"
+    speculative_ngram_max_trie_depth: int = Field(18, ge=2)  # ngram.cpp:13-16
+    speculative_ngram_capacity: int = Field(10_000_000, ge=1)
+    speculative_ngram_external_corpus_path: str | None = None
+    speculative_ngram_external_sam_budget: int = Field(0, ge=0)
+    speculative_ngram_external_corpus_max_tokens: int = Field(10_000_000, ge=0)
+    # the overlap schedule runs a finished request one step more, which inserts one window more (sglang.py)
+    disable_overlap_schedule: bool = False
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        low, high = self.speculative_ngram_min_bfs_breadth, self.speculative_ngram_max_bfs_breadth
+        if low > high:  # ngram.cpp:21-26
+            raise ValueError(
+                f"speculative_ngram_min_bfs_breadth {low} exceeds speculative_ngram_max_bfs_breadth {high}"
+            )
+        depth, capacity = self.speculative_ngram_max_trie_depth, self.speculative_ngram_capacity
+        if capacity <= depth:  # fewer nodes than one inserted suffix: squeeze fails (trie.cpp:69-75)
+            raise ValueError(
+                f"speculative_ngram_capacity {capacity} must exceed speculative_ngram_max_trie_depth {depth}"
+            )
+        return self
+
+    @property
+    def evidence(self) -> str:
+        return "speculative_algorithm 'NGRAM'"
+
+
+LAYOUTS = (VllmNgram, LlamaNgramSimple, LlamaNgramMap, LlamaNgramMod, LlamaNgramCache, SglangNgram)

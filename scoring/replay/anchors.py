@@ -264,6 +264,8 @@ def replay_walks(
     if stateful:  # one request at a time: begin, then its walk, before the next request begins
         assert len(samples) == 1 and methods == [CHAIN], (len(samples), methods)
         proposer.begin(packed, 0)
+        if hasattr(proposer, "set_budget"):  # SGLang's NGRAM: a request's end depends on its max_new_tokens
+            proposer.set_budget(max_new_tokens[0])
     starts = {(s, m): sample.prompt_len for s, sample in enumerate(samples) for m in range(len(methods))}
     walk_in_rounds(starts, lambda key, position: walk_finished(position, is_stop[key[0]]), score, produced)
     return results

@@ -133,7 +133,7 @@ def prepare_job(ckpt: str, shardset: ShardSet, out_dir: str, config: ScoreConfig
     chosen, selection = choose_samples(shardset, config)
     sampling = sampling_of(manifest["settings"])
     if is_stateful(proposer):
-        config = stateful_config(config, info, sampling, dist)
+        config = stateful_config(config, info, sampling, dist, proposer)
     plan = method_plan(config, proposer, sampling, ckpt)
     planned = planned_record(info, shardset, config, dtype, selection, proposer.independent_drafts, plan)
     if is_stateful(proposer):
@@ -172,13 +172,18 @@ def prepare_job(ckpt: str, shardset: ShardSet, out_dir: str, config: ScoreConfig
 REQUEST_ORDER = "one at a time on one server slot, in the shards' sample order (selection.samples)"
 
 
-def stateful_config(config: ScoreConfig, info: CheckpointInfo, sampling, dist: Dist) -> ScoreConfig:
+def stateful_config(
+    config: ScoreConfig, info: CheckpointInfo, sampling, dist: Dist, proposer: Proposer | None = None
+) -> ScoreConfig:
     """A proposer with state along the online loop (proposers.interface.ServerStateful) replayed as its
-    server runs it: greedy, under llama-server's loop, in one process, walk-only (its drafts exist
-    only along its own path), one request at a time (groups of one sample)."""
-    name = f"{info.name}: llama-server's {info.config_raw.get('spec-type')}"
-    if config.walk_rule != "llama.cpp":
-        raise UserError(f"{name} keeps state along the server's loop; replay it under that loop: --walk-rule llama.cpp")
+    server runs it: greedy, under its server's loop (the proposer's `walk_rule`: llama-server's unless
+    it says, SGLang's NGRAM says `sglang`), in one process, walk-only (its drafts exist only along its
+    own path), one request at a time (groups of one sample)."""
+    rule = getattr(proposer, "walk_rule", "llama.cpp")
+    server = getattr(proposer, "server", None) or f"llama-server's {info.config_raw.get('spec-type')}"
+    name = f"{info.name}: {server}"
+    if config.walk_rule != rule:
+        raise UserError(f"{name} keeps state along the server's loop; replay it under that loop: --walk-rule {rule}")
     if not sampling.greedy:
         raise UserError(
             f"{name} keeps state along the server's loop, which sampled responses do not fix: greedy shards only"

@@ -83,6 +83,7 @@ BASE = {
     "mtp:native-qwen3-next": lambda: {**MTP_TEXT, "model_type": "qwen3_next", "num_experts": 0},
     "ngram:vllm": lambda: {"method": "ngram", "num_speculative_tokens": 3},
     "ngram:llama.cpp": lambda: {"spec-type": "ngram-simple"},
+    "ngram:sglang": lambda: {"speculative_algorithm": "NGRAM"},
     "draft:llama.cpp": lambda: {"spec-type": "draft-simple", "model-draft": "small"},
     "draft:vllm": lambda: {"method": "draft_model", "model": "small", "num_speculative_tokens": 3},
     "suffix:vllm": lambda: {"method": "suffix"},
@@ -209,6 +210,7 @@ PRIOR_REFUSALS = [
     ("mtp:speculators", "num_nextn_predict_layers", {"num_nextn_predict_layers": 2}),
     ("ngram:llama.cpp", "lookup-cache-static", {"spec-type": "ngram-cache", "lookup-cache-static": "static.bin"}),
     ("ngram:llama.cpp", "lookup-cache-dynamic", {"spec-type": "ngram-cache", "lookup-cache-dynamic": "dynamic.bin"}),
+    ("ngram:sglang", "speculative_ngram_external_corpus_path", {"speculative_ngram_external_corpus_path": "c.jsonl"}),
 ]
 
 
