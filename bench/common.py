@@ -242,7 +242,20 @@ class OthersCpu:
         total = psutil.cpu_times()
         busy = sum(getattr(total, f, 0.0) for f in ("user", "nice", "system", "irq", "softirq", "steal"))
         own = self._process.cpu_times()  # waited-for children (CLI subprocesses) count as ours
-        return time.perf_counter(), busy, own.user + own.system + own.children_user + own.children_system
+        return time.perf_counter(), busy, own.user + own.system + own.children_user + own.children_system + self._live()
+
+    def _live(self) -> float:
+        """CPU of our children still running (a server the bench started), ours too."""
+        import psutil
+
+        seconds = 0.0
+        for child in self._process.children(recursive=True):
+            try:
+                times = child.cpu_times()
+            except psutil.Error:  # ended between the listing and the reading
+                continue
+            seconds += times.user + times.system
+        return seconds
 
     def _run(self):
         last = self.first = self._busy()

@@ -11,9 +11,10 @@ fitted to SmolLM2's greedy outputs (drafts: --spec-draft-n-max), at each K of KS
   `predicted_n` over the sum of their `predicted_ms`: generation only, the prompt's forward out),
   plain decoding measured before and after the others (their mean is the base).
 - Predicted: the same configurations scored by `specreplay score --walk-rule llama.cpp` from the
-  shards, and `specreplay speed` with a profile `specreplay profile` measured just before (the
-  target's forward at 1 .. max K + 1 tokens and the draft model's one-token forward, llama-bench,
-  the server's flags, at the workload's mean context).
+  shards, and `specreplay speed` with a profile `specreplay profile --in-server` measured just
+  before: the target's step at 1 .. max K + 1 tokens and plain decoding by llama-server's own
+  timers, the draft model's pass inside the server (`--serve draft=`), the server's flags, prompts
+  of the workload's mean prompt length and its budget.
 - Target: every predicted speedup within 10% of the measured one, and the same best K per proposer.
 """
 
@@ -65,6 +66,7 @@ def setup(ctx) -> dict:
         "draft_dir": draft_dir,
         "draft_gguf": draft_gguf,
         "context": round(sum(p + (len(ids) - p) / 2 for ids, p in sequences) / len(sequences)),
+        "prompt_len": round(sum(p for _, p in sequences) / len(sequences)),
         "prompts": [list(map(int, ids[:p])) for ids, p in sequences],
         "stored": [list(map(int, ids[p:])) for ids, p in sequences],
     }
@@ -124,19 +126,29 @@ def measured_speeds(ctx, s: dict, configs: dict) -> dict:
     return results
 
 
-def predicted_speeds(s: dict, configs: dict) -> tuple[dict, dict]:
+def measured_profile(ctx, s: dict) -> dict:
+    """`specreplay profile --in-server` of the target at 1 .. max K + 1 tokens (its verification as
+    served) and `--serve draft=` of the draft model at each K, at the workload's prompt length and
+    budget."""
+    from scoring.speed.measure import Measurement, Wanted, measure_profile
+
+    work = str(s["work"] / "profile-logs")
+    tokens = list(range(1, max(KS) + 2))
+    wanted = Wanted(s["target_gguf"], tokens, True, s["draft_gguf"], {}, {"draft": s["draft_gguf"]}, list(KS))
+    how = Measurement(s["prompt_len"], 5, 3, THREADS, BENCH_FLAGS, None, work, ctx.args.max_new_tokens)
+    log(f"speed: profiling inside llama-server at 1..{max(KS) + 1} tokens, prompts of {s['prompt_len']} ...")
+    return measure_profile(wanted, how)
+
+
+def predicted_speeds(ctx, s: dict, configs: dict) -> tuple[dict, dict]:
     """(name -> speed's prediction at batch 1, the profile): scored with score, priced by profile."""
     from scoring.config import ScoreConfig
     from scoring.score.run import run_score
-    from scoring.speed.llama_bench import measure
     from scoring.speed.predict import as_rows
     from scoring.speed.profile import load_profile
     from scoring.speed.run import predict_results
 
-    log(f"speed: profiling the target at 1..{max(KS) + 1} tokens, context {s['context']} (llama-bench) ...")
-    profile = measure(
-        s["target_gguf"], {"draft": s["draft_gguf"]}, list(range(1, max(KS) + 2)), s["context"], 5, THREADS, BENCH_FLAGS
-    )
+    profile = measured_profile(ctx, s)
     path = s["work"] / "profile.json"
     path.write_text(json.dumps(profile))
     names = {baseline: name for name, (_, baseline) in configs.items() if baseline}
@@ -192,7 +204,7 @@ def figures_of(measured: dict, predicted: dict) -> dict:
 def run(ctx) -> tuple[dict, Rows]:
     s = setup(ctx)
     configs = configurations(s)
-    predicted, profile = predicted_speeds(s, configs)
+    predicted, profile = predicted_speeds(ctx, s, configs)
     measured = measured_speeds(ctx, s, configs)
     figures = {"context": s["context"], "profile": profile, "measured": measured, **figures_of(measured, predicted)}
     return figures, rows_of(figures)

@@ -17,7 +17,6 @@ import subprocess
 from pipeline.common.errors import UserError
 from pipeline.common.llama_cpp import binary_env, find_binary
 from proposers.checkpoints.gguf_file import read_gguf
-from scoring.speed.profile import FORMAT
 
 
 def target_facts(gguf: str) -> dict:
@@ -59,33 +58,14 @@ def run_bench(gguf: str, tokens: list[int], context: int, reps: int, threads: in
     return {int(t["n_prompt"]): statistics.median(t["samples_ns"]) / 1e9 for t in tests}, tests[0]["cpu_info"]
 
 
-def measure(
-    target: str,
-    drafters: dict[str, str],
-    tokens: list[int],
-    context: int,
-    reps: int,
-    threads: int,
-    extra=(),
-    binary=None,
-) -> dict:
-    """The profile (docs/speed.md) as a dict: the target's forwards at each of `tokens`, each draft
-    model's (family -> GGUF) one-token forward, with where and how they were measured."""
-    verify, cpu = run_bench(target, tokens, context, reps, threads, extra, binary)
-    rows = []
-    for family, gguf in drafters.items():
-        seconds = run_bench(gguf, [1], context, reps, threads, extra, binary)[0][1]
-        rows.append({"family": family, "batch": 1, "tokens": 1, "seconds": seconds})
-    return {
-        "format": FORMAT,
-        "target": target_facts(target),
-        "measured": {
-            "engine": f"llama.cpp llama-bench ({' '.join(extra) or 'its default flags'}, {threads} threads)",
-            "device": f"CPU ({cpu})",
-            "context_len": context,
-            "notes": f"median of {reps} repetitions; target {target}"
-            + "".join(f"; {family} {gguf}" for family, gguf in drafters.items()),
-        },
-        "verify": [{"batch": 1, "tokens": n, "seconds": s} for n, s in sorted(verify.items())],
-        "drafters": rows,
-    }
+def bench_verify(target: str, tokens: list[int], how) -> tuple[list[dict], str]:
+    """(the profile's `verify` rows at each of `tokens`, the CPU's name) from llama-bench; `how`: a
+    scoring.speed.measure.Measurement (context, reps, threads, extra, binary)."""
+    verify, cpu = run_bench(target, tokens, how.context, how.reps, how.threads, how.extra, how.binary)
+    return [{"batch": 1, "tokens": n, "seconds": s} for n, s in sorted(verify.items())], cpu
+
+
+def bench_draft(family: str, gguf: str, how) -> dict:
+    """The profile's row of a standalone draft model's one-token forward, from llama-bench."""
+    seconds = run_bench(gguf, [1], how.context, how.reps, how.threads, how.extra, how.binary)[0][1]
+    return {"family": family, "batch": 1, "tokens": 1, "seconds": seconds}

@@ -46,14 +46,14 @@ def spec_options(family: str, drafter: str, target: str, drafts: int) -> tuple[s
     return (*model, "--spec-type", SPEC_TYPES[family], "--spec-draft-n-max", str(drafts))
 
 
-def ask(url: str, prompt: list[int], n_predict: int) -> None:
-    """One greedy completion of token ids, nothing cached (every request drafts from scratch)."""
+def ask(url: str, prompt: list[int], n_predict: int) -> dict:
+    """One greedy completion of token ids, nothing cached (every request drafts from scratch): its `timings`."""
     body = {"prompt": prompt, "n_predict": n_predict, "temperature": 0.0, "top_k": 1, "cache_prompt": False}
     request = urllib.request.Request(
         url + "/completion", json.dumps(body).encode(), {"Content-Type": "application/json"}
     )
     with urllib.request.urlopen(request, timeout=600) as answer:
-        answer.read()
+        return json.loads(answer.read())["timings"]
 
 
 def statistics(log: Path, spec_type: str) -> list[re.Match]:
@@ -89,16 +89,79 @@ def served_pass(family: str, drafter: str, target: str, drafts: int, setting: di
     """The profile's drafter row: one pass of the drafter at `drafts` drafts a step, timed by the server.
     `setting`: context (prompt tokens), requests, n_predict, threads, extra (more server options), work."""
     log = Path(setting["work"]) / f"server-{family}-{drafts}.log"
-    options = (*spec_options(family, drafter, target, drafts), "--threads", str(setting["threads"]), *setting["extra"])
-    server = LlamaServer(Path(target), log, extra=(*options, "-lv", str(TRACE_LEVEL))).start()
-    try:
-        rng = random.Random(0)
-        for _ in range(1 + setting["requests"]):  # the first: the warm-up
-            ask(server.url, [rng.randrange(300, 700) for _ in range(setting["context"])], setting["n_predict"])
-        wait_for_statistics(log, SPEC_TYPES[family], 1 + setting["requests"])
-    finally:
-        server.stop()
+    timed_requests(target, spec_options(family, drafter, target, drafts), setting, log, SPEC_TYPES[family])
     seconds = draft_call_seconds(log, SPEC_TYPES[family])
     if drafting(family) == "block":
         return {"family": family, "batch": 1, "tokens": drafts + 1, "seconds": seconds}
     return {"family": family, "batch": 1, "tokens": 1, "seconds": seconds / drafts}
+
+
+# --------------------------------------------------------------------------- the target's step
+
+# llama-server's per-step line under LLAMA_TRACE (tools/server/server-context.cpp: after each
+# verification), stamped minutes.seconds.milliseconds.microseconds when logged (common/log.cpp)
+STEP = re.compile(
+    r"^(\d+)\.(\d+)\.(\d+)\.(\d+) I slot .*?\| task (\d+) \| accepted\s+(\d+)/\s*(\d+) draft tokens$", re.M
+)
+NO_MATCH = 1024  # ngram-simple's largest n-gram (common/arg.cpp): it matches nothing, so it never drafts
+
+
+def step_intervals(log: Path, drafts: int) -> list[float]:
+    """Seconds between consecutive step lines of a request, each ending at a step of `drafts`
+    drafts, the first request (the warm-up) left out."""
+    by_task: dict[int, list[tuple[float, int]]] = {}
+    for m in STEP.finditer(log.read_text(errors="replace")):
+        minutes, seconds, ms, us = map(int, m.group(1, 2, 3, 4))
+        by_task.setdefault(int(m.group(5)), []).append((minutes * 60 + seconds + ms / 1e3 + us / 1e6, int(m.group(7))))
+    tasks = sorted(by_task)[1:]
+    return [b[0] - a[0] for t in tasks for a, b in zip(by_task[t], by_task[t][1:]) if b[1] == drafts]
+
+
+def timed_requests(target: str, options: tuple, setting: dict, log: Path, spec_type: str | None = None) -> list[dict]:
+    """The `timings` of the requests after a warm-up one, served with `options`; with a
+    `spec_type`, its per-step lines (LLAMA_TRACE) and statistics are in the log when it returns."""
+    env = {"LLAMA_TRACE": "1"} if spec_type else {}
+    extra = (*options, "--threads", str(setting["threads"]), *setting["extra"], "-lv", str(TRACE_LEVEL))
+    server = LlamaServer(Path(target), log, extra=extra, env=env).start()
+    try:
+        rng = random.Random(0)
+        answers = [
+            ask(server.url, [rng.randrange(300, 700) for _ in range(setting["context"])], setting["n_predict"])
+            for _ in range(1 + setting["requests"])
+        ]
+        if spec_type:
+            wait_for_statistics(log, spec_type, 1 + setting["requests"])
+    finally:
+        server.stop()
+    return answers[1:]
+
+
+def per_token(answers: list[dict]) -> float:
+    """Seconds of generation per generated token (the answers' predicted_ms over predicted_n)."""
+    return sum(a["predicted_ms"] for a in answers) / 1000 / sum(a["predicted_n"] for a in answers)
+
+
+def served_target(target: str, verify_draft: str, tokens: list[int], setting: dict) -> dict:
+    """The profile's `verify` and `plain` rows measured inside llama-server (docs/speed.md):
+    plain decoding (no drafter); one token (ngram-simple that never matches: the speculative loop's
+    step without a draft); n > 1 tokens (draft-simple drafting n - 1 with `verify_draft`, every
+    step's time less its draft call)."""
+    work = Path(setting["work"])
+    plain = per_token(timed_requests(target, (), setting, work / "server-plain.log"))
+    verify = []
+    for n in tokens:
+        if n == 1:
+            options = ("--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", str(NO_MATCH))
+            answers = timed_requests(target, options, setting, work / "server-verify-1.log")
+            if any(a.get("draft_n") for a in answers):
+                raise UserError(f"llama-server drafted with ngram-simple of n {NO_MATCH} (its log: {work})")
+            verify.append({"batch": 1, "tokens": 1, "seconds": per_token(answers)})
+            continue
+        log = work / f"server-verify-{n}.log"
+        timed_requests(target, spec_options("draft", verify_draft, target, n - 1), setting, log, "draft-simple")
+        intervals = step_intervals(log, n - 1)
+        if not intervals:
+            raise UserError(f"llama-server logged no step of {n - 1} drafts (its log: {log})")
+        step = sum(intervals) / len(intervals)
+        verify.append({"batch": 1, "tokens": n, "seconds": step - draft_call_seconds(log, "draft-simple")})
+    return {"verify": verify, "plain": [{"batch": 1, "seconds": plain}]}

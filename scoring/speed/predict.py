@@ -1,21 +1,29 @@
 """Predicted speed of every scored configuration from its exact offline tau and a cost profile
 (docs/speed.md):
 
-    step_s(b)    = verify_b(verified tokens) + sum over the drafter's passes of draft_b(tokens)
+    step_s(b)    = mean over the walk's steps of verify_b(d + 1) + the drafter's forwards at d drafts
     tokens/s(b)  = b * tau / step_s(b)              (b sequences, tau tokens each per step)
-    speedup(b)   = tau * verify_b(1) / step_s(b)    (over plain decoding: b tokens per verify_b(1))
+    speedup(b)   = tau * plain_b / step_s(b)        (over plain decoding: b tokens per plain_b)
 
-per batch size b the profile measured; the best configuration per batch size is the fastest.
+d is each step's drafts as the walk rule's loop verified them (walk.parquet `drafted`: 0 where an
+n-gram found no match or the budget left no room, fewer near the end), or the chain's K for every
+step where the result has no walk (sampled shards) and for tree methods; plain_b is the profile's
+plain decoding step, else verify_b(1). The best configuration per batch size is the fastest.
 """
 
 from __future__ import annotations
 
+import os
+from collections import Counter
 from dataclasses import asdict, dataclass
 
+import polars as pl
+
 from pipeline.common.errors import UserError
+from scoring import results
 from scoring.methods.chain import CHAIN
 from scoring.speed.profile import Curve, Profile
-from scoring.speed.shapes import StepShape, step_shape
+from scoring.speed.shapes import draft_passes, verified_tokens
 
 
 @dataclass(frozen=True)
@@ -27,6 +35,11 @@ class Configuration:
     method: str
     tau: float  # tokens per step over the workload (tokens_per_step)
     drafts: int  # the chain's drafts per step (a block drafter's block minus one)
+    # steps by the drafts the loop verified (walk.parquet); None: every step drafts `drafts`
+    drafted: dict[int, int] | None = None
+
+    def steps_by_drafts(self) -> dict[int, int]:
+        return self.drafted or {self.drafts: 1}
 
 
 @dataclass(frozen=True)
@@ -35,9 +48,9 @@ class Prediction:
     method: str
     batch: int
     tau: float
-    verified: int
-    verify_s: float
-    draft_s: float
+    verified: int  # tokens verified per sequence at a full step (K + 1, a tree's budget + 1)
+    verify_s: float  # mean over the steps
+    draft_s: float  # mean over the steps
     step_s: float
     tokens_per_s: float
     plain_tokens_per_s: float
@@ -63,6 +76,15 @@ def configurations(summary_rows: list[dict], record: dict, name: str) -> list[Co
     return [Configuration(name, family, method, tokens_per_step(row), drafts) for method, row in pooled.items()]
 
 
+def walk_drafted(directory: str) -> dict[int, int] | None:
+    """The chain's steps by the drafts its loop verified (walk.parquet), or None without a walk."""
+    path = os.path.join(directory, results.FILES["walk"])
+    if not os.path.isfile(path):
+        return None
+    steps = pl.read_parquet(path, columns=["method", "drafted"]).filter(pl.col("method") == CHAIN)["drafted"]
+    return dict(Counter(steps.drop_nulls().to_list())) or None
+
+
 def cost(curve: Curve | None, tokens: int, what: str, batch: int, profile: Profile) -> float:
     """Seconds of one forward from `curve` at `tokens`, or the error saying what to measure."""
     seconds = curve.at(tokens) if curve is not None else None
@@ -75,10 +97,13 @@ def cost(curve: Curve | None, tokens: int, what: str, batch: int, profile: Profi
     return seconds
 
 
-def draft_seconds(profile: Profile, config: Configuration, shape: StepShape, batch: int) -> float:
-    """The drafter's forwards of one step at `batch`, from its entry in the profile."""
-    if not shape.draft_passes:
+def draft_seconds(profile: Profile, config: Configuration, drafts: int, batch: int) -> float:
+    """The drafter's forwards of one step drafting `drafts`, from its entry in the profile."""
+    passes = draft_passes(config.family, config.method, config.drafts) if drafts else ()
+    if not passes:
         return 0.0
+    if len(passes) == config.drafts and drafts < config.drafts:  # autoregressive: a pass a draft
+        passes = passes[:drafts]
     curves = profile.draft_curves(config.family, config.checkpoint)
     if curves is None:
         raise UserError(
@@ -86,23 +111,34 @@ def draft_seconds(profile: Profile, config: Configuration, shape: StepShape, bat
             f'"drafters" entries with "family": "{config.family}" (docs/speed.md)'
         )
     what = f"drafters[{config.family}]"
-    return sum(cost(curves.get(batch), tokens, what, batch, profile) for tokens in shape.draft_passes)
+    return sum(cost(curves.get(batch), tokens, what, batch, profile) for tokens in passes)
+
+
+def plain_seconds(profile: Profile, batch: int) -> float:
+    """One plain decoding step at `batch`: the profile's `plain`, else the target's one-token forward."""
+    if batch in profile.plain:
+        return profile.plain[batch]
+    return cost(profile.verify[batch], 1, "verify", batch, profile)
 
 
 def predict_one(profile: Profile, config: Configuration, batch: int) -> Prediction:
     """The prediction of one configuration at one batch size (module docstring)."""
-    shape = step_shape(config.family, config.method, config.drafts)
     verify = profile.verify[batch]
-    plain_s = cost(verify, 1, "verify", batch, profile)
-    verify_s = cost(verify, shape.verified, f"verify ({config.method})", batch, profile)
-    draft_s = draft_seconds(profile, config, shape, batch)
+    steps = config.steps_by_drafts()
+    total = sum(steps.values())
+    verify_s = draft_s = 0.0
+    for drafts, count in steps.items():
+        tokens = verified_tokens(config.method, drafts)
+        verify_s += count * cost(verify, tokens, f"verify ({config.method})", batch, profile) / total
+        draft_s += count * draft_seconds(profile, config, drafts, batch) / total
+    plain_s = plain_seconds(profile, batch)
     step_s = verify_s + draft_s
     return Prediction(
         config.checkpoint,
         config.method,
         batch,
         config.tau,
-        shape.verified,
+        verified_tokens(config.method, config.drafts),
         verify_s,
         draft_s,
         step_s,

@@ -62,12 +62,21 @@ class DraftCost(Schema):
     seconds: Seconds
 
 
+class PlainCost(Schema):
+    """One step of plain decoding (no speculation) of `batch` sequences, as the engine runs it when
+    no drafter is configured (llama-server's plain path is not its speculative path at 0 drafts)."""
+
+    batch: Positive
+    seconds: Seconds
+
+
 class ProfileFile(Schema):
     format: Literal[FORMAT]
     target: ProfileTarget
     measured: Measured
     verify: Annotated[list[VerifyCost], Field(min_length=1)]
     drafters: list[DraftCost] = []
+    plain: list[PlainCost] = []  # absent: plain decoding is the target's one-token forward
 
 
 @dataclass(frozen=True)
@@ -109,6 +118,7 @@ class Profile:
     file: ProfileFile
     verify: dict[int, Curve]
     drafters: dict[tuple[str, str | None], dict[int, Curve]]  # (family, checkpoint or None) -> curves
+    plain: dict[int, float]  # batch -> a plain decoding step's seconds (PlainCost)
 
     @property
     def batches(self) -> list[int]:
@@ -142,9 +152,15 @@ def load_profile(path: str) -> Profile:
     drafters: dict[tuple[str, str | None], list[DraftCost]] = {}
     for point in file.drafters:
         drafters.setdefault((point.family, point.checkpoint), []).append(point)
+    plain = {}
+    for point in file.plain:
+        if point.batch in plain:
+            raise UserError(f"{path}: plain at batch {point.batch} is given twice; keep one measurement")
+        plain[point.batch] = point.seconds
     return Profile(
         path,
         file,
         curves(file.verify, path, "verify"),
         {key: curves(points, path, f"drafters[{key[0]}]") for key, points in drafters.items()},
+        plain,
     )

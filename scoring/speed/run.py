@@ -4,13 +4,15 @@ cost profile (profile.py, predict.py); speed.parquet and the console table aroun
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import pyarrow.parquet as pq
 
 from pipeline.common.errors import UserError
 from pipeline.shards import ShardSet
 from scoring import results
-from scoring.speed.predict import Configuration, Prediction, configurations, predict
+from scoring.methods.chain import CHAIN
+from scoring.speed.predict import Configuration, Prediction, configurations, predict, walk_drafted
 from scoring.speed.profile import Profile
 
 
@@ -37,7 +39,8 @@ def result_configurations(directory: str, profile: Profile) -> list[Configuratio
     profile.check_target(target_facts(record, directory), f"the shards of {directory}")
     summary = pq.read_table(os.path.join(directory, results.FILES["summary"])).to_pylist()
     name = record["checkpoint"].get("name") or os.path.basename(os.path.normpath(directory))
-    found = configurations(summary, record, name)
+    drafted = walk_drafted(directory)
+    found = [replace(c, drafted=drafted) if c.method == CHAIN else c for c in configurations(summary, record, name)]
     if not found:
         raise UserError(f"{directory}: no pooled chain tau in {results.FILES['summary']}; nothing to predict")
     return found

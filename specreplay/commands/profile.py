@@ -9,26 +9,6 @@ import os
 import click
 
 
-def served_rows(target, serve: dict, ks: list[int], context, requests, threads, extra, out) -> list[dict]:
-    """Each --serve drafter's profile rows, one per K, timed inside llama-server (its logs beside --out)."""
-    from scoring.speed.llama_server import served_pass
-
-    work = os.path.splitext(out)[0] + "-logs"
-    os.makedirs(work, exist_ok=True)
-    setting = dict(context=context, requests=requests, n_predict=32, threads=threads, extra=tuple(extra), work=work)
-    rows = [served_pass(family, gguf, target, k, setting) for family, gguf in serve.items() for k in ks]
-    return merged(rows)
-
-
-def merged(rows: list[dict]) -> list[dict]:
-    """One row per (family, batch, tokens): an autoregressive drafter's one-token pass timed at
-    several K is their mean."""
-    groups: dict[tuple, list[dict]] = {}
-    for row in rows:
-        groups.setdefault((row["family"], row["batch"], row["tokens"]), []).append(row)
-    return [dict(same[0], seconds=sum(r["seconds"] for r in same) / len(same)) for same in groups.values()]
-
-
 def token_counts(text: str, option: str = "--tokens") -> list[int]:
     """'1-5,8,16' -> [1, 2, 3, 4, 5, 8, 16]: counts and inclusive ranges, comma-separated."""
     counts: set[int] = set()
@@ -108,7 +88,23 @@ def draft_models(items: tuple[str, ...], option: str = "--draft") -> dict[str, s
     default=3,
     show_default=True,
     type=click.IntRange(min=1),
-    help="Requests timed per --serve drafter and K (after one warm-up request), --context prompt tokens each.",
+    help="Requests timed inside llama-server per measurement (after one warm-up request), --context prompt "
+    "tokens each: per --serve drafter and K, and with --in-server.",
+)
+@click.option(
+    "--in-server",
+    "in_server",
+    is_flag=True,
+    help="Time the target inside llama-server by its own step timers instead of llama-bench: plain decoding, "
+    "the speculative step without a draft, and each step of --tokens minus 1 drafts less its draft call (all "
+    "logits, sampling and bookkeeping as served; llama-bench times one forward alone).",
+)
+@click.option(
+    "--verify-draft",
+    default=None,
+    metavar="DRAFT.gguf",
+    help="With --in-server: the draft model whose draft-simple steps time the verification (default: the "
+    "target itself; any model of its vocabulary: its own cost is subtracted).",
 )
 @click.option(
     "--llama-bench", "llama_bench", default=None, help="llama-bench's path (default: make setup's, else PATH)."
@@ -126,6 +122,8 @@ def profile(
     served,
     serve_drafts,
     serve_requests,
+    in_server,
+    verify_draft,
     llama_bench,
     out,
     force,
@@ -143,14 +141,13 @@ def profile(
       specreplay speed data/results --profile cpu.json
     """
     from pipeline.common.errors import UserError
-    from scoring.speed.llama_bench import measure
+    from scoring.speed.llama_server import SPEC_TYPES
+    from scoring.speed.measure import Measurement, Wanted, measure_profile
 
     if os.path.exists(out) and not force:
         raise UserError(f"{out} exists; give another --out or --force to replace it")
-    serve = draft_models(served, "--serve")
-    from scoring.speed.llama_server import SPEC_TYPES
-
-    both = sorted(set(serve) & set(draft_models(drafts)))
+    serve, bench = draft_models(served, "--serve"), draft_models(drafts)
+    both = sorted(set(serve) & set(bench))
     if both:
         raise click.BadParameter(f"{both[0]} is given to --draft too: time each drafter one way", param_hint="--serve")
     unserved = [family for family in serve if family not in SPEC_TYPES]
@@ -158,13 +155,20 @@ def profile(
         raise click.BadParameter(
             f"llama-server serves no {unserved[0]!r} drafter ({', '.join(SPEC_TYPES)})", param_hint="--serve"
         )
-    ks = token_counts(serve_drafts, "--serve-drafts")
-    measured = measure(
-        target, draft_models(drafts), token_counts(tokens), context, reps, threads, llama_args, llama_bench
+    if verify_draft is not None and not os.path.isfile(verify_draft):
+        raise click.BadParameter(f"{verify_draft}: no such file", param_hint="--verify-draft")
+    wanted = Wanted(
+        target,
+        token_counts(tokens),
+        in_server,
+        verify_draft,
+        bench,
+        serve,
+        token_counts(serve_drafts, "--serve-drafts"),
     )
-    if serve:
-        measured["drafters"] += served_rows(target, serve, ks, context, serve_requests, threads, llama_args, out)
-        measured["measured"]["notes"] += "; drafters timed inside llama-server: " + ", ".join(serve)
+    work = os.path.splitext(out)[0] + "-logs"
+    how = Measurement(context, reps, serve_requests, threads, tuple(llama_args), llama_bench, work)
+    measured = measure_profile(wanted, how)
     with open(out, "w") as f:
         json.dump(measured, f, indent=1)
     verify = measured["verify"]

@@ -75,3 +75,18 @@ def test_an_existing_profile_is_not_replaced_and_bad_counts_are_refused(measured
     for tokens in ("0-3", "5-2", "x"):
         bad = CliRunner().invoke(main, ["profile", "--target", args[2], "--tokens", tokens, "--out", str(out) + "2"])
         assert bad.exit_code == 2 and "--tokens" in bad.output, bad.output
+
+
+def test_the_target_timed_inside_llama_server_gives_every_count_and_plain_decoding(measured):
+    """--in-server: plain decoding, the speculative step without a draft (1 token) and draft-simple
+    steps of 1 and 2 drafts less their draft calls (2 and 3 tokens), from the server's own timers."""
+    gguf, out, _ = measured
+    path = out.parent / "in-server.json"
+    args = ["profile", "--target", gguf, "--in-server", "--tokens", "1-3", "--context", "8", "--threads", "1"]
+    run = CliRunner().invoke(main, [*args, "--serve-requests", "1", "--out", str(path)])
+    assert run.exit_code == 0, run.output
+    profile = load_profile(str(path))
+    assert [(p.batch, p.tokens) for p in profile.file.verify] == [(1, 1), (1, 2), (1, 3)]
+    assert list(profile.plain) == [1] and "llama-server's own step timers" in profile.file.measured.engine
+    logs = sorted(p.name for p in (out.parent / "in-server-logs").iterdir())
+    assert logs == ["server-plain.log", "server-verify-1.log", "server-verify-2.log", "server-verify-3.log"]

@@ -70,6 +70,23 @@ def test_throughput_pools_tokens_over_steps_not_the_mean_of_per_sample_tau(tmp_p
     assert rows_of(result, profile)[(1, "chain")]["speedup"] == pytest.approx(1.3)
 
 
+def test_steps_are_priced_at_the_drafts_the_loop_verified_and_plain_decoding_at_its_own_cost(tmp_path):
+    """An n-gram walk of 4 steps, two without a match (0 drafts: a one-token forward), one of 4
+    drafts and one cut to 2: the mean step is (10 + 10 + 20 + 15) / 4 ms. The profile's plain
+    decoding step (12 ms), not the one-token forward, is the speedup's base."""
+    result = write_walk_result(tmp_path / "r", [0, 0, 3, 2], [0, 0, 4, 2])
+    profile = tmp_path / "p.json"
+    write_profile(profile, [(1, 1, 0.010), (1, 3, 0.015), (1, 5, 0.020)], [("dflash", 1, 5, 0.002)])
+    data = json.loads(profile.read_text())
+    data["plain"] = [{"batch": 1, "seconds": 0.012}]
+    profile.write_text(json.dumps(data))
+    row = rows_of(result, str(profile))[(1, "chain")]
+    assert row["verify_s"] == pytest.approx((0.010 + 0.010 + 0.020 + 0.015) / 4)
+    assert row["draft_s"] == pytest.approx(0.002 * 2 / 4)  # a block drafter runs its block at any cut, none at 0
+    assert row["plain_tokens_per_s"] == pytest.approx(1 / 0.012)
+    assert row["speedup"] == pytest.approx(2.0 * 0.012 / (row["verify_s"] + row["draft_s"]))
+
+
 def test_the_step_prices_the_method_s_verified_tokens_and_the_drafter_s_passes(tmp_path):
     """A DFlash block of 4 drafts: chain verifies 5 tokens, ddtree-16 verifies 17 (root not
     counted), both after one block pass of 5 queries; times between measured counts interpolate."""
