@@ -1,5 +1,8 @@
 """Section `baselines`: the proposers that need no trained drafter, offline.
 
+- vLLM's suffix decoding: anchors per second on one core, its global tree over the responses
+  built first; llama-server's ngram-mod and SGLang's NGRAM (state along the online loop): walk
+  steps per second through `score`.
 - N-gram lookups (vLLM's `ngram`, llama-server's `ngram-simple`): anchors per second on one core
   through the product's proposer (`NgramProposer.propose` over chunks of anchors, as the replay
   calls it), on the SmolLM2 sequences of the score prompts (the fp32 section's shards) and on long
@@ -126,29 +129,70 @@ def ngram_figures(ctx, real) -> dict:
     return figures
 
 
-STATEFUL = {"spec-type": "ngram-mod", "spec-ngram-mod-n-match": 3, "spec-ngram-mod-n-min": 2, "spec-ngram-mod-n-max": 8}
+SUFFIX = {"method": "suffix", "num_speculative_tokens": K}
+
+
+def suffix_per_second(sequences, reps: int) -> tuple[float, int, float | None]:
+    """vLLM's suffix decoding: (the best rep's anchors per second, anchors, others' CPU): a fresh
+    proposer serves every sample (its global tree over the responses), then drafts at every anchor."""
+    from proposers.interface import ProposeOptions
+
+    tokens, options = packed(sequences), ProposeOptions()
+    chunks, anchors = all_chunks(sequences, K)
+    best, start = float("inf"), time.perf_counter()
+    for _ in range(reps):
+        proposer = proposer_of(SUFFIX, "suffix")
+        began = time.perf_counter()
+        proposer.serve([(s, p) for s, p in sequences])
+        tokens.state, _ = proposer.prepare([(s, None) for s, _ in sequences], None, options)
+        proposer.propose(tokens, chunks, None, options)
+        best = min(best, time.perf_counter() - began)
+    return anchors / best, anchors, others_cpu(start, time.perf_counter())
+
+
+def suffix_figures(ctx, real) -> dict:
+    length = 1024 if ctx.args.quick else 4096
+    inputs = {"score prompts (SmolLM2)": real, f"synthetic, {length} tokens x 8": synthetic_sequences(8, length)}
+    figures = {}
+    for data, sequences in inputs.items():
+        rate, anchors, others = suffix_per_second(sequences, max(ctx.args.reps or 0, 3))
+        figures[f"vLLM suffix (k {K}) | {data}"] = {"anchors_per_s": rate, "anchors": anchors, "others_cpu": others}
+        log(f"baselines: vLLM suffix on {data}: {rate / 1e3:.1f} k anchors/s ({anchors} anchors)")
+    return figures
+
+
+# Proposers with state along the online loop, replayed one step at a time: (config, walk rule)
+STATEFUL = {
+    "llama.cpp ngram-mod (n 3, min 2, max 8)": (
+        {"spec-type": "ngram-mod", "spec-ngram-mod-n-match": 3, "spec-ngram-mod-n-min": 2, "spec-ngram-mod-n-max": 8},
+        "llama.cpp",
+    ),
+    "SGLang NGRAM (its defaults: 12 tokens, BFS)": ({"speculative_algorithm": "NGRAM"}, "sglang"),
+}
 
 
 def stateful_figures(ctx, shard_dir: str) -> dict:
-    """llama-server's ngram-mod through `score` (walk-only, one step at a time along the server's
-    loop): walk steps per second, the whole replay (shard reading, scoring, writing) included."""
+    return {name: stateful_one(ctx, shard_dir, name, raw, rule) for name, (raw, rule) in STATEFUL.items()}
+
+
+def stateful_one(ctx, shard_dir: str, name: str, raw: dict, rule: str) -> dict:
+    """A proposer with state along the online loop through `score` (walk-only, one step at a time):
+    walk steps per second, the whole replay (shard reading, scoring, writing) included."""
     import json
 
     from scoring.config import ScoreConfig
     from scoring.score.run import run_score
 
-    path = ctx.work / "ngram-mod.json"
-    path.write_text(json.dumps(STATEFUL))
-    out = ctx.work / "baselines-stateful"
-    config = ScoreConfig(
-        ckpts=[str(path)], shards=shard_dir, out=str(out), walk_rule="llama.cpp", tree_nodes=[], force=True
-    )
+    path = ctx.work / f"stateful-{rule}.json"
+    path.write_text(json.dumps(raw))
+    out = ctx.work / f"baselines-stateful-{rule}"
+    config = ScoreConfig(ckpts=[str(path)], shards=shard_dir, out=str(out), walk_rule=rule, tree_nodes=[], force=True)
     start = time.perf_counter()
     [outcome] = run_score(config)
     seconds = time.perf_counter() - start
     assert outcome.status == "scored", outcome.error
     steps = _walk_steps(outcome.out_dir)
-    log(f"baselines: ngram-mod through score: {steps} steps in {seconds:.2f}s")
+    log(f"baselines: {name} through score: {steps} steps in {seconds:.2f}s")
     return {
         "steps": steps,
         "seconds": seconds,
@@ -256,6 +300,7 @@ def run(ctx) -> tuple[dict, Rows]:
     try:
         real = stored_sequences(shards(ctx))
         figures = {"ngram": ngram_figures(ctx, real), "stateful": stateful_figures(ctx, shards(ctx))}
+        figures["suffix"] = suffix_figures(ctx, real)
         figures["draft"] = draft_figures(ctx, real)
     finally:
         torch.set_num_threads(threads)
@@ -274,12 +319,18 @@ def rows_of(figures: dict) -> Rows:
             met=rate > TARGET_ANCHORS_PER_S,
             others=[f["others_cpu"]],
         )
-    f = figures["stateful"]
-    rows.add(
-        f"  llama.cpp ngram-mod through score, one step at a time ({f['steps']} walk steps, all included)",
-        f"{f['steps_per_s']:.0f} steps/s",
-        others=[f["others_cpu"]],
-    )
+    for name, f in figures["suffix"].items():
+        rows.add(
+            f"  {name} ({f['anchors']} anchors)",
+            f"{f['anchors_per_s'] / 1e3:.1f} k anchors/s",
+            others=[f["others_cpu"]],
+        )
+    for name, f in figures["stateful"].items():
+        rows.add(
+            f"  {name} through score, one step at a time ({f['steps']} walk steps, all included)",
+            f"{f['steps_per_s']:.0f} steps/s",
+            others=[f["others_cpu"]],
+        )
     d = figures["draft"]
     rows.add(
         f"  draft model (SmolLM2 first {DRAFT_LAYERS} layers, K {K}): online / offline wall, {d['samples']} samples",

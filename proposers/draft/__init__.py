@@ -7,6 +7,7 @@ extracted with `--layer-ids none` serve it.
     config.py     its settings in the project's terms; FAMILY
     checks.py     what is read of the model before it loads: its directory, size and vocabulary
     vocabulary.py the engines' rules for a draft model's vocabulary against the target's
+    vocab_mapping.py vLLM's heterogeneous vocabulary: another tokenizer mapped by token text
     proposer.py   the draft model's greedy chain at every anchor, teacher-forced (a Proposer)
     pard.py       vLLM's parallel drafting (PARD): K drafts from one pass over K - 1 mask tokens
 """

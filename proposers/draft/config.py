@@ -20,6 +20,7 @@ class DraftConfig:
     family: str = "draft"
     layout: str = "llama.cpp"
     parallel_drafting: bool = False  # vLLM's PARD: K drafts from one pass over K - 1 mask tokens (pard.py)
+    heterogeneous_vocab: bool = False  # vLLM's use_heterogeneous_vocab: another tokenizer, mapped (vocab_mapping.py)
     raw: dict = field(default_factory=dict, repr=False)
 
 
@@ -53,13 +54,15 @@ def _vllm_config(checked: VllmDraftModel, raw: dict, source: str) -> DraftConfig
             f"{source}: field 'draft_sample_method' is {checked.draft_sample_method!r}: vLLM's probabilistic "
             "drafting is not replayed yet; score with its default 'greedy'"
         )
-    if checked.use_heterogeneous_vocab:  # vLLM's token-level intersection of two vocabularies
-        raise UserError(
-            f"{source}: field 'use_heterogeneous_vocab' is true: vLLM's mapping of a draft model's other "
-            "vocabulary is not replayed yet; give one with the target's tokenizer"
-        )
     model_dir, k = _model_dir(checked.model, source), checked.num_speculative_tokens
-    return DraftConfig(model_dir, k, layout="vllm", parallel_drafting=checked.parallel_drafting, raw=raw)
+    return DraftConfig(
+        model_dir,
+        k,
+        layout="vllm",
+        parallel_drafting=checked.parallel_drafting,
+        heterogeneous_vocab=checked.use_heterogeneous_vocab,  # greedy only: refused above otherwise, as vLLM does
+        raw=raw,
+    )
 
 
 def proposer(config: DraftConfig):

@@ -1,8 +1,9 @@
 """The draft model's config: llama-server's flags of `--spec-type draft-simple` (common/arg.cpp),
 named as on its command line without the dashes, in a JSON file given to `score --ckpt`:
 `{"spec-type": "draft-simple", "model-draft": "small/", "spec-draft-n-max": 4}`. `model-draft` is the
-transformers checkpoint directory the server's GGUF was converted from (relative to the JSON file's
-folder, or absolute). Every other key is refused by name."""
+transformers checkpoint directory the server's GGUF was converted from, or that GGUF itself (read
+through transformers' GGUF loader: checks.py transformers_dir), relative to the JSON file's folder,
+or absolute. Every other key is refused by name."""
 
 from __future__ import annotations
 
@@ -41,7 +42,8 @@ class VllmDraftModel(EngineSettings):
     """vLLM's `speculative_config` of method "draft_model" (vllm/config/speculative.py,
     v1/spec_decode/draft_model.py): num_speculative_tokens greedy drafts a step from the draft
     model (draft_sample_method "greedy": v1/spec_decode/llm_base_proposer.py:437-457), verified with
-    no draft probabilities. Probabilistic drafting and heterogeneous vocabularies are refused.
+    no draft probabilities. Probabilistic drafting is refused. `use_heterogeneous_vocab` true: a
+    draft model with another tokenizer, mapped by token text (proposers/draft/vocab_mapping.py).
     `parallel_drafting` true: PARD, K drafts from one pass over the last sampled token and K - 1 mask
     tokens, the mask id read from the draft's config.json (proposers/draft/pard.py)."""
 

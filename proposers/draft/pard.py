@@ -39,8 +39,9 @@ import torch
 
 from pipeline.common import timing
 from pipeline.common.errors import UserError
-from proposers.draft.checks import model_config
-from proposers.draft.proposer import ROWS, UNPROPOSED, DraftModelProposer
+from proposers.draft.checks import model_config, transformers_dir
+from proposers.draft.proposer import UNPROPOSED, DraftModelProposer, greedy_rows
+from proposers.draft.vocab_mapping import VocabMapping
 from proposers.interface import Chunk, Drafts, PackedTokens
 
 MASK_FIELDS = ("dflash_config.mask_token_id", "mask_token_id", "dspark_noise_token_id", "pard_token", "ptd_token_id")
@@ -109,11 +110,17 @@ def _attention_mask(hf_config, visible: torch.Tensor, positions: torch.Tensor):
 
 
 @torch.no_grad()
-def parallel_drafts(model, tokens: torch.Tensor, anchors: torch.Tensor, k: int, mask_id: int) -> torch.Tensor:
+def parallel_drafts(
+    model, tokens: torch.Tensor, anchors: torch.Tensor, k: int, mask_id: int, mapping: VocabMapping | None = None
+) -> torch.Tensor:
     """[a, k] the K drafts at each of `anchors` of one sample's stored `tokens` [N]: draft 1 read at
-    the anchor's own token, draft j at its mask j - 1 (module docstring)."""
+    the anchor's own token, draft j at its mask j - 1 (module docstring). `mapping`: vLLM's
+    heterogeneous vocabulary (vocab_mapping.py): the stored tokens mapped target -> draft before the
+    draft's own mask id is appended (base:827-832 then utils:500-528), the drafts the constrained
+    argmax mapped back (base:614-626, :441-446)."""
     masks, context = k - 1, int(anchors.max()) + 1
-    ids = torch.cat([tokens[:context], tokens.new_full((anchors.numel() * masks,), mask_id)])
+    stored = tokens[:context] if mapping is None else mapping.to_draft(tokens[:context])
+    ids = torch.cat([stored, tokens.new_full((anchors.numel() * masks,), mask_id)])
     positions, visible = packed_layout(anchors, context, masks)
     attention = _attention_mask(model.config, visible, positions)
     with timing.stage("draft model parallel forward", tokens=ids.numel()):
@@ -121,8 +128,7 @@ def parallel_drafts(model, tokens: torch.Tensor, anchors: torch.Tensor, k: int, 
     hidden = out.last_hidden_state[0]  # [T, H] after the final norm
     mask_rows = context + torch.arange(anchors.numel() * masks, device=ids.device).view(-1, masks)
     rows = torch.cat([anchors[:, None], mask_rows], dim=1).flatten()  # [a * k] request-major, as base:635
-    head = model.get_output_embeddings()
-    return torch.cat([head(hidden[part]).argmax(dim=-1) for part in rows.split(ROWS)]).view(-1, k)
+    return greedy_rows(model, hidden[rows], mapping).view(-1, k)
 
 
 class PardProposer(DraftModelProposer):
@@ -138,9 +144,11 @@ class PardProposer(DraftModelProposer):
 
         self.mask_id = mask_token_id(model_config(self.config), f"draft model {self.config.model_dir}")
         with timing.stage("load draft model"):
-            model = AutoModelForCausalLM.from_pretrained(self.config.model_dir, dtype=dtype, attn_implementation="sdpa")
+            model = AutoModelForCausalLM.from_pretrained(
+                transformers_dir(self.config), dtype=dtype, attn_implementation="sdpa"
+            )
         self.model = model.to(device).eval()
-        weights = {name: t.detach().cpu() for name, t in model.state_dict().items()}
+        weights = {**{name: t.detach().cpu() for name, t in model.state_dict().items()}, **self._mapping()}
         return {**weights, "parallel_drafting.mask_token_id": torch.tensor([self.mask_id])}
 
     def prepare(self, samples, target, options):
@@ -168,7 +176,7 @@ class PardProposer(DraftModelProposer):
             tokens = packed.ids[start : start + length]
             size = self._anchors_per_pass(int(chunk.anchors[where].max()) + 1, k, options)
             for part in where.split(size):
-                drafts[part] = parallel_drafts(self.model, tokens, chunk.anchors[part], k, self.mask_id)
+                drafts[part] = parallel_drafts(self.model, tokens, chunk.anchors[part], k, self.mask_id, self.mapping)
         positions = chunk.anchors[:, None] + torch.arange(k, device=drafts.device)[None, :]  # draft j read at t + j - 1
         known = positions < packed.lengths[chunk.sample_idx][:, None]
         return Drafts(None, torch.where(known, drafts, torch.full_like(drafts, UNPROPOSED)))

@@ -9,6 +9,11 @@ draft is the argmax of one causal forward over the stored sequence: draft j at t
 (`prepare`, one forward per sample; `propose` gathers). The server's p-min and n-min (default 0)
 are refused by the config: with them the chain's length depends on drafts after a rejected one. q
 is a point mass: llama-server verifies a draft by sampling the target and comparing.
+
+vLLM's `use_heterogeneous_vocab` (vocab_mapping.py): the same pass over the stored tokens mapped
+target -> draft, each argmax constrained to the two vocabularies' intersection and mapped back.
+A draft model given as a GGUF file is read from the transformers directory it converts to
+(checks.py transformers_dir).
 """
 
 from __future__ import annotations
@@ -16,7 +21,8 @@ from __future__ import annotations
 import torch
 
 from pipeline.common import timing
-from proposers.draft.checks import model_config
+from proposers.draft.checks import model_config, transformers_dir
+from proposers.draft.vocab_mapping import VocabMapping, checked
 from proposers.interface import Chunk, Drafts, PackedTokens
 from proposers.toolkit.token_chain import TokenChain
 
@@ -31,16 +37,25 @@ class DraftModelProposer(TokenChain):
     def __init__(self, config):
         super().__init__(config)
         self.model = None
+        self.mapping: VocabMapping | None = None  # vLLM's heterogeneous vocabulary (vocab_mapping.py)
 
     def load(self, dtype: torch.dtype, device: str) -> dict:
-        """Load the draft model; its weights (for the results' content hash)."""
+        """Load the draft model; its weights (for the results' content hash), and the vocabulary
+        mapping a heterogeneous one drafts through."""
         from transformers import AutoModelForCausalLM
 
         model_config(self.config)  # one error line when the directory holds no model
         with timing.stage("load draft model"):
-            model = AutoModelForCausalLM.from_pretrained(self.config.model_dir, dtype=dtype)
+            model = AutoModelForCausalLM.from_pretrained(transformers_dir(self.config), dtype=dtype)
         self.model = model.to(device).eval()
-        return {name: t.detach().cpu() for name, t in model.state_dict().items()}
+        return {**{name: t.detach().cpu() for name, t in model.state_dict().items()}, **self._mapping()}
+
+    def _mapping(self) -> dict:
+        """The mapping score checked against the shards (heterogeneous vocabulary only); its tensors."""
+        if not getattr(self.config, "heterogeneous_vocab", False):
+            return {}
+        self.mapping = checked(self.config.model_dir)
+        return self.mapping.tensors()
 
     def prepare(self, samples, target, options):
         """Per sample, the draft model's argmax after every prefix, concatenated [sum N]."""
@@ -49,11 +64,11 @@ class DraftModelProposer(TokenChain):
 
     @torch.no_grad()
     def _greedy(self, tokens: torch.Tensor) -> torch.Tensor:
-        """[N] the argmax of the next token after each prefix of `tokens`."""
+        """[N] the argmax of the next token after each prefix of `tokens` (target ids)."""
+        ids = tokens if self.mapping is None else self.mapping.to_draft(tokens)
         with timing.stage("draft model forward", tokens=tokens.numel()):
-            hidden = self.model.base_model(tokens[None]).last_hidden_state[0]  # [N, H] after the final norm
-        head = self.model.get_output_embeddings()
-        return torch.cat([head(rows).argmax(dim=-1) for rows in hidden.split(ROWS)])  # [r, V] logits at a time
+            hidden = self.model.base_model(ids[None]).last_hidden_state[0]  # [N, H] after the final norm
+        return greedy_rows(self.model, hidden, self.mapping)
 
     def propose(self, packed: PackedTokens, chunks: list[Chunk], target, options) -> list[Drafts]:
         return [self._drafts(packed, chunk) for chunk in chunks]
@@ -66,3 +81,11 @@ class DraftModelProposer(TokenChain):
         flat = (starts[:, None] + positions).clamp(max=top.numel() - 1)
         drafts = torch.where(positions < lengths[:, None], top[flat], torch.full_like(flat, UNPROPOSED))
         return Drafts(None, drafts.long())
+
+
+def greedy_rows(model, hidden: torch.Tensor, mapping: VocabMapping | None) -> torch.Tensor:
+    """[r] the greedy draft (a target id) of each row of `hidden`, ROWS logits [r, V] at a time: the
+    argmax, or under a heterogeneous vocabulary the constrained argmax mapped back."""
+    head = model.get_output_embeddings()
+    pick = (lambda logits: logits.argmax(dim=-1)) if mapping is None else mapping.greedy
+    return torch.cat([pick(head(rows)) for rows in hidden.split(ROWS)])

@@ -10,7 +10,7 @@ otherwise), read in transformers' terms, before the draft model is loaded:
 
 The target's side is the manifest's vocabulary and the tokenizer extract stored with the shards
 (<shards>/tokenizer/); shards from before that was stored are checked by size alone, said in a note.
-vLLM's heterogeneous-vocabulary option has no counterpart here: a different vocabulary is refused.
+vLLM's `use_heterogeneous_vocab` skips these checks and maps another vocabulary (vocab_mapping.py).
 """
 
 from __future__ import annotations

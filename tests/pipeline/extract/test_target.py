@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from pipeline.common import gguf_cache
 from pipeline.common.dtypes import resolve_dtype
-from pipeline.extract import target as target_module
 from pipeline.extract.target import (
     TargetInfo,
     decoder_layers,
@@ -233,7 +233,7 @@ def test_smollm2_gguf_is_cached_and_reloaded(tmp_path, monkeypatch):
     cached = cache / "SmolLM2-135M-Instruct.Q4_1"
     assert (cached / "model.safetensors").is_file()
     assert (cached / "config.json").is_file() and (cached / "tokenizer.json").is_file()
-    assert (cached / "generation_config.json").is_file() and (cached / target_module.CACHE_MARKER).is_file()
+    assert (cached / "generation_config.json").is_file() and (cached / gguf_cache.CACHE_MARKER).is_file()
     assert not any(p.name.startswith(".") for p in cache.iterdir())  # no staging dir left behind
     written = (cached / "model.safetensors").stat().st_mtime_ns
 
