@@ -205,3 +205,12 @@ def build_tiny_qwen35_vlm(save_dir, num_layers: int = 4, seed: int = 1) -> str:
 
 # The settings.target of shards extracted from build_tiny_qwen3's default (6 layers).
 TINY_TARGET = {"hidden_size": TINY_HIDDEN, "num_layers": 6, "vocab_size": TINY_VOCAB}
+
+
+def one_torch_thread():
+    """A module fixture's body: one intra-op thread while the module runs (on shared cores
+    OpenMP's spinning workers slow the tiny models' calls down)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

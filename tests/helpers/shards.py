@@ -29,6 +29,19 @@ def tiny_shards(tmp, model_dir: str, records: list[dict], max_new_tokens: int = 
     return shards
 
 
+def question_shards(tmp, model_dir: str, max_new_tokens: int, count: int = 4) -> str:
+    """`count` short arithmetic questions extracted from a tiny target (tiny_shards)."""
+    records = [{"id": f"q{i}", "prompt": f"What is {i} + {2 * i}? Say it twice."} for i in range(count)]
+    return tiny_shards(tmp, model_dir, records, max_new_tokens=max_new_tokens)
+
+
+def stored_samples(shards: str) -> list[tuple[list[int], int]]:
+    """(prompt + stored response, prompt length) per sample of the shards."""
+    from pipeline.shards import ShardSet
+
+    return [(s.input_ids.tolist(), s.prompt_len) for s in ShardSet(shards).samples(tensors=[])]
+
+
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bitwise equality (NaN-safe), dtype and shape included."""
     if a.dtype != b.dtype or a.shape != b.shape:

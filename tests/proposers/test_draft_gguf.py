@@ -13,17 +13,15 @@ is one error line naming it.
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import polars as pl
 import pytest
-import torch
 from click.testing import CliRunner
 
 from specreplay.cli import main
 from tests.helpers import chain_parity as chains, engine_parity as parity, llama_engine as engine
-from tests.helpers.models import seeded, text_kwargs
+from tests.helpers.models import one_torch_thread
 from tests.helpers.prompts import write_prompts
 from tools.llama_convert import convert
 
@@ -32,34 +30,15 @@ WALK_COLUMNS = ["sample_id", "step", "anchor", "drafted", "counted_accepted", "c
 
 
 def fitted_draft(target_dir, sequences, out, head_dim: int = 128) -> str:
-    """A 1-layer Qwen3 at SmolLM2's vocabulary fitted by next-token loss on `sequences`, saved with
-    the target's tokenizer (as llama_engine.fitted_draft_model, `head_dim` wide)."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    shape = {"vocab_size": engine.SMOLLM2_VOCAB, "num_attention_heads": 2, "num_key_value_heads": 1}
-    config = Qwen3Config(**{**text_kwargs(1), **shape, "head_dim": head_dim}, rope_theta=10000.0)
-    with seeded(5):
-        model = Qwen3ForCausalLM(config)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=engine.DRAFT_FIT_LR)
-    for _ in range(FIT_STEPS if sequences else 0):
-        loss = sum(model(ids[None], labels=ids[None]).loss for ids, _ in sequences) / len(sequences)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    model.eval().save_pretrained(out)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        if (Path(target_dir) / name).exists():
-            shutil.copy(Path(target_dir) / name, Path(out) / name)
-    return str(out)
+    """llama_engine.fitted_draft_model of 1 layer, `head_dim` wide (transformers' GGUF reader
+    assumes a Qwen3's head width of 128)."""
+    shape = {"num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": head_dim}
+    return engine.fitted_draft_model(target_dir, sequences, out, layers=1, steps=FIT_STEPS, **shape)
 
 
 @pytest.fixture(scope="module", autouse=True)
 def one_thread():
-    """One intra-op thread: on shared cores OpenMP's spinning workers slow the tiny models' calls down."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    yield from one_torch_thread()
 
 
 @pytest.fixture(scope="module")

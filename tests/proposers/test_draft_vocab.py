@@ -33,11 +33,10 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from pipeline.shards import ShardSet
 from proposers.draft import vocab_mapping
 from specreplay.cli import main
-from tests.helpers.models import IM_END_ID, TINY_VOCAB, seeded, text_kwargs
-from tests.helpers.shards import tiny_shards
+from tests.helpers.models import IM_END_ID, TINY_VOCAB, one_torch_thread, seeded, text_kwargs
+from tests.helpers.shards import question_shards, stored_samples
 
 K = 4
 MAX_NEW = 40
@@ -50,23 +49,18 @@ WRONG_RULES = ("no space-prefix normalization", "last id kept", "unconstrained l
 
 @pytest.fixture(scope="module", autouse=True)
 def one_thread():
-    """One intra-op thread: on shared cores OpenMP's spinning workers slow the tiny models' calls down."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    yield from one_torch_thread()
 
 
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory, tiny_qwen3_dir) -> str:
-    tmp = tmp_path_factory.mktemp("draft_vocab")
-    records = [{"id": f"q{i}", "prompt": f"What is {i} + {2 * i}? Say it twice."} for i in range(4)]
-    return tiny_shards(tmp, tiny_qwen3_dir, records, max_new_tokens=MAX_NEW)
+    return question_shards(tmp_path_factory.mktemp("draft_vocab"), tiny_qwen3_dir, MAX_NEW)
 
 
 @pytest.fixture(scope="module")
 def samples(shards) -> list[tuple[list[int], int]]:
-    return [(s.input_ids.tolist(), s.prompt_len) for s in ShardSet(shards).samples(tensors=[])]
+    """(prompt + stored response, prompt length) per sample: the target's greedy responses."""
+    return stored_samples(shards)
 
 
 def draft_tokenizer(target_vocab: dict[str, int], out, unk: str | None = "<unk>", eos: str | None = "<|im_end|>"):

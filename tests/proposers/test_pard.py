@@ -22,11 +22,10 @@ import torch
 from click.testing import CliRunner
 
 from pipeline.common.errors import UserError
-from pipeline.shards import ShardSet
 from proposers.draft.pard import mask_token_id, packed_layout, parallel_drafts
 from specreplay.cli import main
-from tests.helpers.models import IM_END_ID, TINY_VOCAB, seeded, text_kwargs
-from tests.helpers.shards import tiny_shards
+from tests.helpers.models import IM_END_ID, TINY_VOCAB, one_torch_thread, seeded, text_kwargs
+from tests.helpers.shards import question_shards, stored_samples
 
 K = 4
 MASK = 500  # a model row the tiny tokenizer (400 ids) never produces
@@ -35,17 +34,20 @@ FIT_STEPS, FIT_LR = 30, 3e-3
 RULES = ("vllm", "autoregressive", "mask positions + 1", "mask KV kept")
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    yield from one_torch_thread()
+
+
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory, tiny_qwen3_dir) -> str:
-    tmp = tmp_path_factory.mktemp("pard")
-    records = [{"id": f"q{i}", "prompt": f"What is {i} + {2 * i}? Say it twice."} for i in range(4)]
-    return tiny_shards(tmp, tiny_qwen3_dir, records, max_new_tokens=MAX_NEW)
+    return question_shards(tmp_path_factory.mktemp("pard"), tiny_qwen3_dir, MAX_NEW)
 
 
 @pytest.fixture(scope="module")
 def samples(shards) -> list[tuple[list[int], int]]:
     """(prompt + stored response, prompt length) per sample: the target's greedy responses."""
-    return [(s.input_ids.tolist(), s.prompt_len) for s in ShardSet(shards).samples(tensors=[])]
+    return stored_samples(shards)
 
 
 def pard_row(ids: list[int], prompt_len: int) -> tuple[torch.Tensor, ...]:
