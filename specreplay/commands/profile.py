@@ -146,10 +146,12 @@ def profile(
     force,
 ):
     """Measure how long the target's forward takes for 1, 2, ... tokens per sequence after
-    --context tokens, and each draft model's one-token forward, with llama.cpp's own llama-bench on
-    this machine: the cost profile `specreplay speed` predicts tokens per second from. One
-    sequence (batch 1): llama-bench runs no batch of sequences; a profile for larger batches,
-    measured elsewhere, follows the same schema (docs/speed.md).
+    --context tokens, and each drafter's forward, on this machine's llama.cpp: the cost profile
+    `specreplay speed` predicts tokens per second from. The target by llama-bench (one forward
+    alone) or, with --in-server, by llama-server's own step timers (verification as served, plain
+    decoding apart); standalone draft models (--draft) by llama-bench; drafters that read the
+    target's features (--serve) inside llama-server. One sequence (batch 1); a profile for larger
+    batches, measured elsewhere, follows the same schema (docs/speed.md).
 
     \b
     Example:
