@@ -10,7 +10,7 @@ from pathlib import Path
 
 from pipeline.common.llama_cpp import LlamaServer, binary_env, free_port, installed_binary, wait_healthy
 
-__all__ = ["LlamaServer", "free_port", "llama_server_binary", "llama_server_env", "llama_server_runs", "wait_healthy"]
+__all__ = ["LlamaServer", "free_port", "llama_server_binary", "llama_server_runs", "wait_healthy"]
 
 
 def llama_server_binary() -> Path:
@@ -20,15 +20,11 @@ def llama_server_binary() -> Path:
     return path
 
 
-def llama_server_env(binary: Path) -> dict:
-    return binary_env(binary)
-
-
 def llama_server_runs() -> bool:
     """Whether the installed llama-server starts (`make setup` builds it when not)."""
     try:
         binary = llama_server_binary()
-        done = subprocess.run([str(binary), "--version"], env=llama_server_env(binary), capture_output=True, timeout=60)
+        done = subprocess.run([str(binary), "--version"], env=binary_env(binary), capture_output=True, timeout=60)
     except (AssertionError, OSError, subprocess.TimeoutExpired):
         return False
     return done.returncode == 0

@@ -39,7 +39,7 @@ import torch
 
 from pipeline.common import timing
 from pipeline.common.errors import UserError
-from proposers.draft.checks import model_config, transformers_dir
+from proposers.draft.checks import model_config
 from proposers.draft.proposer import UNPROPOSED, DraftModelProposer, greedy_rows
 from proposers.draft.vocab_mapping import VocabMapping
 from proposers.interface import Chunk, Drafts, PackedTokens
@@ -134,21 +134,16 @@ def parallel_drafts(
 class PardProposer(DraftModelProposer):
     """vLLM's draft_model with parallel_drafting: K drafts per anchor from one pass (module docstring)."""
 
+    attention = "sdpa"  # the boolean 4D mask is taken as given
+
     def __init__(self, config):
         super().__init__(config)
         self.mask_id = None
 
     def load(self, dtype: torch.dtype, device: str) -> dict:
-        """The draft model (sdpa: the boolean mask is taken as given); its weights and mask id (hashed)."""
-        from transformers import AutoModelForCausalLM
-
+        """The draft model; its weights and mask id (hashed)."""
         self.mask_id = mask_token_id(model_config(self.config), f"draft model {self.config.model_dir}")
-        with timing.stage("load draft model"):
-            model = AutoModelForCausalLM.from_pretrained(
-                transformers_dir(self.config), dtype=dtype, attn_implementation="sdpa"
-            )
-        self.model = model.to(device).eval()
-        weights = {**{name: t.detach().cpu() for name, t in model.state_dict().items()}, **self._mapping()}
+        weights = super().load(dtype, device)
         return {**weights, "parallel_drafting.mask_token_id": torch.tensor([self.mask_id])}
 
     def prepare(self, samples, target, options):

@@ -34,6 +34,8 @@ class DraftModelProposer(TokenChain):
     """A causal LM drafting greedily: tokens only, no target features; n-max drafts at every anchor,
     which the server cuts to the budget afterwards (walk rule)."""
 
+    attention: str | None = None  # transformers' attention implementation; None: its default
+
     def __init__(self, config):
         super().__init__(config)
         self.model = None
@@ -45,8 +47,9 @@ class DraftModelProposer(TokenChain):
         from transformers import AutoModelForCausalLM
 
         model_config(self.config)  # one error line when the directory holds no model
+        attention = {"attn_implementation": self.attention} if self.attention else {}
         with timing.stage("load draft model"):
-            model = AutoModelForCausalLM.from_pretrained(transformers_dir(self.config), dtype=dtype)
+            model = AutoModelForCausalLM.from_pretrained(transformers_dir(self.config), dtype=dtype, **attention)
         self.model = model.to(device).eval()
         return {**{name: t.detach().cpu() for name, t in model.state_dict().items()}, **self._mapping()}
 

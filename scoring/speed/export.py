@@ -52,10 +52,10 @@ def anchor_rates(directory: str) -> list[float]:
 
 def synthetic_rates(directory: str) -> list[float]:
     """The result's unconditional per-position acceptance, non-increasing, rounded to 6 digits."""
-    drafts = len(anchor_rates(directory))
-    if drafts == 0:
+    anchors = anchor_rates(directory)  # its length is the chain's K either way
+    if not anchors:
         raise UserError(f"{directory}: its chain has no draft positions; nothing to export")
-    rates = walk_rates(directory, drafts) or anchor_rates(directory)
+    rates = walk_rates(directory, len(anchors)) or anchors
     return [round(r, 6) for r in rates]
 
 

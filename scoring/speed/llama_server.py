@@ -85,11 +85,12 @@ def draft_call_seconds(log: Path, spec_type: str) -> float:
     return ms / calls / 1000
 
 
-def served_pass(family: str, drafter: str, target: str, drafts: int, setting: dict) -> dict:
+def served_pass(family: str, drafter: str, target: str, drafts: int, how) -> dict:
     """The profile's drafter row: one pass of the drafter at `drafts` drafts a step, timed by the server.
-    `setting`: context (prompt tokens), requests, n_predict, threads, extra (more server options), work."""
-    log = Path(setting["work"]) / f"server-{family}-{drafts}.log"
-    timed_requests(target, spec_options(family, drafter, target, drafts), setting, log, SPEC_TYPES[family])
+    `how`: a scoring.speed.measure.Measurement (context: prompt tokens, requests, n_predict, threads,
+    extra: more server options, work: where the logs go)."""
+    log = Path(how.work) / f"server-{family}-{drafts}.log"
+    timed_requests(target, spec_options(family, drafter, target, drafts), how, log, SPEC_TYPES[family])
     seconds = draft_call_seconds(log, SPEC_TYPES[family])
     if drafting(family) == "block":
         return {"family": family, "batch": 1, "tokens": drafts + 1, "seconds": seconds}
@@ -117,20 +118,20 @@ def step_intervals(log: Path, drafts: int) -> list[float]:
     return [b[0] - a[0] for t in tasks for a, b in zip(by_task[t], by_task[t][1:]) if b[1] == drafts]
 
 
-def timed_requests(target: str, options: tuple, setting: dict, log: Path, spec_type: str | None = None) -> list[dict]:
+def timed_requests(target: str, options: tuple, how, log: Path, spec_type: str | None = None) -> list[dict]:
     """The `timings` of the requests after a warm-up one, served with `options`; with a
     `spec_type`, its per-step lines (LLAMA_TRACE) and statistics are in the log when it returns."""
     env = {"LLAMA_TRACE": "1"} if spec_type else {}
-    extra = (*options, "--threads", str(setting["threads"]), *setting["extra"], "-lv", str(TRACE_LEVEL))
+    extra = (*options, "--threads", str(how.threads), *how.extra, "-lv", str(TRACE_LEVEL))
     server = LlamaServer(Path(target), log, extra=extra, env=env).start()
     try:
         rng = random.Random(0)
         answers = [
-            ask(server.url, [rng.randrange(300, 700) for _ in range(setting["context"])], setting["n_predict"])
-            for _ in range(1 + setting["requests"])
+            ask(server.url, [rng.randrange(300, 700) for _ in range(how.context)], how.n_predict)
+            for _ in range(1 + how.requests)
         ]
         if spec_type:
-            wait_for_statistics(log, spec_type, 1 + setting["requests"])
+            wait_for_statistics(log, spec_type, 1 + how.requests)
     finally:
         server.stop()
     return answers[1:]
@@ -141,24 +142,24 @@ def per_token(answers: list[dict]) -> float:
     return sum(a["predicted_ms"] for a in answers) / 1000 / sum(a["predicted_n"] for a in answers)
 
 
-def served_target(target: str, verify_draft: str, tokens: list[int], setting: dict) -> dict:
+def served_target(target: str, verify_draft: str, tokens: list[int], how) -> dict:
     """The profile's `verify` and `plain` rows measured inside llama-server (docs/speed.md):
     plain decoding (no drafter); one token (ngram-simple that never matches: the speculative loop's
     step without a draft); n > 1 tokens (draft-simple drafting n - 1 with `verify_draft`, every
     step's time less its draft call)."""
-    work = Path(setting["work"])
-    plain = per_token(timed_requests(target, (), setting, work / "server-plain.log"))
+    work = Path(how.work)
+    plain = per_token(timed_requests(target, (), how, work / "server-plain.log"))
     verify = []
     for n in tokens:
         if n == 1:
             options = ("--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", str(NO_MATCH))
-            answers = timed_requests(target, options, setting, work / "server-verify-1.log")
+            answers = timed_requests(target, options, how, work / "server-verify-1.log")
             if any(a.get("draft_n") for a in answers):
                 raise UserError(f"llama-server drafted with ngram-simple of n {NO_MATCH} (its log: {work})")
             verify.append({"batch": 1, "tokens": 1, "seconds": per_token(answers)})
             continue
         log = work / f"server-verify-{n}.log"
-        timed_requests(target, spec_options("draft", verify_draft, target, n - 1), setting, log, "draft-simple")
+        timed_requests(target, spec_options("draft", verify_draft, target, n - 1), how, log, "draft-simple")
         intervals = step_intervals(log, n - 1)
         if not intervals:
             raise UserError(f"llama-server logged no step of {n - 1} drafts (its log: {log})")

@@ -25,17 +25,6 @@ class Measurement:
     work: str  # where llama-server's logs are kept
     n_predict: int = 32
 
-    def setting(self) -> dict:
-        """What llama_server.py's functions read."""
-        return dict(
-            context=self.context,
-            requests=self.requests,
-            n_predict=self.n_predict,
-            threads=self.threads,
-            extra=self.extra,
-            work=self.work,
-        )
-
 
 @dataclass(frozen=True)
 class Wanted:
@@ -54,18 +43,15 @@ class Wanted:
 
 def measured_rows(wanted: Wanted, how: Measurement) -> tuple[dict, str]:
     """({verify, plain, drafters} rows, what timed the target)."""
-    setting = how.setting()
     if wanted.in_server:
-        rows = served_target(wanted.target, wanted.verify_draft or wanted.target, wanted.tokens, setting)
+        rows = served_target(wanted.target, wanted.verify_draft or wanted.target, wanted.tokens, how)
         engine = f"llama.cpp llama-server's own step timers ({how.requests} requests after a warm-up)"
     else:
         verify, cpu = bench_verify(wanted.target, wanted.tokens, how)
         rows = {"verify": verify, "plain": []}
         engine = f"llama.cpp llama-bench (median of {how.reps} repetitions; CPU {cpu})"
     rows["drafters"] = [bench_draft(family, gguf, how) for family, gguf in wanted.drafts.items()]
-    served = [
-        served_pass(f, g, wanted.target, k, setting) for f, g in wanted.serve.items() for k in wanted.serve_drafts
-    ]
+    served = [served_pass(f, g, wanted.target, k, how) for f, g in wanted.serve.items() for k in wanted.serve_drafts]
     rows["drafters"] += merged(served)
     return rows, engine
 

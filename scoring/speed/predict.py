@@ -99,11 +99,9 @@ def cost(curve: Curve | None, tokens: int, what: str, batch: int, profile: Profi
 
 def draft_seconds(profile: Profile, config: Configuration, drafts: int, batch: int) -> float:
     """The drafter's forwards of one step drafting `drafts`, from its entry in the profile."""
-    passes = draft_passes(config.family, config.method, config.drafts) if drafts else ()
+    passes = draft_passes(config.family, config.method, drafts, config.drafts)
     if not passes:
         return 0.0
-    if len(passes) == config.drafts and drafts < config.drafts:  # autoregressive: a pass a draft
-        passes = passes[:drafts]
     curves = profile.draft_curves(config.family, config.checkpoint)
     if curves is None:
         raise UserError(

@@ -14,8 +14,6 @@ sequence of each). A cost profile (profile.py) prices them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from proposers.registry import family as family_record
 from scoring.methods.chain import CHAIN_METHOD
 from scoring.methods.ddtree import DDTREE
@@ -23,12 +21,6 @@ from scoring.methods.eagle_tree import EAGLE_TREES
 from scoring.methods.registry import method_of
 
 TOKEN_ONLY = ("ngram", "suffix")  # families that draft from the stored tokens alone, no forward
-
-
-@dataclass(frozen=True)
-class StepShape:
-    verified: int  # tokens per sequence in the target's verification forward
-    draft_passes: tuple[int, ...]  # tokens per sequence of each drafter forward, in order
 
 
 def verified_tokens(method: str, drafts: int) -> int:
@@ -51,19 +43,16 @@ def drafting(family: str) -> str:
     return "block"
 
 
-def draft_passes(family: str, method: str, drafts: int) -> tuple[int, ...]:
-    """Tokens per sequence of each drafter forward in one step (module docstring)."""
+def draft_passes(family: str, method: str, drafts: int, block: int) -> tuple[int, ...]:
+    """Tokens per sequence of each drafter forward in a step that drafts `drafts` of a chain of
+    `block` (module docstring): none without a draft; a block drafter runs its whole block at any
+    cut; an autoregressive one a pass per draft."""
     how = drafting(family)
-    if how == "none":
+    if how == "none" or drafts == 0:
         return ()
     if how == "block":
-        return (drafts + 1,)
+        return (block + 1,)
     kind, setting = method_of(method)
     if kind is EAGLE_TREES:
         return (1,) + (setting.topk,) * (setting.depth - 1)
     return (1,) * drafts
-
-
-def step_shape(family: str, method: str, drafts: int) -> StepShape:
-    """The step of `method` for a drafter of `family` drafting a chain of `drafts`."""
-    return StepShape(verified_tokens(method, drafts), draft_passes(family, method, drafts))
