@@ -17,6 +17,7 @@ import random
 import re
 import time
 import urllib.request
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline.common.errors import UserError
@@ -47,13 +48,21 @@ def spec_options(family: str, drafter: str, target: str, drafts: int) -> tuple[s
 
 
 def ask(url: str, prompt: list[int], n_predict: int) -> dict:
-    """One greedy completion of token ids, nothing cached (every request drafts from scratch): its `timings`."""
-    body = {"prompt": prompt, "n_predict": n_predict, "temperature": 0.0, "top_k": 1, "cache_prompt": False}
+    """One greedy completion of token ids, nothing cached (every request drafts from scratch): the
+    server's reply (`timings`, `tokens`)."""
+    body = {
+        "prompt": prompt,
+        "n_predict": n_predict,
+        "temperature": 0.0,
+        "top_k": 1,
+        "cache_prompt": False,
+        "return_tokens": True,
+    }
     request = urllib.request.Request(
         url + "/completion", json.dumps(body).encode(), {"Content-Type": "application/json"}
     )
     with urllib.request.urlopen(request, timeout=600) as answer:
-        return json.loads(answer.read())["timings"]
+        return json.loads(answer.read())
 
 
 def statistics(log: Path, spec_type: str) -> list[re.Match]:
@@ -85,13 +94,81 @@ def draft_call_seconds(log: Path, spec_type: str) -> float:
     return ms / calls / 1000
 
 
-def served_pass(family: str, drafter: str, target: str, drafts: int, how) -> dict:
-    """The profile's drafter row: one pass of the drafter at `drafts` drafts a step, timed by the server.
-    `how`: a scoring.speed.measure.Measurement (context: prompt tokens, requests, n_predict, threads,
-    extra: more server options, work: where the logs go)."""
+# --------------------------------------------------------------------------- servers, interleaved
+
+
+@dataclass
+class Served:
+    """One llama-server of a measurement, kept up while every server's requests go round
+    (`interleave`): its options, its log, its prompts (the first a warm-up, left out of every
+    figure: graphs allocated, caches cold) and, once served, its replies in order."""
+
+    options: tuple[str, ...]
+    log: Path
+    prompts: list[list[int]]
+    n_predict: int
+    spec_type: str | None = None  # per-step lines and draft statistics logged (LLAMA_TRACE, -lv 4)
+    replies: list[dict] = field(default_factory=list)
+
+    @property
+    def timings(self) -> list[dict]:
+        """The `timings` of the replies after the warm-up."""
+        return [reply["timings"] for reply in self.replies[1:]]
+
+
+def started(served: Served, target: str, threads: int, extra: tuple[str, ...]) -> LlamaServer:
+    env = {"LLAMA_TRACE": "1"} if served.spec_type else {}
+    options = (*served.options, "--threads", str(threads), *extra, "-lv", str(TRACE_LEVEL))
+    return LlamaServer(Path(target), served.log, extra=options, env=env).start()
+
+
+def interleave(served: list[Served], target: str, threads: int, extra: tuple[str, ...] = ()) -> None:
+    """Every server started, then request i of each in turn, round after round, the order rotating
+    by round: the machine's drift over minutes (docs/speed.md) lands on every row alike, where
+    one server after another would hand each row its own minute."""
+    servers: list[LlamaServer] = []
+    try:
+        for one in served:
+            servers.append(started(one, target, threads, extra))
+        pairs = list(zip(served, servers))
+        for i in range(max(len(one.prompts) for one in served)):
+            turn = i % len(pairs)
+            for one, server in pairs[turn:] + pairs[:turn]:
+                if i < len(one.prompts):
+                    one.replies.append(ask(server.url, one.prompts[i], one.n_predict))
+        for one in served:
+            if one.spec_type:
+                wait_for_statistics(one.log, one.spec_type, len(one.prompts))
+    finally:
+        for server in servers:
+            server.stop()
+
+
+def random_prompts(how) -> list[list[int]]:
+    """1 + how.requests prompts of how.context token ids (the same for every server)."""
+    rng = random.Random(0)
+    return [[rng.randrange(300, 700) for _ in range(how.context)] for _ in range(1 + how.requests)]
+
+
+def per_token(timings: list[dict]) -> float:
+    """Seconds of generation per generated token (the answers' predicted_ms over predicted_n)."""
+    return sum(t["predicted_ms"] for t in timings) / 1000 / sum(t["predicted_n"] for t in timings)
+
+
+# --------------------------------------------------------------------------- a drafter's pass
+
+
+def drafter_server(family: str, drafter: str, target: str, drafts: int, how) -> Served:
+    """The server timing `drafter` at `drafts` drafts a step. `how`: a scoring.speed.measure.Measurement
+    (context: prompt tokens, requests, n_predict, work: where the logs go)."""
     log = Path(how.work) / f"server-{family}-{drafts}.log"
-    timed_requests(target, spec_options(family, drafter, target, drafts), how, log, SPEC_TYPES[family])
-    seconds = draft_call_seconds(log, SPEC_TYPES[family])
+    options = spec_options(family, drafter, target, drafts)
+    return Served(options, log, random_prompts(how), how.n_predict, SPEC_TYPES[family])
+
+
+def drafter_row(family: str, drafts: int, served: Served) -> dict:
+    """The profile's drafter row: one pass of the drafter at `drafts` drafts a step, timed by the server."""
+    seconds = draft_call_seconds(served.log, SPEC_TYPES[family])
     if drafting(family) == "block":
         return {"family": family, "batch": 1, "tokens": drafts + 1, "seconds": seconds}
     return {"family": family, "batch": 1, "tokens": 1, "seconds": seconds / drafts}
@@ -118,51 +195,38 @@ def step_intervals(log: Path, drafts: int) -> list[float]:
     return [b[0] - a[0] for t in tasks for a, b in zip(by_task[t], by_task[t][1:]) if b[1] == drafts]
 
 
-def timed_requests(target: str, options: tuple, how, log: Path, spec_type: str | None = None) -> list[dict]:
-    """The `timings` of the requests after a warm-up one, served with `options`; with a
-    `spec_type`, its per-step lines (LLAMA_TRACE) and statistics are in the log when it returns."""
-    env = {"LLAMA_TRACE": "1"} if spec_type else {}
-    extra = (*options, "--threads", str(how.threads), *how.extra, "-lv", str(TRACE_LEVEL))
-    server = LlamaServer(Path(target), log, extra=extra, env=env).start()
-    try:
-        rng = random.Random(0)
-        answers = [
-            ask(server.url, [rng.randrange(300, 700) for _ in range(how.context)], how.n_predict)
-            for _ in range(1 + how.requests)
-        ]
-        if spec_type:
-            wait_for_statistics(log, spec_type, 1 + how.requests)
-    finally:
-        server.stop()
-    return answers[1:]
-
-
-def per_token(answers: list[dict]) -> float:
-    """Seconds of generation per generated token (the answers' predicted_ms over predicted_n)."""
-    return sum(a["predicted_ms"] for a in answers) / 1000 / sum(a["predicted_n"] for a in answers)
-
-
-def served_target(target: str, verify_draft: str, tokens: list[int], how) -> dict:
-    """The profile's `verify` and `plain` rows measured inside llama-server (docs/speed.md):
-    plain decoding (no drafter); one token (ngram-simple that never matches: the speculative loop's
-    step without a draft); n > 1 tokens (draft-simple drafting n - 1 with `verify_draft`, every
-    step's time less its draft call)."""
-    work = Path(how.work)
-    plain = per_token(timed_requests(target, (), how, work / "server-plain.log"))
-    verify = []
+def target_servers(target: str, verify_draft: str, tokens: list[int], how) -> dict[str, Served]:
+    """The servers timing the target (docs/speed.md): plain decoding (no drafter); one token
+    (ngram-simple that never matches: the speculative loop's step without a draft); n > 1 tokens
+    (draft-simple drafting n - 1 with `verify_draft`)."""
+    work, prompts = Path(how.work), random_prompts(how)
+    served = {"plain": Served((), work / "server-plain.log", prompts, how.n_predict)}
     for n in tokens:
+        log = work / f"server-verify-{n}.log"
         if n == 1:
             options = ("--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", str(NO_MATCH))
-            answers = timed_requests(target, options, how, work / "server-verify-1.log")
-            if any(a.get("draft_n") for a in answers):
-                raise UserError(f"llama-server drafted with ngram-simple of n {NO_MATCH} (its log: {work})")
-            verify.append({"batch": 1, "tokens": 1, "seconds": per_token(answers)})
-            continue
-        log = work / f"server-verify-{n}.log"
-        timed_requests(target, spec_options("draft", verify_draft, target, n - 1), how, log, "draft-simple")
-        intervals = step_intervals(log, n - 1)
-        if not intervals:
-            raise UserError(f"llama-server logged no step of {n - 1} drafts (its log: {log})")
-        step = sum(intervals) / len(intervals)
-        verify.append({"batch": 1, "tokens": n, "seconds": step - draft_call_seconds(log, "draft-simple")})
-    return {"verify": verify, "plain": [{"batch": 1, "seconds": plain}]}
+            served["verify-1"] = Served(options, log, prompts, how.n_predict)
+        else:
+            options = spec_options("draft", verify_draft, target, n - 1)
+            served[f"verify-{n}"] = Served(options, log, prompts, how.n_predict, "draft-simple")
+    return served
+
+
+def verify_row(n: int, served: Served) -> dict:
+    """The profile's verify row at n tokens: the no-draft step's time a token at 1; above, every
+    step's time less its draft call."""
+    if n == 1:
+        if any(t.get("draft_n") for t in served.timings):
+            raise UserError(f"llama-server drafted with ngram-simple of n {NO_MATCH} (its log: {served.log})")
+        return {"batch": 1, "tokens": 1, "seconds": per_token(served.timings)}
+    intervals = step_intervals(served.log, n - 1)
+    if not intervals:
+        raise UserError(f"llama-server logged no step of {n - 1} drafts (its log: {served.log})")
+    step = sum(intervals) / len(intervals)
+    return {"batch": 1, "tokens": n, "seconds": step - draft_call_seconds(served.log, "draft-simple")}
+
+
+def target_rows(served: dict[str, Served], tokens: list[int]) -> dict:
+    """The profile's `verify` and `plain` rows from target_servers' replies and logs."""
+    verify = [verify_row(n, served[f"verify-{n}"]) for n in tokens]
+    return {"verify": verify, "plain": [{"batch": 1, "seconds": per_token(served["plain"].timings)}]}

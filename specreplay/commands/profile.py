@@ -41,6 +41,17 @@ def token_counts(text: str, option: str = "--tokens") -> list[int]:
     return sorted(counts)
 
 
+def torch_measurement(how, device: str | None, dtype: str | None, threads: int):
+    """The measurement with the torch engine's device and dtype (CUDA when torch sees one)."""
+    import dataclasses
+
+    import torch
+
+    torch.set_num_threads(threads)
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    return dataclasses.replace(how, device=device, dtype=dtype or "auto")
+
+
 def draft_models(items: tuple[str, ...], option: str = "--draft") -> dict[str, str]:
     """('draft=small.gguf', ...) -> {family: GGUF}."""
     found = {}
@@ -48,21 +59,63 @@ def draft_models(items: tuple[str, ...], option: str = "--draft") -> dict[str, s
         family, _, path = item.partition("=")
         if not path or family in found:
             raise click.BadParameter(f"{item!r}: give FAMILY=PATH.gguf, each family once", param_hint=option)
-        if not os.path.isfile(path):
-            raise click.BadParameter(f"{path}: no such file", param_hint=option)
+        if not os.path.exists(path):
+            raise click.BadParameter(f"{path}: no such file or directory", param_hint=option)
         found[family] = path
     return found
 
 
+def engine_checked(engine: str, given: dict) -> None:
+    """Refuse an option the chosen --engine does not read (one line naming it)."""
+    llama_only = ("serve", "in_server", "verify_draft", "llama_args", "llama_bench")
+    wrong = [name for name in llama_only if given[name]] if engine == "torch" else []
+    if engine != "torch":
+        wrong = [name for name in ("device", "dtype") if given[name]]
+        wrong += ["batch"] if given["batch"] != "1" else []
+    if wrong:
+        other = "llama.cpp" if engine == "torch" else "torch"
+        option = "--" + wrong[0].replace("_", "-")
+        raise click.BadParameter(f"{option} is read by --engine {other} only", param_hint="--engine")
+
+
 @click.command()
-@click.option("--target", "target", required=True, metavar="TARGET.gguf", help="The target as llama.cpp serves it.")
+@click.option(
+    "--target",
+    "target",
+    required=True,
+    metavar="TARGET.gguf|DIR",
+    help="The target as the engine runs it: a GGUF for llama.cpp; a transformers directory (or `smollm2`) for torch.",
+)
+@click.option(
+    "--engine",
+    type=click.Choice(["llama.cpp", "torch"]),
+    default="llama.cpp",
+    show_default=True,
+    help="Who times the forwards: llama.cpp's llama-bench / llama-server (CPU, one sequence), or transformers "
+    "on torch (a GPU when present; several sequences with --batch).",
+)
+@click.option(
+    "--batch",
+    default="1",
+    show_default=True,
+    help="With --engine torch: batch sizes (sequences per forward) to time at: counts and ranges, e.g. 1,4,8-16.",
+)
+@click.option(
+    "--device", default=None, help="With --engine torch: cpu, cuda or cuda:N (default: cuda when torch sees one)."
+)
+@click.option(
+    "--dtype",
+    type=click.Choice(["auto", "fp32", "bf16", "fp16"]),
+    default=None,
+    help="With --engine torch: the weights' dtype (default auto: fp32 on CPU, bf16 on CUDA).",
+)
 @click.option(
     "--draft",
     "drafts",
     multiple=True,
-    metavar="FAMILY=DRAFT.gguf",
+    metavar="FAMILY=DRAFT",
     help="A standalone draft model to time too (its one-token forward), as the family its results carry "
-    "(`draft` for draft:PATH baselines); repeatable.",
+    "(`draft` for draft:PATH baselines): a GGUF for llama.cpp, a transformers directory for torch; repeatable.",
 )
 @click.option(
     "--tokens",
@@ -72,7 +125,7 @@ def draft_models(items: tuple[str, ...], option: str = "--draft") -> dict[str, s
     "largest chain K + 1 or tree budget + 1 you will predict).",
 )
 @click.option(
-    "--context", default=512, show_default=True, type=click.IntRange(min=0), help="Tokens already in the KV cache."
+    "--context", default=512, show_default=True, type=click.IntRange(min=1), help="Tokens already in the KV cache."
 )
 @click.option(
     "--reps", default=5, show_default=True, type=click.IntRange(min=1), help="Repetitions; the median is kept."
@@ -130,6 +183,10 @@ def draft_models(items: tuple[str, ...], option: str = "--draft") -> dict[str, s
 @click.option("--force", is_flag=True, help="Replace an existing --out file.")
 def profile(
     target,
+    engine,
+    batch,
+    device,
+    dtype,
     drafts,
     tokens,
     context,
@@ -150,23 +207,29 @@ def profile(
     `specreplay speed` predicts tokens per second from. The target by llama-bench (one forward
     alone) or, with --in-server, by llama-server's own step timers (verification as served, plain
     decoding apart); standalone draft models (--draft) by llama-bench; drafters that read the
-    target's features (--serve) inside llama-server. One sequence (batch 1); a profile for larger
-    batches, measured elsewhere, follows the same schema (docs/speed.md).
+    target's features (--serve) inside llama-server; one sequence. With --engine torch, the
+    target (a transformers directory) and --draft models by transformers' forwards on torch, on a
+    GPU when one is present, at each --batch size (docs/speed.md).
 
     \b
     Example:
       specreplay profile --target smollm2-f32.gguf --draft draft=small-f32.gguf --tokens 1-9 --out cpu.json
       specreplay profile --target t.gguf --serve dflash=dflash.gguf --serve-drafts 4,8,15 --tokens 1-16 --out cpu.json
+      specreplay profile --engine torch --target Qwen/Qwen3-8B-dir --batch 1,4,16 --tokens 1-17 --out h200.json
       specreplay speed data/results --profile cpu.json
     """
     from pipeline.common.errors import UserError
-    from scoring.speed.measure import Measurement, Wanted, measure_profile
 
     if os.path.exists(out) and not force:
         raise UserError(f"{out} exists; give another --out or --force to replace it")
+    given = {"serve": served, "in_server": in_server, "verify_draft": verify_draft, "llama_args": llama_args}
+    given |= {"llama_bench": llama_bench, "device": device, "dtype": dtype, "batch": batch}
+    engine_checked(engine, given)
     serve, bench = drafters_to_time(served, drafts)
     if verify_draft is not None and not os.path.isfile(verify_draft):
         raise click.BadParameter(f"{verify_draft}: no such file", param_hint="--verify-draft")
+    from scoring.speed.measure import Measurement, Wanted, measure_profile
+
     wanted = Wanted(
         target,
         token_counts(tokens),
@@ -175,9 +238,13 @@ def profile(
         bench,
         serve,
         token_counts(serve_drafts, "--serve-drafts"),
+        engine,
+        tuple(token_counts(batch, "--batch")),
     )
     work = os.path.splitext(out)[0] + "-logs"
     how = Measurement(context, reps, serve_requests, threads, tuple(llama_args), llama_bench, work)
+    if engine == "torch":
+        how = torch_measurement(how, device, dtype, threads)
     measured = measure_profile(wanted, how)
     with open(out, "w") as f:
         json.dump(measured, f, indent=1)

@@ -4,6 +4,7 @@ it), on the real SmolLM2-135M GGUF the package ships; what `speed` then reads.""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from click.testing import CliRunner
@@ -77,16 +78,38 @@ def test_an_existing_profile_is_not_replaced_and_bad_counts_are_refused(measured
         assert bad.exit_code == 2 and "--tokens" in bad.output, bad.output
 
 
+STEP_LINE = re.compile(r"^(\d+)\.(\d+)\.(\d+)\.(\d+) I slot .*?\| task (\d+) \| accepted", re.M)
+
+
+def step_lines(logs) -> dict[tuple[str, int], list[float]]:
+    """(log, task) -> the seconds stamped on its per-step lines (LLAMA_TRACE)."""
+    found: dict[tuple[str, int], list[float]] = {}
+    for log in logs.iterdir():
+        for m in STEP_LINE.finditer(log.read_text()):
+            minutes, seconds, ms, us, task = map(int, m.groups())
+            found.setdefault((log.name, task), []).append(minutes * 60 + seconds + ms / 1e3 + us / 1e6)
+    return found
+
+
+def task_span(stamps: list[float]) -> tuple[float, float]:
+    return min(stamps), max(stamps)
+
+
 def test_the_target_timed_inside_llama_server_gives_every_count_and_plain_decoding(measured):
     """--in-server: plain decoding, the speculative step without a draft (1 token) and draft-simple
     steps of 1 and 2 drafts less their draft calls (2 and 3 tokens), from the server's own timers."""
     gguf, out, _ = measured
     path = out.parent / "in-server.json"
     args = ["profile", "--target", gguf, "--in-server", "--tokens", "1-3", "--context", "8", "--threads", "1"]
-    run = CliRunner().invoke(main, [*args, "--serve-requests", "1", "--out", str(path)])
+    run = CliRunner().invoke(main, [*args, "--serve-requests", "2", "--out", str(path)])
     assert run.exit_code == 0, run.output
     profile = load_profile(str(path))
     assert [(p.batch, p.tokens) for p in profile.file.verify] == [(1, 1), (1, 2), (1, 3)]
+    # the servers' requests went round (the machine's drift lands on every row alike): ordered by
+    # time, the requests of the 2- and 3-token servers alternate, a warm-up and 2 requests each
+    spans = sorted((*task_span(lines), name) for name, lines in step_lines(out.parent / "in-server-logs").items())
+    order = [log for _, _, (log, _) in spans]
+    assert len(order) == 6 and all(a != b for a, b in zip(order, order[1:])), spans
     assert list(profile.plain) == [1] and "llama-server's own step timers" in profile.file.measured.engine
     logs = sorted(p.name for p in (out.parent / "in-server-logs").iterdir())
     assert logs == ["server-plain.log", "server-verify-1.log", "server-verify-2.log", "server-verify-3.log"]

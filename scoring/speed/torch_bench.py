@@ -1,0 +1,97 @@
+"""A cost profile measured with transformers on torch (docs/speed.md): the engine a GPU user runs
+the target in, and the one that times several sequences at once (llama-bench forwards one).
+
+For each batch size b, `context` random tokens of b sequences are forwarded once into a KV cache;
+then each timed forward is the target's over n new tokens of each sequence (logits at all n
+positions, as verification reads them), on a copy of that cache. The first
+forward of each shape is a warm-up; the median of `reps` more is kept (CUDA synchronized around
+each). Plain decoding is the one-token forward. A standalone draft model (`--draft FAMILY=DIR`)
+is timed the same way at one token.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+
+import torch
+
+from pipeline.common.errors import UserError
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def filled_cache(model, batch: int, context: int, generator: torch.Generator):
+    """The model's own KV cache (its class: a hybrid target's holds recurrent states) after `context`
+    random tokens of each of `batch` sequences."""
+    ids = random_ids(model, batch, context, generator)
+    return model(input_ids=ids, use_cache=True).past_key_values
+
+
+def random_ids(model, batch: int, tokens: int, generator: torch.Generator) -> torch.Tensor:
+    vocab = model.get_input_embeddings().weight.shape[0]
+    device = model.get_input_embeddings().weight.device
+    return torch.randint(0, vocab, (batch, tokens), generator=generator).to(device)  # [b, n]
+
+
+def forward_seconds(model, cache, ids: torch.Tensor, reps: int) -> float:
+    """The median of `reps` forwards of `ids` after the cache's tokens (one warm-up first), each on
+    a copy of the cache made outside the timing (a hybrid target's recurrent state cannot be cropped)."""
+    device = ids.device
+    samples = []
+    for _ in range(1 + reps):
+        fresh = copy.deepcopy(cache)
+        synchronize(device)
+        start = time.perf_counter()
+        model(input_ids=ids, past_key_values=fresh, use_cache=True)
+        synchronize(device)
+        samples.append(time.perf_counter() - start)
+        del fresh
+    return statistics.median(samples[1:])
+
+
+@torch.inference_mode()
+def timed_rows(model, batches: list[int], tokens: list[int], context: int, reps: int) -> dict[tuple[int, int], float]:
+    """(batch, tokens) -> seconds of one forward of `model` over `tokens` new tokens of each sequence."""
+    generator = torch.Generator().manual_seed(0)
+    found = {}
+    for b in batches:
+        cache = filled_cache(model, b, context, generator)
+        for n in tokens:
+            found[(b, n)] = forward_seconds(model, cache, random_ids(model, b, n, generator), reps)
+    return found
+
+
+def loaded(path: str, device: str, dtype: str):
+    """(model, TargetInfo) of a target or draft model as extract loads one (a transformers
+    directory or `smollm2`)."""
+    from pipeline.extract.target import load_target
+
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"--device {device}: torch sees no CUDA device here; use --device cpu")
+    model, _, info = load_target(path, dtype=dtype, device=device)
+    return model, info
+
+
+def torch_profile_rows(target: str, drafts: dict[str, str], batches: list[int], tokens: list[int], how) -> tuple:
+    """({verify, plain, drafters} rows, target facts, what timed them). `how`: a
+    scoring.speed.measure.Measurement (context, reps, device, dtype)."""
+    model, info = loaded(target, how.device, how.dtype)
+    times = timed_rows(model, batches, sorted(set(tokens) | {1}), how.context, how.reps)
+    del model
+    verify = [{"batch": b, "tokens": n, "seconds": times[(b, n)]} for b in batches for n in tokens]
+    plain = [{"batch": b, "seconds": times[(b, 1)]} for b in batches]
+    drafters = []
+    for family, path in drafts.items():
+        draft, _ = loaded(path, how.device, how.dtype)
+        for (b, _), seconds in timed_rows(draft, batches, [1], how.context, how.reps).items():
+            drafters.append({"family": family, "batch": b, "tokens": 1, "seconds": seconds})
+        del draft
+    facts = {"name": info.name, "num_layers": info.num_layers, "hidden_size": info.hidden_size}
+    facts["vocab_size"] = info.vocab_size
+    engine = f"transformers on torch {torch.__version__}, {info.dtype} (median of {how.reps} repetitions)"
+    return {"verify": verify, "plain": plain, "drafters": drafters}, facts, engine
