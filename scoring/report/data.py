@@ -74,6 +74,9 @@ class Results:
     reach: dict[str, tuple[list[int], list[int]]] = field(default_factory=dict)  # label -> (reached, accepted)
     duplicates: list[Duplicate] = field(default_factory=list)
     fitted_here: set[str] = field(default_factory=set)  # labels fitted on the samples they are scored on
+    # label -> "greedy" or "sampled T=0.6": sampled and greedy runs are different experiments, so
+    # curves, the worst-prompts table and the header keep them apart by this
+    kind: dict[str, str] = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------- finding and de-duplicating
@@ -190,6 +193,31 @@ def _decoding(summary: pl.DataFrame) -> str:
     return "" if sampling is None else f" ({sampling.describe()})"
 
 
+def kind_of(summary: pl.DataFrame) -> str:
+    """'greedy', or 'sampled T=0.6' for results scored on shards sampled at T > 0."""
+    sampling = sampling_of_row(summary.row(0, named=True)) if summary.height else None
+    return "greedy" if sampling is None else f"sampled T={sampling.temperature:g}"
+
+
+def summary_reach(summary: pl.DataFrame) -> tuple[list[int], list[int]] | None:
+    """(reached, accepted) per block position of a sampled result from summary.parquet's
+    reached_by_position: the expected anchors behind each rate, rounded, so the page greys the
+    positions score calls too thin. None when the summary has no such column (an older score)."""
+    rows = chain_all(summary)
+    if "reached_by_position" not in rows.columns or not rows.height or rows["reached_by_position"][0] is None:
+        return None
+    reached = [_count(n) for n in rows["reached_by_position"][0]]
+    rates = rows["accept_rate_by_position"][0] if "accept_rate_by_position" in rows.columns else None
+    rates = list(rates) if rates is not None else [None] * len(reached)
+    return reached, [_count(n * r) if r is not None else 0 for n, r in zip(reached, rates)]
+
+
+def _count(value: float | None) -> int:
+    # a position no anchor reached has a null or NaN rate/count: zero anchors behind it
+    # floored, so a count score calls thin (29.6 < MIN_ANCHORS) stays under the threshold here
+    return 0 if value is None or math.isnan(value) else int(value)
+
+
 def position_reach(directory: str, positions: int) -> tuple[list[int], list[int]] | None:
     """(reached, accepted) per block position k = 1..positions over every anchor in anchors.parquet,
     counted as scoring.replay.metrics.position_counts counts them: position k is reached when the
@@ -255,8 +283,9 @@ def load_results(dirs: list[str]) -> Results:
         samples, walk = _chain_parts(d, labels[d])
         sample_parts.append(samples)
         walk_parts.append(walk)
-        # at T > 0 reaching a position is random: its expected count is not in anchors.parquet
-        counts = None if _decoding(summary) else position_reach(d, _positions(summary))
+        # at T > 0 reaching a position is random: only the summary holds its expected count, the
+        # one score greys by; greedy counts come exact from anchors.parquet
+        counts = summary_reach(summary) if _decoding(summary) else position_reach(d, _positions(summary))
         if counts is not None:
             reach[labels[d]] = counts
     summary_df = _concat(summary_parts)
@@ -277,6 +306,7 @@ def load_results(dirs: list[str]) -> Results:
         reach=reach,
         duplicates=duplicates,
         fitted_here={labels[d] for d in kept if fitted_on_scored_shards(runs[d])},
+        kind={labels[d]: kind_of(s) for d, s in summaries},
     )
 
 
@@ -321,10 +351,17 @@ def chain_all(summary: pl.DataFrame) -> pl.DataFrame:
     return summary.filter((pl.col("dataset") == ALL) & (pl.col("method") == CHAIN))
 
 
+def kinds(results: Results) -> list[str]:
+    """The kinds of run present, greedy first, then the sampled ones by temperature."""
+    return sorted(set(results.kind.values()), key=lambda k: (k != "greedy", k))
+
+
 def reference_label(results: Results) -> str | None:
-    """The checkpoint the per-sample parts of the page are about: the latest one with samples."""
+    """The checkpoint the per-sample parts of the page are about: the latest one with samples,
+    among greedy results when there are any (a sampled run is another experiment)."""
     if results.samples is None or results.samples.height == 0:
         return None
     have = set(results.samples["label"])
     with_samples = [lab for lab in results.order if lab in have]
-    return with_samples[-1] if with_samples else None
+    greedy = [lab for lab in with_samples if results.kind.get(lab, "greedy") == "greedy"]
+    return (greedy or with_samples)[-1] if with_samples else None

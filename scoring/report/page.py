@@ -32,6 +32,7 @@ from scoring.report.data import (
     Results,
     datasets,
     find_results_dirs,
+    kinds,
     load_results,
 )
 from scoring.report.diagnose import diagnose_section, load_diagnoses
@@ -146,10 +147,10 @@ def _section(title: str, caption: str, plot: tuple[bytes | None, str | None], af
 
 
 def _header(results: Results, title: str, inputs: list[str] | None, generated: dt.datetime) -> list[str]:
-    n_ckpt, n_data = len(results.order), len([d for d in datasets(results.summary) if d != ALL])
+    n_data = len([d for d in datasets(results.summary) if d != ALL])
     parts = [
         f"<h1>{html.escape(title)}</h1>",
-        f'<p class="meta">{n_ckpt} checkpoint(s), {n_data} dataset(s) · generated '
+        f'<p class="meta">{_checkpoints_count(results)}, {n_data} dataset(s) · generated '
         f"{generated.strftime('%Y-%m-%d %H:%M UTC')} by specreplay {html.escape(specreplay_version())} · inputs: "
         f"{html.escape(', '.join(inputs or results.dirs))}</p>",
     ]
@@ -161,6 +162,18 @@ def _header(results: Results, title: str, inputs: list[str] | None, generated: d
             f'<a href="#inputs">Inputs</a>.</p>'
         )
     return parts + [HOW_TO_READ]
+
+
+def _checkpoints_count(results: Results) -> str:
+    """'2 checkpoint(s) (2 greedy runs, 2 sampled T=0.6 runs)': distinct checkpoints (by content
+    hash, else name), not results directories; one scored greedy and sampled is one checkpoint."""
+    rows = results.summary.unique("label", keep="first")
+    names = rows["checkpoint"] if "checkpoint" in rows.columns else rows["label"]
+    hashes = rows["checkpoint_hash"] if "checkpoint_hash" in rows.columns else [None] * rows.height
+    distinct = len({h or n for h, n in zip(hashes, names)})
+    runs = [sum(1 for k in results.kind.values() if k == kind) for kind in kinds(results)]
+    each = ", ".join(f"{n} {kind} run{'s' if n != 1 else ''}" for n, kind in zip(runs, kinds(results)))
+    return f"{distinct} checkpoint(s) ({html.escape(each)})"
 
 
 def _plot_sections(results: Results) -> list[str]:

@@ -133,14 +133,23 @@ def plot_acceptance_by_position(results: Results) -> tuple[bytes | None, str | N
     ax.set_ylabel("P(accepted | position reached) (%)")
     ax.set_title(f"Acceptance per block position (chain, every anchor; grey: fewer than {MIN_ANCHORS} anchors)")
     ax.legend(fontsize=8, title="checkpoint", title_fontsize=8)
+    return _png(fig), _missing_counts_note(results, labels)
+
+
+def _missing_counts_note(results: Results, labels: list[str]) -> str | None:
+    """Which checkpoints' points carry no n: greedy ones lacking anchors.parquet, sampled ones whose
+    summary lacks reached_by_position (anchors.parquet cannot give the expected count at T > 0)."""
     missing = [lab for lab in labels if lab not in results.reach]
-    note = None
-    if missing:
-        note = (
-            f"No anchors.parquet for {', '.join(missing)}, so the number of anchors behind each point is "
-            f"unknown there and no point is greyed."
-        )
-    return _png(fig), note
+    greedy = [lab for lab in missing if results.kind.get(lab, "greedy") == "greedy"]
+    sampled = [lab for lab in missing if lab not in greedy]
+    notes = []
+    if greedy:
+        notes.append(f"No anchors.parquet for {', '.join(greedy)}")
+    if sampled:
+        notes.append(f"no reached_by_position in the summary of {', '.join(sampled)} (an older score)")
+    if not notes:
+        return None
+    return "; ".join(notes) + ", so the number of anchors behind each point is unknown there and no point is greyed."
 
 
 def plot_tau_vs_budget(results: Results) -> tuple[bytes | None, str | None]:
@@ -172,7 +181,12 @@ def _step_lines(results: Results, stepped: list[str]):
     Checkpoints from several runs (run_a/step_100, run_b/step_100) get one line per run and
     dataset; a single line through both would zigzag between runs."""
     rows = results.summary.filter((pl.col("method") == CHAIN) & pl.col("label").is_in(stepped))
-    run_of = {lab: lab.rsplit("/", 1)[0] if "/" in lab else "" for lab in stepped}
+    # a run is a training run and a decoding kind: greedy and sampled τ are different experiments
+    named = len(set(results.kind.values())) > 1
+    run_of = {
+        lab: " · ".join(p for p in (lab.rsplit("/", 1)[0] if "/" in lab else "", _kind(results, lab, named)) if p)
+        for lab in stepped
+    }
     runs = sorted(set(run_of.values()))
     for d_index, dataset in enumerate(datasets(rows)):
         for r_index, run in enumerate(runs):
@@ -187,10 +201,14 @@ def _step_lines(results: Results, stepped: list[str]):
                 yield name, points, d_index, r_index, dataset == ALL
 
 
+def _kind(results: Results, label: str, named: bool) -> str:
+    return results.kind.get(label, "greedy") if named else ""
+
+
 def _tree_step_lines(results: Results, stepped: list[str]):
     """('(all) ddtree-N', [(step, tau)]) per DDTree budget over every dataset pooled; one run
     only (several runs' checkpoints share steps, and their lines would zigzag)."""
-    if len({lab.rsplit("/", 1)[0] for lab in stepped}) > 1:
+    if len({(lab.rsplit("/", 1)[0], results.kind.get(lab)) for lab in stepped}) > 1:
         return
     rows = results.summary.filter((pl.col("dataset") == ALL) & pl.col("label").is_in(stepped))
     for nodes in ddtree_budgets(results.summary):

@@ -117,6 +117,8 @@ def _best_tree(by: dict, label: str, budgets: list[int]) -> str:
 
 
 def _exact(chain: dict) -> str:
+    if chain.get("temperature"):  # a sampled response has no greedy walk to be exact against
+        return "n/a (sampled)"
     samples, inexact = chain.get("samples"), chain.get("inexact_samples")
     if samples is None or inexact is None:
         return fmt(None)
@@ -204,7 +206,11 @@ def worst_prompts_table(results: Results, worst: int) -> tuple[str, str]:
     if reference is None:
         return "", '<p class="note">No samples.parquet in these results, so no per-prompt view.</p>'
     samples = results.samples
-    with_samples = [lab for lab in results.order if lab in set(samples["label"])]
+    kind = results.kind.get(reference, "greedy")
+    # only runs of the reference's kind: a sampled τ beside a greedy one compares two experiments
+    with_samples = [
+        lab for lab in results.order if lab in set(samples["label"]) and results.kind.get(lab, kind) == kind
+    ]
     ref = samples.filter((pl.col("label") == reference) & pl.col("tau").is_not_null()).sort("tau").head(worst)
     history = pick_evenly(with_samples, 6) if len(with_samples) > 1 else []
     key_tau = {(r["label"], r["dataset"], r["sample_id"]): r["tau"] for r in samples.iter_rows(named=True)}
@@ -217,7 +223,7 @@ def worst_prompts_table(results: Results, worst: int) -> tuple[str, str]:
         if history:
             cells.append(" → ".join(fmt(key_tau.get((lab, r["dataset"], r["sample_id"])), 2) for lab in history))
         cells += [fmt(r.get("steps")), fmt(r.get("response_len")), html.escape(str(r.get("finish_reason") or "–"))]
-        cells.append(_exact_cell(r))
+        cells.append(_exact_cell(r) if kind == "greedy" else "n/a (sampled)")
         out.append(
             "<tr>" + "".join(f"<td>{c}</td>" for c in cells) + f"<td>{_prompt_cell(r.get('prompt_text'))}</td></tr>"
         )
@@ -238,7 +244,11 @@ def _exact_cell(row: dict) -> str:
 
 def _worst_intro(results: Results, reference: str, count: int, history: list[str], skipped: int) -> str:
     which = "the latest checkpoint" if results.steps.get(reference) is not None else "the last checkpoint listed"
-    intro = f"The {count} samples with the lowest chain τ under <b>{html.escape(reference)}</b> ({which})"
+    kind = results.kind.get(reference, "greedy")
+    intro = (
+        f"The {count} samples with the lowest chain τ under <b>{html.escape(reference)}</b> ({which}; "
+        f"{html.escape(kind)} runs only)"
+    )
     if history:
         intro += "; “τ across checkpoints” follows the same sample through " + ", ".join(
             html.escape(lab) for lab in history
