@@ -83,7 +83,7 @@ def check_paths(config: ExtractConfig) -> None:
     "--prompts",
     default=d("prompts"),
     show_default=True,
-    help="Bundled set (default, gsm8k, humaneval, mt-bench) or a JSONL file.",
+    help="Bundled set (default, gsm8k, humaneval, mt-bench, spec-bench) or a JSONL file.",
 )
 @click.option(
     "--out", default=None, help="Output directory or URI (s3://, gs://). [default: data/shards/<model>-<prompts>]"
