@@ -13,6 +13,7 @@ from scoring.methods.chain import CHAIN
 from scoring.methods.registry import method_order
 from scoring.results import MIN_ANCHORS
 from scoring.score.outcome import Status
+from scoring.tool_figures import shown, tool_figures
 
 STREAK_NOTE = (
     "streak = mean draft tokens accepted per anchor over all response positions (bonus-exclusive; "
@@ -109,10 +110,25 @@ def print_table(summary: pa.Table, record: dict, out_dir: str, took: str | None 
     if rates:
         print("  chain acceptance per block position (all anchors, given the position was reached):")
         print("    " + format_positions(rates, overall.get("reached_by_position")))
+    for line in tool_lines(out_dir):
+        print(line)
     for note in notes(overall, record):
         print(f"  note: {note}")
     for line in warning_lines(record):
         print(f"  {line}")
+
+
+def tool_lines(out_dir: str) -> list[str]:
+    """The chain's acceptance as each tool prints it (scoring/tool_figures.py), one line a tool."""
+    figures = tool_figures(out_dir)
+    if not figures:
+        return []
+    by_tool: dict[str, list[str]] = {}
+    for f in figures:
+        unit = "%" if f.definition.endswith("(%)") else ""
+        by_tool.setdefault(f.tool, []).append(f"{f.name} {shown(f.value)}{unit}")
+    lines = ["  the same acceptance as each tool prints it (docs/tool-figures.md):"]
+    return lines + [f"    {tool}: {'; '.join(items)}" for tool, items in by_tool.items()]
 
 
 def notes(overall: dict, record: dict) -> list[str]:
