@@ -9,6 +9,7 @@ import math
 import pyarrow as pa
 
 from scoring import results
+from scoring.breakdowns import by_context
 from scoring.methods.chain import CHAIN
 from scoring.methods.registry import method_order
 from scoring.results import MIN_ANCHORS
@@ -110,12 +111,24 @@ def print_table(summary: pa.Table, record: dict, out_dir: str, took: str | None 
     if rates:
         print("  chain acceptance per block position (all anchors, given the position was reached):")
         print("    " + format_positions(rates, overall.get("reached_by_position")))
-    for line in tool_lines(out_dir):
+    for line in context_lines(out_dir) + tool_lines(out_dir):
         print(line)
     for note in notes(overall, record):
         print(f"  note: {note}")
     for line in warning_lines(record):
         print(f"  {line}")
+
+
+def context_lines(out_dir: str) -> list[str]:
+    """The chain's tau and streak by context length (scoring/breakdowns.py), one bucket an entry."""
+    buckets = by_context(out_dir)
+    if not buckets:
+        return []
+    cells = [
+        f"{b.label}: tau {fmt(b.tau, 2)} ({b.steps} steps), streak {fmt(b.streak, 2)} ({b.anchors} anchors)"
+        for b in buckets
+    ]
+    return ["  by context length (tokens before the anchor; docs/breakdowns.md):", "    " + "; ".join(cells)]
 
 
 def tool_lines(out_dir: str) -> list[str]:
