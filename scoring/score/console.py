@@ -56,16 +56,17 @@ def best_tree(pooled: dict[str, dict]) -> tuple[str, float] | None:
 
 
 def headline(name: str, summary: pa.Table) -> str:
-    """'tiny/step_600 (DFlash, z-lab layout): tau chain 1.340 (all, 16 samples, exact 16/16), best
-    ddtree-256 2.665, streak 0.318'."""
+    """'tiny/step_600 (DFlash, z-lab layout): tau chain 1.340 (all, 16 samples, exact 16/16, K 15),
+    best ddtree-256 2.665, streak 0.318'."""
     pooled = pooled_rows(summary)
     chain = pooled[CHAIN]
     drafter = results.drafter_label(chain.get("drafter_family"), chain.get("drafter_layout"))
     name = f"{name} ({drafter})" if drafter else name
     exact = chain["samples"] - chain["inexact_samples"]
-    line = f"{name}: tau chain {fmt(chain['tau'])} (all, {chain['samples']} samples, exact {exact}/{chain['samples']})"
+    k = chain_drafts(chain)  # families of different K compare fairly only when K is said
+    line = f"{name}: tau chain {fmt(chain['tau'])} (all, {chain['samples']} samples, exact {exact}/{chain['samples']}, K {k})"
     if results.sampling_of_row(chain) is not None:
-        line = f"{name}: expected tau chain {fmt(chain['tau'])} ({sampled_words(chain)})"
+        line = f"{name}: expected tau chain {fmt(chain['tau'])} ({sampled_words(chain)}, K {k})"
     tree = best_tree(pooled)
     if tree is not None:
         line += f", best {tree[0]} {fmt(tree[1])}"
@@ -73,6 +74,11 @@ def headline(name: str, summary: pa.Table) -> str:
         visited = " (walk anchors only)" if chain.get("anchor_set") == "walk" else ""
         line += f", streak {fmt(chain['anchor_accepted_len_mean'])}{visited}"
     return line
+
+
+def chain_drafts(chain: dict) -> int:
+    """The chain's drafts per step, K: the length of its per-position rates."""
+    return len(chain.get("accept_rate_by_position") or [])
 
 
 def sampled_words(row: dict) -> str:
@@ -317,17 +323,17 @@ def across_table(outcomes: list) -> list[str]:
         pooled = pooled_rows(o.summary)
         chain = pooled[CHAIN]
         tree = best_tree(pooled)
-        cells.append((o.name, chain["tau"], tree, chain.get("anchor_accepted_len_mean"), o.status))
+        cells.append((o.name, chain["tau"], tree, chain.get("anchor_accepted_len_mean"), o.status, chain_drafts(chain)))
     width = max([len("checkpoint")] + [len(c[0]) for c in cells])
     best = [max((c[i] for c in cells if c[i] is not None), default=None) for i in (1, 3)]
     best_tree_tau = max((c[2][1] for c in cells if c[2] is not None), default=None)
     mark = lambda value, top: "*" if value is not None and value == top else " "  # noqa: E731
-    lines = [f"{'checkpoint':<{width}}  {'tau chain':>10}  {'best DDTree':>22}  {'streak':>8}"]
-    for name, tau, tree, streak, status in cells:
+    lines = [f"{'checkpoint':<{width}}  {'K':>3}  {'tau chain':>10}  {'best DDTree':>22}  {'streak':>8}"]
+    for name, tau, tree, streak, status, k in cells:
         tree_cell = f"{tree[0]} {fmt(tree[1])}{mark(tree[1], best_tree_tau)}" if tree else "-"
         lines.append(
-            f"{name:<{width}}  {fmt(tau):>9}{mark(tau, best[0])}  {tree_cell:>22}  {fmt(streak):>7}{mark(streak, best[1])}"
-            + ("  (already scored)" if status == Status.SKIPPED else "")
+            f"{name:<{width}}  {k:>3}  {fmt(tau):>9}{mark(tau, best[0])}  {tree_cell:>22}  "
+            f"{fmt(streak):>7}{mark(streak, best[1])}" + ("  (already scored)" if status == Status.SKIPPED else "")
         )
     return lines + ["* best of the column"]
 

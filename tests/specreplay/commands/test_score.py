@@ -151,7 +151,8 @@ def test_headline_quiet_no_progress_and_json(scored_setup, tmp_path):
     pooled = _pooled(os.path.join(out, "runs_step_60"))
     best = max(("ddtree-4", "ddtree-8"), key=lambda m: pooled[m]["tau"])
     expected = (
-        f"runs/step_60 (DFlash, z-lab layout): tau chain {pooled['chain']['tau']:.3f} (all, 5 samples, exact 5/5), "
+        f"runs/step_60 (DFlash, z-lab layout): tau chain {pooled['chain']['tau']:.3f} (all, 5 samples, exact 5/5, "
+        f"K {len(pooled['chain']['accept_rate_by_position'])}), "
         f"best {best} {pooled[best]['tau']:.3f}, streak {pooled['chain']['anchor_accepted_len_mean']:.3f}"
     )
     lines = quiet.output.splitlines()
