@@ -35,7 +35,7 @@ def d(name: str):
 def next_steps(out: str, manifest: dict) -> str:
     """What the run wrote and what to run next, with the program named as the user can type it
     (specreplay.hints.program: `specreplay` is not on PATH until the venv is activated)."""
-    from specreplay.hints import program
+    from specreplay.hints import in_repository, program, results_dir
 
     t = manifest.get("totals", {})
     prog = program()
@@ -52,8 +52,8 @@ def next_steps(out: str, manifest: dict) -> str:
         + excluded
         + f"next:\n"
         f"  {prog} inspect {out}\n"
-        f"  make score CKPT=path/to/drafter SHARDS={out}    # results in data/results/<parent>_<name>\n"
-        f"  (or: {prog} score --ckpt path/to/drafter --shards {out} --out data/results)"
+        f"  {prog} score --ckpt path/to/drafter --shards {out} --out {results_dir()}"
+        + (f"\n  (or: make score CKPT=path/to/drafter SHARDS={out})" if in_repository() else "")
     )
 
 
