@@ -138,7 +138,9 @@ def test_scalars_of_tags_every_dataset_method_and_position(scored):
     assert scalars_of(pl.read_parquet(path), counts) == pytest.approx(want, rel=1e-12, abs=1e-12)
     import pyarrow.parquet as pq
 
-    assert scalars_of(pq.read_table(path), counts) == pytest.approx(want, rel=1e-12, abs=1e-12)  # a pyarrow Table reads the same
+    assert scalars_of(pq.read_table(path), counts) == pytest.approx(
+        want, rel=1e-12, abs=1e-12
+    )  # a pyarrow Table reads the same
 
 
 def test_positions_few_anchors_reached_are_not_logged(scored, tmp_path):
