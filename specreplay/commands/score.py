@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import click
@@ -175,8 +176,7 @@ def score(no_progress, quiet, as_json, profile_path, **options):
           --sample 8 --seed 0 --ddtree-budgets 16,64
     """
     from pipeline.common.paths import check_input_path, check_output_dir, check_roles
-    from scoring.score.run import run_score
-    from specreplay.progress import bars
+    from scoring.score.checkpoints import expand_checkpoints
 
     datasets = [name.strip() for name in (options["datasets"] or "").split(",") if name.strip()]
     options.update(
@@ -192,9 +192,15 @@ def score(no_progress, quiet, as_json, profile_path, **options):
 
         Override.parse(config.family)  # a misspelt family fails here, before any shard or weight is read
     check_input_path(config.shards, "--shards", "directory")
+    if "://" not in config.shards and not os.path.exists(config.shards):
+        raise UserError(f"--shards {config.shards}: no such directory; give the directory `specreplay extract` wrote")
     check_roles(config.ckpts, config.shards)
     check_output_dir(config.out, "--out")
+    expand_checkpoints(config.ckpts)  # a missing checkpoint said now, not after torch loads
+    # torch and the replay load after the arguments' checks: a user error returns in a second
     from pipeline.common import timing
+    from scoring.score.run import run_score
+    from specreplay.progress import bars
 
     profile = checked_profile(profile_path, config.shards)
     printer = OutcomePrinter(quiet or as_json, config.shards, profile)
