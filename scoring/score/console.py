@@ -9,7 +9,7 @@ import math
 import pyarrow as pa
 
 from scoring import results
-from scoring.breakdowns import by_context
+from scoring.breakdowns import by_context, by_segment
 from scoring.methods.chain import CHAIN
 from scoring.methods.registry import method_order
 from scoring.results import MIN_ANCHORS
@@ -125,16 +125,24 @@ def print_table(summary: pa.Table, record: dict, out_dir: str, took: str | None 
         print(f"  {line}")
 
 
+def group_cells(groups) -> str:
+    return "; ".join(
+        f"{g.label}: tau {fmt(g.tau, 2)} ({g.steps} steps), streak {fmt(g.streak, 2)} ({g.anchors} anchors)"
+        for g in groups
+    )
+
+
 def context_lines(out_dir: str) -> list[str]:
-    """The chain's tau and streak by context length (scoring/breakdowns.py), one bucket an entry."""
+    """The chain's tau and streak by context length, and inside / after a reasoning model's
+    thinking (scoring/breakdowns.py), one group an entry."""
+    lines = []
     buckets = by_context(out_dir)
-    if not buckets:
-        return []
-    cells = [
-        f"{b.label}: tau {fmt(b.tau, 2)} ({b.steps} steps), streak {fmt(b.streak, 2)} ({b.anchors} anchors)"
-        for b in buckets
-    ]
-    return ["  by context length (tokens before the anchor; docs/breakdowns.md):", "    " + "; ".join(cells)]
+    if buckets:
+        lines += ["  by context length (tokens before the anchor; docs/breakdowns.md):", "    " + group_cells(buckets)]
+    segments = by_segment(out_dir)
+    if segments:
+        lines += ["  inside the thinking (<think> .. </think>) and in the answer:", "    " + group_cells(segments)]
+    return lines
 
 
 def tool_lines(out_dir: str) -> list[str]:
