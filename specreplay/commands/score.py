@@ -193,7 +193,7 @@ def score(no_progress, quiet, as_json, profile_path, **options):
         Override.parse(config.family)  # a misspelt family fails here, before any shard or weight is read
     check_input_path(config.shards, "--shards", "directory")
     if "://" not in config.shards and not os.path.exists(config.shards):
-        raise UserError(f"--shards {config.shards}: no such directory; give the directory `specreplay extract` wrote")
+        raise UserError(f"--shards: no such directory: {config.shards}; give the directory `specreplay extract` wrote")
     check_roles(config.ckpts, config.shards)
     check_output_dir(config.out, "--out")
     expand_checkpoints(config.ckpts)  # a missing checkpoint said now, not after torch loads

@@ -34,7 +34,7 @@ def run_cli(args: list[str]) -> tuple[dict, str]:
         (["score", "--ckpt", "ngram", "--shards", "{tmp}", "--out", "{tmp}/r"], "--ckpt ngram: no such file"),
         (
             ["score", "--ckpt", "ngram:vllm", "--shards", "{tmp}/none", "--out", "{tmp}/r"],
-            "--shards {tmp}/none: no such",
+            "no such directory: {tmp}/none",
         ),
         (["score", "--ckpt", "{tmp}/step_*", "--shards", "{tmp}", "--out", "{tmp}/r"], "matches nothing"),
     ],
