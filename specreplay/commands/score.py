@@ -174,7 +174,7 @@ def score(no_progress, quiet, as_json, profile_path, **options):
       specreplay score --ckpt 'runs/tiny/step_*' --shards data/shards/smollm2-default --out data/results \\
           --sample 8 --seed 0 --ddtree-budgets 16,64
     """
-    from pipeline.common.paths import check_input_path, check_output_dir, check_roles
+    from pipeline.common.paths import check_input_path, check_output_dir, check_results_parent, check_roles
     from scoring.score.run import run_score
     from specreplay.progress import bars
 
@@ -194,6 +194,7 @@ def score(no_progress, quiet, as_json, profile_path, **options):
     check_input_path(config.shards, "--shards", "directory")
     check_roles(config.ckpts, config.shards)
     check_output_dir(config.out, "--out")
+    check_results_parent(config.out, "--out")
     from pipeline.common import timing
 
     profile = checked_profile(profile_path, config.shards)
@@ -234,11 +235,11 @@ class OutcomePrinter:
         self.times = PassTimes()  # the timing recorder of the run
 
     def __call__(self, outcome) -> None:
-        from scoring.score.console import floor_warning, headline, print_table, warning_lines
+        from scoring.score.console import failure_text, floor_warning, headline, print_table, warning_lines
         from specreplay.hints import program
 
         if outcome.status == Status.FAILED:
-            click.echo(f"error: {outcome.ckpt}: {outcome.error}", err=True)
+            click.echo(f"error: {failure_text(outcome)}", err=True)
             return
         if outcome.status == Status.SKIPPED:
             click.echo(f"{outcome.name}: already scored with these settings in {outcome.out_dir} (--force to redo)")
