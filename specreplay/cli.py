@@ -35,6 +35,8 @@ COMMANDS = {
     "log": "log",
     "watch": "watch",
 }
+# commands whose option takes a glob: the shell expands an unquoted one into extra arguments
+GLOB_OPTIONS = {"score": "--ckpt", "watch": "--ckpt"}
 PATH_ERRORS = (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)
 
 
@@ -48,6 +50,16 @@ def fail(error: BaseException) -> None:
         raise error
     click.echo(f"error: {error}", err=True)
     sys.exit(2)
+
+
+def glob_hint(error: click.UsageError, command: str | None) -> None:
+    """click's "Got unexpected extra argument" after a glob option gets the likely cause and fix."""
+    option = GLOB_OPTIONS.get(command or "")
+    if option and "unexpected extra argument" in error.message:
+        error.message += (
+            f"; an unquoted glob after {option} is expanded by the shell into several paths: "
+            f"quote it ({option} 'runs/*/step_*') or repeat {option}"
+        )
 
 
 def interrupted(command: str | None, stop: BaseException | None = None) -> None:
@@ -143,6 +155,9 @@ class LazyGroup(click.Group):
                 return super().invoke(ctx)
         except KeyboardInterrupt as stop:
             interrupted(ctx.invoked_subcommand, stop)
+        except click.UsageError as error:
+            glob_hint(error, ctx.invoked_subcommand)
+            raise
         except Exception as error:
             if seen.is_set():
                 interrupted(ctx.invoked_subcommand)

@@ -357,12 +357,18 @@ def next_lines(outcomes: list, out: str, program: str) -> list[str]:
     return lines
 
 
+def failure_text(outcome) -> str:
+    """A failed checkpoint's error, naming its path once (errors that start with it keep theirs)."""
+    text = str(outcome.error)
+    return text if text.startswith(outcome.ckpt) else f"{outcome.ckpt}: {text}"
+
+
 def failure_lines(outcomes: list) -> list[str]:
+    """The count of failures after several checkpoints, by name: each error was printed as it came."""
     failed = [o for o in outcomes if o.status == Status.FAILED]
-    if not failed:
+    if not failed or len(outcomes) < 2:
         return []
-    lines = [f"{len(failed)} of {len(outcomes)} checkpoints failed:"]
-    return lines + [f"  {o.ckpt}: {o.error}" for o in failed]
+    return [f"{len(failed)} of {len(outcomes)} checkpoints failed (errors above): {', '.join(o.ckpt for o in failed)}"]
 
 
 def outcome_json(outcome) -> dict:

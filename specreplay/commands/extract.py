@@ -59,10 +59,11 @@ def next_steps(out: str, manifest: dict) -> str:
 
 def check_paths(config: ExtractConfig) -> None:
     """Typed paths, before anything is loaded or written (pipeline/common/paths.py)."""
-    from pipeline.common.paths import check_input_path, check_output_dir
+    from pipeline.common.paths import check_extract_out, check_input_path, check_output_dir
     from pipeline.extract.prompts import BUNDLED_NAMES
 
     check_output_dir(config.out, "--out")
+    check_extract_out(config.out, "--out")
     check_input_path(config.model, "--model", "any")
     if os.path.isdir(config.prompts):
         raise UserError(

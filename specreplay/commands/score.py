@@ -175,7 +175,7 @@ def score(no_progress, quiet, as_json, profile_path, **options):
       specreplay score --ckpt 'runs/tiny/step_*' --shards data/shards/smollm2-default --out data/results \\
           --sample 8 --seed 0 --ddtree-budgets 16,64
     """
-    from pipeline.common.paths import check_input_path, check_output_dir, check_roles
+    from pipeline.common.paths import check_input_path, check_output_dir, check_results_parent, check_roles
     from scoring.score.checkpoints import expand_checkpoints
 
     datasets = [name.strip() for name in (options["datasets"] or "").split(",") if name.strip()]
@@ -196,6 +196,7 @@ def score(no_progress, quiet, as_json, profile_path, **options):
         raise UserError(f"--shards: no such directory: {config.shards}; give the directory `specreplay extract` wrote")
     check_roles(config.ckpts, config.shards)
     check_output_dir(config.out, "--out")
+    check_results_parent(config.out, "--out")
     expand_checkpoints(config.ckpts)  # a missing checkpoint said now, not after torch loads
     # torch and the replay load after the arguments' checks: a user error returns in a second
     from pipeline.common import timing
@@ -240,11 +241,11 @@ class OutcomePrinter:
         self.times = PassTimes()  # the timing recorder of the run
 
     def __call__(self, outcome) -> None:
-        from scoring.score.console import floor_warning, headline, print_table, warning_lines
+        from scoring.score.console import failure_text, floor_warning, headline, print_table, warning_lines
         from specreplay.hints import program
 
         if outcome.status == Status.FAILED:
-            click.echo(f"error: {outcome.ckpt}: {outcome.error}", err=True)
+            click.echo(f"error: {failure_text(outcome)}", err=True)
             return
         if outcome.status == Status.SKIPPED:
             click.echo(f"{outcome.name}: already scored with these settings in {outcome.out_dir} (--force to redo)")
