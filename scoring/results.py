@@ -276,6 +276,11 @@ SUMMARY = [pa.field(f.name, _LARGE.get(f.type, f.type)) for f in IDENTITY] + [
     # the anchors behind each accept_rate_by_position entry (expected counts on sampled shards):
     # a rate resting on fewer than MIN_ANCHORS is left out by the console and the loggers
     pa.field("reached_by_position", pa.large_list(pa.float64())),
+    # the 95% Wilson interval of each accept_rate_by_position entry on those anchor counts
+    # (metrics.wilson_interval: anchors of one response are not independent, so a lower bound on
+    # the spread over prompts)
+    pa.field("accept_rate_low_by_position", pa.large_list(pa.float64())),
+    pa.field("accept_rate_high_by_position", pa.large_list(pa.float64())),
     # the shards' decoding: temperature 0 is greedy; at T > 0 `tau` is the expected value (exact in
     # distribution) and tau_se its sampling error over responses (null for greedy)
     pa.field("temperature", pa.float64()),

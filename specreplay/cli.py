@@ -35,6 +35,8 @@ COMMANDS = {
     "log": "log",
     "watch": "watch",
 }
+# commands whose option takes a glob: the shell expands an unquoted one into extra arguments
+GLOB_OPTIONS = {"score": "--ckpt", "watch": "--ckpt"}
 PATH_ERRORS = (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)
 
 
@@ -50,21 +52,40 @@ def fail(error: BaseException) -> None:
     sys.exit(2)
 
 
-def interrupted(command: str | None) -> None:
-    """Ctrl-C: say what happened to the work and exit 130 (128 + SIGINT), not click's bare
-    "Aborted!" with 1, the code `score` uses for "some checkpoints failed"."""
+def glob_hint(error: click.UsageError, command: str | None) -> None:
+    """click's "Got unexpected extra argument" after a glob option gets the likely cause and fix."""
+    option = GLOB_OPTIONS.get(command or "")
+    if option and "unexpected extra argument" in error.message:
+        error.message += (
+            f"; an unquoted glob after {option} is expanded by the shell into several paths: "
+            f"quote it ({option} 'runs/*/step_*') or repeat {option}"
+        )
+
+
+def interrupted(command: str | None, stop: BaseException | None = None) -> None:
+    """Ctrl-C or SIGTERM: say what happened to the work and exit 130 (128 + SIGINT) or 143 (128 +
+    SIGTERM), not click's bare "Aborted!" with 1, the code `score` uses for "some checkpoints
+    failed". A stage that put its finished work on disk says how much (pipeline.common.errors.Interrupted)."""
+    from pipeline.common.errors import Interrupted, Terminated
+
     if debug():
-        raise KeyboardInterrupt
+        raise stop or KeyboardInterrupt
+    name = " ".join(["specreplay", *([command] if command else [])])
+    kept = (
+        stop.kept
+        if isinstance(stop, Interrupted)
+        else "what it had finished is kept (shards and results directories land whole)"
+    )
     click.echo(
-        f"interrupted: {' '.join(['specreplay', *([command] if command else [])])} stopped; what it had finished is kept (shards and results "
-        "directories land whole), the piece in progress was discarded; run the same command again to finish",
+        f"interrupted: {name} stopped; {kept}, the piece in progress was discarded; run the same command again to finish",
         err=True,
     )
+    terminated = isinstance(stop, Terminated) or (isinstance(stop, Interrupted) and stop.signal == "SIGTERM")
     # Exit here, at once: everything that had to let go (locks, staging) did on the way up, and a
     # normal interpreter exit after a KeyboardInterrupt may still end by SIGINT (-2, seen under load).
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(130)
+    os._exit(143 if terminated else 130)
 
 
 def one_line_warning(message, category, filename, lineno, line=None) -> str:
@@ -95,11 +116,21 @@ def interrupts_noted():
         seen.set()
         signal.default_int_handler(signum, frame)
 
+    def terminate(signum, frame):  # SIGTERM stops the work where it is, as Ctrl-C does
+        from pipeline.common.errors import Terminated
+
+        seen.set()
+        raise Terminated("SIGTERM")
+
+    previous = signal.getsignal(signal.SIGTERM)
     signal.signal(signal.SIGINT, handler)
+    if previous is signal.SIG_DFL:  # a caller's own SIGTERM handler (watch's) stays in charge
+        signal.signal(signal.SIGTERM, terminate)
     try:
         yield seen
     finally:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, previous)
 
 
 class LazyGroup(click.Group):
@@ -122,8 +153,11 @@ class LazyGroup(click.Group):
         try:
             with interrupts_noted() as seen:
                 return super().invoke(ctx)
-        except KeyboardInterrupt:
-            interrupted(ctx.invoked_subcommand)
+        except KeyboardInterrupt as stop:
+            interrupted(ctx.invoked_subcommand, stop)
+        except click.UsageError as error:
+            glob_hint(error, ctx.invoked_subcommand)
+            raise
         except Exception as error:
             if seen.is_set():
                 interrupted(ctx.invoked_subcommand)

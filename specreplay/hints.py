@@ -22,3 +22,17 @@ def program() -> str:
         return "specreplay"
     relative = os.path.relpath(script)
     return relative if not relative.startswith("..") else script
+
+
+REPOSITORY = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def in_repository() -> bool:
+    """Whether the working directory is the repository's root, where `make score` and data/ work;
+    elsewhere a hint naming them fails."""
+    return os.path.realpath(os.getcwd()) == os.path.realpath(REPOSITORY)
+
+
+def results_dir() -> str:
+    """Where a hint puts results: the Makefile's data/results in the repository, results/ elsewhere."""
+    return "data/results" if in_repository() else "results"

@@ -2,8 +2,9 @@
 
     .venv/bin/python data/prompts/build_prompts.py [RAW_DIR]   (default RAW_DIR: ../shared/datasets)
 
-Writes humaneval.jsonl.gz, gsm8k.jsonl.gz, mt-bench.jsonl.gz ({"id", "prompt"} per line) and
-copies the licence files. The prompt formats are those of the public DFlash benchmark
+Writes humaneval.jsonl.gz, gsm8k.jsonl.gz, mt-bench.jsonl.gz ({"id", "prompt"} per line),
+spec-bench.jsonl.gz ({"id", "dataset", "prompt"}: each category a dataset) and copies the licence
+files. The prompt formats are those of the public DFlash benchmark
 (z-lab/dflash `benchmark.py`), so acceptance numbers compare with published ones. Output is
 byte-for-byte reproducible (gzip mtime 0, fixed key order).
 """
@@ -24,7 +25,12 @@ GSM8K_FORMAT = "{question}\nPlease reason step by step, and put your final answe
 HUMANEVAL_FORMAT = (
     "Write a solution to the following problem and make sure that it passes the tests:\n```python\n{prompt}\n```"
 )
-LICENCES = {"LICENSE.humaneval": "LICENSE.humaneval", "LICENSE.gsm8k": "LICENSE.gsm8k", "LICENSE.mt_bench": "LICENSE.mt-bench"}
+LICENCES = {
+    "LICENSE.humaneval": "LICENSE.humaneval",
+    "LICENSE.gsm8k": "LICENSE.gsm8k",
+    "LICENSE.mt_bench": "LICENSE.mt-bench",
+    "LICENSE.spec_bench": "LICENSE.spec-bench",
+}
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -46,14 +52,19 @@ def humaneval(raw_dir: Path) -> list[dict]:
     rows = read_jsonl(raw_dir / "humaneval.jsonl.gz")
     # Row i is task HumanEval/i; the id keeps that number, zero-padded so ids sort in file order.
     return [
-        {"id": f"humaneval/{int(row['task_id'].split('/')[1]):04d}", "prompt": HUMANEVAL_FORMAT.format(prompt=row["prompt"])}
+        {
+            "id": f"humaneval/{int(row['task_id'].split('/')[1]):04d}",
+            "prompt": HUMANEVAL_FORMAT.format(prompt=row["prompt"]),
+        }
         for row in rows
     ]
 
 
 def gsm8k(raw_dir: Path) -> list[dict]:
     rows = read_jsonl(raw_dir / "gsm8k_test.jsonl")
-    return [{"id": f"gsm8k/{i:04d}", "prompt": GSM8K_FORMAT.format(question=row["question"])} for i, row in enumerate(rows)]
+    return [
+        {"id": f"gsm8k/{i:04d}", "prompt": GSM8K_FORMAT.format(question=row["question"])} for i, row in enumerate(rows)
+    ]
 
 
 def mt_bench(raw_dir: Path) -> list[dict]:
@@ -62,8 +73,22 @@ def mt_bench(raw_dir: Path) -> list[dict]:
     return [{"id": f"mt-bench/{row['question_id']}", "prompt": row["turns"][0]} for row in rows]
 
 
+def spec_bench(raw_dir: Path) -> list[dict]:
+    rows = read_jsonl(raw_dir / "spec_bench_questions.jsonl")
+    # Each category its own dataset in the results; first turns, as for mt-bench.
+    return [
+        {
+            "id": f"spec-bench/{row['question_id']}",
+            "dataset": f"spec-bench/{row['category']}",
+            "prompt": row["turns"][0],
+        }
+        for row in rows
+    ]
+
+
 def main(raw_dir: Path, out_dir: Path = HERE) -> None:
-    for name, build in (("humaneval", humaneval), ("gsm8k", gsm8k), ("mt-bench", mt_bench)):
+    builds = (("humaneval", humaneval), ("gsm8k", gsm8k), ("mt-bench", mt_bench), ("spec-bench", spec_bench))
+    for name, build in builds:
         records = build(raw_dir)
         write_jsonl_gz(out_dir / f"{name}.jsonl.gz", records)
         print(f"{name}: {len(records)} prompts")

@@ -9,3 +9,17 @@ from __future__ import annotations
 class UserError(ValueError):
     """Bad input. The message names the file or field and says what to do. A ValueError, so
     library callers that catch ValueError for bad arguments keep working."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """A stop (Ctrl-C, or SIGTERM: `signal` says which) after the work finished so far was put
+    on disk; `kept` says what, in the user's words ("4 of 6 samples kept in OUT")."""
+
+    def __init__(self, kept: str, signal: str = "SIGINT"):
+        super().__init__(kept)
+        self.kept, self.signal = kept, signal
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a scheduler's stop, a lost node's shutdown) raised where the work is, as Ctrl-C is,
+    so the same code keeps what was finished; exits 143."""

@@ -1,6 +1,7 @@
 """A GGUF file as a transformers directory: dequantized once by transformers' GGUF loader into
-fp32 safetensors (with its tokenizer and generation config) under the model cache, data/models/<stem>/
-(or $SPECREPLAY_MODEL_CACHE/<stem>/), reloaded from there afterwards. Read by stage 1 for a GGUF
+fp32 safetensors (with its tokenizer and generation config) under the model cache,
+$SPECREPLAY_MODEL_CACHE/<stem>/ (default: the per-user ~/.cache/specreplay/models/<stem>/), reloaded
+from there afterwards. Read by stage 1 for a GGUF
 target (pipeline/extract/target.py) and by a draft model given as a GGUF file
 (proposers/draft/checks.py)."""
 
@@ -15,13 +16,21 @@ from pathlib import Path
 import torch
 
 MODEL_CACHE_ENV = "SPECREPLAY_MODEL_CACHE"
-DEFAULT_MODEL_CACHE = Path(__file__).resolve().parents[2] / "data" / "models"
+
+
+def default_model_cache() -> Path:
+    """The per-user cache (XDG's, else ~/.cache): one dequantized copy per user, wherever specreplay
+    runs from, never inside the installed package or the working directory."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "specreplay" / "models"
+
+
 # Written last into a GGUF cache dir: its presence means the cache is complete and names its source.
 CACHE_MARKER = "specreplay_gguf_source.json"
 
 
 def model_cache_dir() -> Path:
-    return Path(os.environ.get(MODEL_CACHE_ENV) or DEFAULT_MODEL_CACHE)
+    return Path(os.environ.get(MODEL_CACHE_ENV) or default_model_cache())
 
 
 def _gguf_source_facts(gguf_path: Path) -> dict:

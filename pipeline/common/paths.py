@@ -74,6 +74,46 @@ def directory_kind(path: str) -> str | None:
     return next((kind for name, kind in MARKERS if os.path.isfile(os.path.join(path, name))), None)
 
 
+RESULTS_FILES = ("run.json", "summary.parquet")  # scoring/results.py FILES: a results directory holds these
+
+
+def results_files(path: str) -> list[str]:
+    """The results files a local directory holds (none: not a results directory)."""
+    if "://" in path or not os.path.isdir(path):
+        return []
+    return [name for name in RESULTS_FILES if os.path.isfile(os.path.join(path, name))]
+
+
+def check_results_parent(out: str, option: str = "--out") -> None:
+    """score's --out is the parent of the results directories: neither one of them nor an extract."""
+    held = results_files(out)
+    if held:
+        parent = os.path.dirname(os.path.normpath(out)) or "."
+        raise UserError(
+            f"{option} {out} is a results directory (holds {', '.join(held)}); give its parent, "
+            f"{option} {parent}: each checkpoint writes <parent>/<run>_<step>/"
+        )
+    if directory_kind(out) == EXTRACT:
+        raise UserError(f"{option} {out} holds {EXTRACT}, not results; give a results directory such as data/results")
+
+
+def check_extract_out(out: str, option: str = "--out") -> None:
+    """extract's --out is never a results directory nor a parent of results directories."""
+    held = results_files(out)
+    if held:
+        raise UserError(
+            f"{option} {out} is a results directory (holds {', '.join(held)}); give a new directory for shards"
+        )
+    if "://" in out or not os.path.isdir(out):
+        return
+    scored = sorted(entry.name for entry in os.scandir(out) if entry.is_dir() and results_files(entry.path))
+    if scored:
+        raise UserError(
+            f"{option} {out} holds score results ({', '.join(scored[:3])}{', ...' if len(scored) > 3 else ''}); "
+            "give a new directory for shards, e.g. data/shards/<model>-<prompts>"
+        )
+
+
 def check_roles(ckpts: list[str], shards: str) -> None:
     """--shards names an extract and no --ckpt names one; the two swapped is said as such."""
     shards_kind = directory_kind(shards)

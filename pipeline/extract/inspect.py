@@ -285,6 +285,8 @@ def report_problems(report: dict, uri: str) -> list[str]:
     problems = list(report.get("checksums", {}).get("bad", []))
     head = report.get("target_head")
     fs, root = shards.open_fs(uri)
+    if not report.get("complete", True):
+        problems.append(f"{uri}: the extract is not complete; run the same extract command again to resume it")
     if head == "not recorded":
         problems.append(f"{shards.join(root, shards.MANIFEST_NAME)}: the target head's crc32 is not recorded")
     elif head == "missing":

@@ -22,7 +22,7 @@ from pipeline.common.schema import found, validate
 from pipeline.extract.records import PROMPT_FORMS, RecordSchema
 
 PROMPTS_DIR = Path(__file__).resolve().parents[2] / "data" / "prompts"
-BUNDLED_FILES = ("humaneval", "gsm8k", "mt-bench")  # data/prompts/<name>.jsonl.gz
+BUNDLED_FILES = ("humaneval", "gsm8k", "mt-bench", "spec-bench")  # data/prompts/<name>.jsonl.gz
 # `make extract` default: small enough for SmolLM2-135M on two CPU cores in a few minutes.
 # (set name, first N) in this order; a mix of the bundled files, not a copy of them.
 DEFAULT_MIX = (("gsm8k", 6), ("humaneval", 5), ("mt-bench", 5))
@@ -160,7 +160,8 @@ def _load_bundled(name: str) -> list[PromptRecord]:
 
 
 def load_prompts(name_or_path: str, limit: int | None = None) -> list[PromptRecord]:
-    """A bundled set ("default", "humaneval", "gsm8k", "mt-bench") or a user JSONL path.
+    """A bundled set (BUNDLED_NAMES: "default", "humaneval", "gsm8k", "mt-bench", "spec-bench") or a
+    user JSONL path.
 
     Order is file order (deterministic); `limit` keeps the first N records.
     """

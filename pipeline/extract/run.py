@@ -60,6 +60,7 @@ from pipeline.outdir.builder import finish_manifest, new_manifest, run_facts
 from pipeline.outdir.directory import (
     existing_outputs,
     finished_before,
+    kept_on_stop,
     missing_shards,
     output_lock,
     prepare_out,
@@ -104,6 +105,9 @@ def write_rank_share(model, info, plan: Plan, config: ExtractConfig, dist: Dist,
             fetched=fetched,
         )
         writer.close()
+    except KeyboardInterrupt as stop:  # Ctrl-C, or SIGTERM raised as one (specreplay/cli.py)
+        also = f" (and the engine's responses so far in {config.out}/responses/)" if engine is not None else ""
+        raise kept_on_stop(writer, len(done), len(plan.items), config.out + also, stop) from None
     finally:
         bar.close()
 

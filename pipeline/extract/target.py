@@ -5,7 +5,7 @@ Accepted targets:
   - a local transformers directory (causal LMs, Qwen3.5-style vision-language wrappers, hybrid
     linear-attention models);
   - a `.gguf` file, dequantized by transformers once and cached as safetensors under
-    data/models/<stem>/ (or $SPECREPLAY_MODEL_CACHE/<stem>/), reloaded from there afterwards
+    ~/.cache/specreplay/models/<stem>/ (or $SPECREPLAY_MODEL_CACHE/<stem>/), reloaded from there afterwards
     (pipeline/common/gguf_cache.py, which a draft model given as a GGUF file reads through too).
 """
 

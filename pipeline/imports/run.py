@@ -44,7 +44,7 @@ from pipeline.imports.features import compute_dtype, sample_tensors
 from pipeline.imports.layers import POST, default_layers, describe_held, missing_layers, servable, sources_of
 from pipeline.imports.reader import CaptureFormat, Entry, refuse_zeros
 from pipeline.outdir.builder import Source, finish_manifest, new_manifest, run_facts, settings_identity
-from pipeline.outdir.directory import finished_before, output_lock, prepare_out, resume_writer
+from pipeline.outdir.directory import finished_before, kept_on_stop, output_lock, prepare_out, resume_writer
 from pipeline.outdir.storage import Storage, parse_feature_dtype, plan_storage
 
 # ---------------------------------------------------------------------------------------------
@@ -228,6 +228,8 @@ def write_samples(config, capture, head, plan: ImportPlan, dataset: str, progres
                 writer.exclude(excluded)
             bar.update(entry.kept, samples=f"{number}/{len(pending)}")
         writer.close()
+    except KeyboardInterrupt as stop:  # Ctrl-C, or SIGTERM raised as one (specreplay/cli.py)
+        raise kept_on_stop(writer, len(done), len(plan.entries), config.out, stop) from None
     finally:
         bar.close()
 

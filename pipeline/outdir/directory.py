@@ -11,6 +11,7 @@ from pathlib import Path
 
 from pipeline import shards
 from pipeline.common import timing
+from pipeline.common.errors import Interrupted, Terminated
 from pipeline.common.settings import settings_diff
 from pipeline.outdir.entries import check_entries, next_shard_index, totals
 from pipeline.outdir.storage import Storage
@@ -178,3 +179,13 @@ def resume_writer(
         chunk_tokens=storage.chunk_tokens,
     )
     return writer, done
+
+
+def kept_on_stop(writer: shards.ShardWriter, before: int, total: int, where: str, stop: BaseException) -> Interrupted:
+    """At a stop (Ctrl-C, SIGTERM), the samples written before it landed as a (short) shard,
+    however few, so a rerun goes on after them; the error that tells the user how many."""
+    writer.close()
+    kept = before + sum(entry["rows"] + len(entry.get("excluded", [])) for entry in writer.entries)
+    return Interrupted(
+        f"{kept} of {total} samples kept in {where}", "SIGTERM" if isinstance(stop, Terminated) else "SIGINT"
+    )

@@ -22,6 +22,7 @@ from pipeline.shards.files import (
     write_json_atomic,
 )
 from pipeline.shards.schema import DEFAULT_CHUNK_TOKENS, SHARD_DIR, Sample, shard_schema
+from pipeline.shards.stops import stops_held
 
 
 def chunk_record_batch(
@@ -165,7 +166,7 @@ class ShardWriter:
         self.next_index += 1
 
     def write(self, sample: Sample) -> None:
-        with timing.stage("shard write", tokens=sample.response_len):
+        with timing.stage("shard write", tokens=sample.response_len), stops_held():
             for name, dtype in self.tensor_dtypes.items():
                 got = sample.tensors[name].dtype
                 if STORAGE_NAMES.get(got) != dtype:
@@ -211,6 +212,10 @@ class ShardWriter:
 
     def finish_shard(self) -> dict | None:
         """Write what is buffered and land the current shard (no-op when nothing is open)."""
+        with stops_held():
+            return self._finish_shard()
+
+    def _finish_shard(self) -> dict | None:
         if self._pending:
             self._write_chunk()  # may land the shard itself when it reaches shard_bytes
         if self._writer is None and self._excluded:

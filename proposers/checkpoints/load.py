@@ -39,6 +39,7 @@ from proposers.checkpoints.files import (
 )
 from proposers.detect import build_drafter, parse_config
 from proposers.layouts import Override
+from proposers.registry import family_label
 from proposers.toolkit.config import DrafterConfig
 from proposers.toolkit.neural import neural_proposer
 
@@ -117,7 +118,8 @@ def check_state_dict(
             f"{source}: weights do not match the drafter described by {config_file} "
             f"({config.num_hidden_layers} layers, target_layer_ids {config.target_layer_ids}); "
             + "; ".join(parts)
-            + ". Is this a DFlash drafter checkpoint, with the config.json it was trained with?"
+            + f". Was this checkpoint trained as the {family_label(config.family)} drafter its config declares, "
+            "with this config.json?"
         )
     wrong = [
         f"{name}: checkpoint {list(state[name].shape)} vs config {list(shape)}"

@@ -104,6 +104,18 @@ def acceptance_by_position(accepted: torch.Tensor, reached: torch.Tensor) -> tor
     return accepted.double() / reached.double()
 
 
+def wilson_interval(
+    accepted: torch.Tensor, reached: torch.Tensor, z: float = 1.959964
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 95% Wilson score interval of each position's rate accepted / reached (NaN where never
+    reached). Anchors of one response are not independent, so it is narrower than a resampling
+    of responses would give: a reading of the counts, not of the prompts. [L] x [L] -> [L], [L]."""
+    n, p = reached.double(), accepted.double() / reached.double()
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * torch.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return centre - half, centre + half
+
+
 def match_rate_by_position(match: torch.Tensor, known: torch.Tensor) -> torch.Tensor:
     """Per-position draft/target agreement, independent of earlier positions: summed match /
     summed known per position (NaN where no target is known). [L] x [L] -> [L]."""

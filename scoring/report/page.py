@@ -300,6 +300,19 @@ class Written:
     sample_anchors: dict[str, str] = field(default_factory=dict)  # --sample value -> "#sample-..."
 
 
+def write_atomically(out: str, text: str) -> None:
+    """out, whole or not at all: written as out.tmp and renamed; the .tmp is removed when either fails."""
+    tmp = out + ".tmp"
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, out)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
 def write_report(
     paths: list[str],
     out: str,
@@ -322,10 +335,7 @@ def write_report(
     )
     out = os.path.abspath(out)
     os.makedirs(os.path.dirname(out), exist_ok=True)
-    tmp = out + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(tmp, out)
+    write_atomically(out, text)
     anchors = {}
     for row, _ in choose_samples(results, SampleViews(count=0, ids=views.ids)) if results is not None else []:
         anchors.setdefault(str(row["sample_id"]), "#" + anchor_id(str(row["dataset"]), str(row["sample_id"])))

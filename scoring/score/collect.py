@@ -378,8 +378,10 @@ def anchor_summary(anchors, method: str, counts: dict[str, np.ndarray], sampling
         row["anchor_expected_accepted_len_mean"] = float(anchors["expected_accepted_len"].mean())
         row["target_prob_mean"] = float(anchors["target_prob"].explode().mean())
         row["kl_topk_mean"] = float(anchors["kl_topk"].explode().mean())
-        rate = metrics.acceptance_by_position(torch.from_numpy(counts["accepted"]), torch.from_numpy(counts["reached"]))
-        row["accept_rate_by_position"] = rate.tolist()
+        accepted, reached = torch.from_numpy(counts["accepted"]), torch.from_numpy(counts["reached"])
+        row["accept_rate_by_position"] = metrics.acceptance_by_position(accepted, reached).tolist()
+        low, high = metrics.wilson_interval(accepted, reached)
+        row["accept_rate_low_by_position"], row["accept_rate_high_by_position"] = low.tolist(), high.tolist()
         row["reached_by_position"] = counts["reached"].astype(np.float64).tolist()
         row["match_rate_by_position"] = metrics.match_rate_by_position(
             torch.from_numpy(counts["match"]), torch.from_numpy(counts["known"])

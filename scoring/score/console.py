@@ -9,10 +9,12 @@ import math
 import pyarrow as pa
 
 from scoring import results
+from scoring.breakdowns import by_context, by_segment
 from scoring.methods.chain import CHAIN
 from scoring.methods.registry import method_order
 from scoring.results import MIN_ANCHORS
 from scoring.score.outcome import Status
+from scoring.tool_figures import shown, tool_figures
 
 STREAK_NOTE = (
     "streak = mean draft tokens accepted per anchor over all response positions (bonus-exclusive; "
@@ -54,16 +56,17 @@ def best_tree(pooled: dict[str, dict]) -> tuple[str, float] | None:
 
 
 def headline(name: str, summary: pa.Table) -> str:
-    """'tiny/step_600 (DFlash, z-lab layout): tau chain 1.340 (all, 16 samples, exact 16/16), best
-    ddtree-256 2.665, streak 0.318'."""
+    """'tiny/step_600 (DFlash, z-lab layout): tau chain 1.340 (all, 16 samples, exact 16/16, K 15),
+    best ddtree-256 2.665, streak 0.318'."""
     pooled = pooled_rows(summary)
     chain = pooled[CHAIN]
     drafter = results.drafter_label(chain.get("drafter_family"), chain.get("drafter_layout"))
     name = f"{name} ({drafter})" if drafter else name
     exact = chain["samples"] - chain["inexact_samples"]
-    line = f"{name}: tau chain {fmt(chain['tau'])} (all, {chain['samples']} samples, exact {exact}/{chain['samples']})"
+    k = chain_drafts(chain)  # families of different K compare fairly only when K is said
+    line = f"{name}: tau chain {fmt(chain['tau'])} (all, {chain['samples']} samples, exact {exact}/{chain['samples']}, K {k})"
     if results.sampling_of_row(chain) is not None:
-        line = f"{name}: expected tau chain {fmt(chain['tau'])} ({sampled_words(chain)})"
+        line = f"{name}: expected tau chain {fmt(chain['tau'])} ({sampled_words(chain)}, K {k})"
     tree = best_tree(pooled)
     if tree is not None:
         line += f", best {tree[0]} {fmt(tree[1])}"
@@ -71,6 +74,11 @@ def headline(name: str, summary: pa.Table) -> str:
         visited = " (walk anchors only)" if chain.get("anchor_set") == "walk" else ""
         line += f", streak {fmt(chain['anchor_accepted_len_mean'])}{visited}"
     return line
+
+
+def chain_drafts(chain: dict) -> int:
+    """The chain's drafts per step, K: the length of its per-position rates."""
+    return len(chain.get("accept_rate_by_position") or [])
 
 
 def sampled_words(row: dict) -> str:
@@ -109,10 +117,45 @@ def print_table(summary: pa.Table, record: dict, out_dir: str, took: str | None 
     if rates:
         print("  chain acceptance per block position (all anchors, given the position was reached):")
         print("    " + format_positions(rates, overall.get("reached_by_position")))
+    for line in context_lines(out_dir) + tool_lines(out_dir):
+        print(line)
     for note in notes(overall, record):
         print(f"  note: {note}")
     for line in warning_lines(record):
         print(f"  {line}")
+
+
+def group_cells(groups) -> str:
+    return "; ".join(
+        f"{g.label}: tau {fmt(g.tau, 2)} ({g.steps} steps), streak {fmt(g.streak, 2)} ({g.anchors} anchors)"
+        for g in groups
+    )
+
+
+def context_lines(out_dir: str) -> list[str]:
+    """The chain's tau and streak by context length, and inside / after a reasoning model's
+    thinking (scoring/breakdowns.py), one group an entry."""
+    lines = []
+    buckets = by_context(out_dir)
+    if buckets:
+        lines += ["  by context length (tokens before the anchor; docs/breakdowns.md):", "    " + group_cells(buckets)]
+    segments = by_segment(out_dir)
+    if segments:
+        lines += ["  inside the thinking (<think> .. </think>) and in the answer:", "    " + group_cells(segments)]
+    return lines
+
+
+def tool_lines(out_dir: str) -> list[str]:
+    """The chain's acceptance as each tool prints it (scoring/tool_figures.py), one line a tool."""
+    figures = tool_figures(out_dir)
+    if not figures:
+        return []
+    by_tool: dict[str, list[str]] = {}
+    for f in figures:
+        unit = "%" if f.definition.endswith("(%)") else ""
+        by_tool.setdefault(f.tool, []).append(f"{f.name} {shown(f.value)}{unit}")
+    lines = ["  the same acceptance as each tool prints it (docs/tool-figures.md):"]
+    return lines + [f"    {tool}: {'; '.join(items)}" for tool, items in by_tool.items()]
 
 
 def notes(overall: dict, record: dict) -> list[str]:
@@ -288,17 +331,17 @@ def across_table(outcomes: list) -> list[str]:
         pooled = pooled_rows(o.summary)
         chain = pooled[CHAIN]
         tree = best_tree(pooled)
-        cells.append((o.name, chain["tau"], tree, chain.get("anchor_accepted_len_mean"), o.status))
+        cells.append((o.name, chain["tau"], tree, chain.get("anchor_accepted_len_mean"), o.status, chain_drafts(chain)))
     width = max([len("checkpoint")] + [len(c[0]) for c in cells])
     best = [max((c[i] for c in cells if c[i] is not None), default=None) for i in (1, 3)]
     best_tree_tau = max((c[2][1] for c in cells if c[2] is not None), default=None)
     mark = lambda value, top: "*" if value is not None and value == top else " "  # noqa: E731
-    lines = [f"{'checkpoint':<{width}}  {'tau chain':>10}  {'best DDTree':>22}  {'streak':>8}"]
-    for name, tau, tree, streak, status in cells:
+    lines = [f"{'checkpoint':<{width}}  {'K':>3}  {'tau chain':>10}  {'best DDTree':>22}  {'streak':>8}"]
+    for name, tau, tree, streak, status, k in cells:
         tree_cell = f"{tree[0]} {fmt(tree[1])}{mark(tree[1], best_tree_tau)}" if tree else "-"
         lines.append(
-            f"{name:<{width}}  {fmt(tau):>9}{mark(tau, best[0])}  {tree_cell:>22}  {fmt(streak):>7}{mark(streak, best[1])}"
-            + ("  (already scored)" if status == Status.SKIPPED else "")
+            f"{name:<{width}}  {k:>3}  {fmt(tau):>9}{mark(tau, best[0])}  {tree_cell:>22}  "
+            f"{fmt(streak):>7}{mark(streak, best[1])}" + ("  (already scored)" if status == Status.SKIPPED else "")
         )
     return lines + ["* best of the column"]
 
@@ -314,12 +357,18 @@ def next_lines(outcomes: list, out: str, program: str) -> list[str]:
     return lines
 
 
+def failure_text(outcome) -> str:
+    """A failed checkpoint's error, naming its path once (errors that start with it keep theirs)."""
+    text = str(outcome.error)
+    return text if text.startswith(outcome.ckpt) else f"{outcome.ckpt}: {text}"
+
+
 def failure_lines(outcomes: list) -> list[str]:
+    """The count of failures after several checkpoints, by name: each error was printed as it came."""
     failed = [o for o in outcomes if o.status == Status.FAILED]
-    if not failed:
+    if not failed or len(outcomes) < 2:
         return []
-    lines = [f"{len(failed)} of {len(outcomes)} checkpoints failed:"]
-    return lines + [f"  {o.ckpt}: {o.error}" for o in failed]
+    return [f"{len(failed)} of {len(outcomes)} checkpoints failed (errors above): {', '.join(o.ckpt for o in failed)}"]
 
 
 def outcome_json(outcome) -> dict:

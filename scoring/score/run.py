@@ -3,40 +3,17 @@ results directory, several per pass over the shards (scoring/score/passes.py).""
 
 from __future__ import annotations
 
-import glob
-import os
-
 from pipeline.common import timing
 from pipeline.common.distributed import Dist, dist_from_env, init_dist, leave_dist
 from pipeline.shards import ShardSet
-from proposers import baselines
 from proposers.interface import TargetHead
 from scoring.config import ScoreConfig
 from scoring.replay.packing import prepare_target_head
+from scoring.score.checkpoints import expand_checkpoints
 from scoring.score.outcome import Outcome
 from scoring.score.outputs import output_dirs
 from scoring.score.passes import scored_lanes
 from scoring.score.steps import check_anchor_set, resolve_device_dtype
-
-
-def expand_checkpoints(patterns: list[str]) -> list[str]:
-    """Paths as given, globs expanded (sorted), duplicates dropped; missing paths are an error. A
-    baseline's name (`ngram:vllm:k=4`, proposers/baselines.py) is kept as it is."""
-    paths: list[str] = []
-    for pattern in patterns:
-        if baselines.is_named(pattern):
-            paths += [pattern] if pattern not in paths else []
-            continue
-        literal = os.path.exists(pattern) or not any(c in pattern for c in "*?[")
-        matches = [pattern] if literal else sorted(glob.glob(pattern))
-        if not matches:
-            raise FileNotFoundError(f"--ckpt {pattern!r} matches nothing")
-        for path in matches:
-            if not os.path.exists(path):
-                raise FileNotFoundError(f"--ckpt {path}: no such file or directory")
-            if path not in paths:
-                paths.append(path)
-    return paths
 
 
 def score_checkpoint(

@@ -7,6 +7,7 @@ the steps together, several checkpoints per pass over the shards."""
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -86,6 +87,11 @@ def choose_samples(shardset: ShardSet, config: ScoreConfig) -> tuple[list[int], 
     selection = Selection(config.limit, config.sample, config.seed, tuple(config.datasets or ()) or None)
     index = sample_index(shardset)
     chosen = select_samples(index, selection)
+    if config.sample is not None and config.sample > len(chosen):
+        where = f"--datasets {','.join(config.datasets)} of the shards" if config.datasets else "the shards"
+        warnings.warn(
+            f"--sample {config.sample}: {where} hold {len(chosen)} samples; scoring all {len(chosen)}", stacklevel=2
+        )
     return chosen, selection_record(selection, index, chosen)
 
 

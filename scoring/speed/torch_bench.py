@@ -12,6 +12,7 @@ is timed the same way at one token.
 from __future__ import annotations
 
 import copy
+import os
 import statistics
 import time
 
@@ -66,21 +67,30 @@ def timed_rows(model, batches: list[int], tokens: list[int], context: int, reps:
     return found
 
 
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
 def loaded(path: str, device: str, dtype: str):
-    """(model, TargetInfo) of a target or draft model as extract loads one (a transformers
-    directory or `smollm2`)."""
-    from pipeline.extract.target import load_target
+    """(model, its sizes as a profile records them) of a transformers directory, in eval mode."""
+    from transformers import AutoModelForCausalLM
 
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise UserError(f"--device {device}: torch sees no CUDA device here; use --device cpu")
-    model, _, info = load_target(path, dtype=dtype, device=device)
-    return model, info
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise UserError(f"{path}: no config.json; --engine torch times a transformers model directory")
+    chosen = DTYPES.get(dtype) or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=chosen).to(device).eval()
+    config = model.config.get_text_config()
+    facts = {"name": os.path.basename(os.path.normpath(path)), "num_layers": config.num_hidden_layers}
+    facts |= {"hidden_size": config.hidden_size, "vocab_size": model.get_input_embeddings().weight.shape[0]}
+    return model, facts
 
 
 def torch_profile_rows(target: str, drafts: dict[str, str], batches: list[int], tokens: list[int], how) -> tuple:
     """({verify, plain, drafters} rows, target facts, what timed them). `how`: a
     scoring.speed.measure.Measurement (context, reps, device, dtype)."""
-    model, info = loaded(target, how.device, how.dtype)
+    model, facts = loaded(target, how.device, how.dtype)
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     times = timed_rows(model, batches, sorted(set(tokens) | {1}), how.context, how.reps)
     del model
     verify = [{"batch": b, "tokens": n, "seconds": times[(b, n)]} for b in batches for n in tokens]
@@ -91,7 +101,5 @@ def torch_profile_rows(target: str, drafts: dict[str, str], batches: list[int], 
         for (b, _), seconds in timed_rows(draft, batches, [1], how.context, how.reps).items():
             drafters.append({"family": family, "batch": b, "tokens": 1, "seconds": seconds})
         del draft
-    facts = {"name": info.name, "num_layers": info.num_layers, "hidden_size": info.hidden_size}
-    facts["vocab_size"] = info.vocab_size
-    engine = f"transformers on torch {torch.__version__}, {info.dtype} (median of {how.reps} repetitions)"
+    engine = f"transformers on torch {torch.__version__}, {dtype} (median of {how.reps} repetitions)"
     return {"verify": verify, "plain": plain, "drafters": drafters}, facts, engine

@@ -107,6 +107,8 @@ def scalars_of(summary, reached: dict[str, list[float]] | None = None) -> dict[s
                                                   accepted draft tokens per anchor, bonus-exclusive)
         specreplay/<dataset>/accept_rate_pos_<k>  P(block position k accepted | reached), k = 1..B-1,
                                                   where at least MIN_ANCHORS anchors reached k
+        specreplay/<dataset>/accept_anchors_pos_<k>          the anchors that reached k (expected at T > 0)
+        specreplay/<dataset>/accept_rate_pos_<k>_low, _high  its 95% Wilson interval on those counts
 
     A value that is null or NaN (no walk step, a block position never reached) is left out, and
     so is the rate of a position fewer than MIN_ANCHORS anchors reached (`reached`: dataset ->
@@ -126,9 +128,14 @@ def _row_scalars(base: str, row: dict, reached: list[float]) -> dict:
     """The tags of one summary row (one dataset and method), values unchecked."""
     if row["method"] == CHAIN:
         found = {f"{base}/tau_chain": row.get("tau"), f"{base}/streak": row.get("anchor_accepted_len_mean")}
-        for k, (rate, n) in enumerate(zip(row.get("accept_rate_by_position") or [], reached), start=1):
-            if n >= MIN_ANCHORS:
+        rates = row.get("accept_rate_by_position") or []
+        lows = row.get("accept_rate_low_by_position") or [None] * len(rates)  # absent from older results
+        highs = row.get("accept_rate_high_by_position") or [None] * len(rates)
+        for k, (rate, n, low, high) in enumerate(zip(rates, reached, lows, highs), start=1):
+            if n >= MIN_ANCHORS and _finite(rate):
                 found[f"{base}/accept_rate_pos_{k}"] = rate
+                found[f"{base}/accept_anchors_pos_{k}"] = n
+                found[f"{base}/accept_rate_pos_{k}_low"], found[f"{base}/accept_rate_pos_{k}_high"] = low, high
         return found
     tree = EAGLE_TREES.setting_of(row["method"])
     if tree is not None:

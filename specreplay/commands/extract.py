@@ -35,7 +35,7 @@ def d(name: str):
 def next_steps(out: str, manifest: dict) -> str:
     """What the run wrote and what to run next, with the program named as the user can type it
     (specreplay.hints.program: `specreplay` is not on PATH until the venv is activated)."""
-    from specreplay.hints import program
+    from specreplay.hints import in_repository, program, results_dir
 
     t = manifest.get("totals", {})
     prog = program()
@@ -52,17 +52,18 @@ def next_steps(out: str, manifest: dict) -> str:
         + excluded
         + f"next:\n"
         f"  {prog} inspect {out}\n"
-        f"  make score CKPT=path/to/drafter SHARDS={out}    # results in data/results/<parent>_<name>\n"
-        f"  (or: {prog} score --ckpt path/to/drafter --shards {out} --out data/results)"
+        f"  {prog} score --ckpt path/to/drafter --shards {out} --out {results_dir()}"
+        + (f"\n  (or: make score CKPT=path/to/drafter SHARDS={out})" if in_repository() else "")
     )
 
 
 def check_paths(config: ExtractConfig) -> None:
     """Typed paths, before anything is loaded or written (pipeline/common/paths.py)."""
-    from pipeline.common.paths import check_input_path, check_output_dir
+    from pipeline.common.paths import check_extract_out, check_input_path, check_output_dir
     from pipeline.extract.prompts import BUNDLED_NAMES
 
     check_output_dir(config.out, "--out")
+    check_extract_out(config.out, "--out")
     check_input_path(config.model, "--model", "any")
     if os.path.isdir(config.prompts):
         raise UserError(
@@ -83,7 +84,7 @@ def check_paths(config: ExtractConfig) -> None:
     "--prompts",
     default=d("prompts"),
     show_default=True,
-    help="Bundled set (default, gsm8k, humaneval, mt-bench) or a JSONL file.",
+    help="Bundled set (default, gsm8k, humaneval, mt-bench, spec-bench) or a JSONL file.",
 )
 @click.option(
     "--out", default=None, help="Output directory or URI (s3://, gs://). [default: data/shards/<model>-<prompts>]"

@@ -16,13 +16,11 @@ def next_hint(ckpt: str, shards: str) -> str:
     """How to score the last checkpoint, with the program named as the user can type it.
     `score --out DIR` puts each checkpoint's results in DIR/<parent>_<name>/."""
     from scoring.results import result_dir_name
-    from specreplay.hints import program
+    from specreplay.hints import in_repository, program, results_dir
 
-    results = f"data/results/{result_dir_name(ckpt)}"
-    return (
-        f"next: {program()} score --ckpt {ckpt} --shards {shards} --out data/results    # results in {results}\n"
-        f"  (or: make score CKPT={ckpt} SHARDS={shards})"
-    )
+    out = results_dir()
+    line = f"next: {program()} score --ckpt {ckpt} --shards {shards} --out {out}    # results in {out}/{result_dir_name(ckpt)}"
+    return line + (f"\n  (or: make score CKPT={ckpt} SHARDS={shards})" if in_repository() else "")
 
 
 @click.command(context_settings={"max_content_width": 100})

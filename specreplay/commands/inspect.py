@@ -32,7 +32,8 @@ def inspect(directory, as_json, no_verify):
 
     Samples, tokens, bytes per token against raw bf16 features, layer ids, finish reasons,
     greedy-consistency rate (share of response tokens equal to the full-forward argmax).
-    Exits with status 1 when a checksum fails.
+    Exits with status 1 when a checksum fails or the extract is not complete (resume it by running
+    the same extract command again).
 
     \b
     Examples:

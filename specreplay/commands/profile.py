@@ -84,7 +84,7 @@ def engine_checked(engine: str, given: dict) -> None:
     "target",
     required=True,
     metavar="TARGET.gguf|DIR",
-    help="The target as the engine runs it: a GGUF for llama.cpp; a transformers directory (or `smollm2`) for torch.",
+    help="The target as the engine runs it: a GGUF for llama.cpp; a transformers directory for torch.",
 )
 @click.option(
     "--engine",
@@ -230,26 +230,22 @@ def profile(
         raise click.BadParameter(f"{verify_draft}: no such file", param_hint="--verify-draft")
     from scoring.speed.measure import Measurement, Wanted, measure_profile
 
-    wanted = Wanted(
-        target,
-        token_counts(tokens),
-        in_server,
-        verify_draft,
-        bench,
-        serve,
-        token_counts(serve_drafts, "--serve-drafts"),
-        engine,
-        tuple(token_counts(batch, "--batch")),
-    )
+    counts = token_counts(tokens), token_counts(serve_drafts, "--serve-drafts")
+    batches = tuple(token_counts(batch, "--batch"))
+    wanted = Wanted(target, counts[0], in_server, verify_draft, bench, serve, counts[1], engine, batches)
     work = os.path.splitext(out)[0] + "-logs"
     how = Measurement(context, reps, serve_requests, threads, tuple(llama_args), llama_bench, work)
     if engine == "torch":
         how = torch_measurement(how, device, dtype, threads)
-    measured = measure_profile(wanted, how)
+    written(measure_profile(wanted, how), out)
+
+
+def written(measured: dict, out: str) -> None:
+    """The profile written to `out`, and one line saying what it holds."""
     with open(out, "w") as f:
         json.dump(measured, f, indent=1)
     verify = measured["verify"]
     click.echo(
         f"wrote {out}: the target's forward {verify[0]['seconds'] * 1000:.2f} ms at {verify[0]['tokens']} token(s) .. "
-        f"{verify[-1]['seconds'] * 1000:.2f} ms at {verify[-1]['tokens']}, context {context}"
+        f"{verify[-1]['seconds'] * 1000:.2f} ms at {verify[-1]['tokens']}, context {measured['measured']['context_len']}"
     )

@@ -5,6 +5,18 @@ from __future__ import annotations
 import click
 
 
+def check_report_out(out: str) -> None:
+    """--out is the HTML file: an existing directory there is refused before anything is read."""
+    import os
+
+    from pipeline.common.errors import UserError
+
+    if os.path.isdir(out):
+        raise UserError(
+            f"--out {out} is a directory; give the HTML file to write, e.g. --out {os.path.join(out, 'report.html')}"
+        )
+
+
 @click.command(context_settings={"max_content_width": 100})
 @click.argument("results", nargs=-1, required=True, type=click.Path(exists=True, file_okay=False))
 @click.option(
@@ -78,6 +90,7 @@ def report(results, out, title, worst, sample_views, samples, shards, tokenizer,
     """
     from scoring.report.page import SampleViews, write_report
 
+    check_report_out(out)
     views = SampleViews(count=sample_views, ids=list(samples), shards=shards, tokenizer=tokenizer)
     profile = None
     if profile_path is not None:

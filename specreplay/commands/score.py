@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import click
@@ -174,9 +175,8 @@ def score(no_progress, quiet, as_json, profile_path, **options):
       specreplay score --ckpt 'runs/tiny/step_*' --shards data/shards/smollm2-default --out data/results \\
           --sample 8 --seed 0 --ddtree-budgets 16,64
     """
-    from pipeline.common.paths import check_input_path, check_output_dir, check_roles
-    from scoring.score.run import run_score
-    from specreplay.progress import bars
+    from pipeline.common.paths import check_input_path, check_output_dir, check_results_parent, check_roles
+    from scoring.score.checkpoints import expand_checkpoints
 
     datasets = [name.strip() for name in (options["datasets"] or "").split(",") if name.strip()]
     options.update(
@@ -192,9 +192,16 @@ def score(no_progress, quiet, as_json, profile_path, **options):
 
         Override.parse(config.family)  # a misspelt family fails here, before any shard or weight is read
     check_input_path(config.shards, "--shards", "directory")
+    if "://" not in config.shards and not os.path.exists(config.shards):
+        raise UserError(f"--shards: no such directory: {config.shards}; give the directory `specreplay extract` wrote")
     check_roles(config.ckpts, config.shards)
     check_output_dir(config.out, "--out")
+    check_results_parent(config.out, "--out")
+    expand_checkpoints(config.ckpts)  # a missing checkpoint said now, not after torch loads
+    # torch and the replay load after the arguments' checks: a user error returns in a second
     from pipeline.common import timing
+    from scoring.score.run import run_score
+    from specreplay.progress import bars
 
     profile = checked_profile(profile_path, config.shards)
     printer = OutcomePrinter(quiet or as_json, config.shards, profile)
@@ -234,11 +241,11 @@ class OutcomePrinter:
         self.times = PassTimes()  # the timing recorder of the run
 
     def __call__(self, outcome) -> None:
-        from scoring.score.console import floor_warning, headline, print_table, warning_lines
+        from scoring.score.console import failure_text, floor_warning, headline, print_table, warning_lines
         from specreplay.hints import program
 
         if outcome.status == Status.FAILED:
-            click.echo(f"error: {outcome.ckpt}: {outcome.error}", err=True)
+            click.echo(f"error: {failure_text(outcome)}", err=True)
             return
         if outcome.status == Status.SKIPPED:
             click.echo(f"{outcome.name}: already scored with these settings in {outcome.out_dir} (--force to redo)")

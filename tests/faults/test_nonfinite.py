@@ -303,11 +303,11 @@ def test_score_through_faulty_drafters_and_excluded_extract(extracted, tmp_path)
     assert len(errors) == 2, result.output
     weights_file = os.path.join(damaged, "model.safetensors")
     assert errors[0] == (
-        f"error: {damaged}: {weights_file}: tensor layers.0.mlp.up_proj.weight has 3 NaN/Inf values; "
+        f"error: {weights_file}: tensor layers.0.mlp.up_proj.weight has 3 NaN/Inf values; "
         f"the checkpoint is damaged (fp16 overflow in training?); use another checkpoint"
     )
     assert errors[1].startswith(f"error: {everywhere}: no sample left to score: 3 samples excluded: the drafter ")
-    assert "2 of 4 checkpoints failed:" in result.output
+    assert "2 of 4 checkpoints failed (errors above):" in result.output
     assert sorted(os.listdir(results)) == ["ckpts_good", "ckpts_overflow"]
 
     # the extract's exclusions: counted in run.json and one note, for every scored checkpoint

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
 import time
@@ -23,3 +24,22 @@ def kill_after_first_shard(command: list[str], out, cwd: str, timeout_s: float =
     finally:
         process.send_signal(signal.SIGKILL)
         process.wait()
+
+
+PROGRESS = re.compile(r"samples=(\d+)/(\d+)")
+
+
+def stopped_after_two_samples(command: list[str], signum: int) -> tuple[int, str]:
+    """Start `command` (an extract or import printing progress lines), send `signum` once its
+    progress shows two samples done; (exit code, its stderr)."""
+    process = subprocess.Popen(command, cwd=REPO, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    seen = []
+    for line in process.stderr:
+        seen.append(line)
+        found = PROGRESS.search(line)
+        if found and int(found.group(1)) >= 2:
+            process.send_signal(signum)
+            break
+    rest = process.stderr.read()
+    process.wait(timeout=120)
+    return process.returncode, "".join(seen) + rest

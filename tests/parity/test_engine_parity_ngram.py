@@ -14,10 +14,12 @@ tokens alone. ngram-simple keeps no state, so the order of the requests does not
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
 from pipeline.shards import ShardSet
+from scoring import tool_figures
 from tests.helpers import chain_parity as chains, engine_parity as parity, llama_engine as engine
 from tests.helpers.prompts import write_prompts
 from tools.llama_convert import convert
@@ -67,6 +69,53 @@ def test_ngram_simple_counts_equal_llama_server(setup, n, m):
     )
     other = chains.score(str(vllm), setup.shards, setup.tmp / f"vllm-{n}-{m}", walk_rule="llama.cpp", eagle_trees=[])
     assert engine.walk_counts(other) != walk
+
+
+# llama-server's figures after each request (tools/server/server-context.cpp print_timings): the
+# task's line with the draft acceptance, the accepted and generated drafts and the mean length
+PRINTED = re.compile(
+    r"task (\d+) \| draft acceptance = ([\d.]+) \(\s*(\d+) accepted /\s*(\d+) generated\), mean len =\s*([\d.]+)"
+)
+TOTAL = re.compile(r"task (\d+) \|\s+total time")
+
+
+def test_the_figures_llama_server_prints_are_the_walk_s_tool_figures(setup):
+    """llama.cpp's printed `draft acceptance`, `(a accepted / n generated)` and `mean len` of each
+    request equal tool_figures of the sample's walk (docs/tool-figures.md), for every response the
+    engine gave as stored; vLLM's mean acceptance length is the same formula, SGLang's not (its
+    steps without a draft count), and the drafting steps' count can tell them apart."""
+    drafter = ngram_simple(setup, 2, 6)
+    scored = parity.scored(setup, drafter, 6, "llama.cpp")
+    stored = {s.sample_id: s for s in ShardSet(setup.shards).samples(tensors=[])}
+    log = setup.tmp / "printed.log"
+    with engine.serving(setup.target_gguf, None, "ngram-simple", 6, log, 1, drafter.flags) as server:
+        runs = {
+            sid: engine.engine_run(server, s.input_ids[: s.prompt_len].tolist(), setup.max_new)
+            for sid, s in stored.items()
+        }
+    text = log.read_text()
+    tasks = [int(t) for t in TOTAL.findall(text)]  # one a request, in the order sent
+    printed = {int(m.group(1)): m.groups()[1:] for m in PRINTED.finditer(text)}
+    compared = 0
+    for (sid, sample), task in zip(stored.items(), tasks, strict=True):
+        if runs[sid].tokens != sample.input_ids[sample.prompt_len :].tolist() or task not in printed:
+            continue
+        ratio, accepted, generated, mean_len = printed[task]
+        figures = {
+            (f.tool, f.name): f.value
+            for f in tool_figures.engine_figures(tool_figures.walk_counts(scored, sample_id=sid))
+        }
+        assert abs(figures[("llama.cpp", "draft acceptance")] - float(ratio)) < 1e-5, (sid, ratio, figures)
+        assert abs(figures[("llama.cpp", "mean len")] - float(mean_len)) <= 0.005, (sid, mean_len, figures)
+        counts = tool_figures.walk_counts(scored, sample_id=sid)
+        assert (counts.accepted, counts.drafted) == (int(accepted), int(generated))
+        assert figures[("vLLM", "Mean acceptance length")] == figures[("llama.cpp", "mean len")]
+        compared += 1
+    assert compared >= parity.PROMPTS // 2, compared  # the others: a response that differs, or no draft
+    pooled = tool_figures.walk_counts(scored)
+    assert pooled.drafting_steps < pooled.steps  # steps without a match: SGLang's accept len differs
+    figures = {(f.tool, f.name): f.value for f in tool_figures.tool_figures(scored)}
+    assert figures[("SGLang", "accept len")] < figures[("vLLM", "Mean acceptance length")]
 
 
 # --------------------------------------------------------------------------------------------- with state

@@ -39,3 +39,13 @@ def test_exact_walks_line_names_the_samples_with_mismatches():
     )
     older = greedy_lines({**report, "exact_samples": None, "mismatched_samples": {}})  # entries without the ids
     assert older[1] == "  exact walks     not recorded (extracted by an older specreplay) of 5 greedy samples"
+
+
+def test_an_unfinished_extract_exits_1_saying_to_resume(tmp_path, tiny_qwen3_dir):
+    shards = tiny_shards(tmp_path, tiny_qwen3_dir, [{"id": "q0", "prompt": "Hi"}], max_new_tokens=4)
+    manifest = json.load(open(f"{shards}/manifest.json"))
+    json.dump({**manifest, "complete": False}, open(f"{shards}/manifest.json", "w"))
+    result = CliRunner().invoke(main, ["inspect", shards, "--no-verify"])
+    assert result.exit_code == 1, result.output
+    errors = [line for line in result.output.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "not complete" in errors[0] and "run the same extract command" in errors[0], errors

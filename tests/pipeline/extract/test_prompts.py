@@ -69,6 +69,22 @@ def test_bundled_formats_match_the_dflash_benchmark():
     assert mt_bench[0].prompt.startswith("Compose an engaging travel blog post about a recent trip to Hawaii")
 
 
+def test_spec_bench_keeps_each_category_a_dataset_and_its_first_turns():
+    """Spec-Bench's 480 questions in 13 categories, each its own dataset in the results (80 each of
+    translation, summarization, qa, math_reasoning, rag; MT-Bench's 80 by their 8 categories, the
+    same first turns as the mt-bench set); the file rebuilds from the raw one (below)."""
+    from collections import Counter
+
+    records = load_prompts("spec-bench")
+    assert len(records) == len({r.id for r in records}) == 480
+    assert all(re.fullmatch(r"spec-bench/\d+", r.id) and r.dataset.startswith("spec-bench/") for r in records)
+    counts = Counter(r.dataset for r in records)
+    assert len(counts) == 13 and counts["spec-bench/writing"] == 10
+    assert all(counts[f"spec-bench/{c}"] == 80 for c in ("translation", "summarization", "qa", "math_reasoning", "rag"))
+    assert [r.prompt for r in records[:80]] == [r.prompt for r in load_prompts("mt-bench")]
+    assert records[80].prompt.startswith("Translate German to English: ")
+
+
 def test_default_is_a_deterministic_mix():
     records = load_prompts("default")
     assert [r.id for r in records] == (
@@ -82,11 +98,11 @@ def test_default_is_a_deterministic_mix():
 
 
 def test_bundled_names_and_licences_documented():
-    assert set(BUNDLED_NAMES) == {"default", "humaneval", "gsm8k", "mt-bench"}
+    assert set(BUNDLED_NAMES) == {"default", "humaneval", "gsm8k", "mt-bench", "spec-bench"}
     readme = (PROMPTS_DIR / "README.md").read_text()
     for name in BUNDLED_NAMES:
         assert f"`{name}`" in readme
-    for licence in ("LICENSE.humaneval", "LICENSE.gsm8k", "LICENSE.mt-bench"):
+    for licence in ("LICENSE.humaneval", "LICENSE.gsm8k", "LICENSE.mt-bench", "LICENSE.spec-bench"):
         assert (PROMPTS_DIR / licence).is_file() and licence in readme
 
 
@@ -96,7 +112,7 @@ def test_bundled_files_rebuild_byte_for_byte(tmp_path):
     build = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(build)
     build.main(RAW_DATASETS, tmp_path)
-    for name in ("humaneval", "gsm8k", "mt-bench"):
+    for name in ("humaneval", "gsm8k", "mt-bench", "spec-bench"):
         assert (tmp_path / f"{name}.jsonl.gz").read_bytes() == (PROMPTS_DIR / f"{name}.jsonl.gz").read_bytes()
 
 

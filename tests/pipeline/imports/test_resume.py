@@ -3,6 +3,9 @@ untouched, no sample twice, every sample the same bits."""
 
 from __future__ import annotations
 
+import re
+import signal
+import subprocess
 import sys
 
 import pytest
@@ -13,7 +16,7 @@ from pipeline.imports.run import run_import
 from pipeline.shards import finished_shard_entries, read_manifest
 from tests.helpers import captures as C
 from tests.helpers.faults import assert_same_extract
-from tests.helpers.processes import REPO, kill_after_first_shard
+from tests.helpers.processes import REPO, kill_after_first_shard, stopped_after_two_samples
 
 NUM = 48
 BEFORE = "1,3,5,6"
@@ -97,3 +100,23 @@ def test_interrupted_import_resumes_to_identical_shards(tiny_qwen3_dir, capture,
     assert manifest["complete"] and manifest["totals"]["samples"] == NUM
     assert_same_extract(out, reference)  # every sample, same bits
     assert manifest["settings"] == read_manifest(str(reference))["settings"]
+
+
+@pytest.mark.slow
+def test_ctrl_c_keeps_the_samples_imported_so_far_however_short_the_chunk(tiny_qwen3_dir, capture, tmp_path):
+    """One shard for all (the default --shard-bytes): the samples imported before Ctrl-C are
+    buffered in a chunk, landed as a short shard at the stop, counted in the message; the rerun
+    imports the others."""
+    out = tmp_path / "out"
+    command = [sys.executable, "-m", "specreplay", *args(capture, tiny_qwen3_dir, out)]
+    command = [a for a in command if a != "--quiet"]
+    at = command.index("--shard-bytes")
+    del command[at : at + 2]
+    code, stderr = stopped_after_two_samples(command, signal.SIGINT)
+    assert code == 130, stderr
+    said = re.search(r"; (\d+) of (\d+) samples kept in ", stderr)
+    kept = sum(entry["rows"] for entry in finished_shard_entries(str(out)))
+    assert said and int(said.group(1)) == kept >= 2 and int(said.group(2)) == NUM, stderr
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert read_manifest(str(out))["totals"]["samples"] == NUM

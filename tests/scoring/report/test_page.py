@@ -489,3 +489,20 @@ def test_sampled_results_get_the_exact_in_distribution_caption():
     sampled = SimpleNamespace(summary=pl.DataFrame({"temperature": [0.0, 0.6]}))
     assert _sampled_caption(greedy) == "" and _sampled_caption(SimpleNamespace(summary=pl.DataFrame({"x": [1]}))) == ""
     assert "expected τ, exact in distribution, ± its standard error" in _sampled_caption(sampled)
+
+
+def test_out_an_existing_directory_is_one_error_line_and_leaves_no_tmp(results_root, tmp_path):
+    result = CliRunner().invoke(main, ["report", str(results_root), "--out", str(tmp_path)])
+    lines = result.output.strip().splitlines()
+    assert result.exit_code == 2 and len(lines) == 1, result.output
+    assert lines[0].startswith(f"error: --out {tmp_path} is a directory") and "report.html" in lines[0], lines[0]
+    assert os.listdir(tmp_path) == [] and not os.path.exists(f"{tmp_path}.tmp")  # no .tmp left behind
+
+
+def test_a_failed_write_leaves_no_tmp(tmp_path):
+    from scoring.report.page import write_atomically
+
+    (tmp_path / "page.html").mkdir()  # the rename onto a directory fails
+    with pytest.raises(OSError):
+        write_atomically(str(tmp_path / "page.html"), "<html></html>")
+    assert os.listdir(tmp_path) == ["page.html"]

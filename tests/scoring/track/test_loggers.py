@@ -79,6 +79,14 @@ def reached(results_dir: str, positions: int) -> dict[str, list[int]]:
     return counts
 
 
+def wilson(accepted: int, reached: int, z: float = 1.959964) -> tuple[float, float]:
+    """The Wilson score interval (Wilson 1927; E. B. Wilson, JASA 22:209), as textbooks write it."""
+    p = accepted / reached
+    centre = (p + z**2 / (2 * reached)) / (1 + z**2 / reached)
+    half = z / (1 + z**2 / reached) * math.sqrt(p * (1 - p) / reached + z**2 / (4 * reached**2))
+    return centre - half, centre + half
+
+
 def expected(out: str) -> dict[int, dict[str, float]]:
     """step -> the scalars summary.parquet holds, read here without scoring.track.loggers: per dataset
     ('(all)' as 'all') tau per method, the chain streak and every non-NaN acceptance rate of a
@@ -96,6 +104,9 @@ def expected(out: str) -> dict[int, dict[str, float]]:
             for k, rate in enumerate(rates, start=1):
                 if not math.isnan(rate) and counts[k - 1] >= MIN_ANCHORS:
                     scalars[f"{base}/accept_rate_pos_{k}"] = rate
+                    scalars[f"{base}/accept_anchors_pos_{k}"] = counts[k - 1]
+                    low, high = wilson(round(rate * counts[k - 1]), counts[k - 1])
+                    scalars[f"{base}/accept_rate_pos_{k}_low"], scalars[f"{base}/accept_rate_pos_{k}_high"] = low, high
         else:
             scalars[f"{base}/tau_ddtree_{row['method'].split('-')[1]}"] = row["tau"]
     return found
@@ -124,10 +135,12 @@ def test_scalars_of_tags_every_dataset_method_and_position(scored):
     )
     counts = position_reach(os.path.dirname(path), pl.read_parquet(path))
     assert counts == reached(os.path.dirname(path), 3)  # block 4: positions 1..3
-    assert scalars_of(pl.read_parquet(path), counts) == want
+    assert scalars_of(pl.read_parquet(path), counts) == pytest.approx(want, rel=1e-12, abs=1e-12)
     import pyarrow.parquet as pq
 
-    assert scalars_of(pq.read_table(path), counts) == want  # a pyarrow Table reads the same
+    assert scalars_of(pq.read_table(path), counts) == pytest.approx(
+        want, rel=1e-12, abs=1e-12
+    )  # a pyarrow Table reads the same
 
 
 def test_positions_few_anchors_reached_are_not_logged(scored, tmp_path):
@@ -165,7 +178,11 @@ def test_scalars_of_leaves_out_nan_and_null():
     table = pa.Table.from_pylist(rows, schema=pa.schema([summary_schema().field(k) for k in rows[1]]))
     # '/' in a dataset name would add a tag level; it becomes '_'
     reached = {"gsm/8k": [MIN_ANCHORS, MIN_ANCHORS]}
-    assert scalars_of(table, reached) == {"specreplay/all/tau_chain": 2.0, "specreplay/gsm_8k/accept_rate_pos_1": 0.5}
+    assert scalars_of(table, reached) == {
+        "specreplay/all/tau_chain": 2.0,
+        "specreplay/gsm_8k/accept_rate_pos_1": 0.5,
+        "specreplay/gsm_8k/accept_anchors_pos_1": MIN_ANCHORS,
+    }
     # without counts (no anchors.parquet) no position is logged: nothing says it is a reading
     assert scalars_of(table) == {"specreplay/all/tau_chain": 2.0}
 
@@ -177,7 +194,7 @@ def assert_close(got: dict[int, dict[str, float]], want: dict[int, dict[str, flo
     assert sorted(got) == sorted(want)
     for step in want:
         assert sorted(got[step]) == sorted(want[step]), step
-        assert got[step] == pytest.approx(want[step], rel=rel, abs=0), step
+        assert got[step] == pytest.approx(want[step], rel=rel, abs=1e-12), step
 
 
 def test_tensorboard_events_equal_the_summary_at_each_step_and_twice_adds_nothing(scored, tmp_path):

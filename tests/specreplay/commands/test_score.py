@@ -151,7 +151,8 @@ def test_headline_quiet_no_progress_and_json(scored_setup, tmp_path):
     pooled = _pooled(os.path.join(out, "runs_step_60"))
     best = max(("ddtree-4", "ddtree-8"), key=lambda m: pooled[m]["tau"])
     expected = (
-        f"runs/step_60 (DFlash, z-lab layout): tau chain {pooled['chain']['tau']:.3f} (all, 5 samples, exact 5/5), "
+        f"runs/step_60 (DFlash, z-lab layout): tau chain {pooled['chain']['tau']:.3f} (all, 5 samples, exact 5/5, "
+        f"K {len(pooled['chain']['accept_rate_by_position'])}), "
         f"best {best} {pooled[best]['tau']:.3f}, streak {pooled['chain']['anchor_accepted_len_mean']:.3f}"
     )
     lines = quiet.output.splitlines()
@@ -349,7 +350,7 @@ def test_truncated_checkpoint_fails_alone(scored_setup, tmp_path):
     errors = [line for line in result.output.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and str(runs / "step_2") in errors[0] and "model.safetensors" in errors[0], errors
     assert sorted(os.listdir(out)) == ["run_step_1", "run_step_3"]
-    assert "1 of 3 checkpoints failed:" in result.output
+    assert "1 of 3 checkpoints failed (errors above):" in result.output
     assert result.output.index("run/step_3 (DFlash, z-lab layout): tau chain") > result.output.index(errors[0])
 
 
@@ -463,3 +464,18 @@ def test_walk_rules_change_the_tail_block_and_the_counts_not_the_path_formula(sc
     assert _score([*base, "--walk-rule", "llama.cpp", "--steps", "2", "--force"]).exit_code == 0
     shorter = pl.read_parquet(os.path.join(target, "anchors.parquet"))
     assert set(shorter["block_len"].to_list()) == {3}
+
+
+def test_sample_over_the_shards_says_it_scores_them_all(scored_setup, tmp_path):
+    _, shards, written = scored_setup
+    args = ["--ckpt", written[-1], "--shards", shards, "--out", str(tmp_path / "r"), "--ddtree-budgets", ""]
+    with pytest.warns(UserWarning, match=r"^--sample 64: the shards hold 5 samples; scoring all 5$"):
+        assert _score([*args, "--sample", "64", "--quiet"]).exit_code == 0
+
+
+def test_an_unquoted_glob_is_told_to_be_quoted(tmp_path):
+    steps = [tmp_path / "runs" / f"step_{i}" for i in (1, 2)]  # what the shell made of runs/step_*
+    result = CliRunner().invoke(main, ["score", "--ckpt", *map(str, steps), "--shards", "s", "--out", "o"])
+    assert result.exit_code == 2, result.output
+    assert f"unexpected extra argument ({steps[1]})" in result.output, result.output
+    assert "quote it (--ckpt 'runs/*/step_*')" in result.output, result.output

@@ -104,3 +104,16 @@ def test_steps_on_a_block_family_needs_an_engine_rule_and_fits_the_block(shards,
         assert "--steps" in errors[0] and "DFlash" in errors[0] or "at most 3" in errors[0], errors[0]
         assert wanted in errors[0], errors[0]
         assert not os.path.exists(out)
+
+
+def test_an_eagle3_checkpoint_missing_weights_is_asked_about_its_own_family_once(shards, tmp_path):
+    from tests.helpers import eagle3_reference as eagle3
+
+    model = eagle3.speculators_eagle3(vocab=TINY_VOCAB, hidden=TINY_HIDDEN, aux_ids=(2, 4))
+    ckpt = eagle3.save(model, tmp_path / "ckpt")
+    _edit_weights(ckpt, lambda t: {k: v for k, v in t.items() if not k.startswith("fc.")})
+    result = CliRunner().invoke(main, ["score", "--ckpt", ckpt, "--shards", shards, "--out", str(tmp_path / "out")])
+    line = _refused(ckpt, shards, tmp_path / "out")
+    assert "missing" in line and "as the EAGLE-3 drafter its config declares" in line and "DFlash" not in line, line
+    assert not line.startswith(f"error: {ckpt}: {ckpt}"), line  # the path once
+    assert result.output.count("missing") == 1, result.output  # the error once, no recap of one checkpoint
