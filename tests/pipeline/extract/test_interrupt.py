@@ -20,8 +20,8 @@ from tests.helpers.prompts import write_prompts
 
 pytestmark = pytest.mark.slow
 
-PROMPTS = 40
-MAX_NEW = 48
+PROMPTS = 16
+MAX_NEW = 32
 KEPT = re.compile(r"; (\d+) of (\d+) samples kept in ")
 
 
