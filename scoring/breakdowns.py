@@ -11,10 +11,12 @@ tokens from t + 1: it is grouped by t (context length) or by where t + 1 lies (s
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
 import polars as pl
+import torch
 
 from scoring import results
 from scoring.methods.chain import CHAIN
@@ -59,13 +61,26 @@ def read(directory: str, name: str, columns: list[str], dataset: str | None) -> 
     return frame
 
 
-def grouped(directory: str, key, dataset: str | None, spans: pl.DataFrame | None = None) -> list[Group]:
-    """Groups of the walk's chain steps and the anchors by `key` (a function of the frame: an
-    expression over `anchor`, and over `start` / `end` when `spans` are joined on)."""
+@dataclass(frozen=True)
+class Rows:
+    """What the breakdowns group, read once per results directory: the chain's walk steps (None on
+    sampled shards) and the anchors (None without anchors.parquet)."""
+
+    steps: pl.DataFrame | None
+    anchors: pl.DataFrame | None
+
+
+def read_rows(directory: str, dataset: str | None = None) -> Rows:
     walk = read(directory, "walk", ["dataset", "sample_id", "method", "anchor", "produced"], dataset)
     columns = ["dataset", "sample_id", "anchor", "accepted_len", "expected_accepted_len"]
-    anchors = read(directory, "anchors", columns, dataset)
-    streak = "accepted_len" if walk is not None else "expected_accepted_len"  # sampled: the expected one
+    steps = None if walk is None else walk.filter(pl.col("method") == CHAIN)
+    return Rows(steps, read(directory, "anchors", columns, dataset))
+
+
+def grouped(rows: Rows, key, spans: pl.DataFrame | None = None) -> list[tuple]:
+    """(key, steps, tau, anchors, streak) of the walk's chain steps and the anchors grouped by `key`
+    (an expression over `anchor`, and over `start` / `end` when `spans` are joined on)."""
+    streak = "accepted_len" if rows.steps is not None else "expected_accepted_len"  # sampled: the expected one
 
     def by_key(frame: pl.DataFrame | None, value: str) -> dict:
         if frame is None:
@@ -75,20 +90,21 @@ def grouped(directory: str, key, dataset: str | None, spans: pl.DataFrame | None
         stats = frame.with_columns(key=key()).group_by("key").agg(pl.len(), pl.col(value).cast(pl.Float64).mean())
         return {row[0]: (row[1], row[2]) for row in stats.rows()}
 
-    steps = by_key(None if walk is None else walk.filter(pl.col("method") == CHAIN), "produced")
-    streaks = by_key(anchors, streak)
+    steps, streaks = by_key(rows.steps, "produced"), by_key(rows.anchors, streak)
     return [(k, *steps.get(k, (0, None)), *streaks.get(k, (0, None))) for k in sorted(set(steps) | set(streaks))]
 
 
-def by_context(directory: str, dataset: str | None = None) -> list[Group]:
-    """The chain's tau (walk) and streak (every anchor) per context-length bucket that holds any."""
-    rows = grouped(directory, lambda: bucket_of(pl.col("anchor")), dataset)
-    return [Group(bucket_label(k), *rest) for k, *rest in rows]
+def by_context(directory: str, dataset: str | None = None, rows: Rows | None = None) -> list[Group]:
+    """The chain's tau (walk) and streak (every anchor) per context-length bucket that holds any
+    (`rows`: read_rows's, when the caller has them)."""
+    found = grouped(rows or read_rows(directory, dataset), lambda: bucket_of(pl.col("anchor")))
+    return [Group(bucket_label(k), *rest) for k, *rest in found]
 
 
 # --------------------------------------------------------------------------- thinking and answer
 
 
+@functools.lru_cache(maxsize=4)  # score prints every checkpoint of one shards: read them once
 def think_ids(uri: str) -> tuple[int, int] | None:
     """The ids of <think> and </think> in the tokenizer the shards stored, or None without them."""
     from pipeline.shards import TOKENIZER_DIR
@@ -103,37 +119,40 @@ def think_ids(uri: str) -> tuple[int, int] | None:
     return None if None in ids else ids
 
 
-def thinking_span(tokens: list[int], prompt_len: int, ids: tuple[int, int]) -> tuple[int, int] | None:
+def thinking_span(tokens: torch.Tensor, prompt_len: int, ids: tuple[int, int]) -> tuple[int, int] | None:
     """(first, last) position of the response's thinking span, </think> included: from the
     response's start when the prompt leaves a <think> open (a template that opens it), else from
     the response's own <think>; to its </think>, else to the end (cut inside the thinking)."""
     opened, closed = ids
-    prompt = tokens[:prompt_len]
-    last_open = max((i for i, t in enumerate(prompt) if t == opened), default=-1)
-    if last_open > max((i for i, t in enumerate(prompt) if t == closed), default=-1):
+    tokens = torch.as_tensor(tokens)
+    opens, closes = (tokens == opened).nonzero().flatten(), (tokens == closed).nonzero().flatten()
+    last_open = int(opens[opens < prompt_len].max()) if (opens < prompt_len).any() else -1
+    last_close = int(closes[closes < prompt_len].max()) if (closes < prompt_len).any() else -1
+    if last_open > last_close:
         start = prompt_len
+    elif (opens >= prompt_len).any():
+        start = int(opens[opens >= prompt_len].min())
     else:
-        start = next((i for i in range(prompt_len, len(tokens)) if tokens[i] == opened), None)
-    if start is None:
         return None
-    end = next((i for i in range(start, len(tokens)) if tokens[i] == closed), len(tokens) - 1)
-    return start, end
+    after = closes[closes >= start]
+    return start, int(after.min()) if after.numel() else len(tokens) - 1
 
 
+@functools.lru_cache(maxsize=4)
 def thinking_spans(uri: str, ids: tuple[int, int]) -> pl.DataFrame:
     """(dataset, sample_id, start, end) of every stored response with a thinking span."""
     from pipeline.shards import ShardSet
 
     rows = []
     for sample in ShardSet(uri).samples(tensors=[]):
-        span = thinking_span(sample.input_ids.tolist(), int(sample.prompt_len), ids)
+        span = thinking_span(sample.input_ids, int(sample.prompt_len), ids)
         if span is not None:
             rows.append({"dataset": sample.dataset, "sample_id": sample.sample_id, "start": span[0], "end": span[1]})
     schema = {"dataset": pl.String, "sample_id": pl.String, "start": pl.Int64, "end": pl.Int64}
     return pl.DataFrame(rows, schema=schema)
 
 
-def by_segment(directory: str, dataset: str | None = None) -> list[Group] | None:
+def by_segment(directory: str, dataset: str | None = None, rows: Rows | None = None) -> list[Group] | None:
     """The chain's tau and streak inside the thinking spans and in the answers (None: the shards'
     tokenizer has no <think> / </think>, or no response thinks)."""
     record = results.read_run_record(directory) or {}
@@ -148,5 +167,5 @@ def by_segment(directory: str, dataset: str | None = None) -> list[Group] | None
         thinking = pl.col("start").is_not_null() & (position >= pl.col("start")) & (position <= pl.col("end"))
         return pl.when(thinking).then(pl.lit("thinking")).otherwise(pl.lit("answer"))
 
-    rows = {k: rest for k, *rest in grouped(directory, inside, dataset, spans)}
-    return [Group(label, *rows[label]) for label in ("thinking", "answer") if label in rows]
+    found = {k: rest for k, *rest in grouped(rows or read_rows(directory, dataset), inside, spans)}
+    return [Group(label, *found[label]) for label in ("thinking", "answer") if label in found]

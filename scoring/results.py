@@ -370,3 +370,8 @@ def write_table(data: pa.Table, directory: str, kind: str) -> str:
         pq.write_table(data, path + ".tmp", compression="zstd")
     os.replace(path + ".tmp", path)
     return path
+
+
+def chain_drafts(row: dict) -> int:
+    """A chain summary row's drafts per step, K: the length of its per-position rates."""
+    return len(row.get("accept_rate_by_position") or [])

@@ -9,7 +9,7 @@ import math
 import pyarrow as pa
 
 from scoring import results
-from scoring.breakdowns import by_context, by_segment
+from scoring.breakdowns import by_context, by_segment, read_rows
 from scoring.methods.chain import CHAIN
 from scoring.methods.registry import method_order
 from scoring.results import MIN_ANCHORS
@@ -63,7 +63,7 @@ def headline(name: str, summary: pa.Table) -> str:
     drafter = results.drafter_label(chain.get("drafter_family"), chain.get("drafter_layout"))
     name = f"{name} ({drafter})" if drafter else name
     exact = chain["samples"] - chain["inexact_samples"]
-    k = chain_drafts(chain)  # families of different K compare fairly only when K is said
+    k = results.chain_drafts(chain)  # families of different K compare fairly only when K is said
     line = f"{name}: tau chain {fmt(chain['tau'])} (all, {chain['samples']} samples, exact {exact}/{chain['samples']}, K {k})"
     if results.sampling_of_row(chain) is not None:
         line = f"{name}: expected tau chain {fmt(chain['tau'])} ({sampled_words(chain)}, K {k})"
@@ -74,11 +74,6 @@ def headline(name: str, summary: pa.Table) -> str:
         visited = " (walk anchors only)" if chain.get("anchor_set") == "walk" else ""
         line += f", streak {fmt(chain['anchor_accepted_len_mean'])}{visited}"
     return line
-
-
-def chain_drafts(chain: dict) -> int:
-    """The chain's drafts per step, K: the length of its per-position rates."""
-    return len(chain.get("accept_rate_by_position") or [])
 
 
 def sampled_words(row: dict) -> str:
@@ -135,11 +130,11 @@ def group_cells(groups) -> str:
 def context_lines(out_dir: str) -> list[str]:
     """The chain's tau and streak by context length, and inside / after a reasoning model's
     thinking (scoring/breakdowns.py), one group an entry."""
-    lines = []
-    buckets = by_context(out_dir)
+    lines, rows = [], read_rows(out_dir)
+    buckets = by_context(out_dir, rows=rows)
     if buckets:
         lines += ["  by context length (tokens before the anchor; docs/breakdowns.md):", "    " + group_cells(buckets)]
-    segments = by_segment(out_dir)
+    segments = by_segment(out_dir, rows=rows)
     if segments:
         lines += ["  inside the thinking (<think> .. </think>) and in the answer:", "    " + group_cells(segments)]
     return lines
@@ -331,7 +326,9 @@ def across_table(outcomes: list) -> list[str]:
         pooled = pooled_rows(o.summary)
         chain = pooled[CHAIN]
         tree = best_tree(pooled)
-        cells.append((o.name, chain["tau"], tree, chain.get("anchor_accepted_len_mean"), o.status, chain_drafts(chain)))
+        cells.append(
+            (o.name, chain["tau"], tree, chain.get("anchor_accepted_len_mean"), o.status, results.chain_drafts(chain))
+        )
     width = max([len("checkpoint")] + [len(c[0]) for c in cells])
     best = [max((c[i] for c in cells if c[i] is not None), default=None) for i in (1, 3)]
     best_tree_tau = max((c[2][1] for c in cells if c[2] is not None), default=None)

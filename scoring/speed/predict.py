@@ -71,7 +71,7 @@ def configurations(summary_rows: list[dict], record: dict, name: str) -> list[Co
     pooled = {r["method"]: r for r in summary_rows if r["dataset"] == "(all)" and r["tau"] is not None}
     if CHAIN not in pooled:
         return []
-    drafts = len(pooled[CHAIN]["accept_rate_by_position"] or [])
+    drafts = results.chain_drafts(pooled[CHAIN])
     family = record["checkpoint"]["family"]
     return [Configuration(name, family, method, tokens_per_step(row), drafts) for method, row in pooled.items()]
 

@@ -82,8 +82,8 @@ TOTAL = re.compile(r"task (\d+) \|\s+total time")
 def test_the_figures_llama_server_prints_are_the_walk_s_tool_figures(setup):
     """llama.cpp's printed `draft acceptance`, `(a accepted / n generated)` and `mean len` of each
     request equal tool_figures of the sample's walk (docs/tool-figures.md), for every response the
-    engine gave as stored; vLLM's mean acceptance length is the same formula, SGLang's not (its
-    steps without a draft count), and the drafting steps' count can tell them apart."""
+    engine gave as stored; SGLang's accept length is not that formula (its steps without a draft
+    count), and the drafting steps' count tells them apart here."""
     drafter = ngram_simple(setup, 2, 6)
     scored = parity.scored(setup, drafter, 6, "llama.cpp")
     stored = {s.sample_id: s for s in ShardSet(setup.shards).samples(tensors=[])}
@@ -109,7 +109,6 @@ def test_the_figures_llama_server_prints_are_the_walk_s_tool_figures(setup):
         assert abs(figures[("llama.cpp", "mean len")] - float(mean_len)) <= 0.005, (sid, mean_len, figures)
         counts = tool_figures.walk_counts(scored, sample_id=sid)
         assert (counts.accepted, counts.drafted) == (int(accepted), int(generated))
-        assert figures[("vLLM", "Mean acceptance length")] == figures[("llama.cpp", "mean len")]
         compared += 1
     assert compared >= parity.PROMPTS // 2, compared  # the others: a response that differs, or no draft
     pooled = tool_figures.walk_counts(scored)
