@@ -47,3 +47,20 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
     return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def question_fixtures(name: str, max_new_tokens: int):
+    """A module's fixtures `shards` (question_shards of the tiny target, in a temporary dir named
+    `name`) and `samples` (their stored_samples): `shards, samples = question_fixtures(...)`."""
+    import pytest
+
+    @pytest.fixture(scope="module")
+    def shards(tmp_path_factory, tiny_qwen3_dir) -> str:
+        return question_shards(tmp_path_factory.mktemp(name), tiny_qwen3_dir, max_new_tokens)
+
+    @pytest.fixture(scope="module")
+    def samples(shards) -> list[tuple[list[int], int]]:
+        """(prompt + stored response, prompt length) per sample: the target's greedy responses."""
+        return stored_samples(shards)
+
+    return shards, samples

@@ -36,7 +36,7 @@ from click.testing import CliRunner
 from proposers.draft import vocab_mapping
 from specreplay.cli import main
 from tests.helpers.models import IM_END_ID, TINY_VOCAB, one_torch_thread, seeded, text_kwargs
-from tests.helpers.shards import question_shards, stored_samples
+from tests.helpers.shards import question_fixtures
 
 K = 4
 MAX_NEW = 40
@@ -52,15 +52,7 @@ def one_thread():
     yield from one_torch_thread()
 
 
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory, tiny_qwen3_dir) -> str:
-    return question_shards(tmp_path_factory.mktemp("draft_vocab"), tiny_qwen3_dir, MAX_NEW)
-
-
-@pytest.fixture(scope="module")
-def samples(shards) -> list[tuple[list[int], int]]:
-    """(prompt + stored response, prompt length) per sample: the target's greedy responses."""
-    return stored_samples(shards)
+shards, samples = question_fixtures("draft_vocab", MAX_NEW)
 
 
 def draft_tokenizer(target_vocab: dict[str, int], out, unk: str | None = "<unk>", eos: str | None = "<|im_end|>"):

@@ -25,7 +25,7 @@ from pipeline.common.errors import UserError
 from proposers.draft.pard import mask_token_id, packed_layout, parallel_drafts
 from specreplay.cli import main
 from tests.helpers.models import IM_END_ID, TINY_VOCAB, one_torch_thread, seeded, text_kwargs
-from tests.helpers.shards import question_shards, stored_samples
+from tests.helpers.shards import question_fixtures
 
 K = 4
 MASK = 500  # a model row the tiny tokenizer (400 ids) never produces
@@ -39,15 +39,7 @@ def one_thread():
     yield from one_torch_thread()
 
 
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory, tiny_qwen3_dir) -> str:
-    return question_shards(tmp_path_factory.mktemp("pard"), tiny_qwen3_dir, MAX_NEW)
-
-
-@pytest.fixture(scope="module")
-def samples(shards) -> list[tuple[list[int], int]]:
-    """(prompt + stored response, prompt length) per sample: the target's greedy responses."""
-    return stored_samples(shards)
+shards, samples = question_fixtures("pard", MAX_NEW)
 
 
 def pard_row(ids: list[int], prompt_len: int) -> tuple[torch.Tensor, ...]:
