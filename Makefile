@@ -20,7 +20,7 @@ help:
 	@echo "make extract   extract SmolLM2-135M over the bundled default prompts into $(SHARDS)"
 	@echo "make score CKPT=path/to/drafter   score a drafter checkpoint against $(SHARDS)"
 	@echo "make bench     print benchmark figures (writes bench/results/*.json)"
-	@echo "make bench-gpu the GPU figures, budget < 8 min on one H200 (no CUDA: its CPU parts; times in bench/README.md)"
+	@echo "make bench-gpu the GPU figures, ~10 min on one H200 (no CUDA: its CPU parts; times in bench/README.md)"
 	@echo "make fuzz      damage extract files 1,000 ways (FUZZ_TRIALS=N), score each, print the tally"
 	@echo "make faults    disks filling up, scores killed -9, two writers at once (root: mounts tmpfs)"
 	@echo "make demo      extract SmolLM2, fit a tiny drafter, score two checkpoints, compare, diagnose, report"

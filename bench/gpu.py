@@ -1,5 +1,5 @@
 """`make bench-gpu` = `python -m bench.gpu`: the figures `make bench` cannot measure without a
-GPU, as one prepared run (issue 13, item 6): under 8 minutes on one H200, nothing downloaded.
+GPU, as one prepared run (issue 13, item 6): about 10 minutes on one H200 (its parts timed there on 2026-12-04), nothing downloaded.
 
     .venv/bin/python -m bench.gpu                      # CUDA: full sizes; no CUDA: CPU sizes (times: bench/README.md)
     .venv/bin/python -m bench.gpu --size tiny          # seconds: proves the script runs (tests/bench/test_gpu.py)
@@ -19,6 +19,8 @@ Parts, all through the product's own entry points on random-weight stand-ins (be
               DDTree's worker-thread time the drafter overlaps (stages "ddtree", "ddtree wait").
   extract     extract overhead at a mid-size random target built from a config: `run_extract`
               against the bare generate + forward (bench/sections/extract.py's measures).
+  speed       `specreplay speed`'s predicted speedup against transformers' own prompt lookup and
+              assisted generation at K 1..8 on a random stand-in target (bench/gpu_speed.py).
 
 Without CUDA every part runs at shrunken shapes in fp32 (the CPU default) so CI can prove the
 script works, and the rows that only a GPU can give print "skipped: no CUDA". Writes
@@ -42,7 +44,7 @@ import torch
 from bench import common
 from bench.common import ROOT, Rows, environment, finish_run, format_table, log, num, start_run
 
-PARTS = ("parity", "throughput", "ddtree", "extract")
+PARTS = ("parity", "throughput", "ddtree", "extract", "speed")
 BUDGETS = [16, 32, 64, 128, 256, 512, 1024]
 FRACTION_TARGET = 0.40  # issue 4: >= 40% of the bf16 matmul peak on a GPU
 CUDA_ONLY = (  # rows only a GPU gives; without CUDA they print "skipped: no CUDA"
@@ -79,7 +81,7 @@ def drafter(layers, heads, kv_heads, head_dim, intermediate, mask_token_id, bloc
 
 
 # Per size: the parity set (target widths of the synthetic shards, drafter, response lengths),
-# the throughput set, and the extract target. full: one H200 in < 8 min (the budget); cpu: see bench/README.md;
+# the throughput set, and the extract target. full: one H200 in ~10 min; cpu: see bench/README.md;
 # tiny: seconds (the test). Target layer counts place the 5 feature layers (8 or more: 5 distinct ids).
 SIZES = {
     "full": {
@@ -140,6 +142,7 @@ class Env:
     work: Path
     budgets: list[int]
     chain: dict | None = None  # the throughput part's best chain-only run, which ddtree compares with
+    size_name: str = "full"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -516,8 +519,15 @@ def skipped_rows(cuda: bool) -> Rows:
     return out
 
 
-def run_parts(args, env: Env) -> tuple[dict, list, list]:
-    figures, rows, failed = {}, [], []
+def part_speed(env: Env) -> tuple[dict, Rows]:
+    from bench.gpu_speed import part_speed as speed
+
+    return speed(env)
+
+
+def run_parts(args, env: Env, figures: dict, rows: Rows, failed: list) -> None:
+    """Each part asked for, into `figures`, `rows` and `failed` as it ends: a run stopped at its
+    limit (SIGTERM) keeps the parts that finished."""
     for name in PARTS:
         if name not in args.only:
             continue
@@ -531,7 +541,6 @@ def run_parts(args, env: Env) -> tuple[dict, list, list]:
             part_rows = Rows()
             part_rows.add(f"part {name}", f"FAILED: {type(error).__name__}: {error}"[:200], met=False)
         rows += part_rows
-    return figures, rows, failed
 
 
 def main(argv=None) -> int:
@@ -542,11 +551,11 @@ def main(argv=None) -> int:
         warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
     common.OTHERS = common.OthersCpu().start()
     out_dir, stamp, work = start_run(args.out, "work-gpu")
-    env = Env(SIZES[args.size], args.device, cuda, "bf16" if cuda else "fp32", work, args.budgets)
+    env = Env(SIZES[args.size], args.device, cuda, "bf16" if cuda else "fp32", work, args.budgets, size_name=args.size)
     results = {"args": vars(args), "env": environment(), "size": args.size, "device": args.device}
     figures, rows, failed = {}, Rows(), []
     try:
-        figures, rows, failed = run_parts(args, env)
+        run_parts(args, env, figures, rows, failed)
         rows += skipped_rows(cuda)
     finally:
         results.update(figures=figures, rows=[asdict(r) for r in rows], failed=failed)

@@ -274,6 +274,15 @@ def synthetic_figures(measured: dict) -> dict:
     return found
 
 
+def add_best_k_row(rows: Rows, proposer: str, best: dict) -> None:
+    rows.add(
+        f"  {proposer}: best K measured / predicted",
+        f"{best['measured']} / {best['predicted']}",
+        "equal",
+        met=best["measured"] == best["predicted"],
+    )
+
+
 def rows_of(figures: dict) -> Rows:
     rows = Rows()
     rows.add(
@@ -291,12 +300,7 @@ def rows_of(figures: dict) -> Rows:
                 sides=[r["others_cpu"]],
             )
         best = figures["best_k"][proposer]
-        rows.add(
-            f"  {proposer}: best K measured / predicted",
-            f"{best['measured']} / {best['predicted']}",
-            "equal",
-            met=best["measured"] == best["predicted"],
-        )
+        add_best_k_row(rows, proposer, best)
         # what following the prediction costs: the measured speedup at the predicted best K
         # against the measured best's (a near-tie of K that hardly differ loses little)
         kept = ks[best["predicted"]]["measured_speedup"] / ks[best["measured"]]["measured_speedup"]

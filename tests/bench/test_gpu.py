@@ -38,7 +38,7 @@ def results(tmp_path_factory) -> tuple[dict, str]:
 
 def test_every_part_writes_its_figures(results):
     figures = results[0]["figures"]
-    assert set(figures) == {"parity", "throughput", "ddtree", "extract"}
+    assert set(figures) == {"parity", "throughput", "ddtree", "extract", "speed"}
     assert not results[0]["failed"]
     parity = figures["parity"]
     for dtype in ("fp32", "bf16"):
@@ -53,6 +53,21 @@ def test_every_part_writes_its_figures(results):
     assert figures["extract"]["overhead_ratio"] > 0
 
 
+def test_speed_part_serves_transformers_loops(results):
+    """transformers' prompt lookup and assisted generation served the stored responses (fp32, greedy),
+    each proposer accepted tokens, and each K has a measured and a predicted speedup."""
+    speed = results[0]["figures"]["speed"]
+    assert set(speed["table"]) == {"prompt lookup", "assisted"}
+    for proposer, ks in speed["table"].items():
+        assert sorted(ks) == ["1", "2"]  # JSON keys
+        for k, row in ks.items():
+            assert row["differing"] == 0, (proposer, k)
+            assert row["tau"] > 1.0 and row["measured_speedup"] > 0 and row["predicted_speedup"] > 0
+            walk, served = speed["steps"][f"{proposer} K={k}"].values()
+            assert len(walk) == len(served) == 2 and min(served) > 0
+    assert speed["table"]["assisted"]["1"]["tau"] > 1.5  # the fitted draft model accepts most drafts
+
+
 def test_rows_printed_and_cuda_rows_skipped(results):
     data, stdout = results
     names = [row["figure"].strip() for row in data["rows"]]
@@ -64,6 +79,7 @@ def test_rows_printed_and_cuda_rows_skipped(results):
         "extract overhead",
     ):
         assert expected in names
+    assert any(name.startswith("assisted K=2: tau") for name in names)
     skipped = {row["figure"]: row["value"] for row in data["rows"] if row["value"] == "skipped: no CUDA"}
     assert set(skipped) == set(data["skipped"]) and len(skipped) >= 4
     assert "skipped: no CUDA" in stdout and "extract overhead" in stdout
