@@ -204,6 +204,21 @@ def sampling_settings(config: ExtractConfig) -> dict | None:
     return {**sampling.as_dict(), "seed": int(config.seed), "num_samples": int(config.num_samples)}
 
 
+def known_settings(config: ExtractConfig, records) -> dict:
+    """The manifest settings the command line alone decides (settings_identity's keys, nested the
+    same way): what an existing OUT is checked against before the target loads."""
+    from pipeline.extract.prompts import prompt_set_hash
+
+    sampling = sampling_settings(config)
+    known = {
+        "max_new_tokens": int(config.max_new_tokens),
+        "enable_thinking": config.enable_thinking,
+        "decoding": "greedy" if sampling is None else "sampled",
+        "prompts": {"hash": prompt_set_hash(records)},
+    }
+    return known | ({"sampling": sampling} if sampling is not None else {})
+
+
 def label(record) -> str:
     """How messages name a prompt record: its file and line when it came from a file."""
     return f"{record.where} (prompt {record.id!r})" if record.where else f"prompt {record.id!r}"

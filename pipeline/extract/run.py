@@ -54,10 +54,11 @@ from pipeline.common.sampling import Sampling
 from pipeline.common.settings import settings_diff
 from pipeline.engines.client import Unreachable
 from pipeline.extract.config import ExtractConfig
-from pipeline.extract.plan import Item, Plan, plan_extract, validate_numbers, weights_fingerprint
+from pipeline.extract.plan import Item, Plan, known_settings, plan_extract, validate_numbers, weights_fingerprint
 from pipeline.extract.progress import SilentProgress, TokenProgress
 from pipeline.outdir.builder import finish_manifest, new_manifest, run_facts
 from pipeline.outdir.directory import (
+    check_known_settings,
     existing_outputs,
     finished_before,
     kept_on_stop,
@@ -265,6 +266,7 @@ def run_extract(config: ExtractConfig, progress=None, loaded=None) -> dict:
     dist = dist_from_env()
     validate_numbers(config)
     records = load_prompts(config.prompts, limit=config.limit)  # parse errors surface before any load
+    check_known_settings(config.out, known_settings(config, records), config.overwrite, whole=("sampling",))
     init_dist(dist)
     lock = output_lock(config.out, "extract") if dist.main else None  # ranks of one job share rank 0's lock
     try:

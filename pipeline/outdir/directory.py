@@ -12,7 +12,7 @@ from pathlib import Path
 from pipeline import shards
 from pipeline.common import timing
 from pipeline.common.errors import Interrupted, Terminated
-from pipeline.common.settings import settings_diff
+from pipeline.common.settings import ABSENT, flatten, settings_diff
 from pipeline.outdir.entries import check_entries, next_shard_index, totals
 from pipeline.outdir.storage import Storage
 
@@ -40,18 +40,52 @@ def check_out_dir(out: str, settings: dict, overwrite: bool) -> dict | None:
     if overwrite or not ours:
         return None
     if manifest is None:
-        raise shards.ShardError(
-            f"{out} holds extract outputs (shards/ or {shards.TARGET_HEAD_NAME}) but no {shards.MANIFEST_NAME}; "
-            f"refusing to mix them with a new run. Pass --overwrite to delete them, or choose another --out."
-        )
+        raise no_manifest_error(out)
     diff = settings_diff(manifest.get("settings", {}), settings)
     if diff:
-        raise shards.ShardError(
-            f"{out} already holds an extract with different settings:\n  "
-            + "\n  ".join(diff)
-            + "\nPass --overwrite to delete the old outputs and start over, or choose another --out."
-        )
+        raise different_settings_error(out, diff)
     return manifest
+
+
+def no_manifest_error(out: str) -> shards.ShardError:
+    return shards.ShardError(
+        f"{out} holds extract outputs (shards/ or {shards.TARGET_HEAD_NAME}) but no {shards.MANIFEST_NAME}; "
+        f"refusing to mix them with a new run. Pass --overwrite to delete them, or choose another --out."
+    )
+
+
+def different_settings_error(out: str, diff: list[str]) -> shards.ShardError:
+    return shards.ShardError(
+        f"{out} already holds an extract with different settings:\n  "
+        + "\n  ".join(diff)
+        + "\nPass --overwrite to delete the old outputs and start over, or choose another --out."
+    )
+
+
+def check_known_settings(out: str, known: dict, overwrite: bool, whole: tuple[str, ...] = ()) -> None:
+    """Before the target loads: refuse OUT when what it holds differs in a setting the command
+    line alone decides (`known`, nested as the manifest's settings; the top-level keys in `whole`
+    compared whole, absent ones too), so that error comes in a second, not after minutes of
+    loading; check_out_dir compares every setting once the model is in."""
+    if overwrite:
+        return
+    try:
+        manifest, ours = existing_outputs(out)
+    except shards.ShardError:
+        return  # check_out_dir says what is wrong with it, and the fix
+    if ours and manifest is None:
+        raise no_manifest_error(out)
+    if manifest is None:
+        return
+    old, new = flatten(manifest.get("settings", {})), flatten(known)
+    keys = set(new) | {key for key in old if key.split(".")[0] in whole}
+    diff = [
+        f"{key}: {old.get(key, ABSENT)!r} -> {new.get(key, ABSENT)!r}"
+        for key in sorted(keys)
+        if old.get(key, ABSENT) != new.get(key, ABSENT)
+    ]
+    if diff:
+        raise different_settings_error(out, diff)
 
 
 def finished_before(out: str, settings: dict, overwrite: bool) -> dict | None:

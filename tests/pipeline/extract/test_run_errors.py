@@ -249,3 +249,38 @@ def test_samples_past_the_trained_positions_are_refused_unless_asked_for(tmp_pat
     assert shown.exit_code == 0 and "--beyond-positions: samples may run past" in shown.output, shown.output
     plain = CliRunner().invoke(main, ["inspect", str(out)])
     assert plain.exit_code == 0 and "beyond-positions" not in plain.output, plain.output
+
+
+def test_other_settings_refused_before_the_target_loads(tmp_path, tiny_qwen3_dir, prompts_file):
+    """A setting the command line decides (here --max-new-tokens) is refused before the model is
+    read: the same command on a copy of the target with unreadable weights gets the settings
+    error, not the load's (which would take minutes at a 27B target)."""
+    import shutil
+
+    out = tmp_path / "out"
+    first = dict(model=tiny_qwen3_dir, prompts=prompts_file, out=str(out), layer_ids=[1, 3], max_new_tokens=4)
+    run_extract(ExtractConfig(**first, quiet=True))
+    broken = tmp_path / "broken-target"
+    shutil.copytree(tiny_qwen3_dir, broken)
+    for weights in broken.glob("*.safetensors"):
+        weights.write_bytes(b"not a safetensors file")
+    before = (out / "manifest.json").read_bytes()
+    result = CliRunner().invoke(
+        main,
+        [
+            "extract",
+            "--quiet",
+            "--max-new-tokens",
+            "5",
+            "--layer-ids",
+            "1,3",
+            "--model",
+            str(broken),
+            "--prompts",
+            prompts_file,
+            "--out",
+            str(out),
+        ],
+    )
+    assert_clean_error(result, "different settings", "max_new_tokens: 4 -> 5", "--overwrite")
+    assert (out / "manifest.json").read_bytes() == before
