@@ -165,11 +165,17 @@ def resolve_model_dir(path: str) -> tuple[str, Path, Path]:
 
 
 def _from_pretrained(auto_class, model_dir: Path, dtype: torch.dtype, device_map):
+    from safetensors import SafetensorError
+
     kwargs = {"dtype": dtype}
     if device_map is not None:
         kwargs["device_map"] = device_map
     try:
         return auto_class.from_pretrained(str(model_dir), attn_implementation="sdpa", **kwargs)
+    except SafetensorError as error:  # a truncated or damaged download: one line, not a traceback
+        raise UserError(
+            f"{model_dir}: a weights file (*.safetensors) cannot be read ({error}); download or save the model again"
+        ) from None
     except (ValueError, ImportError) as error:
         # Architectures without an SDPA path say so in the message; anything else is re-raised.
         if "sdpa" not in str(error).lower() and "scaled_dot_product" not in str(error).lower():

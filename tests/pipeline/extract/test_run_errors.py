@@ -284,3 +284,8 @@ def test_other_settings_refused_before_the_target_loads(tmp_path, tiny_qwen3_dir
     )
     assert_clean_error(result, "different settings", "max_new_tokens: 4 -> 5", "--overwrite")
     assert (out / "manifest.json").read_bytes() == before
+    # Into a fresh OUT the load itself fails: one line naming the directory, nothing written.
+    fresh = tmp_path / "fresh"
+    result = cli("--model", str(broken), "--prompts", prompts_file, "--out", str(fresh), "--layer-ids", "1,3")
+    assert_clean_error(result, "broken-target", "cannot be read", "download or save the model again")
+    assert_nothing_written(fresh)
