@@ -12,11 +12,12 @@ transformers on torch (on CUDA when there is one: the engine a GPU user runs a t
   schedule "constant", no confidence threshold: scored as `draft:DIR:n=K`).
 - Measured: each configuration over the prompts `rounds` times, interleaved prompt by prompt (one
   generate call of each configuration in turn, the order rotating); tokens per second of
-  generation after the call's first step (the prompt's forward: `FirstStep`), the target's
+  generation after the call's first step (the prompt's forward: a StepClock), the target's
   forwards counted (tokens per step).
 - Predicted: `specreplay extract` of the prompts with the target, `score` of every configuration,
-  `profile --engine torch` (the target at 1 .. max K + 1 tokens, the draft model at one), speed's
-  prediction at batch 1.
+  `profile --engine torch --in-generate` (the target's forward at 1 .. max K + 1 tokens; plain
+  decoding and each proposer's share of a step at each K timed inside generate on random prompts),
+  speed's prediction at batch 1.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from pathlib import Path
 import torch
 
 from bench.common import Rows, log
+from scoring.speed.torch_bench import synchronize
 
 TOLERANCE = 0.10
 QWEN3 = dict(
@@ -45,6 +47,7 @@ PROMPT_TOKENS = 24
 LIVE = 24  # ids emitted by the target: 3 .. 3 + LIVE - 1 (no special token)
 FIRST_LIVE = 3
 DRAFT_STEPS = 40
+PROFILE_NEW = 48  # new tokens of each in-generate profile request
 
 
 # ---------------------------------------------------------------------------------------------
@@ -155,11 +158,10 @@ def draft_model(prompts: list[list[int]], responses: list[list[int]], out: Path,
 
 def configurations(draft_dir: str, ks: tuple[int, ...]) -> dict[str, tuple[dict, str | None]]:
     """name -> (generate's speculative options, what specreplay scores), plain decoding included."""
-    configs = {"plain": ({}, None)}
+    configs = {"plain": (("plain", 0), None)}
     for k in ks:
-        lookup = {"prompt_lookup_num_tokens": k, "max_matching_ngram_size": 2}
-        configs[f"prompt lookup K={k}"] = (lookup, f"ngram:vllm:k={k},min=1,max=2")
-        configs[f"assisted K={k}"] = ({"assistant": k}, f"draft:{draft_dir}:n={k}")
+        configs[f"prompt lookup K={k}"] = (("lookup", k), f"ngram:vllm:k={k},min=1,max=2")
+        configs[f"assisted K={k}"] = (("assisted", k), f"draft:{draft_dir}:n={k}")
     return configs
 
 
@@ -179,21 +181,18 @@ def scored(env, shards: str, configs: dict) -> dict[str, str]:
 
 
 def torch_profile(env, target_dir: str, draft_dir: str, context: int, ks: tuple[int, ...]) -> dict:
-    """`specreplay profile --engine torch` of the target at 1 .. max K + 1 tokens and the draft model."""
+    """`specreplay profile --engine torch --in-generate` of the target at 1 .. max K + 1 tokens, the
+    draft model, and the steps inside generate at each K (random prompts of `context` tokens)."""
     from scoring.speed.measure import Measurement, Wanted, measure_profile
 
-    wanted = Wanted(target_dir, list(range(1, max(ks) + 2)), False, None, {"draft": draft_dir}, {}, [], engine="torch")
-    how = Measurement(context, 10, 0, 0, (), None, str(env.work), device=env.device, dtype="fp32")
+    tokens, drafts = list(range(1, max(ks) + 2)), {"draft": draft_dir}
+    wanted = Wanted(target_dir, tokens, False, None, drafts, {}, list(ks), engine="torch", in_generate=True)
+    how = Measurement(context, 10, 2, 0, (), None, str(env.work), PROFILE_NEW, device=env.device, dtype="fp32")
     return measure_profile(wanted, how)
 
 
 # ---------------------------------------------------------------------------------------------
 # the measurement: transformers' generate, interleaved
-
-
-def synchronize(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
 
 
 def loaded_models(target_dir: str, draft_dir: str, device: str):
@@ -203,54 +202,30 @@ def loaded_models(target_dir: str, draft_dir: str, device: str):
     return load(target_dir), load(draft_dir)
 
 
-class FirstStep:
-    """A stopping criterion that never stops: it notes the time and length at generate's first
-    call of it, after the first step (the prompt's forward, and the draft's for assisted
-    generation), so that generation is timed from there as llama-server's timers time it."""
-
-    def __init__(self, device: str):
-        self.device, self.at, self.length = device, None, None
-
-    def __call__(self, input_ids, scores, **kwargs):
-        if self.at is None:
-            synchronize(self.device)
-            self.at, self.length = time.perf_counter(), input_ids.shape[1]
-        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-
-
-def generate_options(options: dict, draft) -> dict:
-    """generate's keyword arguments for one configuration: the assistant's K set in its own
-    generation config, where transformers reads it (a fixed K: no schedule, no confidence stop)."""
-    if "assistant" not in options:
-        return dict(options)
-    draft.generation_config.num_assistant_tokens = options["assistant"]
-    draft.generation_config.num_assistant_tokens_schedule = "constant"
-    draft.generation_config.assistant_confidence_threshold = 0.0
-    return {"assistant_model": draft}
-
-
 @torch.inference_mode()
 def generate_once(models, prompt: list[int], new_tokens: int, options: dict, device: str, probe=None) -> dict:
-    """One greedy generate call: the new tokens; after its first step, the seconds, the tokens
-    produced and the target's forwards (its steps). `probe`: called with the FirstStep first."""
+    """One greedy generate call of a configuration ((kind, K): torch_generate.generate_options):
+    the new tokens; after its first step (generation timed from there, as llama-server's timers
+    time it), the seconds, the tokens produced and the steps; the target's forwards in all.
+    `probe`: called with the call's StepClock first."""
     from transformers import StoppingCriteriaList
 
+    from scoring.speed.torch_generate import StepClock, generate_options
+
     target, draft = models
-    forwards, first = [], FirstStep(device)
+    forwards, clock = [], StepClock(torch.device(device))
     if probe is not None:
-        probe(first)
-    hook = target.register_forward_pre_hook(lambda module, args: forwards.append(first.at is not None))
+        probe(clock)
+    hook = target.register_forward_pre_hook(lambda module, args: forwards.append(1))
     ids = torch.tensor([prompt], device=device)
-    kwargs = generate_options(options, draft) | {"stopping_criteria": StoppingCriteriaList([first])}
+    kwargs = generate_options(*options, draft) | {"stopping_criteria": StoppingCriteriaList([clock])}
     try:
         out = target.generate(ids, max_new_tokens=new_tokens, do_sample=False, **kwargs)
-        synchronize(device)
-        seconds = time.perf_counter() - first.at
     finally:
         hook.remove()
-    produced = out.shape[1] - first.length
-    new = out[0, len(prompt) :].tolist()
-    return {"seconds": seconds, "produced": produced, "steps": sum(forwards), "forwards": len(forwards), "tokens": new}
+    seconds, steps = clock.times[-1] - clock.times[0], len(clock.times) - 1
+    produced, new = out.shape[1] - clock.first_length, out[0, len(prompt) :].tolist()
+    return {"seconds": seconds, "produced": produced, "steps": steps, "forwards": len(forwards), "tokens": new}
 
 
 def served(models, configs: dict, prompts: list[list[int]], new_tokens: int, device: str, rounds: int) -> dict:
@@ -276,17 +251,17 @@ class Probe:
     (so not the timed runs): the target's forwards, and the candidate generator's `get_candidates`
     (the draft model's own generate, or the lookup); the rest is the loop's own work."""
 
-    def __init__(self, device: str, first: FirstStep):
-        self.device, self.first = device, first
+    def __init__(self, clock):
+        self.clock = clock
         self.seconds = {"target forwards": 0.0, "candidates": 0.0}
 
     def timed(self, key: str, call):
-        if self.first.at is None:
+        if not self.clock.times:
             return call()
-        synchronize(self.device)
+        synchronize(self.clock.device)
         start = time.perf_counter()
         out = call()
-        synchronize(self.device)
+        synchronize(self.clock.device)
         self.seconds[key] += time.perf_counter() - start
         return out
 
@@ -304,8 +279,8 @@ def probed(models, prompt: list[int], new_tokens: int, options: dict, device: st
     forward = target.forward
     holder = {}
 
-    def probe_for(first):
-        holder["probe"] = Probe(device, first)
+    def probe_for(clock):
+        holder["probe"] = Probe(clock)
         return holder["probe"]
 
     target.forward = lambda *a, **k: holder["probe"].timed("target forwards", lambda: forward(*a, **k))

@@ -44,6 +44,7 @@ class Wanted:
     serve_drafts: list[int]
     engine: str = "llama.cpp"  # or "torch": the target (a transformers directory) by torch_bench.py
     batches: tuple[int, ...] = (1,)  # the torch engine's batch sizes
+    in_generate: bool = False  # the torch engine's: steps timed inside generate at each K of serve_drafts
 
 
 def measured_rows(wanted: Wanted, how: Measurement, more: list[Served]) -> tuple[dict, str]:
@@ -87,8 +88,13 @@ def measure_profile(wanted: Wanted, how: Measurement, more: tuple[Served, ...] =
     configurations) whose requests go round with the profile's own."""
     if wanted.engine == "torch":
         from scoring.speed.torch_bench import torch_profile_rows  # torch loaded only for its engine
+        from scoring.speed.torch_generate import in_generate_rows
 
-        rows, facts, engine = torch_profile_rows(wanted.target, wanted.drafts, list(wanted.batches), wanted.tokens, how)
+        ks = list(wanted.serve_drafts)
+        served = (lambda model: in_generate_rows(model, wanted.drafts, ks, how)) if wanted.in_generate else None
+        rows, facts, engine = torch_profile_rows(
+            wanted.target, wanted.drafts, list(wanted.batches), wanted.tokens, how, served
+        )
         device = how.device
     else:
         if wanted.in_server or wanted.serve:

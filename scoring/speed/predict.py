@@ -85,20 +85,26 @@ def walk_drafted(directory: str) -> dict[int, int] | None:
     return dict(Counter(steps.drop_nulls().to_list())) or None
 
 
-def cost(curve: Curve | None, tokens: int, what: str, batch: int, profile: Profile) -> float:
-    """Seconds of one forward from `curve` at `tokens`, or the error saying what to measure."""
+def cost(curve: Curve | None, tokens: int, what: str, batch: int, profile: Profile, unit: str = "tokens") -> float:
+    """Seconds of one forward from `curve` at `tokens` (a step curve's: drafts, `unit`), or the
+    error saying what to measure."""
     seconds = curve.at(tokens) if curve is not None else None
     if seconds is None:
-        measured = f"measures {curve.tokens[0]}..{curve.tokens[-1]} tokens" if curve else "has no entry"
+        measured = f"measures {curve.tokens[0]}..{curve.tokens[-1]} {unit}" if curve else "has no entry"
         raise UserError(
-            f"{profile.source}: {what} at batch {batch} {measured}; {tokens} tokens per sequence are needed: "
+            f"{profile.source}: {what} at batch {batch} {measured}; {tokens} {unit} per sequence are needed: "
             "measure them (docs/speed.md) or leave out the methods that need them (`speed --method`)"
         )
     return seconds
 
 
 def draft_seconds(profile: Profile, config: Configuration, drafts: int, batch: int) -> float:
-    """The drafter's forwards of one step drafting `drafts`, from its entry in the profile."""
+    """The drafter's forwards of one step drafting `drafts`, from its entry in the profile; a chain
+    step from its step curve when the profile has one (measured in the loop at the configuration's
+    K, its steps with fewer drafts included: every step is priced at K)."""
+    steps = profile.step_curves(config.family, config.checkpoint) if config.method == CHAIN else None
+    if steps is not None:
+        return cost(steps.get(batch), config.drafts, f"draft_steps[{config.family}]", batch, profile, "drafts")
     passes = draft_passes(config.family, config.method, drafts, config.drafts)
     if not passes:
         return 0.0

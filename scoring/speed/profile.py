@@ -62,6 +62,23 @@ class DraftCost(Schema):
     seconds: Seconds
 
 
+class DraftStepCost(Schema):
+    """All of one speculative step that drafts `drafts` tokens but the target's verification
+    forward, measured inside the engine's loop at that K: the drafter's forwards (or a lookup) and
+    the loop's own work around them (`profile --engine torch --in-generate`). Given for a family
+    (or a checkpoint, ahead of it), it prices that family's chain steps instead of `drafters`."""
+
+    family: str
+    checkpoint: str | None = None
+    batch: Positive
+    drafts: Positive
+    seconds: Seconds
+
+    @property
+    def tokens(self) -> int:  # a curve's x (curves()): the drafts
+        return self.drafts
+
+
 class PlainCost(Schema):
     """One step of plain decoding (no speculation) of `batch` sequences, as the engine runs it when
     no drafter is configured (llama-server's plain path is not its speculative path at 0 drafts)."""
@@ -76,6 +93,7 @@ class ProfileFile(Schema):
     measured: Measured
     verify: Annotated[list[VerifyCost], Field(min_length=1)]
     drafters: list[DraftCost] = []
+    draft_steps: list[DraftStepCost] = []
     plain: list[PlainCost] = []  # absent: plain decoding is the target's one-token forward
 
 
@@ -119,6 +137,7 @@ class Profile:
     verify: dict[int, Curve]
     drafters: dict[tuple[str, str | None], dict[int, Curve]]  # (family, checkpoint or None) -> curves
     plain: dict[int, float]  # batch -> a plain decoding step's seconds (PlainCost)
+    draft_steps: dict[tuple[str, str | None], dict[int, Curve]]  # the same keys -> curves over drafts
 
     @property
     def batches(self) -> list[int]:
@@ -127,6 +146,10 @@ class Profile:
     def draft_curves(self, family: str, checkpoint: str) -> dict[int, Curve] | None:
         """The drafter's curves: its checkpoint's own entry, else its family's, else None."""
         return self.drafters.get((family, checkpoint)) or self.drafters.get((family, None))
+
+    def step_curves(self, family: str, checkpoint: str) -> dict[int, Curve] | None:
+        """The drafter's step curves (DraftStepCost, over drafts), found as draft_curves finds its own."""
+        return self.draft_steps.get((family, checkpoint)) or self.draft_steps.get((family, None))
 
     def check_target(self, target: dict, where: str) -> None:
         """Refuse a profile measured on another target than `target` (the shards' settings.target)."""
@@ -149,9 +172,6 @@ def load_profile(path: str) -> Profile:
             f"{path}: not JSON ({error.msg} at line {error.lineno}); a speed profile is a JSON file"
         ) from None
     file = validate(ProfileFile, data, path, fix="docs/speed.md declares the profile")
-    drafters: dict[tuple[str, str | None], list[DraftCost]] = {}
-    for point in file.drafters:
-        drafters.setdefault((point.family, point.checkpoint), []).append(point)
     plain = {}
     for point in file.plain:
         if point.batch in plain:
@@ -161,6 +181,15 @@ def load_profile(path: str) -> Profile:
         path,
         file,
         curves(file.verify, path, "verify"),
-        {key: curves(points, path, f"drafters[{key[0]}]") for key, points in drafters.items()},
+        by_drafter(file.drafters, path, "drafters"),
         plain,
+        by_drafter(file.draft_steps, path, "draft_steps"),
     )
+
+
+def by_drafter(points: list, path: str, what: str) -> dict[tuple[str, str | None], dict[int, Curve]]:
+    """(family, checkpoint or None) -> its curves by batch size."""
+    grouped: dict[tuple[str, str | None], list] = {}
+    for point in points:
+        grouped.setdefault((point.family, point.checkpoint), []).append(point)
+    return {key: curves(group, path, f"{what}[{key[0]}]") for key, group in grouped.items()}

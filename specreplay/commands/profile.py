@@ -70,7 +70,7 @@ def engine_checked(engine: str, given: dict) -> None:
     llama_only = ("serve", "in_server", "verify_draft", "llama_args", "llama_bench")
     wrong = [name for name in llama_only if given[name]] if engine == "torch" else []
     if engine != "torch":
-        wrong = [name for name in ("device", "dtype") if given[name]]
+        wrong = [name for name in ("device", "dtype", "in_generate") if given[name]]
         wrong += ["batch"] if given["batch"] != "1" else []
     if wrong:
         other = "llama.cpp" if engine == "torch" else "torch"
@@ -151,7 +151,8 @@ def engine_checked(engine: str, given: dict) -> None:
     "--serve-drafts",
     default="1-8",
     show_default=True,
-    help="Drafts per step (--spec-draft-n-max) to time each --serve drafter at: counts and ranges.",
+    help="Drafts per step (--spec-draft-n-max) to time each --serve drafter at (with --engine torch --in-generate: "
+    "each K of prompt lookup and assisted generation): counts and ranges.",
 )
 @click.option(
     "--serve-requests",
@@ -168,6 +169,15 @@ def engine_checked(engine: str, given: dict) -> None:
     help="Time the target inside llama-server by its own step timers instead of llama-bench: plain decoding, "
     "the speculative step without a draft, and each step of --tokens minus 1 drafts less its draft call (all "
     "logits, sampling and bookkeeping as served; llama-bench times one forward alone).",
+)
+@click.option(
+    "--in-generate",
+    "in_generate",
+    is_flag=True,
+    help="With --engine torch: time steps inside transformers' own generate too, one sequence: plain decoding "
+    "as generate's step, and at each K of --serve-drafts the share of a speculative step beside the target's "
+    "forward, for prompt lookup (family ngram) and assisted generation with each --draft model (its lookup "
+    "or draft model and the loop's own work; --serve-requests prompts of --context tokens).",
 )
 @click.option(
     "--verify-draft",
@@ -197,6 +207,7 @@ def profile(
     serve_drafts,
     serve_requests,
     in_server,
+    in_generate,
     verify_draft,
     llama_bench,
     out,
@@ -209,13 +220,15 @@ def profile(
     decoding apart); standalone draft models (--draft) by llama-bench; drafters that read the
     target's features (--serve) inside llama-server; one sequence. With --engine torch, the
     target (a transformers directory) and --draft models by transformers' forwards on torch, on a
-    GPU when one is present, at each --batch size (docs/speed.md).
+    GPU when one is present, at each --batch size; with --in-generate, steps inside transformers'
+    own generate too (docs/speed.md).
 
     \b
     Example:
       specreplay profile --target smollm2-f32.gguf --draft draft=small-f32.gguf --tokens 1-9 --out cpu.json
       specreplay profile --target t.gguf --serve dflash=dflash.gguf --serve-drafts 4,8,15 --tokens 1-16 --out cpu.json
       specreplay profile --engine torch --target Qwen/Qwen3-8B-dir --batch 1,4,16 --tokens 1-17 --out h200.json
+      specreplay profile --engine torch --target DIR --draft draft=SMALL-DIR --in-generate --serve-drafts 1-8 --out gen.json
       specreplay speed data/results --profile cpu.json
     """
     from pipeline.common.errors import UserError
@@ -223,7 +236,7 @@ def profile(
     if os.path.exists(out) and not force:
         raise UserError(f"{out} exists; give another --out or --force to replace it")
     given = {"serve": served, "in_server": in_server, "verify_draft": verify_draft, "llama_args": llama_args}
-    given |= {"llama_bench": llama_bench, "device": device, "dtype": dtype, "batch": batch}
+    given |= {"llama_bench": llama_bench, "device": device, "dtype": dtype, "batch": batch, "in_generate": in_generate}
     engine_checked(engine, given)
     serve, bench = drafters_to_time(served, drafts)
     if verify_draft is not None and not os.path.isfile(verify_draft):
@@ -232,7 +245,7 @@ def profile(
 
     counts = token_counts(tokens), token_counts(serve_drafts, "--serve-drafts")
     batches = tuple(token_counts(batch, "--batch"))
-    wanted = Wanted(target, counts[0], in_server, verify_draft, bench, serve, counts[1], engine, batches)
+    wanted = Wanted(target, counts[0], in_server, verify_draft, bench, serve, counts[1], engine, batches, in_generate)
     work = os.path.splitext(out)[0] + "-logs"
     how = Measurement(context, reps, serve_requests, threads, tuple(llama_args), llama_bench, work)
     if engine == "torch":

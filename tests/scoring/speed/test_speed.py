@@ -111,6 +111,25 @@ def test_an_autoregressive_drafter_runs_one_pass_per_draft_and_a_tree_per_level(
     assert rows[(1, "eagle-tree-4x5-8")]["draft_s"] == pytest.approx(0.001 + 4 * 0.002)
 
 
+def test_a_step_row_measured_in_the_loop_prices_every_chain_step_at_the_configuration_s_k(tmp_path):
+    """draft_steps (profile --in-generate): a chain step costs the verification of the drafts it
+    verified plus the family's step row at the configuration's K (every step, those without a
+    match too, as the loop measured them); a K past the rows is refused naming drafts."""
+    result = write_walk_result(tmp_path / "r", [0, 3], [0, 4], family="ngram")  # K = 4
+    profile = tmp_path / "p.json"
+    write_profile(profile, [(1, 1, 0.010), (1, 5, 0.020)])
+    data = json.loads(profile.read_text())
+    data["draft_steps"] = [{"family": "ngram", "batch": 1, "drafts": k, "seconds": 0.001 * k} for k in (1, 2, 4)]
+    profile.write_text(json.dumps(data))
+    row = rows_of(result, str(profile))[(1, "chain")]
+    assert row["verify_s"] == pytest.approx((0.010 + 0.020) / 2)
+    assert row["draft_s"] == pytest.approx(0.004)  # the row at K = 4 for both steps
+    data["draft_steps"] = data["draft_steps"][:2]
+    profile.write_text(json.dumps(data))
+    run = CliRunner().invoke(main, ["speed", result, "--profile", str(profile)])
+    assert run.exit_code == 2 and "draft_steps[ngram] at batch 1 measures 1..2 drafts; 4 drafts" in run.output
+
+
 def test_the_fastest_configuration_changes_with_the_batch_size(tmp_path):
     """Batch 1 is memory-bound (a larger tree is nearly free: the largest wins); at batch 32 the
     forward's time grows with every token verified and the short chain wins."""
@@ -213,15 +232,15 @@ def test_score_with_a_profile_adds_the_fastest_per_batch_and_refuses_another_tar
     assert not (tmp_path / "out2").exists()
 
 
-def write_walk_result(path, accepted: list[int], drafted: list[int]) -> str:
+def write_walk_result(path, accepted: list[int], drafted: list[int], family: str = "dflash") -> str:
     """A chain result of K = 4 whose walk steps accepted `accepted` of `drafted` drafts."""
-    identity = {"checkpoint": "w", "checkpoint_hash": "w", "checkpoint_step": 1, "drafter_family": "dflash"}
+    identity = {"checkpoint": "w", "checkpoint_hash": "w", "checkpoint_step": 1, "drafter_family": family}
     summary = [{"dataset": "(all)", "method": "chain", "tau": 2.0, "accept_rate_by_position": [0.9, 0.8, 0.7, 0.6]}]
     walk = [
         {"dataset": "d", "sample_id": "s", "method": "chain", "step": i, "accepted_len": a, "drafted": d}
         for i, (a, d) in enumerate(zip(accepted, drafted))
     ]
-    run = {"checkpoint": {"family": "dflash", "name": "w"}, "shards": {"target_facts": TARGET_FACTS}}
+    run = {"checkpoint": {"family": family, "name": "w"}, "shards": {"target_facts": TARGET_FACTS}}
     return write_fake_results(path, identity, [], summary, walk=walk, run=run)
 
 

@@ -82,3 +82,44 @@ def test_options_of_the_other_engine_and_a_missing_gpu_are_refused(targets, tmp_
         run = CliRunner().invoke(main, [*base, *extra])
         assert run.exit_code != 0 and said in run.output, (extra, run.output)
         assert not (tmp_path / "p.json").exists()
+
+
+def test_in_generate_times_generate_s_own_steps_and_the_drafting_share_of_each_k(targets, tmp_path):
+    """--in-generate: plain decoding at batch 1 is generate's step (one row, no bare forward beside
+    it), and draft_steps hold prompt lookup (family ngram) and the --draft model's assisted
+    generation at each K of --serve-drafts; the llama.cpp engine refuses the flag."""
+    qwen3, _ = targets
+    out = tmp_path / "gen.json"
+    args = ["profile", "--engine", "torch", "--target", qwen3, "--draft", f"draft={qwen3}", "--in-generate"]
+    args += ["--serve-drafts", "1,3", "--serve-requests", "1", "--tokens", "1-4", "--context", "8", "--reps", "1"]
+    run = CliRunner().invoke(main, [*args, "--out", str(out)])
+    assert run.exit_code == 0, run.output
+    profile = load_profile(str(out))
+    assert [p.batch for p in profile.file.plain] == [1] and profile.plain[1] > 0
+    steps = [(d.family, d.drafts) for d in profile.file.draft_steps]
+    assert steps == [("ngram", 1), ("ngram", 3), ("draft", 1), ("draft", 3)]
+    assert all(d.seconds > 0 for d in profile.file.draft_steps)
+    assert "inside generate" in profile.file.measured.engine
+    refused = CliRunner().invoke(main, ["profile", "--target", "t.gguf", "--in-generate", "--out", str(tmp_path / "x")])
+    assert refused.exit_code == 2 and "--in-generate is read by --engine torch only" in refused.output
+
+
+def test_a_step_is_one_call_of_the_clock_and_the_assistant_drafts_k(targets):
+    """timed_generate's steps are generate's steps after the prompt's: with a draft model equal to
+    the target (every draft accepted) at K = 2, each step appends 3 tokens and forwards the target
+    once; the target's forward time is a part of the steps' time."""
+    from scoring.speed.torch_bench import loaded
+    from scoring.speed.torch_generate import generate_options, timed_generate
+
+    qwen3, _ = targets
+    model, _ = loaded(qwen3, "cpu", "fp32")
+    draft, _ = loaded(qwen3, "cpu", "fp32")
+    calls = []
+    hook = model.register_forward_pre_hook(lambda module, args: calls.append(1))
+    ids = torch.randint(3, 200, (1, 8), generator=torch.Generator().manual_seed(0))
+    try:
+        seconds, forwards, steps = timed_generate(model, ids, 13, generate_options("assisted", 2, draft))
+    finally:
+        hook.remove()
+    assert steps == len(calls) - 1 == 4  # the prompt's step (3 tokens) and 4 more of 3 tokens: 15 >= 13
+    assert 0 < forwards < seconds
