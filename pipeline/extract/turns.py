@@ -22,7 +22,7 @@ from dataclasses import replace
 
 from pipeline import shards
 from pipeline.common.errors import UserError
-from pipeline.extract.plan import Item
+from pipeline.extract.items import Item, label
 
 TURN = "/turn-"
 
@@ -141,8 +141,6 @@ def refuse_engine_turns(responses_from, records) -> None:
     """--responses-from with a record of several turns: one line naming the flag and the fix."""
     several = next((r for r in records if r.turns is not None and len(r.turns) > 1), None)
     if responses_from and several is not None:
-        from pipeline.extract.plan import label
-
         raise UserError(
             f"--responses-from: {label(several)} has {len(several.turns)} turns, and a later turn's prompt holds the "
             f"target's own earlier answer, which extract generates itself; leave --responses-from out for "
