@@ -10,8 +10,9 @@ A run is four steps (`run_extract`); every check happens before the first byte i
      temporary files of an interrupted run, store the target head and the tokenizer
      (OUT/tokenizer/, save_pretrained) once, write manifest.json with complete=false;
   3. every rank writes its share (`write_rank_share`): skip samples already in finished shards
-     (by id), take pending[rank::world], generate (batched, greedy or sampled) + capture (one
-     forward per sample), write its own shards;
+     (by id), take pending[rank::world] (whole conversations of "turns" records), generate
+     (batched, greedy or sampled; a conversation's turns in rounds, `run_rounds`, turns.py) +
+     capture (one forward per sample), write its own shards;
   4. rank 0 finishes the manifest (`finish_manifest`): every finished shard entry (sorted by file
      name), complete=true, totals.
 
