@@ -147,3 +147,22 @@ def test_served_responses_refuse_several_turns_in_one_line(prompts_file, tmp_pat
     message = str(refused.value)
     assert "\n" not in message and message.startswith("--responses-from: ")
     assert "prompt 'c1'" in message and "leave --responses-from out" in message
+
+
+def test_a_turn_after_an_excluded_one_is_not_run_and_says_why():
+    """An excluded turn (non-finite values) stores no answer: the next turn has no prompt, and its
+    `excluded` record reads as such in the console's summary."""
+    from pipeline.extract.prompts import PromptRecord
+    from pipeline.extract.turns import conversation_items, excluded_turn, with_prompt
+    from pipeline.shards.writer import describe_excluded
+
+    tokenizer = make_tokenizer()
+    record = PromptRecord(id="c", dataset="d", turns=["Hi", "And then?"])
+    first, second = conversation_items(record, tokenizer, None)
+    assert (first.sample_id, second.sample_id, second.prompt_ids) == ("c/turn-1", "c/turn-2", [])
+    assert with_prompt(first, {}, tokenizer, None) is first
+    assert with_prompt(second, {"c/turn-1": None}, tokenizer, None) is None
+    built = with_prompt(second, {"c/turn-1": [5, 6]}, tokenizer, None)
+    assert built.prompt_text == expected_prompt(record.turns, [[5, 6]], tokenizer)
+    said = describe_excluded([excluded_turn(second)])
+    assert "c/turn-2: not run, an earlier turn of it was excluded" in said
