@@ -2,9 +2,10 @@
 
     .venv/bin/python data/prompts/build_prompts.py [RAW_DIR]   (default RAW_DIR: ../shared/datasets)
 
-Writes humaneval.jsonl.gz, gsm8k.jsonl.gz, mt-bench.jsonl.gz ({"id", "prompt"} per line),
-spec-bench.jsonl.gz ({"id", "dataset", "prompt"}: each category a dataset) and copies the licence
-files. The prompt formats are those of the public DFlash benchmark
+Writes humaneval.jsonl.gz, gsm8k.jsonl.gz ({"id", "prompt"} per line), mt-bench.jsonl.gz
+({"id", "turns"}: both user turns, the second answered after the target's own first answer),
+spec-bench.jsonl.gz ({"id", "dataset", "prompt"} or, for its MT-Bench questions, "turns": each
+category a dataset) and copies the licence files. The prompt formats are those of the public DFlash benchmark
 (z-lab/dflash `benchmark.py`), so acceptance numbers compare with published ones. Output is
 byte-for-byte reproducible (gzip mtime 0, fixed key order).
 """
@@ -67,21 +68,22 @@ def gsm8k(raw_dir: Path) -> list[dict]:
     ]
 
 
+def user_turns(row: dict) -> dict:
+    """A question's user turns: "turns" when there are several (extract answers each in turn,
+    the target's own earlier answers fed back, as the DFlash benchmark runs MT-Bench), else "prompt"."""
+    return {"turns": row["turns"]} if len(row["turns"]) > 1 else {"prompt": row["turns"][0]}
+
+
 def mt_bench(raw_dir: Path) -> list[dict]:
     rows = read_jsonl(raw_dir / "mt_bench_questions.jsonl")
-    # First turns only: the second turn needs the target's own first answer fed back.
-    return [{"id": f"mt-bench/{row['question_id']}", "prompt": row["turns"][0]} for row in rows]
+    return [{"id": f"mt-bench/{row['question_id']}", **user_turns(row)} for row in rows]
 
 
 def spec_bench(raw_dir: Path) -> list[dict]:
     rows = read_jsonl(raw_dir / "spec_bench_questions.jsonl")
-    # Each category its own dataset in the results; first turns, as for mt-bench.
+    # Each category its own dataset in the results; its MT-Bench questions two turns, as mt-bench's.
     return [
-        {
-            "id": f"spec-bench/{row['question_id']}",
-            "dataset": f"spec-bench/{row['category']}",
-            "prompt": row["turns"][0],
-        }
+        {"id": f"spec-bench/{row['question_id']}", "dataset": f"spec-bench/{row['category']}", **user_turns(row)}
         for row in rows
     ]
 

@@ -8,35 +8,17 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import Counter
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from pipeline.common.errors import UserError
 from pipeline.common.layer_ids import build_target_layer_ids, check_layer_ids
 from pipeline.common.sampling import Sampling
 from pipeline.extract.config import ExtractConfig
+from pipeline.extract.items import Item, label
 from pipeline.outdir.builder import Source, settings_identity
 from pipeline.outdir.storage import Storage, parse_feature_dtype, plan_storage
 from proposers.layouts import read_drafter_format
-
-
-@dataclass
-class Item:
-    """One prompt ready to run: rendered prompt ids and, when given, the response to teacher-force."""
-
-    sample_id: str
-    dataset: str
-    prompt_ids: list[int]
-    prompt_text: str
-    given: list[int] | None = None
-    draw: int | None = None  # sampled: which draw of its prompt (sample id `<prompt_id>#<draw>`)
-    prompt_id: str | None = None  # sampled: the prompt record's id, what the draw's seed is made of
-    where: str = field(default="", compare=False)  # the prompt file and line it came from, for messages
-
-    @property
-    def label(self) -> str:
-        """How messages name it: 'prompts.jsonl:3 (prompt 'a1')', or the id alone for bundled sets."""
-        return f"{self.where} (prompt {self.sample_id!r})" if self.where else f"prompt {self.sample_id!r}"
 
 
 def read_draft_config(path: str) -> tuple[Path, dict]:
@@ -219,19 +201,18 @@ def known_settings(config: ExtractConfig, records) -> dict:
     return known | ({"sampling": sampling} if sampling is not None else {})
 
 
-def label(record) -> str:
-    """How messages name a prompt record: its file and line when it came from a file."""
-    return f"{record.where} (prompt {record.id!r})" if record.where else f"prompt {record.id!r}"
-
-
 def prepare_items(records, tokenizer, enable_thinking) -> list[Item]:
     from pipeline.extract.prompts import render_prompt, render_response
+    from pipeline.extract.turns import conversation_items
 
     items, seen = [], set()
     for record in records:
         if record.id in seen:
             raise UserError(f"prompt set: duplicate id {record.id!r}; every prompt needs a unique id")
         seen.add(record.id)
+        if record.turns is not None:  # a conversation: one item per user turn
+            items.extend(conversation_items(record, tokenizer, enable_thinking))
+            continue
         prompt_ids, prompt_text = render_prompt(record, tokenizer, enable_thinking)
         if not prompt_ids:
             raise UserError(f"{label(record)} renders to zero tokens; give it some text or input_ids")
@@ -253,7 +234,15 @@ def prepare_items(records, tokenizer, enable_thinking) -> list[Item]:
         )
     if not items:
         raise UserError("the prompt set is empty; give at least one prompt (or a larger --limit)")
+    check_unique([item.sample_id for item in items], "a record's id is a conversation's turn id (<id>/turn-<r>)")
     return items
+
+
+def check_unique(sample_ids: list[str], why: str) -> None:
+    """Every sample id once: a record's own id can be another record's derived one."""
+    clashes = [sample_id for sample_id, n in Counter(sample_ids).items() if n > 1]
+    if clashes:
+        raise UserError(f"sample id {clashes[0]!r} occurs twice: {why}; rename that record")
 
 
 def sampled_items(items: list[Item], num_samples: int) -> list[Item]:
@@ -266,13 +255,10 @@ def sampled_items(items: list[Item], num_samples: int) -> list[Item]:
             continue
         for draw in range(num_samples):
             out.append(replace(item, sample_id=f"{item.sample_id}#{draw}", draw=draw, prompt_id=item.sample_id))
-    clashes = [sample_id for sample_id, n in Counter(item.sample_id for item in out).items() if n > 1]
-    if clashes:
-        clash = clashes[0]
-        raise UserError(
-            f"sample id {clash!r} occurs twice: a record with a given response has the id of another "
-            f"prompt's draw (<id>#<k>); rename that record"
-        )
+    check_unique(
+        [item.sample_id for item in out],
+        "a record with a given response has the id of another prompt's draw (<id>#<k>)",
+    )
     return out
 
 
@@ -336,9 +322,11 @@ def check_positions(items: list[Item], max_new_tokens: int, max_positions: int |
         return
     for item in items:
         response = len(item.given) if item.given is not None else max_new_tokens
-        if len(item.prompt_ids) + response > max_positions:
+        # a later turn's prompt is built in the run: at most its frame and every earlier answer
+        prompt = len(item.prompt_ids) or item.frame_len + ((item.turn or 1) - 1) * max_new_tokens
+        if prompt + response > max_positions:
             raise UserError(
-                f"{item.label}: {len(item.prompt_ids)} prompt tokens + {response} response tokens "
+                f"{item.label}: {prompt} prompt tokens + {response} response tokens "
                 f"exceed the target's max_position_embeddings ({max_positions}); shorten it, lower "
                 f"--max-new-tokens, or pass --beyond-positions to extract it anyway"
             )

@@ -2,7 +2,8 @@
 validated and rendered to token ids.
 
 A user file has one JSON object per line with a unique "id" and exactly one of
-"messages" (chat), "prompt" (one user message) or "input_ids" (used as is); optional
+"messages" (chat), "prompt" (one user message), "input_ids" (used as is) or "turns" (a
+conversation's user turns, each answered by the target: pipeline/extract/turns.py); optional
 "response" (text or token ids, teacher-forced instead of generated) and "dataset".
 Rendering follows the public DFlash benchmark exactly: chat template with tokenize=False and
 add_generation_prompt=True, then encode with add_special_tokens=False.
@@ -38,6 +39,7 @@ class PromptRecord:
     messages: list[dict] | None = None
     prompt: str | None = None
     input_ids: list[int] | None = None
+    turns: list[str] | None = None  # a conversation's user turns (several samples: turns.py)
     response: str | list[int] | None = None  # given response to teacher-force instead of generating
     where: str = field(default="", compare=False)  # file:line it was read from (messages; not in the hash)
 
@@ -92,6 +94,7 @@ def _parse_record(obj, where: str, default_dataset: str) -> PromptRecord:
         messages=messages,
         prompt=checked.prompt,
         input_ids=checked.input_ids,
+        turns=checked.turns,
         response=checked.response,
         where=where,
     )
@@ -147,9 +150,17 @@ def load_jsonl(path: str | Path) -> list[PromptRecord]:
     return records
 
 
+def first_turn(record: PromptRecord) -> PromptRecord:
+    """A conversation's first user turn as a one-message record under the conversation's id
+    (`default` keeps MT-Bench's first turns: small, and the ids of its earlier versions)."""
+    if record.turns is None:
+        return record
+    return PromptRecord(id=record.id, dataset=record.dataset, prompt=record.turns[0], where=record.where)
+
+
 def _load_bundled(name: str) -> list[PromptRecord]:
     if name == "default":
-        return [record for set_name, count in DEFAULT_MIX for record in _load_bundled(set_name)[:count]]
+        return [first_turn(r) for set_name, count in DEFAULT_MIX for r in _load_bundled(set_name)[:count]]
     path = PROMPTS_DIR / f"{name}.jsonl.gz"
     if not path.is_file():
         raise FileNotFoundError(
@@ -184,7 +195,10 @@ def load_prompts(name_or_path: str, limit: int | None = None) -> list[PromptReco
 
 
 def _chat_messages(record: PromptRecord) -> list[dict]:
-    return record.messages if record.messages is not None else [{"role": "user", "content": record.prompt}]
+    """The messages the template renders; a conversation's first turn alone (turns.py renders the rest)."""
+    if record.messages is not None:
+        return record.messages
+    return [{"role": "user", "content": record.prompt if record.turns is None else record.turns[0]}]
 
 
 def render_prompt(record: PromptRecord, tokenizer, enable_thinking: bool | None = None) -> tuple[list[int], str]:
@@ -201,21 +215,25 @@ def render_prompt(record: PromptRecord, tokenizer, enable_thinking: bool | None 
         return ids, tokenizer.decode(ids)
     if not getattr(tokenizer, "chat_template", None):
         if record.prompt is None:
+            form = "messages" if record.messages is not None else "turns"
             raise UserError(
-                f"prompt {record.id!r} has 'messages' but the tokenizer has no chat template to render them; "
+                f"prompt {record.id!r} has '{form}' but the tokenizer has no chat template to render them; "
                 f"use a chat model, or give the record as 'prompt' text or 'input_ids'"
             )
         # One message for all records, so the default warning filter shows it once.
         warnings.warn("tokenizer has no chat template; 'prompt' records are encoded as raw text", stacklevel=2)
         return list(tokenizer(record.prompt).input_ids), record.prompt
+    return render_chat(_chat_messages(record), tokenizer, enable_thinking, record.where or f"prompt {record.id!r}")
+
+
+def render_chat(messages: list[dict], tokenizer, enable_thinking: bool | None, where: str) -> tuple[list[int], str]:
+    """(token ids, text) of chat `messages` through the target's template, as render_prompt says."""
     template_kwargs = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
     try:
-        text = tokenizer.apply_chat_template(
-            _chat_messages(record), tokenize=False, add_generation_prompt=True, **template_kwargs
-        )
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **template_kwargs)
     except Exception as error:  # noqa: BLE001 - the target's own template code (jinja), run on the user's messages
         raise UserError(
-            f"{record.where or f'prompt {record.id!r}'}: field 'messages': the target's chat template cannot render "
+            f"{where}: field 'messages': the target's chat template cannot render "
             f"them ({type(error).__name__}: {error}); give each message's content as plain text"
         ) from None
     return list(tokenizer(text, add_special_tokens=False).input_ids), text
@@ -232,8 +250,12 @@ def render_response(record: PromptRecord, tokenizer) -> list[int] | None:
 
 def prompt_set_hash(records: list[PromptRecord]) -> str:
     """sha256 over a canonical JSON of the records (order matters: it is the extraction order)."""
+    # `turns` only where a record has them: the hash of a set without any is what it always was
     canonical = json.dumps(
-        [{k: v for k, v in asdict(record).items() if k != "where"} for record in records],
+        [
+            {k: v for k, v in asdict(record).items() if k != "where" and not (k == "turns" and v is None)}
+            for record in records
+        ],
         sort_keys=True,
         ensure_ascii=False,
         separators=(",", ":"),

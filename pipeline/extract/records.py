@@ -1,8 +1,10 @@
 """The declared schema of one prompt record (one line of a user's JSONL prompt file).
 
-Three forms, exactly one per record: `{"id", "messages": [{"role", "content"}, ...]}` (chat),
-`{"id", "prompt": "..."}` (one user message), `{"id", "input_ids": [...]}` (used as is).
-Optional: `"response"` (text or token ids, teacher-forced instead of generated) and
+Four forms, exactly one per record: `{"id", "messages": [{"role", "content"}, ...]}` (chat),
+`{"id", "prompt": "..."}` (one user message), `{"id", "input_ids": [...]}` (used as is),
+`{"id", "turns": ["...", "..."]}` (a conversation's user turns, each answered by the target in
+turn: pipeline/extract/turns.py).
+Optional: `"response"` (text or token ids, teacher-forced instead of generated; not with turns) and
 `"dataset"` (else the file's name). Fields it does not name are read by nothing: prompts.py
 says which, once per file, so a misspelt `"reponse"` is not silently generated instead.
 """
@@ -15,7 +17,7 @@ from pydantic import Field, field_validator, model_validator
 
 from pipeline.common.schema import LARGEST, Count, Schema, wrong
 
-PROMPT_FORMS = ("messages", "prompt", "input_ids")
+PROMPT_FORMS = ("messages", "prompt", "input_ids", "turns")
 TOKEN_IDS = "a non-empty list of non-negative integer token ids, e.g. [1, 4093, 314]"
 Text = Annotated[str, Field(min_length=1)]
 
@@ -40,6 +42,7 @@ class RecordSchema(Schema):
     messages: Annotated[list[Message], Field(min_length=1)] | None = None
     prompt: Text | None = None
     input_ids: Annotated[list[Count], Field(min_length=1)] | None = None
+    turns: Annotated[list[Text], Field(min_length=1)] | None = None
     response: Any = None
     dataset: Text | None = None
 
@@ -69,7 +72,14 @@ class RecordSchema(Schema):
             seen = " and ".join(forms) if forms else "none"
             raise ValueError(
                 f"field {'/'.join(PROMPT_FORMS)!r}: exactly one is required (found {seen}); use "
-                f'{{"id", "messages": [...]}}, {{"id", "prompt": "..."}} or {{"id", "input_ids": [...]}}'
+                f'{{"id", "messages": [...]}}, {{"id", "prompt": "..."}}, {{"id", "input_ids": [...]}} '
+                f'or {{"id", "turns": ["...", "..."]}}'
+            )
+        if self.turns is not None and self.response is not None:
+            # each turn's answer is the target's own: the next turn's prompt is built from it
+            raise ValueError(
+                "field 'response': a 'turns' record has no given response (the target answers every turn); "
+                "leave 'response' out, or give the conversation as 'messages' with its 'response'"
             )
         return self
 

@@ -10,8 +10,9 @@ A run is four steps (`run_extract`); every check happens before the first byte i
      temporary files of an interrupted run, store the target head and the tokenizer
      (OUT/tokenizer/, save_pretrained) once, write manifest.json with complete=false;
   3. every rank writes its share (`write_rank_share`): skip samples already in finished shards
-     (by id), take pending[rank::world], generate (batched, greedy or sampled) + capture (one
-     forward per sample), write its own shards;
+     (by id), take pending[rank::world] (whole conversations of "turns" records), generate
+     (batched, greedy or sampled; a conversation's turns in rounds, `run_rounds`, turns.py) +
+     capture (one forward per sample), write its own shards;
   4. rank 0 finishes the manifest (`finish_manifest`): every finished shard entry (sorted by file
      name), complete=true, totals.
 
@@ -72,15 +73,19 @@ from pipeline.outdir.directory import (
 # step 3: every rank writes its share
 
 
-def write_rank_share(model, info, plan: Plan, config: ExtractConfig, dist: Dist, progress=None, engine=None) -> None:
-    """This rank's samples (pending ones, every world-th from its rank) into its own shards;
-    with an `engine` (--responses-from) their responses are fetched first, then captured."""
+def write_rank_share(
+    model, info, plan: Plan, config: ExtractConfig, dist: Dist, progress=None, engine=None, tokenizer=None
+) -> None:
+    """This rank's samples (pending ones: whole conversations, every world-th from its rank) into
+    its own shards, a conversation's turns in rounds (`run_rounds`; `tokenizer` renders the later
+    turns); with an `engine` (--responses-from) their responses are fetched first, then captured."""
     from pipeline.extract.capture import CaptureConfig
+    from pipeline.extract.turns import rank_share
 
     ids = {item.sample_id for item in plan.items}
     writer, done = resume_writer(config.out, dist.rank, plan.storage, ids, config.shard_bytes, config.zstd_level)
     pending = [item for item in plan.items if item.sample_id not in done]
-    mine = pending[dist.rank :: dist.world]
+    mine = rank_share(pending, dist.rank, dist.world)
     capture_config = CaptureConfig(
         layer_ids=plan.storage.layer_ids,
         feature_dtype=None if plan.storage.feature_dtype is None else STORAGE_DTYPES[plan.storage.feature_dtype],
@@ -92,25 +97,50 @@ def write_rank_share(model, info, plan: Plan, config: ExtractConfig, dist: Dist,
     bar = progress(budget, "extract", unit="tok") if progress is not None else SilentProgress()
     try:
         fetched = None if engine is None else engine_responses(engine, mine, plan, config, info, dist.rank, bar)
-        run_items(
-            model,
-            info,
-            mine,
-            writer,
-            capture_config,
-            config.max_new_tokens,
-            config.batch_size,
-            bar,
-            sampling=plan.sampling,
-            seed=config.seed,
-            fetched=fetched,
-        )
+        run_rounds(model, info, mine, writer, capture_config, plan, config, bar, fetched, tokenizer, done)
         writer.close()
     except KeyboardInterrupt as stop:  # Ctrl-C, or SIGTERM raised as one (specreplay/cli.py)
         also = f" (and the engine's responses so far in {config.out}/responses/)" if engine is not None else ""
         raise kept_on_stop(writer, len(done), len(plan.items), config.out + also, stop) from None
     finally:
         bar.close()
+
+
+def run_rounds(
+    model, info, items, writer, capture_config, plan: Plan, config: ExtractConfig, bar, fetched, tokenizer, done
+):
+    """Round r generates turn r of every conversation that has one (pipeline/extract/turns.py),
+    each batched as a prompt set is; a prompt set without "turns" records is one round. The
+    earlier answers come from the rounds before, or from the shards of an earlier run."""
+    from pipeline.extract.turns import excluded_turn, rounds, stored_answers, with_prompt
+
+    counter = TokenProgress(bar, len(items))
+    answers = stored_answers(config.out, plan.storage.tensors, items, done)
+    for round_items in rounds(items):
+        ready = []
+        for item in round_items:
+            built = with_prompt(item, answers, tokenizer, config.enable_thinking)
+            if built is None:  # an earlier turn was excluded: this prompt would hold an answer no shard stores
+                writer.exclude(excluded_turn(item))
+                counter.written(item)
+            else:
+                ready.append(built)
+        answers.update(
+            run_items(
+                model,
+                info,
+                ready,
+                writer,
+                capture_config,
+                config.max_new_tokens,
+                config.batch_size,
+                bar,
+                sampling=plan.sampling,
+                seed=config.seed,
+                fetched=fetched,
+                counter=counter,
+            )
+        )
 
 
 def engine_responses(engine, items: list[Item], plan: Plan, config: ExtractConfig, info, rank: int, bar) -> dict:
@@ -190,40 +220,52 @@ def run_items(
     sampling: Sampling | None = None,
     seed: int = 0,
     fetched: dict | None = None,
-) -> None:
+    counter: TokenProgress | None = None,
+) -> dict[str, list[int] | None]:
     """Generate in batches, then one capture forward per sample, written in item order; `progress`
     (a tqdm-like bar of token_budget(items) tokens) advances every decode step. Responses are
     drawn from `sampling` when it is set (None: greedy), each draw seeded from `seed` (draw_seed);
-    with `fetched` ({sample_id: Response} from a serving engine) nothing is generated here."""
-    from pipeline.extract.generate import draw_seed, generate_responses, given_response
+    with `fetched` ({sample_id: Response} from a serving engine) nothing is generated here.
+    Returns the answers a later turn reads: {sample id: response tokens, None when excluded} of
+    the conversation turns among `items` (turns.py)."""
+    from pipeline.extract.generate import given_response
 
-    counter = TokenProgress(progress, len(items))
+    counter = counter or TokenProgress(progress, len(items))
+    answers: dict[str, list[int] | None] = {}
     for batch in batches(items, batch_size):
         if fetched is not None:
             responses = [fetched[i.sample_id] if i.given is None else given_response(i.given) for i in batch]
-            for item, response in zip(batch, responses):
-                capture_and_write(model, item, response, capture_config, writer)
-                counter.written(item)
-            continue
-        responses = generate_responses(
-            model,
-            [i.prompt_ids for i in batch],
-            [i.given for i in batch],
-            max_new_tokens,
-            info.stop_token_ids,
-            info.pad_token_id,
-            on_tokens=counter.tokens,
-            sampling=sampling,
-            seeds=[None if i.draw is None else draw_seed(seed, i.prompt_id, i.draw) for i in batch],
-        )
+        else:
+            responses = batch_responses(model, info, batch, max_new_tokens, counter, sampling, seed)
         for item, response in zip(batch, responses):
-            capture_and_write(model, item, response, capture_config, writer)
+            written = capture_and_write(model, item, response, capture_config, writer)
+            if item.turn is not None:
+                answers[item.sample_id] = response.token_ids if written else None
             counter.written(item)
+    return answers
 
 
-def capture_and_write(model, item: Item, response, capture_config, writer: shards.ShardWriter) -> None:
+def batch_responses(model, info, batch: list[Item], max_new_tokens: int, counter, sampling, seed: int) -> list:
+    """One batch's responses: given ones as they are, the others generated (greedy or drawn)."""
+    from pipeline.extract.generate import draw_seed, generate_responses
+
+    return generate_responses(
+        model,
+        [i.prompt_ids for i in batch],
+        [i.given for i in batch],
+        max_new_tokens,
+        info.stop_token_ids,
+        info.pad_token_id,
+        on_tokens=counter.tokens,
+        sampling=sampling,
+        seeds=[None if i.draw is None else draw_seed(seed, i.prompt_id, i.draw) for i in batch],
+    )
+
+
+def capture_and_write(model, item: Item, response, capture_config, writer: shards.ShardWriter) -> bool:
     """One capture forward over prompt + response, written as one sample; a sample with NaN/Inf
-    in a feature layer or its logits is never written, only recorded as excluded (where first)."""
+    in a feature layer or its logits is never written, only recorded as excluded (where first).
+    Whether it was written."""
     from pipeline.extract.capture import capture_sample, nonfinite_values
 
     input_ids = item.prompt_ids + response.token_ids
@@ -231,7 +273,7 @@ def capture_and_write(model, item: Item, response, capture_config, writer: shard
     bad = nonfinite_values(tensors, getattr(capture_config, "layer_ids", None), len(item.prompt_ids))
     if bad is not None:
         writer.exclude({"sample_id": item.sample_id, "dataset": item.dataset, **bad})
-        return
+        return False
     writer.write(
         shards.Sample(
             sample_id=item.sample_id,
@@ -246,6 +288,7 @@ def capture_and_write(model, item: Item, response, capture_config, writer: shard
     )
     # The writer owns the tensors now; returning drops our reference, so the next forward
     # does not keep them alive.
+    return True
 
 
 # ---------------------------------------------------------------------------------------------
@@ -262,10 +305,12 @@ def run_extract(config: ExtractConfig, progress=None, loaded=None) -> dict:
     instead of loading config.model again.
     """
     from pipeline.extract.prompts import load_prompts
+    from pipeline.extract.turns import refuse_engine_turns
 
     dist = dist_from_env()
     validate_numbers(config)
     records = load_prompts(config.prompts, limit=config.limit)  # parse errors surface before any load
+    refuse_engine_turns(config.responses_from, records)
     check_known_settings(config.out, known_settings(config, records), config.overwrite, whole=("sampling",))
     init_dist(dist)
     lock = output_lock(config.out, "extract") if dist.main else None  # ranks of one job share rank 0's lock
@@ -330,7 +375,7 @@ def _run(config: ExtractConfig, dist: Dist, records, progress, loaded) -> dict:
     if dist.main:
         prepare_out(config.out, manifest, plan.storage, config.overwrite, target_head(model, plan), tokenizer)
     barrier(dist)
-    write_rank_share(model, info, plan, config, dist, progress, engine)
+    write_rank_share(model, info, plan, config, dist, progress, engine, tokenizer)
     barrier(dist)
     if dist.main:
         finish_manifest(config.out, manifest, plan.storage, [item.sample_id for item in plan.items])

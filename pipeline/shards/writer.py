@@ -262,6 +262,8 @@ def excluded_records(entries: list[dict]) -> list[dict]:
 
 def _where(record: dict) -> str:
     """'layer 3 features at position 17', '... at position 17 and 4 more', 'logits at every position (40)'."""
+    if record.get("not_run"):  # a later turn whose earlier answer was excluded (pipeline/extract/turns.py)
+        return f"not run, {record['what']} was excluded"
     count, length = record.get("count", 1), record.get("length")
     if count > 1 and count == length:
         return f"{record['what']} at every position ({length})"

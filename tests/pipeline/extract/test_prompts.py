@@ -39,7 +39,6 @@ def tokenizer():
     [
         ("humaneval", 164, r"humaneval/\d{4}"),
         ("gsm8k", 1319, r"gsm8k/\d{4}"),
-        ("mt-bench", 80, r"mt-bench/\d+"),
     ],
 )
 def test_bundled_sets(name, count, id_pattern):
@@ -48,7 +47,17 @@ def test_bundled_sets(name, count, id_pattern):
     assert len({r.id for r in records}) == count
     assert all(re.fullmatch(id_pattern, r.id) for r in records)
     assert all(r.dataset == name and r.prompt and r.messages is None and r.input_ids is None for r in records)
-    assert all(r.response is None for r in records)
+    assert all(r.response is None and r.turns is None for r in records)
+
+
+def test_mt_bench_is_bundled_with_both_turns():
+    """MT-Bench's 80 questions as two-turn conversations, as the DFlash benchmark runs them (the
+    second turn answered after the target's own first answer: extract's rounds)."""
+    records = load_prompts("mt-bench")
+    assert len(records) == len({r.id for r in records}) == 80
+    assert all(re.fullmatch(r"mt-bench/\d+", r.id) and r.dataset == "mt-bench" for r in records)
+    assert all(len(r.turns) == 2 and r.prompt is None and r.response is None for r in records)
+    assert records[0].turns[1] == "Rewrite your previous response. Start every sentence with the letter A."
 
 
 def test_bundled_formats_match_the_dflash_benchmark():
@@ -66,13 +75,13 @@ def test_bundled_formats_match_the_dflash_benchmark():
     )
     mt_bench = load_prompts("mt-bench")
     assert mt_bench[0].id == "mt-bench/81" and mt_bench[-1].id == "mt-bench/160"
-    assert mt_bench[0].prompt.startswith("Compose an engaging travel blog post about a recent trip to Hawaii")
+    assert mt_bench[0].turns[0].startswith("Compose an engaging travel blog post about a recent trip to Hawaii")
 
 
-def test_spec_bench_keeps_each_category_a_dataset_and_its_first_turns():
+def test_spec_bench_keeps_each_category_a_dataset_and_its_turns():
     """Spec-Bench's 480 questions in 13 categories, each its own dataset in the results (80 each of
     translation, summarization, qa, math_reasoning, rag; MT-Bench's 80 by their 8 categories, the
-    same first turns as the mt-bench set); the file rebuilds from the raw one (below)."""
+    same two turns as the mt-bench set); the file rebuilds from the raw one (below)."""
     from collections import Counter
 
     records = load_prompts("spec-bench")
@@ -81,8 +90,8 @@ def test_spec_bench_keeps_each_category_a_dataset_and_its_first_turns():
     counts = Counter(r.dataset for r in records)
     assert len(counts) == 13 and counts["spec-bench/writing"] == 10
     assert all(counts[f"spec-bench/{c}"] == 80 for c in ("translation", "summarization", "qa", "math_reasoning", "rag"))
-    assert [r.prompt for r in records[:80]] == [r.prompt for r in load_prompts("mt-bench")]
-    assert records[80].prompt.startswith("Translate German to English: ")
+    assert [r.turns for r in records[:80]] == [r.turns for r in load_prompts("mt-bench")]
+    assert records[80].prompt.startswith("Translate German to English: ") and records[80].turns is None
 
 
 def test_default_is_a_deterministic_mix():
@@ -94,7 +103,10 @@ def test_default_is_a_deterministic_mix():
     )
     assert [r.dataset for r in records] == ["gsm8k"] * 6 + ["humaneval"] * 5 + ["mt-bench"] * 5
     assert records[0] == load_prompts("gsm8k")[0]
+    assert [r.prompt for r in records[11:]] == [r.turns[0] for r in load_prompts("mt-bench")[:5]]  # first turns
     assert not (PROMPTS_DIR / "default.jsonl.gz").exists()  # defined in code, not a copy
+    # the same set as before "turns" records existed: an extract of it made then resumes now
+    assert prompt_set_hash(records) == "c4336ebf545b04cee7631de67d970c2e91b6c8e4141074d0dcacf121784f24f3"
 
 
 def test_bundled_names_and_licences_documented():
@@ -153,6 +165,16 @@ def test_three_forms_and_responses(tmp_path):
     assert load_prompts(str(path), limit=2) == records[:2]
 
 
+def test_a_conversation_record_keeps_its_user_turns(tmp_path):
+    """ "turns" (MT-Bench's form): the user turns, answered one after the other by the target in
+    extract (tests/pipeline/extract/test_turns.py); its first turn renders as a "prompt" record's."""
+    path = write_prompts(tmp_path / "chat.jsonl", [{"id": "c", "turns": ["Hi", "And then?"]}])
+    (record,) = load_prompts(path)
+    assert record.turns == ["Hi", "And then?"] and record.prompt is None and record.dataset == "chat"
+    tokenizer = make_tokenizer()
+    assert render_prompt(record, tokenizer) == render_prompt(PromptRecord(id="c", dataset="d", prompt="Hi"), tokenizer)
+
+
 def test_gzipped_user_file_and_dataset_from_stem(tmp_path):
     path = tmp_path / "my-set.jsonl.gz"
     with gzip.open(path, "wt") as handle:
@@ -180,7 +202,7 @@ def test_not_an_object(tmp_path):
 
 def test_record_with_no_form(tmp_path):
     message = _error(tmp_path, [{"id": "a", "prompt": "x"}, {"id": "b", "text": "x"}])
-    assert "bad.jsonl:2" in message and "'messages/prompt/input_ids'" in message and "found none" in message
+    assert "bad.jsonl:2" in message and "'messages/prompt/input_ids/turns'" in message and "found none" in message
     assert '{"id", "prompt": "..."}' in message  # the fix
 
 
@@ -210,6 +232,9 @@ def test_duplicate_id_names_both_lines(tmp_path):
         ({"id": "a", "prompt": "x", "response": 5}, "'response'"),
         ({"id": "a", "prompt": "x", "response": [1, -1]}, "'response'"),
         ({"id": "a", "prompt": "x", "dataset": 3}, "'dataset'"),
+        ({"id": "a", "turns": []}, "'turns'"),
+        ({"id": "a", "turns": ["x", ""]}, "'turns[1]'"),
+        ({"id": "a", "turns": ["x", "y"], "response": "z"}, "'response'"),
     ],
 )
 def test_bad_field_values(tmp_path, record, field):
