@@ -113,6 +113,15 @@ s.rej{color:#c0392b;font-size:.72em;vertical-align:super;margin:0 1px}
 .legend .tok{padding:1px 5px;margin-right:6px}
 .legend{font-size:.88em}
 .sample-index{font-size:.88em}
+@media (max-width:900px){
+  table.worst{display:grid;grid-template-columns:repeat(var(--cols),auto)}
+  table.worst thead,table.worst tbody{display:contents}
+  table.worst tr{display:grid;grid-template-columns:subgrid;grid-column:1/-1;border-bottom:1px solid #e3e7ee}
+  table.worst th,table.worst td{border-bottom:0;overflow-wrap:break-word}
+  table.worst td:nth-child(-n+4){white-space:normal}
+  table.worst th.prompt-cell{display:none}
+  table.worst td.prompt-cell{grid-column:1/-1;padding-top:0}
+}
 """
 
 HOW_TO_READ = f"""
