@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 from pipeline.common.versions import specreplay_version
 from scoring.report.baselines import baselines_section
+from scoring.report.by_group import groups_section
 from scoring.report.data import (
     TAU_UNIT,
     Duplicate,
@@ -43,9 +44,10 @@ from scoring.report.plots import (
     plot_tau_vs_budget,
     plot_tau_vs_step,
 )
+from scoring.report.positions import position_table
 from scoring.report.sample import SampleViews, anchor_id, choose_samples, sample_section
 from scoring.report.speed import speed_parts
-from scoring.report.tables import inputs_table, reach_table, summary_table, worst_prompts_table
+from scoring.report.tables import inputs_table, summary_table, worst_prompts_table
 from scoring.results import ALL_DATASETS as ALL
 
 __all__ = [
@@ -83,9 +85,17 @@ table.summary th.group{border-bottom:1px solid #d0d7e2}
 table.summary td:nth-child(n+3){white-space:nowrap;text-align:right;font-variant-numeric:tabular-nums}
 sup.fitted{color:#a06a00;font-weight:600;cursor:help;line-height:0}
 table.summary tr.group-start td{border-top:2px solid #b8c2d3}
-table.reach{width:auto}
-table.reach td:nth-child(n+2){text-align:right;font-variant-numeric:tabular-nums}
-table.reach td.few{color:#a8b0bd;background:#f6f7f9}
+table.reach{width:auto;font-size:.82em}
+table.reach th,table.reach td{padding:2px 5px}
+table.reach td{text-align:right;font-variant-numeric:tabular-nums;white-space:nowrap}
+table.reach td[rowspan],table.reach td.what{text-align:left;white-space:normal}
+table.reach td.what{color:#5b6475}
+table.reach tr.interval td,table.reach tr.n td{font-size:.9em}
+table.reach tr.rate td{border-top:1px solid #d0d7e2}
+table.reach td.few,table.groups td.few{color:#a8b0bd;background:#f6f7f9}
+table.groups{width:auto}
+table.groups td.num{text-align:right;font-variant-numeric:tabular-nums}
+table.groups tr.group-start td{border-top:2px solid #b8c2d3}
 table.worst td:nth-child(-n+4){white-space:nowrap}
 table.inputs td{word-break:keep-all}
 table.diagnose td:first-child{white-space:nowrap}
@@ -190,7 +200,8 @@ def _plot_sections(results: Results) -> list[str]:
         "Probability that draft token k is accepted given that tokens 1..k-1 were, over every anchor. "
         "A steep early drop means the drafter loses the thread quickly. "
         f"Points reached by fewer than {MIN_ANCHORS} anchors are grey: too few to read as a cliff. "
-        "The table gives n, the anchors that reached each position."
+        "The table gives each rate, its 95% Wilson interval (the bars; it reads the anchor counts, and anchors of one "
+        "response are not independent, so the spread over prompts is wider) and n, the anchors that reached the position."
     )
     return [
         _section(
@@ -205,7 +216,7 @@ def _plot_sections(results: Results) -> list[str]:
             "Acceptance per block position",
             position_caption,
             plot_acceptance_by_position(results),
-            reach_table(results),
+            position_table(results),
         ),
         _section(
             "τ against DDTree budget",
@@ -280,6 +291,7 @@ def render_report(
         _speed_section(results, profile),
         diagnose_section(diagnoses or []),
         *_plot_sections(results),
+        groups_section(results),
         "<h2>Worst prompts</h2>",
         worst_intro,
         worst_table,

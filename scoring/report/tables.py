@@ -21,7 +21,7 @@ from scoring.report.data import (
     pick_evenly,
     reference_label,
 )
-from scoring.report.plots import MIN_ANCHORS, position_rates
+from scoring.results import chain_drafts
 
 PROMPT_PREVIEW_CHARS = 160
 
@@ -42,6 +42,8 @@ SUMMARY_TITLES = {
     "Dataset": "the prompt set the samples come from; (all) pools every sample",
     "Checkpoint": "the drafter checkpoint scored (its name; † fitted on the very samples it is scored on)",
     "Step": "training step, from the checkpoint's config or its path (step_N); – when it carries none",
+    "K": "draft tokens per chain step (block size - 1 for a block drafter, the chain's length for EAGLE-3): "
+    "a longer chain can accept more, so drafters of different K compare fairly only with K beside τ",
     "τ chain": f"mean over samples of tokens per decoding step ({TAU_UNIT}) with chain verification; on "
     "sampled shards the expected value, exact in distribution, ± its standard error over the responses",
     "Best τ DDTree": "the highest τ over the DDTree budgets scored, with its budget N (nodes per tree); "
@@ -74,7 +76,7 @@ def summary_table(results: Results) -> str:
     s = results.summary
     budgets = ddtree_budgets(s)
     has_streak = "anchor_accepted_len_mean" in s.columns
-    head = ["Dataset", "Checkpoint", "Step", "τ chain"] + (["Best τ DDTree"] if budgets else [])
+    head = ["Dataset", "Checkpoint", "Step", "K", "τ chain"] + (["Best τ DDTree"] if budgets else [])
     head += (["All-anchor streak"] if has_streak else []) + ["Exact walks"]
     out = ['<div class="scroll"><table class=summary><thead><tr>']
     out += [_th(h, SUMMARY_TITLES[h]) for h in head]
@@ -165,37 +167,18 @@ def _rows(results: Results, dataset: str, cells) -> list[str]:
 
 
 def _headline_cells(results: Results, label: str, by: dict, best: float | None, budgets: list[int]) -> list[str]:
-    """Step, τ chain (bold when the best of several), best DDTree, streak, exact walks."""
+    """Step, K, τ chain (bold when the best of several), best DDTree, streak, exact walks."""
     chain = by[(label, CHAIN)]
     tau = fmt(chain["tau"])
     if chain.get("tau_se") is not None:  # sampled shards: an expectation with its sampling error
         tau += f" ± {fmt(chain['tau_se'])}"
-    cells = [fmt(results.steps.get(label)), f"<b>{tau}</b>" if best is not None and chain["tau"] == best else tau]
+    cells = [fmt(results.steps.get(label)), fmt(chain_drafts(chain) or None)]
+    cells.append(f"<b>{tau}</b>" if best is not None and chain["tau"] == best else tau)
     if budgets:
         cells.append(_best_tree(by, label, budgets))
     if "anchor_accepted_len_mean" in results.summary.columns:
         cells.append(fmt(chain.get("anchor_accepted_len_mean")))
     return cells + [_exact(chain)]
-
-
-def reach_table(results: Results) -> str:
-    """Anchors that reached each block position (the n behind each point of the acceptance plot),
-    one row per checkpoint; cells under MIN_ANCHORS carry class `few` (grey)."""
-    labels = [lab for lab in position_rates(results) if lab in results.reach]
-    if not labels:
-        return ""
-    longest = max(len(results.reach[lab][0]) for lab in labels)
-    head = "".join(f"<th>k={k}</th>" for k in range(1, longest + 1))
-    out = [f'<div class="scroll"><table class="reach"><thead><tr><th>Checkpoint</th>{head}</tr></thead><tbody>']
-    for label in labels:
-        reached = results.reach[label][0]
-        cells = "".join(
-            f'<td class="few" title="fewer than {MIN_ANCHORS} anchors">{n}</td>' if n < MIN_ANCHORS else f"<td>{n}</td>"
-            for n in reached
-        )
-        out.append(f"<tr><td>{label_html(label)}</td>{cells}</tr>")
-    out.append("</tbody></table></div>")
-    return "".join(out)
 
 
 def _prompt_cell(text: str | None) -> str:

@@ -25,8 +25,8 @@ from specreplay.cli import main
 from tests.helpers.browser import check_html, chromium_dom, needs_chromium
 from tests.scoring.report.test_page import CHECKPOINTS, write_results
 
-# The console headline's figures (tau chain, best ddtree-N, streak, exact k/n): visible at any width.
-HEADLINE = ("τ chain", "Best τ DDTree", "All-anchor streak", "Exact walks")
+# The console headline's figures (K, tau chain, best ddtree-N, streak, exact k/n): visible at any width.
+HEADLINE = ("K", "τ chain", "Best τ DDTree", "All-anchor streak", "Exact walks")
 # What diagnose writes for variants it cannot measure (the reason, then after ";" the fix).
 NOT_MEASURED = {
     "layers-1": "layers [0, 7, 13, 19, 26] not in the shards; store them with `specreplay extract --neighbour-layers`",
@@ -151,8 +151,8 @@ def test_every_summary_column_has_a_title_that_defines_it(wide_report):
     tables = text.split("<h2>Summary</h2>", 1)[1].split("<h2", 1)[0]
     head = "".join(part.split("</thead>", 1)[0] for part in tables.split("<thead>")[1:])
     cells = re.findall(r'<th[^>]*title="([^"]*)"[^>]*>([^<]*)</th>', head)
-    # 7 headline columns; Dataset and Checkpoint again, the group and the budgets
-    assert len(cells) == head.count("<th") == 7 + 2 + 1 + len(DEFAULT_TREE_NODES)
+    # 8 headline columns; Dataset and Checkpoint again, the group and the budgets
+    assert len(cells) == head.count("<th") == 8 + 2 + 1 + len(DEFAULT_TREE_NODES)
     titles = {html.unescape(name): html.unescape(title) for title, name in cells}
     assert "most probable prefixes" in titles["N=256"] and "256" in titles["N=256"]
     assert "exact k/n" in titles["Exact walks"] and "bonus-exclusive" in titles["All-anchor streak"]
@@ -172,8 +172,9 @@ def test_headline_cells_agree_with_the_summary(wide_report):
     trees = pooled.filter(pl.col("method") != CHAIN).sort("tau", descending=True)
     chain = pooled.filter(pl.col("method") == CHAIN).row(0, named=True)
     best_nodes = DDTREE.setting_of(trees["method"][0])
-    assert cells[4] == f"{trees['tau'][0]:.3f} (N={best_nodes})"
-    assert cells[6] == f"{chain['samples'] - chain['inexact_samples']}/{chain['samples']}"
+    assert cells[3] == str(len(chain["accept_rate_by_position"]))  # K
+    assert cells[5] == f"{trees['tau'][0]:.3f} (N={best_nodes})"
+    assert cells[7] == f"{chain['samples'] - chain['inexact_samples']}/{chain['samples']}"
     budgets = text.split('<table class="summary budgets">', 1)[1].split("</table>", 1)[0].split("<tbody>", 1)[1]
     row = re.findall(r"<tr[^>]*>(.*?)</tr>", budgets)[2]
     cells = [re.sub(r"<[^>]+>", "", c) for c in re.findall(r"<td>(.*?)</td>", row)]

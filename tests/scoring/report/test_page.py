@@ -15,11 +15,13 @@ import struct
 import numpy as np
 import polars as pl
 import pytest
+import torch
 from click.testing import CliRunner
 
 from scoring.methods.chain import CHAIN
 from scoring.methods.ddtree import DDTREE
 from scoring.methods.registry import method_names
+from scoring.replay.metrics import wilson_interval
 from scoring.results import (
     ALL_DATASETS,
     FILES,
@@ -111,9 +113,11 @@ def _summary_rows(samples_df: pl.DataFrame, anchor_rows: list[dict], budgets) ->
             }
             if method == CHAIN:
                 # the last position is never reached in this run: NaN, as the scorer writes it
-                row["accept_rate_by_position"] = accept_rates(
-                    [r for r in anchor_rows if dataset == ALL_DATASETS or r["dataset"] == dataset]
-                )[1]
+                mine = [r for r in anchor_rows if dataset == ALL_DATASETS or r["dataset"] == dataset]
+                reached, rates = accept_rates(mine)
+                row["accept_rate_by_position"] = rates
+                low, high = wilson_interval(torch.tensor(rates) * torch.tensor(reached), torch.tensor(reached))
+                row["accept_rate_low_by_position"], row["accept_rate_high_by_position"] = low.tolist(), high.tolist()
             summary_rows.append(row)
     return summary_rows
 
@@ -312,8 +316,7 @@ def test_acceptance_by_position_shows_n_and_greys_thin_points(built, results_roo
     _, text, _ = built
     section = _section_of(text, "Acceptance per block position")
     assert "fewer than 30 anchors" in section  # the threshold is stated
-    table = section.split('<table class="reach">', 1)[1].split("</table>", 1)[0]
-    rows = re.findall(r"<tr><td>(.*?)</td>(.*?)</tr>", table)
+    rows = position_rows(section)
     assert [re.sub("<wbr>", "", label) for label, _ in rows] == [name for name, _, _ in CHECKPOINTS]
     for (name, step, _), (_, cells) in zip(CHECKPOINTS, rows):
         # n per position from the anchors written, independently of the report's code
@@ -322,7 +325,18 @@ def test_acceptance_by_position_shows_n_and_greys_thin_points(built, results_roo
         shown = re.findall(r"<td( class=\"few\"[^>]*)?>(\d+)</td>", cells)
         assert [int(n) for _, n in shown] == expected, name
         assert [bool(few) for few, _ in shown] == [n < 30 for n in expected], name
-    assert any(n < 30 for n in expected) and 'class="few"' in table  # the fixture has thin positions
+    assert any(n < 30 for n in expected) and 'class="few"' in section  # the fixture has thin positions
+
+
+def position_rows(section: str, row: str = "n") -> list[tuple[str, str]]:
+    """(checkpoint label, that checkpoint's `row` cells) of the per-position table in `section`."""
+    table = section.split('<table class="reach">', 1)[1].split("</table>", 1)[0]
+    pattern = (
+        rf'<tr class="rate"><td rowspan="3">(.*?)</td>.*?<tr class="{row}"><td class="what"[^>]*>[^<]*</td>(.*?)</tr>'
+    )
+    if row == "rate":
+        pattern = r'<tr class="rate"><td rowspan="3">(.*?)</td><td class="what"[^>]*>[^<]*</td>(.*?)</tr>'
+    return re.findall(pattern, table, re.S)
 
 
 def test_histogram_legend_names_tau_and_the_per_step_mean(results_root, monkeypatch):

@@ -14,6 +14,7 @@ from click.testing import CliRunner
 from specreplay.cli import main
 from tests.helpers.browser import chromium_dom, needs_chromium
 from tests.helpers.prompts import write_prompts
+from tests.scoring.report.test_page import position_rows
 
 STEPS = (100, 200)
 
@@ -69,8 +70,7 @@ def test_sampled_anchor_counts_are_found_and_thin_positions_greyed(page):
 
     section = _section(page["html"], "Acceptance per block position")
     assert "No anchor" not in section
-    table = section.split('<table class="reach">', 1)[1].split("</table>", 1)[0]
-    shown = {re.sub("<wbr>", "", label): cells for label, cells in re.findall(r"<tr><td>(.*?)</td>(.*?)</tr>", table)}
+    shown = {re.sub("<wbr>", "", label): cells for label, cells in position_rows(section)}
     assert len(shown) == 4 and sum("(T=0.6)" in label for label in shown) == 2
     for directory in glob.glob(os.path.join(page["roots"][1], "*")):
         summary = pl.read_parquet(os.path.join(directory, "summary.parquet")).filter(
