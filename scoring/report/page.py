@@ -37,6 +37,7 @@ from scoring.report.data import (
     load_results,
 )
 from scoring.report.diagnose import diagnose_section, load_diagnoses
+from scoring.report.paired import paired_section
 from scoring.report.plots import (
     MIN_ANCHORS,
     plot_acceptance_by_position,
@@ -94,6 +95,11 @@ table.reach tr.interval td,table.reach tr.n td{font-size:.9em}
 table.reach tr.rate td{border-top:1px solid #d0d7e2}
 table.reach td.few,table.groups td.few{color:#a8b0bd;background:#f6f7f9}
 table.groups{width:auto}
+table.paired td:nth-child(n+3){font-variant-numeric:tabular-nums}
+table.paired tr.group-start td{border-top:2px solid #b8c2d3}
+table.paired tr.better td:nth-last-child(2){color:#1f7a34;font-weight:600}
+table.paired tr.worse td:nth-last-child(2){color:#b3261e;font-weight:600}
+span.few{color:#a8b0bd}
 table.groups td.num{text-align:right;font-variant-numeric:tabular-nums}
 table.groups tr.group-start td{border-top:2px solid #b8c2d3}
 table.worst td:nth-child(-n+4){white-space:nowrap}
@@ -145,7 +151,7 @@ DDTree-N verifies a tree of the N most probable prefixes from the same drafter p
 is used as an anchor (chain, bonus-exclusive): denser and steadier than the walk, good for comparing
 checkpoints. <b>Acceptance per block position</b> shows where in the block acceptance dies.
 Bold τ marks the best checkpoint per dataset; differences of a few hundredths on small prompt sets
-are noise: compare checkpoints with a paired confidence interval before trusting them.</p>
+are noise: <a href="#paired">Paired differences</a> gives each step's paired confidence interval.</p>
 </div>
 """
 
@@ -288,6 +294,7 @@ def render_report(
         f"definition. “(all)” pools every sample.{_sampled_caption(results)}</p>",
         summary_table(results),
         baselines_section(results),
+        paired_section(results),
         _speed_section(results, profile),
         diagnose_section(diagnoses or []),
         *_plot_sections(results),

@@ -13,7 +13,7 @@ import polars as pl
 
 from scoring.methods.chain import CHAIN
 from scoring.methods.ddtree import DDTREE
-from scoring.report.data import TAU_UNIT, Results, chain_all, datasets, ddtree_budgets, pick_evenly
+from scoring.report.data import TAU_UNIT, Results, chain_all, datasets, ddtree_budgets, pick_evenly, run_of
 from scoring.results import ALL_DATASETS as ALL, MIN_ANCHORS
 
 # Plots with more lines than this stop being readable; we show an even spread, first and last kept.
@@ -205,15 +205,12 @@ def _step_lines(results: Results, stepped: list[str]):
     rows = results.summary.filter((pl.col("method") == CHAIN) & pl.col("label").is_in(stepped))
     # a run is a training run and a decoding kind: greedy and sampled τ are different experiments
     named = len(set(results.kind.values())) > 1
-    run_of = {
-        lab: " · ".join(p for p in (lab.rsplit("/", 1)[0] if "/" in lab else "", _kind(results, lab, named)) if p)
-        for lab in stepped
-    }
-    runs = sorted(set(run_of.values()))
+    runs_of = {lab: run_of(results, lab, named) for lab in stepped}
+    runs = sorted(set(runs_of.values()))
     for d_index, dataset in enumerate(datasets(rows)):
         for r_index, run in enumerate(runs):
             mine = rows.filter(
-                (pl.col("dataset") == dataset) & pl.col("label").is_in([lab for lab in stepped if run_of[lab] == run])
+                (pl.col("dataset") == dataset) & pl.col("label").is_in([lab for lab in stepped if runs_of[lab] == run])
             )
             points = sorted(
                 (results.steps[lab], tau) for lab, tau in zip(mine["label"], mine["tau"]) if tau is not None
@@ -221,10 +218,6 @@ def _step_lines(results: Results, stepped: list[str]):
             if points:
                 name = f"{run} · {dataset}" if len(runs) > 1 else dataset
                 yield name, points, d_index, r_index, dataset == ALL
-
-
-def _kind(results: Results, label: str, named: bool) -> str:
-    return results.kind.get(label, "greedy") if named else ""
 
 
 def _tree_step_lines(results: Results, stepped: list[str]):

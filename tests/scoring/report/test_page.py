@@ -183,7 +183,7 @@ def write_results(
         "checkpoint": {"name": name, "step": step},
         "device": "cpu",
         "dtype": "float32",
-        "shards": {"uri": "/data/shards/synthetic", "samples": 12},
+        "shards": {"uri": "/data/shards/synthetic", "identity": "synthetic-0001", "samples": 12},
         "wall_time_s": 1.25,
     }
     write_fake_results(
@@ -433,7 +433,7 @@ def test_dedupe_prefers_the_run_on_more_samples_and_keeps_other_shards(tmp_path)
     write_results(other / "a", "run/step_300", 300, 0.72, 5)
     write_results(other / "b", "run/step_300", 300, 0.72, 5)
     run = json.loads((other / "b" / FILES["run"]).read_text())
-    run["shards"]["uri"] = "/data/shards/another-set"
+    run["shards"].update(uri="/data/shards/another-set", identity="another-set-0001")
     (other / "b" / FILES["run"]).write_text(json.dumps(run))
     result = CliRunner().invoke(main, ["report", str(other), "--out", str(tmp_path / "o.html")])
     assert result.exit_code == 0 and "skipped" not in result.output

@@ -118,6 +118,14 @@ def test_sampled_rows_say_exact_walk_is_not_applicable(page):
             assert any(re.fullmatch(r"\d+/\d+", c) for c in cells)
 
 
+def test_paired_differences_never_pair_greedy_with_sampled(page):
+    section = page["html"].split('<h2 id="paired">', 1)[1].split("<h2", 1)[0]
+    pairs = [re.sub(r"<[^>]+>", "", cell).split(" →") for cell in re.findall(r'<td rowspan="\d+">(.*?)</td>', section)]
+    kinds = [tuple("(T=0.6)" in side for side in pair) for pair in pairs]
+    assert sorted(set(kinds)) == [(False, False), (True, True)], pairs  # one greedy pair, one sampled pair
+    assert "not compared" not in section
+
+
 def test_header_counts_distinct_checkpoints_and_runs_per_kind(page):
     meta = re.search(r'<p class="meta">(.*?)</p>', page["html"], re.S).group(1)
     assert meta.startswith("2 checkpoint(s) (2 greedy runs, 2 sampled T=0.6 runs)")
