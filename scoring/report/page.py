@@ -88,7 +88,7 @@ sup.fitted{color:#a06a00;font-weight:600;cursor:help;line-height:0}
 table.summary tr.group-start td{border-top:2px solid #b8c2d3}
 table.reach{width:auto;font-size:.82em}
 table.reach th,table.reach td{padding:2px 5px}
-table.reach td{text-align:right;font-variant-numeric:tabular-nums;white-space:nowrap}
+table.reach td{text-align:right;font-variant-numeric:tabular-nums}
 table.reach td[rowspan],table.reach td.what{text-align:left;white-space:normal}
 table.reach td.what{color:#5b6475}
 table.reach tr.interval td,table.reach tr.n td{font-size:.9em}
@@ -130,6 +130,7 @@ s.rej{color:#c0392b;font-size:.72em;vertical-align:super;margin:0 1px}
 .legend{font-size:.88em}
 .sample-index{font-size:.88em}
 @media (max-width:900px){
+  table.reach th,table.reach td{padding:2px 3px}
   table.worst{display:grid;grid-template-columns:repeat(var(--cols),auto)}
   table.worst thead,table.worst tbody{display:contents}
   table.worst tr{display:grid;grid-template-columns:subgrid;grid-column:1/-1;border-bottom:1px solid #e3e7ee}

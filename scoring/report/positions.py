@@ -9,12 +9,12 @@ import math
 
 from scoring.report.data import Results, fmt
 from scoring.report.plots import MIN_ANCHORS, position_intervals, position_rates
-from scoring.report.tables import label_html
+from scoring.report.tables import breakable
 
 ROWS = (
-    ("rate", "accepted %", "P(draft token k accepted | position k reached), in %"),
-    ("interval", "95% interval", "the rate's 95% Wilson interval on the anchors behind it, in %"),
-    ("n", "anchors n", "anchors that reached position k (expected counts on sampled shards)"),
+    ("rate", "rate %", "P(draft token k accepted | position k reached), in %"),
+    ("interval", "95% CI", "the rate's 95% Wilson interval on the anchors behind it, in %"),
+    ("n", "anchors", "anchors that reached position k (expected counts on sampled shards)"),
 )
 
 
@@ -29,7 +29,9 @@ def _values(results: Results, label: str, rates: list, interval) -> dict[str, li
     return {
         "rate": [_percent(r) for r in rates],
         "interval": [
-            "–" if "–" in (lo, hi) else f"{lo}–{hi}" for lo, hi in zip(map(_percent, lows), map(_percent, highs))
+            # <wbr>: a narrow window may put the high end under the low one rather than scroll
+            "–" if "–" in (lo, hi) else f"{lo}–<wbr>{hi}"
+            for lo, hi in zip(map(_percent, lows), map(_percent, highs))
         ],
         "n": [fmt(n) for n in counts] if counts is not None else ["–"] * len(rates),
     }
@@ -50,7 +52,7 @@ def position_table(results: Results) -> str:
         few = [counts is not None and k < len(counts) and counts[k] < MIN_ANCHORS for k in range(len(rate))]
         values = _values(results, label, rate, intervals.get(label))
         for index, (row, name, title) in enumerate(ROWS):
-            first = f'<td rowspan="{len(ROWS)}">{label_html(label)}</td>' if index == 0 else ""
+            first = f'<td rowspan="{len(ROWS)}">{breakable(label, "/")}</td>' if index == 0 else ""
             cells = "".join(
                 f'<td class="few" title="fewer than {MIN_ANCHORS} anchors">{v}</td>' if f else f"<td>{v}</td>"
                 for v, f in zip(values[row], few)

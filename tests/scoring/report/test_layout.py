@@ -98,10 +98,12 @@ def write_diagnosis(directory) -> None:
 
 @pytest.fixture(scope="module")
 def wide_report(tmp_path_factory):
-    """A report over three checkpoints scored with every default DDTree budget, and a diagnosis."""
+    """A report over three checkpoints of block size 16 (15 positions, as real drafters) scored with
+    every default DDTree budget, and a diagnosis."""
     root = tmp_path_factory.mktemp("layout")
     for seed, (name, step, p) in enumerate(CHECKPOINTS):
-        write_results(root / "results" / f"run_step_{step}", name, step, p, seed, budgets=DEFAULT_TREE_NODES)
+        directory = root / "results" / f"run_step_{step}"
+        write_results(directory, name, step, p, seed, budgets=DEFAULT_TREE_NODES, block=16)
     write_diagnosis(root / "diagnose" / "run_step_300")
     out = root / "report.html"
     result = CliRunner().invoke(
