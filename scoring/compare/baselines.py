@@ -16,7 +16,7 @@ from proposers.registry import BASELINE_FAMILIES
 from scoring import results
 from scoring.compare.bootstrap import digits
 from scoring.compare.inputs import CompareError, CompareWarning
-from scoring.compare.run import headline_row, run_comparison
+from scoring.compare.run import Comparison, headline_row, run_comparison
 
 
 def is_baseline(record: dict | None) -> bool:
@@ -24,15 +24,24 @@ def is_baseline(record: dict | None) -> bool:
     return (record or {}).get("checkpoint", {}).get("family") in BASELINE_FAMILIES
 
 
-def paired_row(dir_a: str, dir_b: str) -> dict | str:
-    """The pooled headline row of compare(A, B) (tau_a, tau_b, delta, ci_low, ci_high, n), or why
-    there is none; compare's warnings are for its own report and stay out of these one-liners."""
+def quiet_comparison(dir_a: str, dir_b: str) -> Comparison | str:
+    """run_comparison(A, B), or why there is none; compare's warnings are for its own report and
+    stay out of the one-liners and the report's tables built on this."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", CompareWarning)
-            row = headline_row(run_comparison(dir_a, dir_b).table.to_dicts())
+            return run_comparison(dir_a, dir_b)
     except CompareError as error:
         return f"not compared ({error})"
+
+
+def paired_row(dir_a: str, dir_b: str) -> dict | str:
+    """The pooled headline row of compare(A, B) (tau_a, tau_b, delta, ci_low, ci_high, n), or why
+    there is none."""
+    compared = quiet_comparison(dir_a, dir_b)
+    if isinstance(compared, str):
+        return compared
+    row = headline_row(compared.table.to_dicts())
     if row is None or not row["n"]:
         return "not compared (no paired samples)"
     return row

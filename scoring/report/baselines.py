@@ -7,8 +7,9 @@ from __future__ import annotations
 import html
 
 from scoring.compare.baselines import Versus, against, is_baseline
-from scoring.compare.bootstrap import digits, judge
+from scoring.compare.bootstrap import digits
 from scoring.report.data import TAU_UNIT, Results
+from scoring.report.paired import difference
 from scoring.report.tables import label_html
 
 HEADERS = ("Drafter", "Baseline", "τ drafter", "τ baseline", "Difference", "95% interval", "Paired", "Verdict")
@@ -30,9 +31,8 @@ def _cells(versus: Versus) -> list[str]:
         return names + [html.escape(row)] + [""] * 5
     delta, low, high, n = row["delta"], row["ci_low"], row["ci_high"], row["n"]
     d = digits(delta, low, high)
-    interval = f"{low:+.{d}f} to {high:+.{d}f}" if n >= 2 else "–"
-    verdict = judge(low, high).value if n >= 2 else "too few samples"
-    return names + [f"{row['tau_b']:.{d}f}", f"{row['tau_a']:.{d}f}", f"{delta:+.{d}f}", interval, str(n), verdict]
+    shown, interval, verdict = difference(delta, low, high, n)
+    return names + [f"{row['tau_b']:.{d}f}", f"{row['tau_a']:.{d}f}", shown, interval, str(n), verdict]
 
 
 def baselines_section(results: Results) -> str:

@@ -356,6 +356,14 @@ def kinds(results: Results) -> list[str]:
     return sorted(set(results.kind.values()), key=lambda k: (k != "greedy", k))
 
 
+def run_of(results: Results, label: str, named_kind: bool = True) -> str:
+    """The training run a checkpoint belongs to ('run' of 'run/step_300'), then its kind of decoding
+    when `named_kind`: greedy and sampled τ of one run are different experiments, never one curve."""
+    run = label.rsplit("/", 1)[0] if "/" in label else ""
+    kind = results.kind.get(label, "greedy") if named_kind else ""
+    return " · ".join(part for part in (run, kind) if part)
+
+
 def reference_label(results: Results) -> str | None:
     """The checkpoint the per-sample parts of the page are about: the latest one with samples,
     among greedy results when there are any (a sampled run is another experiment)."""

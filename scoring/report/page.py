@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 from pipeline.common.versions import specreplay_version
 from scoring.report.baselines import baselines_section
+from scoring.report.by_group import groups_section
 from scoring.report.data import (
     TAU_UNIT,
     Duplicate,
@@ -36,6 +37,7 @@ from scoring.report.data import (
     load_results,
 )
 from scoring.report.diagnose import diagnose_section, load_diagnoses
+from scoring.report.paired import paired_section
 from scoring.report.plots import (
     MIN_ANCHORS,
     plot_acceptance_by_position,
@@ -43,9 +45,10 @@ from scoring.report.plots import (
     plot_tau_vs_budget,
     plot_tau_vs_step,
 )
+from scoring.report.positions import position_table
 from scoring.report.sample import SampleViews, anchor_id, choose_samples, sample_section
 from scoring.report.speed import speed_parts
-from scoring.report.tables import inputs_table, reach_table, summary_table, worst_prompts_table
+from scoring.report.tables import inputs_table, summary_table, worst_prompts_table
 from scoring.results import ALL_DATASETS as ALL
 
 __all__ = [
@@ -83,9 +86,22 @@ table.summary th.group{border-bottom:1px solid #d0d7e2}
 table.summary td:nth-child(n+3){white-space:nowrap;text-align:right;font-variant-numeric:tabular-nums}
 sup.fitted{color:#a06a00;font-weight:600;cursor:help;line-height:0}
 table.summary tr.group-start td{border-top:2px solid #b8c2d3}
-table.reach{width:auto}
-table.reach td:nth-child(n+2){text-align:right;font-variant-numeric:tabular-nums}
-table.reach td.few{color:#a8b0bd;background:#f6f7f9}
+table.reach{width:auto;font-size:.82em}
+table.reach th,table.reach td{padding:2px 5px}
+table.reach td{text-align:right;font-variant-numeric:tabular-nums}
+table.reach td[rowspan],table.reach td.what{text-align:left;white-space:normal}
+table.reach td.what{color:#5b6475}
+table.reach tr.interval td,table.reach tr.n td{font-size:.9em}
+table.reach tr.rate td{border-top:1px solid #d0d7e2}
+table.reach td.few,table.groups td.few{color:#a8b0bd;background:#f6f7f9}
+table.groups{width:auto}
+table.paired td:nth-child(n+3){font-variant-numeric:tabular-nums}
+table.paired tr.group-start td{border-top:2px solid #b8c2d3}
+table.paired tr.better td:nth-last-child(2){color:#1f7a34;font-weight:600}
+table.paired tr.worse td:nth-last-child(2){color:#b3261e;font-weight:600}
+span.few{color:#a8b0bd}
+table.groups td.num{text-align:right;font-variant-numeric:tabular-nums}
+table.groups tr.group-start td{border-top:2px solid #b8c2d3}
 table.worst td:nth-child(-n+4){white-space:nowrap}
 table.inputs td{word-break:keep-all}
 table.diagnose td:first-child{white-space:nowrap}
@@ -113,6 +129,16 @@ s.rej{color:#c0392b;font-size:.72em;vertical-align:super;margin:0 1px}
 .legend .tok{padding:1px 5px;margin-right:6px}
 .legend{font-size:.88em}
 .sample-index{font-size:.88em}
+@media (max-width:900px){
+  table.reach th,table.reach td{padding:2px 3px}
+  table.worst{display:grid;grid-template-columns:repeat(var(--cols),auto)}
+  table.worst thead,table.worst tbody{display:contents}
+  table.worst tr{display:grid;grid-template-columns:subgrid;grid-column:1/-1;border-bottom:1px solid #e3e7ee}
+  table.worst th,table.worst td{border-bottom:0;overflow-wrap:break-word}
+  table.worst td:nth-child(-n+4){white-space:normal}
+  table.worst th.prompt-cell{display:none}
+  table.worst td.prompt-cell{grid-column:1/-1;padding-top:0}
+}
 """
 
 HOW_TO_READ = f"""
@@ -126,7 +152,7 @@ DDTree-N verifies a tree of the N most probable prefixes from the same drafter p
 is used as an anchor (chain, bonus-exclusive): denser and steadier than the walk, good for comparing
 checkpoints. <b>Acceptance per block position</b> shows where in the block acceptance dies.
 Bold τ marks the best checkpoint per dataset; differences of a few hundredths on small prompt sets
-are noise: compare checkpoints with a paired confidence interval before trusting them.</p>
+are noise: <a href="#paired">Paired differences</a> gives each step's paired confidence interval.</p>
 </div>
 """
 
@@ -181,7 +207,8 @@ def _plot_sections(results: Results) -> list[str]:
         "Probability that draft token k is accepted given that tokens 1..k-1 were, over every anchor. "
         "A steep early drop means the drafter loses the thread quickly. "
         f"Points reached by fewer than {MIN_ANCHORS} anchors are grey: too few to read as a cliff. "
-        "The table gives n, the anchors that reached each position."
+        "The table gives each rate, its 95% Wilson interval (the bars; it reads the anchor counts, and anchors of one "
+        "response are not independent, so the spread over prompts is wider) and n, the anchors that reached the position."
     )
     return [
         _section(
@@ -196,7 +223,7 @@ def _plot_sections(results: Results) -> list[str]:
             "Acceptance per block position",
             position_caption,
             plot_acceptance_by_position(results),
-            reach_table(results),
+            position_table(results),
         ),
         _section(
             "τ against DDTree budget",
@@ -268,9 +295,11 @@ def render_report(
         f"definition. “(all)” pools every sample.{_sampled_caption(results)}</p>",
         summary_table(results),
         baselines_section(results),
+        paired_section(results),
         _speed_section(results, profile),
         diagnose_section(diagnoses or []),
         *_plot_sections(results),
+        groups_section(results),
         "<h2>Worst prompts</h2>",
         worst_intro,
         worst_table,

@@ -13,7 +13,7 @@ import polars as pl
 
 from scoring.methods.chain import CHAIN
 from scoring.methods.ddtree import DDTREE
-from scoring.report.data import TAU_UNIT, Results, chain_all, datasets, ddtree_budgets, pick_evenly
+from scoring.report.data import TAU_UNIT, Results, chain_all, datasets, ddtree_budgets, pick_evenly, run_of
 from scoring.results import ALL_DATASETS as ALL, MIN_ANCHORS
 
 # Plots with more lines than this stop being readable; we show an even spread, first and last kept.
@@ -101,6 +101,14 @@ def _draw_rates(ax, ys: list[float], counts: list[int] | None, color, label: str
             )
 
 
+def _draw_interval(ax, interval: tuple[list, list], counts: list[int] | None, color) -> None:
+    """A bar over each solid point from its Wilson low to high (none over the grey, thin ones)."""
+    for k, (low, high) in enumerate(zip(*interval), start=1):
+        thin = counts is not None and k <= len(counts) and counts[k - 1] < MIN_ANCHORS
+        if low is not None and high is not None and not math.isnan(low) and not thin:
+            ax.vlines(k, 100.0 * low, 100.0 * high, color=color, linewidth=1.2, alpha=0.7)
+
+
 def position_rates(results: Results) -> dict[str, list[float]]:
     """label -> chain acceptance per block position (all datasets), for the checkpoints shown:
     at most MAX_SERIES, spread evenly over the order."""
@@ -111,6 +119,16 @@ def position_rates(results: Results) -> dict[str, list[float]]:
     return {lab: rates[lab] for lab in pick_evenly([lab for lab in results.order if lab in rates], MAX_SERIES)}
 
 
+def position_intervals(results: Results) -> dict[str, tuple[list, list]]:
+    """label -> (low, high) per block position: the 95% Wilson interval score wrote beside each
+    rate (summary.parquet's accept_rate_low/high_by_position); absent for results of an older score."""
+    rows = chain_all(results.summary)
+    if "accept_rate_low_by_position" not in rows.columns or "accept_rate_high_by_position" not in rows.columns:
+        return {}
+    found = zip(rows["label"], rows["accept_rate_low_by_position"], rows["accept_rate_high_by_position"])
+    return {lab: (list(low), list(high)) for lab, low, high in found if low is not None and high is not None}
+
+
 def plot_acceptance_by_position(results: Results) -> tuple[bytes | None, str | None]:
     if "accept_rate_by_position" not in results.summary.columns:
         return None, "The summaries carry no accept_rate_by_position (no all-anchor results)."
@@ -118,7 +136,7 @@ def plot_acceptance_by_position(results: Results) -> tuple[bytes | None, str | N
     labels = list(rates)
     if not labels:
         return None, "No checkpoint has per-position acceptance rates (no anchors were scored)."
-    colors = _colors(labels, results.steps)
+    colors, intervals = _colors(labels, results.steps), position_intervals(results)
     fig, ax = _new_figure()
     longest = 0
     for label in labels:
@@ -127,11 +145,15 @@ def plot_acceptance_by_position(results: Results) -> tuple[bytes | None, str | N
         longest = max(longest, len(ys))
         counts = results.reach.get(label, (None, None))[0]
         _draw_rates(ax, ys, counts, colors[label], label, annotate=len(labels) == 1)
+        if label in intervals:
+            _draw_interval(ax, intervals[label], counts, colors[label])
     ax.set_xticks(range(1, longest + 1))
     ax.set_ylim(0, 108)
     ax.set_xlabel("block position k (draft token k after the anchor)")
     ax.set_ylabel("P(accepted | position reached) (%)")
-    ax.set_title(f"Acceptance per block position (chain, every anchor; grey: fewer than {MIN_ANCHORS} anchors)")
+    ax.set_title(
+        f"Acceptance per block position (chain, every anchor; bars: 95% Wilson; grey: < {MIN_ANCHORS} anchors)"
+    )
     ax.legend(fontsize=8, title="checkpoint", title_fontsize=8)
     return _png(fig), _missing_counts_note(results, labels)
 
@@ -183,15 +205,12 @@ def _step_lines(results: Results, stepped: list[str]):
     rows = results.summary.filter((pl.col("method") == CHAIN) & pl.col("label").is_in(stepped))
     # a run is a training run and a decoding kind: greedy and sampled τ are different experiments
     named = len(set(results.kind.values())) > 1
-    run_of = {
-        lab: " · ".join(p for p in (lab.rsplit("/", 1)[0] if "/" in lab else "", _kind(results, lab, named)) if p)
-        for lab in stepped
-    }
-    runs = sorted(set(run_of.values()))
+    runs_of = {lab: run_of(results, lab, named) for lab in stepped}
+    runs = sorted(set(runs_of.values()))
     for d_index, dataset in enumerate(datasets(rows)):
         for r_index, run in enumerate(runs):
             mine = rows.filter(
-                (pl.col("dataset") == dataset) & pl.col("label").is_in([lab for lab in stepped if run_of[lab] == run])
+                (pl.col("dataset") == dataset) & pl.col("label").is_in([lab for lab in stepped if runs_of[lab] == run])
             )
             points = sorted(
                 (results.steps[lab], tau) for lab, tau in zip(mine["label"], mine["tau"]) if tau is not None
@@ -199,10 +218,6 @@ def _step_lines(results: Results, stepped: list[str]):
             if points:
                 name = f"{run} · {dataset}" if len(runs) > 1 else dataset
                 yield name, points, d_index, r_index, dataset == ALL
-
-
-def _kind(results: Results, label: str, named: bool) -> str:
-    return results.kind.get(label, "greedy") if named else ""
 
 
 def _tree_step_lines(results: Results, stepped: list[str]):

@@ -21,7 +21,7 @@ from scoring.report.data import (
     pick_evenly,
     reference_label,
 )
-from scoring.report.plots import MIN_ANCHORS, position_rates
+from scoring.results import chain_drafts
 
 PROMPT_PREVIEW_CHARS = 160
 
@@ -42,6 +42,8 @@ SUMMARY_TITLES = {
     "Dataset": "the prompt set the samples come from; (all) pools every sample",
     "Checkpoint": "the drafter checkpoint scored (its name; † fitted on the very samples it is scored on)",
     "Step": "training step, from the checkpoint's config or its path (step_N); – when it carries none",
+    "K": "draft tokens per chain step (block size - 1 for a block drafter, the chain's length for EAGLE-3): "
+    "a longer chain can accept more, so drafters of different K compare fairly only with K beside τ",
     "τ chain": f"mean over samples of tokens per decoding step ({TAU_UNIT}) with chain verification; on "
     "sampled shards the expected value, exact in distribution, ± its standard error over the responses",
     "Best τ DDTree": "the highest τ over the DDTree budgets scored, with its budget N (nodes per tree); "
@@ -68,29 +70,45 @@ def _th(text: str, title: str, span: str = "") -> str:
 
 
 def summary_table(results: Results) -> str:
-    """The headline figures first (the console's tau chain, best ddtree-N, streak, exact k/n), then
-    τ per DDTree budget under one grouped header, so a narrow window scrolls only the budgets."""
+    """The headline figures (the console's tau chain, best ddtree-N, streak, exact k/n), then τ per
+    tree budget in a table of its own (budgets_table): one row holding both was wider than a
+    narrow window, and the budgets sat behind a sideways scroll."""
     s = results.summary
-    budgets, trees = ddtree_budgets(s), eagle_trees(s)
+    budgets = ddtree_budgets(s)
     has_streak = "anchor_accepted_len_mean" in s.columns
-    head = ["Dataset", "Checkpoint", "Step", "τ chain"] + (["Best τ DDTree"] if budgets else [])
+    head = ["Dataset", "Checkpoint", "Step", "K", "τ chain"] + (["Best τ DDTree"] if budgets else [])
     head += (["All-anchor streak"] if has_streak else []) + ["Exact walks"]
-    span = ' rowspan="2"' if budgets or trees else ""
-    # the wrapper scrolls sideways when the budgets make the table wider than the window
     out = ['<div class="scroll"><table class=summary><thead><tr>']
-    out += [_th(h, SUMMARY_TITLES[h], span) for h in head]
+    out += [_th(h, SUMMARY_TITLES[h]) for h in head]
+    out.append("</tr></thead><tbody>")
+    for dataset in datasets(s):
+        out += _rows(results, dataset, lambda label, by, best: _headline_cells(results, label, by, best, budgets))
+    out.append("</tbody></table></div>")
+    return "".join(out) + fitted_note(results) + budgets_table(results)
+
+
+def budgets_table(results: Results) -> str:
+    """τ per DDTree budget and per EAGLE tree setting, one row per dataset and checkpoint (nothing
+    when neither was scored)."""
+    budgets, trees = ddtree_budgets(results.summary), eagle_trees(results.summary)
+    if not budgets and not trees:
+        return ""
+    span = ' rowspan="2"'
+    out = ['<div class="scroll"><table class="summary budgets"><thead><tr>']
+    out += [_th(h, SUMMARY_TITLES[h], span) for h in ("Dataset", "Checkpoint")]
     if budgets:
         out.append(_th("τ DDTree-N", SUMMARY_TITLES["τ DDTree-N"], f' colspan="{len(budgets)}" class="group"'))
     if trees:
         out.append(_th("τ EAGLE tree", SUMMARY_TITLES["τ EAGLE tree"], f' colspan="{len(trees)}" class="group"'))
-    if budgets or trees:
-        out.append("</tr><tr>" + "".join(_th(f"N={n}", _tree_title(n)) for n in budgets))
-        out.append("".join(_th(tree.name, tree.method) for tree in trees))
-    out.append("</tr></thead><tbody>")
-    for dataset in datasets(s):
-        out += _summary_rows(results, dataset, budgets, has_streak, [tree.method for tree in trees])
+    out.append("</tr><tr>" + "".join(_th(f"N={n}", _tree_title(n)) for n in budgets))
+    out.append("".join(_th(tree.name, tree.method) for tree in trees) + "</tr></thead><tbody>")
+    methods = [DDTREE.name(n) for n in budgets] + [tree.method for tree in trees]
+    for dataset in datasets(results.summary):
+        out += _rows(
+            results, dataset, lambda label, by, best: [fmt((by.get((label, m)) or {}).get("tau")) for m in methods]
+        )
     out.append("</tbody></table></div>")
-    return "".join(out) + fitted_note(results)
+    return "".join(out)
 
 
 def fitted_note(results: Results) -> str:
@@ -125,8 +143,9 @@ def _exact(chain: dict) -> str:
     return f"{samples - inexact}/{samples}"
 
 
-def _summary_rows(results: Results, dataset: str, budgets: list[int], has_streak: bool, trees=()) -> list[str]:
-    """One dataset's rows, one per checkpoint; the best chain tau in bold when there are several."""
+def _rows(results: Results, dataset: str, cells) -> list[str]:
+    """One dataset's rows, one per checkpoint with a chain row: its dataset and checkpoint cells,
+    then cells(label, (label, method) -> summary row, the best chain tau when there are several)."""
     by = {
         (r["label"], r["method"]): r for r in results.summary.filter(pl.col("dataset") == dataset).iter_rows(named=True)
     }
@@ -136,51 +155,30 @@ def _summary_rows(results: Results, dataset: str, budgets: list[int], has_streak
     best = max(chain_taus) if len(chain_taus) > 1 else None
     out, first = [], True
     for label in results.order:
-        chain = by.get((label, CHAIN))
-        if chain is None:
+        if by.get((label, CHAIN)) is None:
             continue
         css, first = (' class="group-start"' if first else ""), False
-        tau = fmt(chain["tau"])
-        if chain.get("tau_se") is not None:  # sampled shards: an expectation with its sampling error
-            tau += f" ± {fmt(chain['tau_se'])}"
         name = label_html(label)
         if label in results.fitted_here:
             name += '&nbsp;<sup class="fitted" title="fitted on the very samples it is scored on: see below">†</sup>'
-        cells = [
-            html.escape(dataset),
-            name,
-            fmt(results.steps.get(label)),
-            f"<b>{tau}</b>" if best is not None and chain["tau"] == best else tau,
-        ]
-        if budgets:
-            cells.append(_best_tree(by, label, budgets))
-        if has_streak:
-            cells.append(fmt(chain.get("anchor_accepted_len_mean")))
-        cells.append(_exact(chain))
-        cells += [fmt((by.get((label, DDTREE.name(n))) or {}).get("tau")) for n in budgets]
-        cells += [fmt((by.get((label, method)) or {}).get("tau")) for method in trees]
-        out.append(f"<tr{css}>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
+        row = [html.escape(dataset), name, *cells(label, by, best)]
+        out.append(f"<tr{css}>" + "".join(f"<td>{c}</td>" for c in row) + "</tr>")
     return out
 
 
-def reach_table(results: Results) -> str:
-    """Anchors that reached each block position (the n behind each point of the acceptance plot),
-    one row per checkpoint; cells under MIN_ANCHORS carry class `few` (grey)."""
-    labels = [lab for lab in position_rates(results) if lab in results.reach]
-    if not labels:
-        return ""
-    longest = max(len(results.reach[lab][0]) for lab in labels)
-    head = "".join(f"<th>k={k}</th>" for k in range(1, longest + 1))
-    out = [f'<div class="scroll"><table class="reach"><thead><tr><th>Checkpoint</th>{head}</tr></thead><tbody>']
-    for label in labels:
-        reached = results.reach[label][0]
-        cells = "".join(
-            f'<td class="few" title="fewer than {MIN_ANCHORS} anchors">{n}</td>' if n < MIN_ANCHORS else f"<td>{n}</td>"
-            for n in reached
-        )
-        out.append(f"<tr><td>{label_html(label)}</td>{cells}</tr>")
-    out.append("</tbody></table></div>")
-    return "".join(out)
+def _headline_cells(results: Results, label: str, by: dict, best: float | None, budgets: list[int]) -> list[str]:
+    """Step, K, τ chain (bold when the best of several), best DDTree, streak, exact walks."""
+    chain = by[(label, CHAIN)]
+    tau = fmt(chain["tau"])
+    if chain.get("tau_se") is not None:  # sampled shards: an expectation with its sampling error
+        tau += f" ± {fmt(chain['tau_se'])}"
+    cells = [fmt(results.steps.get(label)), fmt(chain_drafts(chain) or None)]
+    cells.append(f"<b>{tau}</b>" if best is not None and chain["tau"] == best else tau)
+    if budgets:
+        cells.append(_best_tree(by, label, budgets))
+    if "anchor_accepted_len_mean" in results.summary.columns:
+        cells.append(fmt(chain.get("anchor_accepted_len_mean")))
+    return cells + [_exact(chain)]
 
 
 def _prompt_cell(text: str | None) -> str:
@@ -217,7 +215,9 @@ def worst_prompts_table(results: Results, worst: int) -> tuple[str, str]:
     head = ["#", "Dataset", "Sample", "τ chain", "Steps", "Response tokens", "Finish", "Exact walk"]
     if history:
         head.insert(4, "τ across checkpoints")
-    out = ["<table class=worst><thead><tr>"] + [f"<th>{h}</th>" for h in head] + ["<th>Prompt</th></tr></thead><tbody>"]
+    # --cols: the grid a narrow window lays the rows out on, each prompt on a line of its own (CSS)
+    out = [f'<table class=worst style="--cols:{len(head)}"><thead><tr>'] + [f"<th>{h}</th>" for h in head]
+    out.append('<th class="prompt-cell">Prompt</th></tr></thead><tbody>')
     for rank, r in enumerate(ref.iter_rows(named=True), start=1):
         cells = [str(rank), html.escape(str(r["dataset"])), html.escape(str(r["sample_id"])), fmt(r["tau"], 2)]
         if history:
@@ -225,7 +225,9 @@ def worst_prompts_table(results: Results, worst: int) -> tuple[str, str]:
         cells += [fmt(r.get("steps")), fmt(r.get("response_len")), html.escape(str(r.get("finish_reason") or "–"))]
         cells.append(_exact_cell(r) if kind == "greedy" else "n/a (sampled)")
         out.append(
-            "<tr>" + "".join(f"<td>{c}</td>" for c in cells) + f"<td>{_prompt_cell(r.get('prompt_text'))}</td></tr>"
+            "<tr>"
+            + "".join(f"<td>{c}</td>" for c in cells)
+            + f'<td class="prompt-cell">{_prompt_cell(r.get("prompt_text"))}</td></tr>'
         )
     out.append("</tbody></table>")
     skipped = samples.filter((pl.col("label") == reference) & pl.col("tau").is_null()).height

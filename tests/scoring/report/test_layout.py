@@ -25,8 +25,8 @@ from specreplay.cli import main
 from tests.helpers.browser import check_html, chromium_dom, needs_chromium
 from tests.scoring.report.test_page import CHECKPOINTS, write_results
 
-# The console headline's figures (tau chain, best ddtree-N, streak, exact k/n): visible at any width.
-HEADLINE = ("τ chain", "Best τ DDTree", "All-anchor streak", "Exact walks")
+# The console headline's figures (K, tau chain, best ddtree-N, streak, exact k/n): visible at any width.
+HEADLINE = ("K", "τ chain", "Best τ DDTree", "All-anchor streak", "Exact walks")
 # What diagnose writes for variants it cannot measure (the reason, then after ";" the fix).
 NOT_MEASURED = {
     "layers-1": "layers [0, 7, 13, 19, 26] not in the shards; store them with `specreplay extract --neighbour-layers`",
@@ -48,9 +48,14 @@ MEASURE = """<script>
   const notes = Array.from(document.querySelectorAll(".diagnosis li, .diagnosis p, .diagnosis td:last-child"));
   const overflow = notes.filter(function (el) { return el.getBoundingClientRect().right > width + 1; })
                         .map(function (el) { return el.textContent.trim().slice(0, 80); });
+  const prompts = Array.from(document.querySelectorAll("table.worst tbody td.prompt-cell, table.worst tbody tr > td:last-child"));
+  const scrolling = Array.from(document.querySelectorAll(".scroll")).filter(function (el) {
+    return el.scrollWidth > el.clientWidth; }).map(function (el) { return el.firstElementChild.className; });
   document.body.dataset.layout = JSON.stringify({
     width: width, page: document.documentElement.scrollWidth, notes: notes.length,
-    scrolls: box.scrollWidth > box.clientWidth, heads: heads, overflow: overflow});
+    scrolls: box.scrollWidth > box.clientWidth, heads: heads, overflow: overflow,
+    height: document.documentElement.scrollHeight, scrolling: scrolling,
+    prompt: Math.min.apply(null, prompts.map(function (el) { return el.getBoundingClientRect().width; }))});
 })();
 </script>"""
 
@@ -93,10 +98,12 @@ def write_diagnosis(directory) -> None:
 
 @pytest.fixture(scope="module")
 def wide_report(tmp_path_factory):
-    """A report over three checkpoints scored with every default DDTree budget, and a diagnosis."""
+    """A report over three checkpoints of block size 16 (15 positions, as real drafters) scored with
+    every default DDTree budget, and a diagnosis."""
     root = tmp_path_factory.mktemp("layout")
     for seed, (name, step, p) in enumerate(CHECKPOINTS):
-        write_results(root / "results" / f"run_step_{step}", name, step, p, seed, budgets=DEFAULT_TREE_NODES)
+        directory = root / "results" / f"run_step_{step}"
+        write_results(directory, name, step, p, seed, budgets=DEFAULT_TREE_NODES, block=16)
     write_diagnosis(root / "diagnose" / "run_step_300")
     out = root / "report.html"
     result = CliRunner().invoke(
@@ -122,25 +129,36 @@ def test_summary_headline_and_diagnose_notes_fit_the_window(wide_report, tmp_pat
     layout = measure(wide_report, tmp_path, width)
     assert layout["width"] == width and layout["page"] <= width  # the page itself never scrolls sideways
     heads = {h["text"]: h for h in layout["heads"]}
-    assert set(HEADLINE) <= set(heads) and "N=256" in heads
+    assert set(HEADLINE) <= set(heads)
     hidden = [h["text"] for h in layout["heads"] if not h["visible"]]
     assert not set(HEADLINE) & set(hidden), f"headline columns behind the scrollbar at {width} px: {hidden}"
-    if width >= 1400:  # every column, DDTree-256 included, without scrolling
-        assert not layout["scrolls"] and not hidden, hidden
+    assert not layout["scrolls"] and not hidden and layout["scrolling"] == [], (hidden, layout["scrolling"])
     assert [h["text"] for h in layout["heads"] if not h["title"].strip()] == []
     assert layout["notes"] >= 6 and layout["overflow"] == [], layout["overflow"]
+
+
+@needs_chromium
+def test_the_page_reads_at_800_px_as_at_1400(wide_report, tmp_path):
+    """Issue 37 item 7: at 800 px the worst prompts' Prompt column was ~55 px (a word a line), the
+    page far taller than at 1400 px, and the summary's budgets behind a sideways scroll."""
+    narrow, wide = (measure(wide_report, tmp_path, width) for width in (800, 1400))
+    assert narrow["scrolling"] == [], f"tables behind a sideways scroll at 800 px: {narrow['scrolling']}"
+    assert narrow["prompt"] >= 400, f"the Prompt column is {narrow['prompt']:.0f} px wide at 800 px"
+    assert narrow["height"] < 1.2 * wide["height"], (narrow["height"], wide["height"])
 
 
 def test_every_summary_column_has_a_title_that_defines_it(wide_report):
     text = wide_report.read_text(encoding="utf-8")
     check_html(text)
-    head = text.split("<table class=summary><thead>", 1)[1].split("</thead>", 1)[0]
+    tables = text.split("<h2>Summary</h2>", 1)[1].split("<h2", 1)[0]
+    head = "".join(part.split("</thead>", 1)[0] for part in tables.split("<thead>")[1:])
     cells = re.findall(r'<th[^>]*title="([^"]*)"[^>]*>([^<]*)</th>', head)
-    assert len(cells) == head.count("<th") == 7 + 1 + len(DEFAULT_TREE_NODES)  # 7 columns, the group, the budgets
+    # 8 headline columns; Dataset and Checkpoint again, the group and the budgets
+    assert len(cells) == head.count("<th") == 8 + 2 + 1 + len(DEFAULT_TREE_NODES)
     titles = {html.unescape(name): html.unescape(title) for title, name in cells}
     assert "most probable prefixes" in titles["N=256"] and "256" in titles["N=256"]
     assert "exact k/n" in titles["Exact walks"] and "bonus-exclusive" in titles["All-anchor streak"]
-    assert len(set(titles.values())) == len(titles)  # each says something of its own
+    assert len(set(titles.values())) == len(titles)  # each says something of its own (Dataset's twice)
 
 
 def test_headline_cells_agree_with_the_summary(wide_report):
@@ -156,9 +174,14 @@ def test_headline_cells_agree_with_the_summary(wide_report):
     trees = pooled.filter(pl.col("method") != CHAIN).sort("tau", descending=True)
     chain = pooled.filter(pl.col("method") == CHAIN).row(0, named=True)
     best_nodes = DDTREE.setting_of(trees["method"][0])
-    assert cells[4] == f"{trees['tau'][0]:.3f} (N={best_nodes})"
-    assert cells[6] == f"{chain['samples'] - chain['inexact_samples']}/{chain['samples']}"
-    assert cells[7:] == [f"{t:.3f}" for t in pooled.filter(pl.col("method") != "chain")["tau"]]
+    assert cells[3] == str(len(chain["accept_rate_by_position"]))  # K
+    assert cells[5] == f"{trees['tau'][0]:.3f} (N={best_nodes})"
+    assert cells[7] == f"{chain['samples'] - chain['inexact_samples']}/{chain['samples']}"
+    budgets = text.split('<table class="summary budgets">', 1)[1].split("</table>", 1)[0].split("<tbody>", 1)[1]
+    row = re.findall(r"<tr[^>]*>(.*?)</tr>", budgets)[2]
+    cells = [re.sub(r"<[^>]+>", "", c) for c in re.findall(r"<td>(.*?)</td>", row)]
+    assert cells[:2] == ["(all)", "run/step_300"]
+    assert cells[2:] == [f"{t:.3f}" for t in pooled.filter(pl.col("method") != "chain")["tau"]]
 
 
 def test_tau_vs_step_legend_covers_no_data(tmp_path):

@@ -15,11 +15,13 @@ import struct
 import numpy as np
 import polars as pl
 import pytest
+import torch
 from click.testing import CliRunner
 
 from scoring.methods.chain import CHAIN
 from scoring.methods.ddtree import DDTREE
 from scoring.methods.registry import method_names
+from scoring.replay.metrics import wilson_interval
 from scoring.results import (
     ALL_DATASETS,
     FILES,
@@ -41,12 +43,12 @@ LONG = "Explain, step by step, " + "why the drafter keeps failing on this prompt
 # ---------------------------------------------------------------- synthetic results
 
 
-def _walk_produced(rng, p: float, response_len: int) -> list[int]:
+def _walk_produced(rng, p: float, response_len: int, block: int = BLOCK) -> list[int]:
     """A chain walk: each draft token accepted with probability p until the first rejection."""
     produced, done = [], 0
     while done < response_len:
         accepted = 0
-        while accepted < BLOCK - 1 and rng.random() < p:
+        while accepted < block - 1 and rng.random() < p:
             accepted += 1
         step = min(accepted + 1, response_len - done)
         produced.append(step)
@@ -54,13 +56,13 @@ def _walk_produced(rng, p: float, response_len: int) -> list[int]:
     return produced
 
 
-def _anchor_rows(rng, p: float, dataset: str, sample_id: str, response_len: int) -> list[dict]:
+def _anchor_rows(rng, p: float, dataset: str, sample_id: str, response_len: int, block: int = BLOCK) -> list[dict]:
     """Every anchor of one response: a chain streak with acceptance p per position. The block is
     cut one short (as the token budget would cut it), so block position BLOCK - 1 is never
     reached and its rate is NaN, and few anchors reach the positions before it."""
     rows = []
     for offset in range(response_len - 1):
-        known = min(BLOCK - 2, response_len - 1 - offset)
+        known = min(block - 2, response_len - 1 - offset)
         accepted = 0
         while accepted < known and rng.random() < p:
             accepted += 1
@@ -79,16 +81,16 @@ def _anchor_rows(rng, p: float, dataset: str, sample_id: str, response_len: int)
     return rows
 
 
-def accept_rates(anchor_rows: list[dict]) -> tuple[list[int], list[float]]:
+def accept_rates(anchor_rows: list[dict], block: int = BLOCK) -> tuple[list[int], list[float]]:
     """(reached, rate) per block position 1..BLOCK-1, as scoring/replay/metrics.py counts them."""
     reached = [
-        sum(r["accepted_len"] >= k - 1 and len(r["draft_match"]) >= k for r in anchor_rows) for k in range(1, BLOCK)
+        sum(r["accepted_len"] >= k - 1 and len(r["draft_match"]) >= k for r in anchor_rows) for k in range(1, block)
     ]
-    accepted = [sum(r["accepted_len"] >= k for r in anchor_rows) for k in range(1, BLOCK)]
+    accepted = [sum(r["accepted_len"] >= k for r in anchor_rows) for k in range(1, block)]
     return reached, [a / n if n else float("nan") for a, n in zip(accepted, reached)]
 
 
-def _summary_rows(samples_df: pl.DataFrame, anchor_rows: list[dict], budgets) -> list[dict]:
+def _summary_rows(samples_df: pl.DataFrame, anchor_rows: list[dict], budgets, block: int = BLOCK) -> list[dict]:
     """summary.parquet's rows for the fake samples: per (dataset, method), plus (all)."""
     summary_rows = []
     for dataset in list(DATASETS) + [ALL_DATASETS]:
@@ -111,9 +113,11 @@ def _summary_rows(samples_df: pl.DataFrame, anchor_rows: list[dict], budgets) ->
             }
             if method == CHAIN:
                 # the last position is never reached in this run: NaN, as the scorer writes it
-                row["accept_rate_by_position"] = accept_rates(
-                    [r for r in anchor_rows if dataset == ALL_DATASETS or r["dataset"] == dataset]
-                )[1]
+                mine = [r for r in anchor_rows if dataset == ALL_DATASETS or r["dataset"] == dataset]
+                reached, rates = accept_rates(mine, block)
+                row["accept_rate_by_position"] = rates
+                low, high = wilson_interval(torch.tensor(rates) * torch.tensor(reached), torch.tensor(reached))
+                row["accept_rate_low_by_position"], row["accept_rate_high_by_position"] = low.tolist(), high.tolist()
             summary_rows.append(row)
     return summary_rows
 
@@ -129,6 +133,7 @@ def write_results(
     samples: bool = True,
     run_json: bool = True,
     anchors: bool = True,
+    block: int = BLOCK,
 ) -> None:
     """One results directory as `specreplay score` writes it, with the README columns the report reads."""
     os.makedirs(directory, exist_ok=True)
@@ -139,8 +144,8 @@ def write_results(
         for i in range(6):
             sample_id = f"{dataset}-{i}"
             response_len = 20 + 7 * i
-            anchor_rows += _anchor_rows(rng, p, dataset, sample_id, response_len)
-            produced = _walk_produced(rng, p - 0.08 * (i == 0), response_len)
+            anchor_rows += _anchor_rows(rng, p, dataset, sample_id, response_len, block)
+            produced = _walk_produced(rng, p - 0.08 * (i == 0), response_len, block)
             walk_rows += [
                 {
                     "dataset": dataset,
@@ -174,12 +179,12 @@ def write_results(
                         "prompt_text": text,
                     }
                 )
-    summary_rows = _summary_rows(pl.DataFrame(sample_rows), anchor_rows, budgets)
+    summary_rows = _summary_rows(pl.DataFrame(sample_rows), anchor_rows, budgets, block)
     run = {
         "checkpoint": {"name": name, "step": step},
         "device": "cpu",
         "dtype": "float32",
-        "shards": {"uri": "/data/shards/synthetic", "samples": 12},
+        "shards": {"uri": "/data/shards/synthetic", "identity": "synthetic-0001", "samples": 12},
         "wall_time_s": 1.25,
     }
     write_fake_results(
@@ -312,8 +317,7 @@ def test_acceptance_by_position_shows_n_and_greys_thin_points(built, results_roo
     _, text, _ = built
     section = _section_of(text, "Acceptance per block position")
     assert "fewer than 30 anchors" in section  # the threshold is stated
-    table = section.split('<table class="reach">', 1)[1].split("</table>", 1)[0]
-    rows = re.findall(r"<tr><td>(.*?)</td>(.*?)</tr>", table)
+    rows = position_rows(section)
     assert [re.sub("<wbr>", "", label) for label, _ in rows] == [name for name, _, _ in CHECKPOINTS]
     for (name, step, _), (_, cells) in zip(CHECKPOINTS, rows):
         # n per position from the anchors written, independently of the report's code
@@ -322,7 +326,18 @@ def test_acceptance_by_position_shows_n_and_greys_thin_points(built, results_roo
         shown = re.findall(r"<td( class=\"few\"[^>]*)?>(\d+)</td>", cells)
         assert [int(n) for _, n in shown] == expected, name
         assert [bool(few) for few, _ in shown] == [n < 30 for n in expected], name
-    assert any(n < 30 for n in expected) and 'class="few"' in table  # the fixture has thin positions
+    assert any(n < 30 for n in expected) and 'class="few"' in section  # the fixture has thin positions
+
+
+def position_rows(section: str, row: str = "n") -> list[tuple[str, str]]:
+    """(checkpoint label, that checkpoint's `row` cells) of the per-position table in `section`."""
+    table = section.split('<table class="reach">', 1)[1].split("</table>", 1)[0]
+    pattern = (
+        rf'<tr class="rate"><td rowspan="3">(.*?)</td>.*?<tr class="{row}"><td class="what"[^>]*>[^<]*</td>(.*?)</tr>'
+    )
+    if row == "rate":
+        pattern = r'<tr class="rate"><td rowspan="3">(.*?)</td><td class="what"[^>]*>[^<]*</td>(.*?)</tr>'
+    return [(label.replace("<wbr>", ""), cells) for label, cells in re.findall(pattern, table, re.S)]
 
 
 def test_histogram_legend_names_tau_and_the_per_step_mean(results_root, monkeypatch):
@@ -419,7 +434,7 @@ def test_dedupe_prefers_the_run_on_more_samples_and_keeps_other_shards(tmp_path)
     write_results(other / "a", "run/step_300", 300, 0.72, 5)
     write_results(other / "b", "run/step_300", 300, 0.72, 5)
     run = json.loads((other / "b" / FILES["run"]).read_text())
-    run["shards"]["uri"] = "/data/shards/another-set"
+    run["shards"].update(uri="/data/shards/another-set", identity="another-set-0001")
     (other / "b" / FILES["run"]).write_text(json.dumps(run))
     result = CliRunner().invoke(main, ["report", str(other), "--out", str(tmp_path / "o.html")])
     assert result.exit_code == 0 and "skipped" not in result.output

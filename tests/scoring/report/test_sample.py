@@ -27,6 +27,7 @@ from specreplay.cli import main
 from tests.helpers.browser import check_html, chromium_screenshot, needs_chromium
 from tests.helpers.drafters import fitted_drafters
 from tests.helpers.prompts import write_prompts
+from tests.scoring.report.test_page import position_rows
 
 SYSTEM = "You are a terse assistant who answers arithmetic questions."
 ACCEPTED_RGB, BONUS_RGB = (0xB7, 0xE4, 0xB0), (0xF8, 0xB2, 0x7A)  # .tok.acc and .tok.bon in scoring/report/page.py
@@ -216,9 +217,8 @@ def test_n_per_position_agrees_with_the_metrics(scored, tmp_path):
     root, _, latest, _ = scored
     out = tmp_path / "r.html"
     assert _report(root, "--out", out)[0] == 0
-    table = out.read_text().split('<table class="reach">', 1)[1].split("</table>", 1)[0]
-    row = next(r for r in table.split("<tr>") if "step_400" in r)
-    shown = [int(n) for n in re.findall(r"<td[^>]*>(\d+)</td>", row.split("</td>", 1)[1])]
+    row = next(cells for label, cells in position_rows(out.read_text()) if "step_400" in label)
+    shown = [int(n) for n in re.findall(r"<td[^>]*>(\d+)</td>", row)]
     anchors = pl.read_parquet(os.path.join(latest, FILES["anchors"]))
     accepted = torch.tensor(anchors["accepted_len"].to_list())
     known_len = torch.tensor(anchors["draft_match"].list.len().to_list())

@@ -14,6 +14,7 @@ from click.testing import CliRunner
 from specreplay.cli import main
 from tests.helpers.browser import chromium_dom, needs_chromium
 from tests.helpers.prompts import write_prompts
+from tests.scoring.report.test_page import position_rows
 
 STEPS = (100, 200)
 
@@ -69,8 +70,7 @@ def test_sampled_anchor_counts_are_found_and_thin_positions_greyed(page):
 
     section = _section(page["html"], "Acceptance per block position")
     assert "No anchor" not in section
-    table = section.split('<table class="reach">', 1)[1].split("</table>", 1)[0]
-    shown = {re.sub("<wbr>", "", label): cells for label, cells in re.findall(r"<tr><td>(.*?)</td>(.*?)</tr>", table)}
+    shown = {re.sub("<wbr>", "", label): cells for label, cells in position_rows(section)}
     assert len(shown) == 4 and sum("(T=0.6)" in label for label in shown) == 2
     for directory in glob.glob(os.path.join(page["roots"][1], "*")):
         summary = pl.read_parquet(os.path.join(directory, "summary.parquet")).filter(
@@ -116,6 +116,14 @@ def test_sampled_rows_say_exact_walk_is_not_applicable(page):
             assert "n/a (sampled)" in cells and not any(re.fullmatch(r"\d+/\d+", c) for c in cells)
         else:
             assert any(re.fullmatch(r"\d+/\d+", c) for c in cells)
+
+
+def test_paired_differences_never_pair_greedy_with_sampled(page):
+    section = page["html"].split('<h2 id="paired">', 1)[1].split("<h2", 1)[0]
+    pairs = [re.sub(r"<[^>]+>", "", cell).split(" →") for cell in re.findall(r'<td rowspan="\d+">(.*?)</td>', section)]
+    kinds = [tuple("(T=0.6)" in side for side in pair) for pair in pairs]
+    assert sorted(set(kinds)) == [(False, False), (True, True)], pairs  # one greedy pair, one sampled pair
+    assert "not compared" not in section
 
 
 def test_header_counts_distinct_checkpoints_and_runs_per_kind(page):
