@@ -1,6 +1,7 @@
-"""What the engine-parity tests share (tests/parity/test_engine_parity.py, test_engine_parity_mtp.py):
-the setup and drafter records, the prompts, and the comparison of specreplay's llama.cpp walk with a
-running llama-server's per-step counts (llama_engine.py serves and reads it)."""
+"""What the engine-parity tests share (tests/parity/test_engine_parity.py, test_engine_parity_smollm2.py,
+test_engine_parity_mtp.py): the setup and drafter records, the prompts, a drafter's conversion, and the
+comparison of specreplay's llama.cpp walk with a running llama-server's per-step counts (llama_engine.py
+serves and reads it)."""
 
 from __future__ import annotations
 
@@ -42,6 +43,12 @@ class Drafter:
     drafts: int  # drafts of the trained block / chain: what --walk-rule dflash runs
     flags: tuple[str, ...] = ()  # more llama-server options (an n-gram type's sizes)
     steps: bool = True  # `score --steps` = the server's --spec-draft-n-max (n-gram types ignore that flag)
+
+
+def converted(setup: Setup, family: str, layout: str, path: str, spec_type: str, drafts: int) -> Drafter:
+    """The drafter at `path` converted by the setup's llama.cpp converter (beside its target)."""
+    gguf = setup.converter.convert(path, setup.tmp / f"{family}-{layout}.gguf", target_dir=setup.target)
+    return Drafter(family, layout, path, gguf, spec_type, drafts)
 
 
 def prompt_ids(count: int, seed: int = 7) -> list[list[int]]:

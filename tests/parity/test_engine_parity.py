@@ -42,25 +42,6 @@ DFLASH2 = fits.Recipe("dflash2", steps=100, anchors=16)
 DFLASH2_TOP_K = 4  # llama.cpp refuses hidden < top_k * (top_k + 1) (src/models/dflash.cpp:149-151)
 EAGLE3_AUX = (2, 4, 5)  # before-layer ids: SpecForge's default layers of an 8-layer target, and llama.cpp's
 EAGLE3_STEPS = 3
-# The real SmolLM2-135M (extract's `--model smollm2`, the package's Q4_1 weights dequantized to fp32),
-# converted to an F32 GGUF by llama.cpp's converter; its greedy responses to chat prompts have no
-# margins made for the test, so a near-tie may flip a token in llama.cpp's kernels: counted, bounded.
-SMOLLM2_AUX = (2, 16, 29)  # speculators' ids (before layer i) of its 30 layers; z-lab's 1, 15, 28
-SMOLLM2_DIFFERING = 4
-SMOLLM2_PROMPTS = [
-    "What is 12 times 7?",
-    "Name three primary colors.",
-    "Write a Python function that returns the square of a number.",
-    "What is the capital of France?",
-    "Give me a short greeting.",
-    "Count from one to ten.",
-    "What is the opposite of hot?",
-    "List the days of the week.",
-    "How many legs does a spider have?",
-    "Translate 'thank you' into Spanish.",
-    "What color is the sky on a clear day?",
-    "Spell the word 'cat' backwards.",
-]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -90,24 +71,19 @@ def setup(tmp_path_factory, converter) -> parity.Setup:
     return parity.Setup(tmp, model_dir, converter.convert(model_dir, tmp / "target.gguf"), shards, sequences, converter)
 
 
-def _converted(setup: parity.Setup, family: str, layout: str, path: str, spec_type: str, drafts: int) -> parity.Drafter:
-    gguf = setup.converter.convert(path, setup.tmp / f"{family}-{layout}.gguf", target_dir=setup.target)
-    return parity.Drafter(family, layout, path, gguf, spec_type, drafts)
-
-
 @pytest.fixture(scope="module")
 def dflash(setup):
     """speculators' DFlashDraftModel fitted by its own training forward, in z-lab's layout."""
     ckpt = fits.fitted(DFLASH, setup.target, setup.sequences, setup.tmp / "speculators-dflash")
     twin = fits.zlab_layout(ckpt, setup.tmp / "zlab-dflash", num_target_layers=TARGET_LAYERS)
-    return _converted(setup, "dflash", "z-lab", twin, "draft-dflash", DFLASH.block_size - 1)
+    return parity.converted(setup, "dflash", "z-lab", twin, "draft-dflash", DFLASH.block_size - 1)
 
 
 @pytest.fixture(scope="module")
 def dspark(setup):
     """speculators' DSparkDraftModel as it saves itself (no embedding, no lm_head: the target's)."""
     ckpt = engine.dspark_drafter(setup.target, setup.sequences, setup.tmp / "speculators-dspark", DSPARK)
-    return _converted(setup, "dspark", "speculators", ckpt, "draft-dspark", DSPARK.block_size)
+    return parity.converted(setup, "dspark", "speculators", ckpt, "draft-dspark", DSPARK.block_size)
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +93,7 @@ def deepspec(setup):
         setup.target, setup.sequences, setup.tmp / "dspark-tied", DSPARK, head_as_embedding=True
     )
     layout = engine.deepspec_layout(ckpt, setup.tmp / "deepspec-dspark", setup.target)
-    return _converted(setup, "dspark", "deepspec", layout, "draft-dspark", DSPARK.block_size)
+    return parity.converted(setup, "dspark", "deepspec", layout, "draft-dspark", DSPARK.block_size)
 
 
 @pytest.fixture(scope="module")
@@ -129,7 +105,7 @@ def eagle3(setup):
     ckpt = engine.eagle3_drafter(setup.target, setup.sequences, out, EAGLE3_AUX, EAGLE3_STEPS, 128, 200)
     specforge = write_specforge(ckpt, setup.tmp / "specforge-eagle3", TARGET_LAYERS)
     return {
-        layout: _converted(setup, "eagle3", layout, path, "draft-eagle3", EAGLE3_STEPS)
+        layout: parity.converted(setup, "eagle3", layout, path, "draft-eagle3", EAGLE3_STEPS)
         for layout, path in [("speculators", ckpt), ("specforge", specforge)]
     }
 
@@ -141,7 +117,7 @@ def dflash2(setup):
         patch.setitem(fits.DFLASH2_FIELDS, "selector_top_k", DFLASH2_TOP_K)
         ckpt = fits.fitted(DFLASH2, setup.target, setup.sequences, setup.tmp / "speculators-dflash2")
     twin = fits.zlab_layout(ckpt, setup.tmp / "zlab-dflash2", num_target_layers=TARGET_LAYERS)
-    return _converted(setup, "dflash2", "z-lab", twin, "draft-dflash", DFLASH2.block_size - 1)
+    return parity.converted(setup, "dflash2", "z-lab", twin, "draft-dflash", DFLASH2.block_size - 1)
 
 
 @pytest.mark.parametrize("n_max", [DFLASH.block_size - 1, 2, 1])
@@ -212,47 +188,3 @@ def test_compare_online_and_the_gguf_drafter_against_llama_server(setup, dflash)
         code, report = outcomes[name]
         differing = [row for row in report["samples"] if row["verdict"] == "differs"]
         assert code == 1 and differing and all(wanted in row["points_at"] for row in differing), (name, report)
-
-
-@pytest.fixture(scope="module")
-def smollm2(tmp_path_factory, converter) -> parity.Setup:
-    """The real SmolLM2-135M as extract loads it, its F32 GGUF, greedy shards of chat prompts."""
-    from pipeline.extract.target import resolve_model_dir
-
-    tmp = tmp_path_factory.mktemp("engine_smollm2")
-    model_dir = str(resolve_model_dir("smollm2")[2])
-    records = [{"id": f"s{i}", "prompt": text} for i, text in enumerate(SMOLLM2_PROMPTS)]
-    layers = [i - 1 for i in SMOLLM2_AUX]
-    shards = chains.extract(
-        tmp / "shards", "smollm2", write_prompts(tmp / "prompts.jsonl", records), parity.MAX_NEW, layers
-    )
-    prompts = [s.input_ids[: s.prompt_len].tolist() for s in ShardSet(shards).samples(tensors=[])]
-    sequences = engine.continuations(model_dir, prompts, parity.MAX_NEW)
-    return parity.Setup(
-        tmp, model_dir, converter.convert(model_dir, tmp / "smollm2.gguf"), shards, sequences, converter
-    )
-
-
-def test_dflash_zlab_on_the_real_smollm2_counts_equal_llama_server(smollm2):
-    """A real target: speculators' DFlashDraftModel fitted to SmolLM2's own features, in z-lab's
-    layout, served by llama-server beside SmolLM2's F32 GGUF (a Llama target: the converter and the
-    server read its layers as they read Qwen3's)."""
-    recipe = fits.Recipe("dflash", aux_ids=SMOLLM2_AUX, steps=200, anchors=32, lr=2e-2)
-    ckpt = fits.fitted(recipe, smollm2.target, smollm2.sequences, smollm2.tmp / "speculators-dflash")
-    twin = fits.zlab_layout(ckpt, smollm2.tmp / "zlab-dflash", num_target_layers=30)
-    drafter = _converted(smollm2, "dflash", "z-lab-smollm2", twin, "draft-dflash", recipe.block_size - 1)
-    # a drafter of a 576-wide target fitted for seconds accepts fewer drafts a step than the tiny
-    # target's: a lower bar, still many steps accepting drafts for every rule to be compared on
-    parity.assert_engine_counts(smollm2, drafter, drafter.drafts, most_differing=SMOLLM2_DIFFERING, per_step=0.1)
-
-
-def test_draft_simple_on_the_real_smollm2_counts_equal_llama_server(smollm2):
-    """A standalone draft model for the real target: a 2-layer Qwen3 at SmolLM2's vocabulary fitted
-    to SmolLM2's own greedy continuations, saved with its tokenizer, converted by llama.cpp's
-    converter and served with `--spec-type draft-simple -md` beside SmolLM2's F32 GGUF."""
-    draft = engine.fitted_draft_model(smollm2.target, smollm2.sequences, smollm2.tmp / "draft")
-    path = smollm2.tmp / "draft-simple.json"
-    path.write_text(json.dumps({"spec-type": "draft-simple", "model-draft": "draft", "spec-draft-n-max": 4}))
-    gguf = smollm2.converter.convert(draft, smollm2.tmp / "draft.gguf")
-    drafter = parity.Drafter("draft", "llama.cpp", str(path), gguf, "draft-simple", 4)
-    parity.assert_engine_counts(smollm2, drafter, 4, most_differing=SMOLLM2_DIFFERING, per_step=0.05)
