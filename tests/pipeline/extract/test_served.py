@@ -163,15 +163,19 @@ def test_unreachable_server(tmp_path):
 
 
 def test_finished_extract_reruns_with_the_server_down(uninterrupted, target, tmp_path):
-    """Re-running a finished extract needs no server (nothing is left to ask); a fresh one does."""
+    """Re-running a finished extract needs no server (nothing is left to ask); a fresh one does;
+    other settings into the finished OUT are refused before any server is asked."""
     out, _, manifest = uninterrupted
     before = shard_files(out)
     down = f"http://127.0.0.1:{free_port()}"
     assert run_extract(config(out, down, retries=0), loaded=target)["shards"] == manifest["shards"]
     assert shard_files(out) == before
-    changed = config(out, down, retries=0, max_new_tokens=MAX_NEW + 1)  # another extract: the server is needed
-    with pytest.raises(UserError, match="is unreachable"):
+    with pytest.raises(UserError, match="is unreachable"):  # another extract: the server is needed
+        run_extract(config(tmp_path / "fresh", down, retries=0), loaded=target)
+    changed = config(out, down, retries=0, max_new_tokens=MAX_NEW + 1)
+    with pytest.raises(UserError, match=f"different settings:\n  max_new_tokens: {MAX_NEW} -> {MAX_NEW + 1}"):
         run_extract(changed, loaded=target)
+    assert shard_files(out) == before
 
 
 def test_server_answering_errors(tmp_path):
