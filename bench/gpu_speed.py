@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from bench.common import Rows, log
-from scoring.speed.torch_bench import synchronize
+from scoring.speed.torch_bench import loaded, synchronize
 
 TOLERANCE = 0.10
 QWEN3 = dict(
@@ -46,7 +46,6 @@ SIZES = {  # the stand-in target (hidden, layers, heads, kv heads, head dim, MLP
 PROMPT_TOKENS = 24
 LIVE = 24  # ids emitted by the target: 3 .. 3 + LIVE - 1 (no special token)
 FIRST_LIVE = 3
-DRAFT_STEPS = 40
 PROFILE_NEW = 48  # new tokens of each in-generate profile request
 
 
@@ -121,35 +120,13 @@ def extracted(env, target_dir: str, prompts_path: Path, new_tokens: int) -> tupl
     return str(out), [list(map(int, s.input_ids[int(s.prompt_len) :])) for s in samples]
 
 
-def draft_model(prompts: list[list[int]], responses: list[list[int]], out: Path, vocab: int, device: str) -> str:
-    """A 2-layer Qwen3 fitted briefly (DRAFT_STEPS full-batch steps of next-token loss) to the stored
-    responses, so that it accepts often and misses too; saved with the stand-in tokenizer."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+def draft_model(target_dir: str, prompts: list[list[int]], responses: list[list[int]], out: Path, vocab: int) -> str:
+    """The engine tests' standalone draft model (2 layers, fitted briefly to the stored responses:
+    it accepts often and misses too), at the stand-in's vocabulary, its tokenizer copied."""
+    from tests.helpers.models import fitted_draft_model
 
-    from bench.standins import _write_tokenizer
-
-    config = Qwen3Config(
-        vocab_size=vocab,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(5)
-    model = Qwen3ForCausalLM(config).to(device)
-    batch = torch.tensor([p + r for p, r in zip(prompts, responses)], device=device)  # [prompts, tokens]: no stop
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    for _ in range(DRAFT_STEPS):
-        loss = model(batch, labels=batch).loss
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    model.eval().save_pretrained(str(out))
-    _write_tokenizer(out)
-    return str(out)
+    sequences = [(torch.tensor(p + r), len(p)) for p, r in zip(prompts, responses)]
+    return fitted_draft_model(target_dir, sequences, out, vocab_size=vocab)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -193,13 +170,6 @@ def torch_profile(env, target_dir: str, draft_dir: str, context: int, ks: tuple[
 
 # ---------------------------------------------------------------------------------------------
 # the measurement: transformers' generate, interleaved
-
-
-def loaded_models(target_dir: str, draft_dir: str, device: str):
-    from transformers import AutoModelForCausalLM
-
-    load = lambda path: AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()  # noqa: E731
-    return load(target_dir), load(draft_dir)
 
 
 @torch.inference_mode()
@@ -352,13 +322,13 @@ def part_speed(env) -> tuple[dict, Rows]:
     log("gpu: speed: the stand-in target, its shards and a fitted draft model ...")
     target_dir = live_target(env.work / "speed-target", spec, env.device)
     shards, stored = extracted(env, target_dir, env.work / "speed-prompts.jsonl", spec["new"])
-    draft_dir = draft_model(prompts, stored, env.work / "speed-draft", spec["vocab"], env.device)
+    draft_dir = draft_model(target_dir, prompts, stored, env.work / "speed-draft", spec["vocab"])
     configs = configurations(draft_dir, spec["ks"])
     results = scored(env, shards, configs)
     context = PROMPT_TOKENS + spec["new"] // 2
     log("gpu: speed: profile --engine torch, then generate interleaved ...")
     profile = torch_profile(env, target_dir, draft_dir, context, spec["ks"])
-    models = loaded_models(target_dir, draft_dir, env.device)
+    models = tuple(loaded(path, env.device, "fp32")[0] for path in (target_dir, draft_dir))
     runs = served(models, configs, prompts, spec["new"], env.device, spec["rounds"])
     measured = measured_speeds(runs, stored)
     probes = probed_runs(models, configs, prompts, spec["new"], env.device)
@@ -401,4 +371,17 @@ def speed_rows(figures: dict, env) -> Rows:
             f"{same}/{sum(len(s['walk']) for s in steps)}",
         )
         add_best_k_row(rows, proposer, figures["best_k"][proposer])
+    return rows + probe_rows(figures["probes"])
+
+
+def probe_rows(probes: dict[str, list]) -> Rows:
+    """Per configuration, where a step's time went inside generate (the probed pass): the target's
+    forward, the candidate generator, the loop's own work; per step after the first, in ms."""
+    rows = Rows()
+    rows.add("  inside generate, per step after the first: target forward / candidates / the loop's own work")
+    for name, calls in probes.items():
+        steps = sum(c["steps"] for c in calls)
+        forward, candidates = (sum(c[key] for c in calls) for key in ("target forwards", "candidates"))
+        rest = sum(c["seconds"] for c in calls) - forward - candidates
+        rows.add(f"    {name}", " / ".join(f"{1e3 * x / steps:.2f} ms" for x in (forward, candidates, rest)))
     return rows

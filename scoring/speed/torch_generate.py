@@ -105,11 +105,10 @@ def in_generate_rows(model, drafts: dict[str, str], ks: list[int], how) -> dict:
     generator = torch.Generator().manual_seed(1)
     prompts = [random_ids(model, 1, how.context, generator) for _ in range(how.requests)]
     plain = mean_step(model, prompts, how.n_predict, generate_options("plain", 0), False)
-    steps = [
-        {"family": "ngram", "batch": 1, "drafts": k, "seconds": mean_step(model, prompts, how.n_predict, lookup, True)}
-        for k in ks
-        for lookup in [generate_options("lookup", k)]
-    ]
+    steps = []
+    for k in ks:
+        seconds = mean_step(model, prompts, how.n_predict, generate_options("lookup", k), True)
+        steps.append({"family": "ngram", "batch": 1, "drafts": k, "seconds": seconds})
     for family, path in drafts.items():
         draft, _ = loaded(path, how.device, how.dtype)
         for k in ks:

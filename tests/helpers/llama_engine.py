@@ -34,11 +34,10 @@ import torch
 
 from tests.helpers import family_fits as fits
 from tests.helpers.eagle3_online import training_document
-from tests.helpers.models import seeded, text_kwargs
+from tests.helpers.models import SMOLLM2_VOCAB, fitted_draft_model, seeded, text_kwargs  # noqa: F401 (re-exported)
 from tools.llama_convert import converter
 from tools.llama_server import LlamaServer
 
-SMOLLM2_VOCAB = 49152
 STOP = 2  # <|im_end|>: end of generation to llama.cpp (its GGUF vocab's EOG set) and the target's eos
 SPECIAL = 17  # SmolLM2's special tokens are ids 0..16
 # F32 KV caches (target and drafter) and no flash attention, whose CPU kernel rounds through F16.
@@ -66,32 +65,6 @@ def smollm2_tokenizer(save_dir) -> None:
                 shutil.copy(cache / name, Path(save_dir) / name)
         return
     AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(str(save_dir))
-
-
-DRAFT_FIT_STEPS, DRAFT_FIT_LR = 40, 3e-3  # a draft model that also misses: rejections compared too
-
-
-def fitted_draft_model(target_dir, sequences, out, layers: int = 2, steps: int = DRAFT_FIT_STEPS, **shape) -> str:
-    """A Qwen3 of `layers` layers at SmolLM2's vocabulary (more config fields: `shape`) fitted
-    briefly by next-token loss on the target's greedy continuations (a random draft accepts
-    nothing), saved with the target's tokenizer (llama.cpp's converter reads it): a standalone
-    draft model for draft-simple."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    config = Qwen3Config(**{**text_kwargs(layers), "vocab_size": SMOLLM2_VOCAB, **shape}, rope_theta=10000.0)
-    with seeded(5):
-        model = Qwen3ForCausalLM(config)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=DRAFT_FIT_LR)
-    for _ in range(steps if sequences else 0):
-        loss = sum(model(ids[None], labels=ids[None]).loss for ids, _ in sequences) / len(sequences)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    model.eval().save_pretrained(out)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        if (Path(target_dir) / name).exists():
-            shutil.copy(Path(target_dir) / name, Path(out) / name)
-    return str(out)
 
 
 @torch.no_grad()

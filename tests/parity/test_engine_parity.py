@@ -50,13 +50,6 @@ def one_thread():
 
 
 @pytest.fixture(scope="module")
-def converter():
-    started = engine.Converter()
-    yield started
-    started.close()
-
-
-@pytest.fixture(scope="module")
 def setup(tmp_path_factory, converter) -> parity.Setup:
     tmp = tmp_path_factory.mktemp("engine_parity")
     prompts = parity.prompt_ids(parity.PROMPTS)

@@ -46,13 +46,6 @@ def one_thread():
 
 
 @pytest.fixture(scope="module")
-def converter():
-    started = engine.Converter()
-    yield started
-    started.close()
-
-
-@pytest.fixture(scope="module")
 def smollm2(tmp_path_factory, converter) -> parity.Setup:
     """The real SmolLM2-135M as extract loads it, its F32 GGUF, greedy shards of chat prompts."""
     from pipeline.extract.target import resolve_model_dir
