@@ -183,19 +183,15 @@ def generate_once(models, prompt: list[int], new_tokens: int, options: dict, dev
     from scoring.speed.torch_generate import StepClock, generate_options
 
     target, draft = models
-    forwards, clock = [], StepClock(torch.device(device))
-    if probe is not None:
-        probe(clock)
-    hook = target.register_forward_pre_hook(lambda module, args: forwards.append(1))
     ids = torch.tensor([prompt], device=device)
-    kwargs = generate_options(*options, draft) | {"stopping_criteria": StoppingCriteriaList([clock])}
-    try:
+    with StepClock(torch.device(device), target) as clock:
+        if probe is not None:
+            probe(clock)
+        kwargs = generate_options(*options, draft) | {"stopping_criteria": StoppingCriteriaList([clock])}
         out = target.generate(ids, max_new_tokens=new_tokens, do_sample=False, **kwargs)
-    finally:
-        hook.remove()
     seconds, steps = clock.times[-1] - clock.times[0], len(clock.times) - 1
     produced, new = out.shape[1] - clock.first_length, out[0, len(prompt) :].tolist()
-    return {"seconds": seconds, "produced": produced, "steps": steps, "forwards": len(forwards), "tokens": new}
+    return {"seconds": seconds, "produced": produced, "steps": steps, "forwards": clock.forwards, "tokens": new}
 
 
 def served(models, configs: dict, prompts: list[list[int]], new_tokens: int, device: str, rounds: int) -> dict:
@@ -353,6 +349,12 @@ def speed_rows(figures: dict, env) -> Rows:
         f"speed, transformers generate on {env.device}, random Qwen3 stand-in (hidden {spec['hidden']}, "
         f"{spec['layers']} layers, vocab {spec['vocab']}), fp32, context ~{figures['context']}: plain decoding",
         f"{plain:.1f} tokens/s",
+    )
+    calls = figures["probes"]["plain"]
+    served_step = sum(c["seconds"] for c in calls) / sum(c["steps"] for c in calls)
+    rows.add(  # the prediction's denominator against the same step timed beside the served runs
+        "  plain decoding's step: the profile's (timed before the served runs) / the probed pass's",
+        f"{1e3 * figures['profile']['plain'][0]['seconds']:.2f} ms / {1e3 * served_step:.2f} ms",
     )
     for proposer, ks in figures["table"].items():
         for k, r in sorted(ks.items()):

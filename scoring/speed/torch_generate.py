@@ -10,7 +10,7 @@ speculative modes decode one).
   assistant's own `generate` call, and the loop's work around the verification.
 
 Steps are timed after generate's first (the prompt's forward) by a stopping criterion, which
-generate calls once a step; the target's forwards inside them by forward hooks. CUDA is
+generate calls after each step's forward; the target's forwards inside them by forward hooks. CUDA is
 synchronized at each, so a figure is the step's wall time. `requests` random prompts of `context`
 tokens after a warm-up one, `n_predict` new tokens each; a row is the mean over their steps.
 """
@@ -27,16 +27,32 @@ LOOKUP_NGRAM = 2  # max_matching_ngram_size: transformers' default (scored as ng
 
 
 class StepClock:
-    """A stopping criterion that never stops: the time of each of generate's calls of it (once a step,
-    the first after the prompt's forward) and the sequence's length at the first."""
+    """A stopping criterion that never stops: the time of each step (the first call of it after each
+    of the model's forwards, from the one after the prompt's) and the sequence's length at the first.
+    Some transformers versions also call it on the candidates before the verifying forward (5.17:
+    twice a speculative step); a call with no forward since the last is not a step. A context
+    manager: the forward counter is a hook on `model` while it is entered."""
 
-    def __init__(self, device: torch.device):
-        self.device, self.times, self.first_length = device, [], None
+    def __init__(self, device: torch.device, model):
+        self.device, self.model, self.times, self.first_length = device, model, [], None
+        self.forwards, self.counted, self.hook = 0, 0, None
+
+    def __enter__(self):
+        self.hook = self.model.register_forward_pre_hook(self.forwarded)
+        return self
+
+    def __exit__(self, *exc):
+        self.hook.remove()
+
+    def forwarded(self, module, args):
+        self.forwards += 1
 
     def __call__(self, input_ids, scores, **kwargs):
-        synchronize(self.device)
-        self.times.append(time.perf_counter())
-        self.first_length = self.first_length or input_ids.shape[1]
+        if self.forwards > self.counted:
+            self.counted = self.forwards
+            synchronize(self.device)
+            self.times.append(time.perf_counter())
+            self.first_length = self.first_length or input_ids.shape[1]
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
@@ -83,8 +99,7 @@ def timed_generate(model, ids: torch.Tensor, n_predict: int, options: dict) -> t
     """(seconds of the steps after the first, the target's forwards in them, how many steps)."""
     from transformers import StoppingCriteriaList
 
-    clock = StepClock(ids.device)
-    with ForwardClock(model, clock) as forwards:
+    with StepClock(ids.device, model) as clock, ForwardClock(model, clock) as forwards:
         stops = StoppingCriteriaList([clock])
         model.generate(ids, max_new_tokens=n_predict, do_sample=False, stopping_criteria=stops, **options)
     return clock.times[-1] - clock.times[0], forwards.seconds, len(clock.times) - 1

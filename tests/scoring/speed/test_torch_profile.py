@@ -104,13 +104,40 @@ def test_in_generate_times_generate_s_own_steps_and_the_drafting_share_of_each_k
     assert refused.exit_code == 2 and "--in-generate is read by --engine torch only" in refused.output
 
 
-def test_a_step_is_one_call_of_the_clock_and_the_assistant_drafts_k(targets):
+def check_candidates_too(monkeypatch):
+    """transformers 5.17's assisted loop: the stopping criteria also called on the candidates, right
+    after get_candidates and before the verifying forward (`is_done_candidate`), so twice a step."""
+    from transformers.generation import candidate_generator as generators, utils
+
+    criteria = {}
+    decoding = utils.GenerationMixin._assisted_decoding
+
+    def keep(self, input_ids, logits_processor, stopping_criteria, *args, **kwargs):
+        criteria["now"] = stopping_criteria
+        return decoding(self, input_ids, logits_processor, stopping_criteria, *args, **kwargs)
+
+    monkeypatch.setattr(utils.GenerationMixin, "_assisted_decoding", keep)
+    for cls in (generators.AssistedCandidateGenerator, generators.PromptLookupCandidateGenerator):
+
+        def checked(self, ids, *args, _get=cls.get_candidates, **kwargs):
+            out = _get(self, ids, *args, **kwargs)
+            criteria["now"](out[0], None)
+            return out
+
+        monkeypatch.setattr(cls, "get_candidates", checked)
+
+
+@pytest.mark.parametrize("candidate_check", [False, True], ids=["once-a-step", "5.17-twice-a-step"])
+def test_a_step_is_one_call_of_the_clock_and_the_assistant_drafts_k(targets, candidate_check, monkeypatch):
     """timed_generate's steps are generate's steps after the prompt's: with a draft model equal to
     the target (every draft accepted) at K = 2, each step appends 3 tokens and forwards the target
-    once; the target's forward time is a part of the steps' time."""
+    once; the target's forward time is a part of the steps' time. Where generate also calls the
+    stopping criteria on the candidates (transformers 5.17), the steps are still the forwards."""
     from scoring.speed.torch_bench import loaded
     from scoring.speed.torch_generate import generate_options, timed_generate
 
+    if candidate_check:
+        check_candidates_too(monkeypatch)
     qwen3, _ = targets
     model, _ = loaded(qwen3, "cpu", "fp32")
     draft, _ = loaded(qwen3, "cpu", "fp32")
