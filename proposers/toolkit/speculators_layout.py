@@ -6,19 +6,21 @@ i, the residual entering it, one more than this project's id for the same tensor
 training machine: informative, never required to exist. Defaults are the reference classes'.
 
 This module holds what the families' speculators layouts share (each family's layout.py declares
-its own class): the base, and the block drafters' fields (DFlash, DFlash2, DSpark)."""
+its own class): the base, the block drafters' fields (DFlash, DFlash2, DSpark) and the EAGLE-style
+drafters' (EAGLE-3, P-EAGLE)."""
 
 from __future__ import annotations
 
 from typing import ClassVar
 
-from pydantic import field_validator
+from pydantic import field_validator, model_validator
 
 from pipeline.common.schema import Count, Number, Positive, Schema, SchemaError
 from proposers.toolkit.layout_fields import (
     REQUIRED_SHAPE,
     BlockDecoderFields,
     DecoderFields,
+    DraftDecoderFields,
     DrafterNamespace,
     LayerIds,
     unique_ids,
@@ -134,3 +136,65 @@ class SpeculatorsBlock(SpeculatorsFormat):
         super().check_complete(source)
         if self.mask_token_id is None:
             raise SchemaError(f"{source}: missing field 'mask_token_id'; a DFlash drafter needs its mask token")
+
+
+class SpeculatorsEagle(SpeculatorsFormat):
+    """The fields speculators' EAGLE-style drafters share (models/eagle3/config.py; P-EAGLE's config
+    extends it): without ids, the default is [2, L // 2, L - 3] before-layer ids of an L-layer
+    target (utils.resolve_target_layer_ids), so reading them needs L. Each family's class narrows
+    `speculators_model_type`."""
+
+    IDS_FIELD: ClassVar[str] = "eagle_aux_hidden_state_layer_ids"
+
+    DECODER_CLASSES: ClassVar[dict[str | None, str]] = {
+        None: "Qwen3Config",
+        "qwen3": "Qwen3Config",
+        "llama": "LlamaConfig",
+    }
+
+    transformer_layer_config: DraftDecoderFields
+    eagle_aux_hidden_state_layer_ids: LayerIds | None = None
+    norm_before_residual: bool = False
+    norm_before_fc: bool = False
+    fc_norm: bool = False
+    norm_output: bool = False
+    embed_requires_grad: bool = False
+
+    _unique = field_validator("eagle_aux_hidden_state_layer_ids")(unique_ids)
+
+    @model_validator(mode="after")
+    def _one_fc_norm(self):
+        if self.norm_before_fc and self.fc_norm:
+            raise ValueError("fields 'norm_before_fc' and 'fc_norm' are both true; they are exclusive, set one of them")
+        return self
+
+    def stored_layer_ids(self) -> list[int] | None:
+        return self.eagle_aux_hidden_state_layer_ids
+
+    def feature_layers(self, source: str, num_target_layers: int | None = None) -> list[int]:
+        if self.eagle_aux_hidden_state_layer_ids is not None:
+            return super().feature_layers(source, num_target_layers)
+        ids = default_eagle_ids((2, 0, -3), num_target_layers, source, "eagle_aux_hidden_state_layer_ids")
+        return [s if s == num_target_layers else s - 1 for s in ids]
+
+
+def default_eagle_ids(
+    offsets: tuple[int, int, int], num_target_layers: int | None, source: str, field: str
+) -> list[int]:
+    """An EAGLE-3 layout's default aux ids for an L-layer target, [a, L // 2 + b, L + c] for
+    `offsets` (a, b, c): speculators' (2, 0, -3) and SpecForge's (1, -1, -4) name the same three
+    layers, each in its own numbering. Refused when L is unknown or the ids collide (a target too
+    shallow for the default; speculators refuses it too)."""
+    if num_target_layers is None:
+        raise SchemaError(
+            f"{source}: {field} is not set, so the feature layers are the layout's default for the target's "
+            f"layer count, which is unknown here"
+        )
+    first, middle, last = offsets
+    ids = [first, num_target_layers // 2 + middle, num_target_layers + last]
+    if len(set(ids)) != 3 or min(ids) < 0:
+        raise SchemaError(
+            f"{source}: {field} is not set and its default {ids} for a {num_target_layers}-layer target names a "
+            f"layer twice; set {field} explicitly"
+        )
+    return ids

@@ -72,6 +72,9 @@ BASE = {
         "markov_rank": 0,
     },
     "eagle3:speculators": lambda: _speculators("eagle3", LLAMA, 3, eagle_aux_hidden_state_layer_ids=[2, 3, 4]),
+    "peagle:speculators": lambda: _speculators(
+        "peagle", LLAMA, 3, eagle_aux_hidden_state_layer_ids=[2, 3, 4], mask_token_id=1
+    ),
     "eagle3:specforge": lambda: {
         **LLAMA,
         "architectures": ["LlamaForCausalLMEagle3"],

@@ -236,10 +236,14 @@ def verify(target_logits: torch.Tensor, proposal: Proposal, temperature: float) 
 
 
 @torch.no_grad()
-def online_eagle3(model, target, prompt, max_new_tokens: int, stop_ids, temperature: float = 0.0) -> OnlineRun:
+def online_eagle3(
+    model, target, prompt, max_new_tokens: int, stop_ids, temperature: float = 0.0, proposer=None
+) -> OnlineRun:
     """The loop (module docstring) for `prompt` [P]; sampled steps draw from torch's global
     generator (seed it). The target runs from scratch over the committed tokens and the drafts at
-    each verification."""
+    each verification. `proposer`: another family's proposal with `propose`'s arguments (P-EAGLE's
+    parallel drafting), the loop around it unchanged."""
+    proposer = proposer or propose
     steps = model.config.speculators_config.proposal_methods[0].speculative_tokens
     prompt_len = prompt.numel()
     max_length = prompt_len + max_new_tokens
@@ -249,7 +253,7 @@ def online_eagle3(model, target, prompt, max_new_tokens: int, stop_ids, temperat
     run, draft = OnlineRun(seq), DraftCache(model)
     start, stopped = prompt_len, int(first) in stop_ids
     while start + 1 < max_length and not stopped:
-        proposal = propose(draft, features, seq, start, min(steps, max_length - start - 1), temperature)
+        proposal = proposer(draft, features, seq, start, min(steps, max_length - start - 1), temperature)
         draft.crop(start)  # the draft slots go; the verified ones are rewritten from target features
         candidate = torch.cat([seq[: start + 1], proposal.drafts])
         logits, candidate_features, _ = target_states(target, candidate)

@@ -1,0 +1,93 @@
+"""P-EAGLE checkpoints as speculators saves them: detected, scored end to end (chain and DDTree, its
+drafts being independent given the block), and each bad input one `error:` line naming its field,
+nothing written. The checkpoint is speculators' own PEagleDraftModel with random weights (the
+exactness of its drafts is tests/parity/test_peagle_parity.py's)."""
+
+from __future__ import annotations
+
+import json
+
+import polars as pl
+import pytest
+from click.testing import CliRunner
+from safetensors.torch import load_file, save_file
+
+from proposers.checkpoints.load import load_proposer
+from specreplay.cli import main
+from tests.helpers.models import TINY_HIDDEN, TINY_VOCAB
+from tests.helpers.peagle_online import MASK_TOKEN, random_peagle
+
+AUX_IDS = (2, 4)  # speculators' before-layer ids: the outputs of layers 1 and 3, as the shards store them
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory) -> str:
+    from bench.standins import write_synthetic_shards
+
+    out = tmp_path_factory.mktemp("peagle") / "shards"
+    write_synthetic_shards(out, [14, 12], TINY_HIDDEN, TINY_VOCAB, 6, [1, 3], top_k=4, prompt_tokens=4)
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory) -> str:
+    return random_peagle(
+        tmp_path_factory.mktemp("peagle") / "ckpt", vocab=TINY_VOCAB, hidden=TINY_HIDDEN, aux_ids=AUX_IDS
+    )
+
+
+def test_a_speculators_checkpoint_is_p_eagle_with_its_mask_block(ckpt):
+    proposer, _ = load_proposer(ckpt, target_layers=6)
+    config = proposer.config
+    assert (proposer.family, proposer.layout) == ("peagle", "speculators")
+    assert proposer.independent_drafts and proposer.max_drafts == 4
+    assert config.mask_token_id == MASK_TOKEN and not config.teacher_forced_block
+    assert proposer.needs.feature_layers == (1, 3)
+    assert tuple(proposer.model.mask_hidden.shape) == (1, 1, 2 * TINY_HIDDEN)
+
+
+def test_score_writes_chain_and_ddtree_rows_under_its_family(ckpt, shards, tmp_path):
+    out = tmp_path / "results"
+    args = ["score", "--ckpt", ckpt, "--shards", shards, "--out", str(out), "--ddtree-budgets", "8", "--quiet"]
+    run = CliRunner().invoke(main, args)
+    assert run.exit_code == 0, run.output
+    [result] = [p for p in out.iterdir() if p.is_dir()]
+    summary = pl.read_parquet(result / "summary.parquet")
+    assert set(summary["drafter_family"]) == {"peagle"}
+    assert {"chain", "ddtree-8"} <= set(summary["method"])
+
+
+def _copy(ckpt: str, tmp_path, edit_config=None, edit_state=None) -> str:
+    """A copy of the checkpoint with its config.json and/or weights changed."""
+    out = tmp_path / "bad"
+    out.mkdir()
+    config = json.loads(open(f"{ckpt}/config.json").read())
+    state = load_file(f"{ckpt}/model.safetensors")
+    (edit_config or (lambda c: None))(config)
+    (edit_state or (lambda s: None))(state)
+    (out / "config.json").write_text(json.dumps(config))
+    save_file(state, str(out / "model.safetensors"))
+    return str(out)
+
+
+BAD = {
+    "no mask token": (lambda c: c.pop("mask_token_id"), None, "missing field 'mask_token_id'"),
+    "mask token outside the vocabulary": (
+        lambda c: c.update(mask_token_id=TINY_VOCAB),
+        None,
+        f"field 'mask_token_id' is {TINY_VOCAB}, outside",
+    ),
+    "no mask hidden state": (None, lambda s: s.pop("mask_hidden"), "mask_hidden"),
+    "vLLM's name beside speculators'": (lambda c: c.update(ptd_token_id=MASK_TOKEN), None, "ptd_token_id"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_a_bad_checkpoint_is_one_error_naming_its_field(ckpt, shards, tmp_path, case):
+    edit_config, edit_state, message = BAD[case]
+    bad = _copy(ckpt, tmp_path, edit_config, edit_state)
+    out = tmp_path / "results"
+    run = CliRunner().invoke(main, ["score", "--ckpt", bad, "--shards", shards, "--out", str(out), "--quiet"])
+    assert run.exit_code != 0 and run.output.count("error:") == 1, run.output
+    assert message in run.output, run.output
+    assert "Traceback" not in run.output and not any(out.glob("*/summary.parquet"))
