@@ -16,6 +16,7 @@ next step's verified slots, as the cache here is cut back after each verificatio
 from __future__ import annotations
 
 import torch
+from dflash.model import _sample_probs
 
 from tests.helpers import eagle3_online as eagle3
 from tests.helpers.eagle3_reference import decoder_config
@@ -24,15 +25,16 @@ from tests.helpers.models import seeded
 MASK_TOKEN = 1  # a token id the tiny target's responses never hold (its ids 3.. are the live ones)
 
 
-def speculators_config(vocab: int, hidden: int, aux_ids, steps: int):
-    """speculators' PEagleSpeculatorConfig: one Llama layer of the tiny widths, the whole vocabulary,
-    `aux_ids` before-layer ids, `steps` speculative tokens (its num_depths), MASK_TOKEN."""
+def speculators_config(vocab: int, hidden: int, aux_ids, steps: int, shapes: dict | None = None):
+    """speculators' PEagleSpeculatorConfig: one Llama layer (the tiny widths, or `shapes`: heads,
+    kv_heads, head_dim, mlp), the whole vocabulary, `aux_ids` before-layer ids, `steps` speculative
+    tokens (its num_depths), MASK_TOKEN."""
     from speculators.config import SpeculatorsConfig, VerifierConfig
     from speculators.models.peagle import PEagleSpeculatorConfig
     from speculators.proposals.greedy import GreedyTokenProposalConfig
 
     return PEagleSpeculatorConfig(
-        transformer_layer_config=decoder_config("llama", vocab=vocab, hidden=hidden),
+        transformer_layer_config=decoder_config("llama", vocab=vocab, hidden=hidden, **(shapes or {})),
         draft_vocab_size=vocab,
         eagle_aux_hidden_state_layer_ids=list(aux_ids),
         mask_token_id=MASK_TOKEN,
@@ -119,35 +121,40 @@ def reference_logits(model, features: torch.Tensor, ids: torch.Tensor, anchors: 
 
 @torch.no_grad()
 def propose(draft: eagle3.DraftCache, features, seq, start: int, count: int, temperature: float) -> eagle3.Proposal:
-    """`count` greedy drafts at anchor `start` by vLLM's parallel drafting rule (module docstring):
-    the verified slots up to start - 1 appended, then count - 1 mask slots in the same pass."""
+    """`count` drafts at anchor `start` by vLLM's parallel drafting rule (module docstring): the
+    verified slots up to start - 1 appended, then count - 1 mask slots in the same pass. Greedy:
+    each slot's argmax (vLLM's); T > 0: each slot's draft drawn from softmax(logits / T), the slots
+    independently (no slot reads another's draft), as specreplay scores every family with logits."""
     model, written = draft.model, draft.length
-    if temperature > 0:
-        raise ValueError("vLLM's parallel drafting proposes argmax drafts only")
     nxt = seq[written + 1 : start + 1]  # slot s reads x_{s+1}
     masks = count - 1
     embeds = model.embed_tokens(torch.cat([nxt, torch.full((masks,), model.mask_token_id)]))
     hidden = torch.cat([model.fc(features[written:start]), model.fc(model.mask_hidden[0]).expand(masks, -1)])
-    h = draft.append(embeds, hidden)[-count:]
-    logits = draft.logits(h)
+    logits = draft.logits(draft.append(embeds, hidden)[-count:])
     top2 = logits.topk(2, dim=-1).values
-    return eagle3.Proposal(logits.argmax(dim=-1), None, (top2[:, 0] - top2[:, 1]).tolist())
+    margins = (top2[:, 0] - top2[:, 1]).tolist()
+    if temperature <= 0:
+        return eagle3.Proposal(logits.argmax(dim=-1), None, margins)
+    q = torch.softmax(logits / temperature, dim=-1)
+    return eagle3.Proposal(_sample_probs(q), q, margins)
 
 
-def online_peagle(model, target, prompt, max_new_tokens: int, stop_ids):
-    """The online greedy loop (eagle3_online's, its budget, verification and stop rules) with
-    parallel drafting's proposals."""
-    return eagle3.online_eagle3(model, target, prompt, max_new_tokens, stop_ids, proposer=propose)
+def online_peagle(model, target, prompt, max_new_tokens: int, stop_ids, temperature: float = 0.0):
+    """The online loop (eagle3_online's: its budget, verification, z-lab's rejection sampling at
+    T > 0 and stop rules) with parallel drafting's proposals."""
+    return eagle3.online_eagle3(model, target, prompt, max_new_tokens, stop_ids, temperature, proposer=propose)
 
 
-def random_peagle(save_dir, *, vocab: int, hidden: int, aux_ids, steps: int = 4, seed: int = 0) -> str:
-    """speculators' PEagleDraftModel with every weight drawn N(0, 0.2) (its embedding and lm_head
+def random_peagle(
+    save_dir, *, vocab: int, hidden: int, aux_ids, steps: int = 4, seed: int = 0, std: float = 0.2, shapes=None
+) -> str:
+    """speculators' PEagleDraftModel with every weight drawn N(0, std) (its embedding and lm_head
     included, which its own init leaves to the verifier's), saved by its own save_pretrained."""
     from speculators.models.peagle.core import PEagleDraftModel
 
     with seeded(seed), torch.no_grad():
-        model = PEagleDraftModel(speculators_config(vocab, hidden, aux_ids, steps))
+        model = PEagleDraftModel(speculators_config(vocab, hidden, aux_ids, steps, shapes))
         for parameter in model.parameters():
-            parameter.normal_(0.0, 0.2)
+            parameter.normal_(0.0, std)
     model.save_pretrained(str(save_dir))
     return str(save_dir)

@@ -12,7 +12,10 @@ scores the saved checkpoint from extracted shards.
   pass a step over the verified slots and K - 1 mask slots, the cache cut back after verification)
   over speculators' modules: every step's produced count and its accepted drafts;
 - a wrong rule, EAGLE-3's feedback (each mask slot reading the previous step's hidden state instead
-  of the mask hidden state), drafts other tokens at the same anchors.
+  of the mask hidden state), drafts other tokens at the same anchors;
+- T = 0.7: per prompt, the offline expected tau equals the mean over seeds of the online loop's
+  tau (each slot's draft drawn from its own q, z-lab's rejection sampling) within 3 combined
+  standard errors, and the same statistic rejects EAGLE-3's feedback.
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ MAX_NEW = 24
 PROMPTS = 6
 STEPS = 4  # drafts a step (vLLM's num_speculative_tokens; speculators' num_depths)
 FIT_STEPS = 600
+TEMPERATURE = 0.7
+SAMPLED_DRAWS = 40  # extracted responses per prompt, and online runs per prompt
 NEAR_TIE = 1e-4  # logits this close may rank apart between two kernels' float sums
 
 
@@ -50,7 +55,7 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    """(tmp, the tiny target loaded, its greedy shards, their stop ids)."""
+    """(tmp, the tiny target loaded, its greedy shards, their stop ids, its directory, the prompts file)."""
     from transformers import AutoModelForCausalLM
 
     tmp = tmp_path_factory.mktemp("peagle_parity")
@@ -64,13 +69,13 @@ def setup(tmp_path_factory):
         json.dump(generation, f)
     prompts = write_prompts(tmp / "prompts.jsonl", [{"id": f"p{i}", "input_ids": p} for i, p in enumerate(prompt_ids)])
     greedy = parity.extract(tmp / "greedy", model_dir, prompts, MAX_NEW, OUTPUT_IDS)
-    return tmp, target, greedy, ShardSet(greedy).settings["target"]["stop_token_ids"]
+    return tmp, target, greedy, ShardSet(greedy).settings["target"]["stop_token_ids"], model_dir, prompts
 
 
 @pytest.fixture(scope="module")
 def drafter(setup):
     """(speculators' PEagleDraftModel fitted to the greedy responses, its saved checkpoint)."""
-    tmp, target, greedy, _ = setup
+    tmp, target, greedy, *_ = setup
     sequences = [(s.input_ids, s.prompt_len) for s in ShardSet(greedy).samples(tensors=[])]
     model = online.new_drafter(target, aux_ids=AUX_IDS, steps=STEPS)
     documents = eagle3_online.training_documents(target, [ids for ids, _ in sequences], [n for _, n in sequences])
@@ -82,7 +87,7 @@ def drafter(setup):
 
 @pytest.fixture(scope="module")
 def anchor_drafts(setup, drafter) -> pl.DataFrame:
-    tmp, _, greedy, _ = setup
+    tmp, _, greedy, *_ = setup
     out_dir = parity.score(drafter[1], greedy, tmp / "results-anchors", anchor_drafts=True)
     return pl.read_parquet(f"{out_dir}/anchors.parquet").select("sample_id", "anchor", "draft_tokens")
 
@@ -102,7 +107,7 @@ def _reference_blocks(model, target, greedy, monkeypatch) -> dict[tuple[str, int
 def test_every_anchors_drafts_equal_speculators_forward(setup, drafter, anchor_drafts, monkeypatch):
     """The replay's K drafts at every response anchor are the argmax of speculators' own forward
     there (a draft whose two best logits tie within NEAR_TIE may rank either way)."""
-    _, target, greedy, _ = setup
+    _, target, greedy, *_ = setup
     blocks = _reference_blocks(drafter[0], target, greedy, monkeypatch)
     compared = 0
     for sample_id, anchor, offline in anchor_drafts.iter_rows():
@@ -118,7 +123,7 @@ def test_every_anchors_drafts_equal_speculators_forward(setup, drafter, anchor_d
 
 
 def test_greedy_walks_equal_vllms_parallel_drafting(setup, drafter):
-    tmp, target, greedy, stop_ids = setup
+    tmp, target, greedy, stop_ids, *_ = setup
     model, ckpt = drafter
     walks = parity.walks(parity.score(ckpt, greedy, tmp / "results"))
     accepted = []
@@ -145,7 +150,7 @@ def _eagle3_feedback(self, h):
 
 
 def test_eagle3_feedback_drafts_other_tokens(setup, drafter, anchor_drafts, monkeypatch):
-    tmp, _, greedy, _ = setup
+    tmp, _, greedy, *_ = setup
     monkeypatch.setattr(PEagleDrafter, "feedback", _eagle3_feedback)
     out_dir = parity.score(drafter[1], greedy, tmp / "results-wrong", anchor_drafts=True)
     wrong = pl.read_parquet(f"{out_dir}/anchors.parquet").select("sample_id", "anchor", "draft_tokens")
@@ -155,3 +160,38 @@ def test_eagle3_feedback_drafts_other_tokens(setup, drafter, anchor_drafts, monk
     )
     print(f"EAGLE-3's feedback: {differ}/{joined.height} anchors' later drafts differ")
     assert differ > joined.height // 4
+
+
+def _online_taus(model, target, stop_ids) -> dict[str, list[float]]:
+    taus: dict[str, list[float]] = {}
+    for i, prompt in enumerate(parity.prompt_ids(PROMPTS)):
+        for run in range(SAMPLED_DRAWS):
+            torch.manual_seed(1000 * i + run)
+            tau = online.online_peagle(model, target, torch.tensor(prompt), MAX_NEW, stop_ids, TEMPERATURE).tau
+            if tau is not None:
+                taus.setdefault(f"p{i}", []).append(tau)
+    return taus
+
+
+def test_sampled_expected_tau_equals_the_online_mean_over_seeds(setup, drafter, monkeypatch):
+    """Per prompt and over the prompts, the offline expected tau (samples.parquet, SAMPLED_DRAWS
+    extracted responses at T 0.7) against the mean tau of as many seeded online runs: within 3
+    combined standard errors; EAGLE-3's feedback (`_eagle3_feedback`) outside them."""
+    tmp, target, _, stop_ids, model_dir, prompts = setup
+    model, ckpt = drafter
+    shards = parity.extract(tmp / "sampled", model_dir, prompts, MAX_NEW, OUTPUT_IDS, TEMPERATURE, SAMPLED_DRAWS)
+    online_stats = parity.per_prompt(_online_taus(model, target, stop_ids))
+    offline = parity.per_prompt(parity.offline_taus(parity.score(ckpt, shards, tmp / "sampled-results")))
+    with monkeypatch.context() as patch:
+        patch.setattr(PEagleDrafter, "feedback", _eagle3_feedback)
+        wrong = parity.per_prompt(parity.offline_taus(parity.score(ckpt, shards, tmp / "sampled-results-wrong")))
+    z_prompts, z = parity.z_scores(offline, online_stats)
+    z_wrong_prompts, z_wrong = parity.z_scores(wrong, online_stats)
+    for prompt, (mean_on, se_on) in online_stats.items():
+        print(
+            f"{prompt}: online {mean_on:.4f} ± {se_on:.4f}, offline {offline[prompt][0]:.4f} "
+            f"(z {z_prompts[prompt]:+.2f}), EAGLE-3's feedback {wrong[prompt][0]:.4f} (z {z_wrong_prompts[prompt]:+.2f})"
+        )
+    print(f"over the prompts: z {z:+.2f}, EAGLE-3's feedback z {z_wrong:+.2f}")
+    assert all(abs(v) < 3 for v in z_prompts.values()) and abs(z) < 3, (z_prompts, z)
+    assert abs(z_wrong) > 3, (z_wrong_prompts, z_wrong)
