@@ -6,7 +6,9 @@
    attention and MLP shapes), random weights, each built and saved by its reference's own classes:
    z-lab's DFlashDraftModel (block 16: 15 drafts) and speculators' Eagle3DraftModel (K_STEPS drafts,
    the whole vocabulary). Timed, alternated over `--reps` rounds, min per side:
-   * `run_score` of each, all anchors, chain only (ratio EAGLE-3 / DFlash v1 per anchor);
+   * `run_score` of each, all anchors, chain only (ratio EAGLE-3 / DFlash v1 per anchor), and of
+     speculators' PEagleDraftModel (P-EAGLE: the same decoder, K_STEPS drafts from one pass online,
+     its mask slots replayed as the step chain's steps; issue 36 item 5);
    * `run_score` of the EAGLE-3 drafter with each of TREES (the chain plus sglang's dynamic tree,
      `--eagle-trees`; its cost also as the product's "eagle tree" stage): every branch is its own
      drafter step and lm_head row, 1 + (depth - 1) x topk of them per anchor;
@@ -58,12 +60,17 @@ def eagle_aux_ids(num_layers: int) -> list[int]:
     return feature_layers_of(EAGLE_CONFIG, "bench EAGLE-3 config", num_layers)
 
 
+def decoder_shapes() -> dict:
+    """The one-layer decoder's shapes as the tests' reference builders take them."""
+    shapes = dict(heads=DECODER["num_attention_heads"], kv_heads=DECODER["num_key_value_heads"])
+    return shapes | dict(head_dim=DECODER["head_dim"], mlp=DECODER["intermediate_size"])
+
+
 def eagle3_drafter(out: Path, aux_ids: list[int], seed: int):
     """speculators' Eagle3DraftModel at SmolLM2 shapes, saved by its save_pretrained; returned for the online loop."""
     from tests.helpers.eagle3_reference import save, speculators_eagle3
 
-    shapes = dict(heads=DECODER["num_attention_heads"], kv_heads=DECODER["num_key_value_heads"])
-    shapes.update(head_dim=DECODER["head_dim"], mlp=DECODER["intermediate_size"])
+    shapes = decoder_shapes()
     model = speculators_eagle3(
         vocab=SMOLLM2["vocab_size"],
         hidden=SMOLLM2["hidden_size"],
@@ -75,6 +82,16 @@ def eagle3_drafter(out: Path, aux_ids: list[int], seed: int):
     )
     save(model, out)
     return model
+
+
+def peagle_drafter(out: Path, aux_ids: list[int], seed: int) -> str:
+    """speculators' PEagleDraftModel at SmolLM2 shapes (K_STEPS drafts), saved by its save_pretrained."""
+    from tests.helpers.peagle_online import random_peagle
+
+    vocab, hidden, before = SMOLLM2["vocab_size"], SMOLLM2["hidden_size"], tuple(i + 1 for i in aux_ids)
+    return random_peagle(
+        out, vocab=vocab, hidden=hidden, aux_ids=before, steps=K_STEPS, seed=seed, std=INIT_STD, shapes=decoder_shapes()
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -179,6 +196,7 @@ def one_round(ckpts: dict, model, shard_dir: str, aux_ids: list[int], work: Path
     sides = {
         "dflash": lambda: score_once(ckpts["dflash"], shard_dir, work / "results-dflash"),
         "eagle3": lambda: score_once(ckpts["eagle3"], shard_dir, work / "results-eagle3", eagle_trees=[]),
+        "peagle": lambda: score_once(ckpts["peagle"], shard_dir, work / "results-peagle"),
         **{
             t: (lambda t=t: score_once(ckpts["eagle3"], shard_dir, work / f"results-{t}", eagle_trees=[t]))
             for t in TREES
@@ -223,6 +241,7 @@ def run(ctx) -> tuple[dict, Rows]:
         zlab(work / "dflash", "dflash", dflash_ids, seed=1)
         model = eagle3_drafter(work / "eagle3", aux_ids, seed=2).float()
         ckpts = {"dflash": str(work / "dflash"), "eagle3": str(work / "eagle3")}
+        ckpts["peagle"] = peagle_drafter(work / "peagle", aux_ids, seed=3)
         score_once(ckpts["eagle3"], shard_dir, work / "warm-up", limit=1, eagle_trees=[])
         figures = rounds(ckpts, model, shard_dir, aux_ids, work, args.reps)
         log("eagle: FLOPs per anchor, one sample each side ...")
@@ -252,6 +271,13 @@ def rows_of(f: dict) -> Rows:
         f"  speculators EAGLE-3 chain ({f['k_steps']} drafts), offline",
         f"{ms_per_anchor(eagle):.1f} ms, {ms_per_anchor(eagle) / ms_per_anchor(dflash):.2f}x DFlash v1",
         others=eagle["others_cpu"],
+    )
+    peagle = f["peagle"]
+    rows.add(
+        f"  speculators P-EAGLE chain ({f['k_steps']} drafts), offline",
+        f"{ms_per_anchor(peagle):.1f} ms, {ms_per_anchor(peagle) / ms_per_anchor(dflash):.2f}x DFlash v1, "
+        f"{ms_per_anchor(peagle) / ms_per_anchor(eagle):.2f}x EAGLE-3",
+        others=peagle["others_cpu"],
     )
     rows.add(
         "  the same anchors online (speculators' modules, growing cache)",

@@ -7,6 +7,7 @@ uses (per-prompt means, standard errors, z in combined standard errors)."""
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 
 import numpy as np
@@ -14,9 +15,45 @@ import polars as pl
 import torch
 
 from pipeline.extract.run import ExtractConfig, run_extract
+from pipeline.shards import ShardSet
 from scoring.config import ScoreConfig
 from scoring.score.run import run_score
 from tests.helpers.dspark_online import target_states
+
+
+def one_thread():
+    """A module fixture's body: one intra-op thread while the module runs. Tiny matrices gain nothing
+    from more, and on shared cores OpenMP's spinning workers slow every call of the online loops
+    by an order of magnitude."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny_target_setup(tmp, count: int, max_new: int) -> tuple:
+    """(tmp, target dir, prompts file, the target loaded, its greedy shards, their stop ids): the tiny
+    target of tests/helpers/dspark_online.py with a stop token its greedy responses reach in about
+    half of `count` prompts (written into its generation config), greedy shards of the before-layer
+    ids 1, 3, 5 (OUTPUT_IDS)."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.helpers.dspark_online import build_target
+    from tests.helpers.dspark_reference import OUTPUT_IDS
+    from tests.helpers.prompts import write_prompts
+
+    model_dir = build_target(tmp / "target")
+    target = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = prompt_ids(count)
+    with open(f"{model_dir}/generation_config.json") as f:
+        generation = json.load(f)
+    generation["eos_token_id"] = stop_token(target, ids, max_new)
+    with open(f"{model_dir}/generation_config.json", "w") as f:
+        json.dump(generation, f)
+    prompts = write_prompts(tmp / "prompts.jsonl", [{"id": f"p{i}", "input_ids": p} for i, p in enumerate(ids)])
+    greedy = extract(tmp / "greedy", model_dir, prompts, max_new, OUTPUT_IDS)
+    stop_ids = ShardSet(greedy).settings["target"]["stop_token_ids"]
+    return tmp, model_dir, prompts, target, greedy, stop_ids
 
 
 def prompt_ids(count: int, seed: int = 4) -> list[list[int]]:

@@ -35,10 +35,7 @@ STEPS = 3  # the native head's default (mtp.DEFAULT_STEPS)
 
 @pytest.fixture(scope="module", autouse=True)
 def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    yield from parity.one_thread()
 
 
 def _greedy(target, prompt: list[int], max_new: int) -> torch.Tensor:

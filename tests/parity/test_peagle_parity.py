@@ -20,8 +20,6 @@ scores the saved checkpoint from extracted shards.
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import polars as pl
 import pytest
@@ -30,9 +28,8 @@ import torch
 from pipeline.shards import ShardSet
 from proposers.peagle.model import PEagleDrafter
 from tests.helpers import chain_parity as parity, eagle3_online, peagle_online as online
-from tests.helpers.dspark_online import build_target, target_states
+from tests.helpers.dspark_online import target_states
 from tests.helpers.dspark_reference import AUX_IDS, OUTPUT_IDS
-from tests.helpers.prompts import write_prompts
 
 pytestmark = pytest.mark.slow
 
@@ -47,29 +44,16 @@ NEAR_TIE = 1e-4  # logits this close may rank apart between two kernels' float s
 
 @pytest.fixture(scope="module", autouse=True)
 def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    yield from parity.one_thread()
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     """(tmp, the tiny target loaded, its greedy shards, their stop ids, its directory, the prompts file)."""
-    from transformers import AutoModelForCausalLM
-
-    tmp = tmp_path_factory.mktemp("peagle_parity")
-    model_dir = build_target(tmp / "target")
-    target = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    prompt_ids = parity.prompt_ids(PROMPTS)
-    with open(f"{model_dir}/generation_config.json") as f:
-        generation = json.load(f)
-    generation["eos_token_id"] = parity.stop_token(target, prompt_ids, MAX_NEW)
-    with open(f"{model_dir}/generation_config.json", "w") as f:
-        json.dump(generation, f)
-    prompts = write_prompts(tmp / "prompts.jsonl", [{"id": f"p{i}", "input_ids": p} for i, p in enumerate(prompt_ids)])
-    greedy = parity.extract(tmp / "greedy", model_dir, prompts, MAX_NEW, OUTPUT_IDS)
-    return tmp, target, greedy, ShardSet(greedy).settings["target"]["stop_token_ids"], model_dir, prompts
+    tmp, model_dir, prompts, target, greedy, stop_ids = parity.tiny_target_setup(
+        tmp_path_factory.mktemp("peagle_parity"), PROMPTS, MAX_NEW
+    )
+    return tmp, target, greedy, stop_ids, model_dir, prompts
 
 
 @pytest.fixture(scope="module")
