@@ -85,9 +85,7 @@ def test_draft_simple_on_the_real_smollm2_counts_equal_llama_server(smollm2):
     """A standalone draft model for the real target: a 2-layer Qwen3 at SmolLM2's vocabulary fitted
     to SmolLM2's own greedy continuations, saved with its tokenizer, converted by llama.cpp's
     converter and served with `--spec-type draft-simple -md` beside SmolLM2's F32 GGUF."""
-    # 15 steps at lr 1e-2 (the default's 40 at 3e-3 cost 12 s more): 2.5 drafts accepted a step
-    # against the bar's 0.2, a third of the drafts rejected, so rejections are compared too
-    draft = engine.fitted_draft_model(smollm2.target, smollm2.sequences, smollm2.tmp / "draft", steps=15, lr=1e-2)
+    draft = engine.fitted_draft_model(smollm2.target, smollm2.sequences, smollm2.tmp / "draft", **parity.DRAFT_FIT)
     path = smollm2.tmp / "draft-simple.json"
     path.write_text(json.dumps({"spec-type": "draft-simple", "model-draft": "draft", "spec-draft-n-max": 4}))
     gguf = smollm2.converter.convert(draft, smollm2.tmp / "draft.gguf")
