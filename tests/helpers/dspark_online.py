@@ -29,6 +29,7 @@ import torch
 from dflash.model import _rejection_sample, _sample_probs, sample
 
 from tests.helpers.dspark_reference import AUX_IDS, MASK, TARGET_LAYERS, decoder_config, qwen3_config
+from tests.helpers.masks import broadcast_masks
 from tests.helpers.models import IM_END_ID, save_target, seeded
 
 # ---------------------------------------------------------------------------------------------
@@ -144,7 +145,7 @@ def fit(model, documents: list[dict], *, steps: int, lr=3e-3, per_step: int = 4,
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
     losses = []
     model.train()
-    with seeded(seed):  # the document draw and select_anchors use the global generator
+    with seeded(seed), broadcast_masks():  # the document draw and select_anchors use the global generator
         for _ in range(steps):
             chosen = torch.randperm(len(documents))[:per_step].tolist()
             _, loss, _ = model(**packed_batch([documents[i] for i in chosen]), **kwargs)

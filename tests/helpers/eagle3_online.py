@@ -28,6 +28,7 @@ from dflash.model import _rejection_sample, _sample_probs, sample
 
 from tests.helpers.dspark_online import commit, target_states
 from tests.helpers.eagle3_reference import speculators_eagle3
+from tests.helpers.masks import broadcast_masks
 from tests.helpers.models import seeded
 
 # ---------------------------------------------------------------------------------------------
@@ -99,7 +100,7 @@ def fit(model, documents: list[dict], *, steps: int, lr: float = 3e-3, per_step:
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
     losses = []
     model.train()
-    with seeded(seed):
+    with seeded(seed), broadcast_masks():
         for _ in range(steps):
             chosen = torch.randperm(len(documents))[:per_step].tolist()
             _, loss, _ = model(**packed_batch([documents[i] for i in chosen]), **kwargs)

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tests.helpers.masks import broadcast_masks
 from tests.helpers.models import TINY_TOKENIZER_VOCAB, build_tiny_qwen3, seeded
 
 # The drafters' decoder: one layer of the tiny target's width (tests/helpers/models.py text_kwargs)
@@ -251,7 +252,8 @@ def fit(model, batch: dict, recipe: Recipe):
         optimizer, max_lr=[group["lr"] for group in groups], total_steps=recipe.steps, pct_start=0.1
     )
     model.train()
-    with seeded(recipe.seed + 1):  # select_anchors draws a permutation even when it keeps every anchor
+    # select_anchors draws a permutation even when it keeps every anchor
+    with seeded(recipe.seed + 1), broadcast_masks():
         for _ in range(recipe.steps):
             _, loss, _ = model(**batch, **kwargs)
             optimizer.zero_grad()

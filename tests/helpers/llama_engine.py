@@ -122,18 +122,26 @@ def _move_stop_token(model, prompts: list[list[int]], max_new: int) -> None:
 
 
 @torch.no_grad()
-def continuations(target_dir: str, prompts: list[list[int]], max_new: int) -> list[tuple[torch.Tensor, int]]:
+def continuations(
+    target_dir: str, prompts: list[list[int]], max_new: int, responses: list[list[int]] | None = None
+) -> list[tuple[torch.Tensor, int]]:
     """(prompt + greedy response run past the stop token, prompt length) per prompt: the drafters
     are fitted on these, so they see the stop token in context (a stored response holds it once,
-    at its end) and draft it where it ends a response."""
+    at its end) and draft it where it ends a response. `responses`: the target's stored greedy
+    responses to the prompts (an extract's), which greedy decoding runs on from their end rather
+    than from the prompt: only the responses a stop token ended early cost forwards."""
     from transformers import AutoModelForCausalLM
 
-    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    target = None
     out = []
-    for prompt in prompts:
-        ids = torch.tensor([prompt])
-        full = target.generate(ids, max_new_tokens=max_new, do_sample=False, eos_token_id=None, pad_token_id=0)
-        out.append((full[0], len(prompt)))
+    for prompt, response in zip(prompts, responses or [[]] * len(prompts)):
+        ids = torch.tensor([prompt + response])
+        if len(response) < max_new:
+            if target is None:
+                target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+            left = max_new - len(response)
+            ids = target.generate(ids, max_new_tokens=left, do_sample=False, eos_token_id=None, pad_token_id=0)
+        out.append((ids[0], len(prompt)))
     return out
 
 

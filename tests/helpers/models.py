@@ -221,18 +221,19 @@ SMOLLM2_VOCAB = 49152
 DRAFT_FIT_STEPS, DRAFT_FIT_LR = 40, 3e-3  # a draft model that also misses: rejections compared too
 
 
-def fitted_draft_model(target_dir, sequences, out, layers: int = 2, steps: int = DRAFT_FIT_STEPS, **shape) -> str:
+def fitted_draft_model(
+    target_dir, sequences, out, layers: int = 2, steps: int = DRAFT_FIT_STEPS, lr: float = DRAFT_FIT_LR, **shape
+) -> str:
     """A Qwen3 of `layers` layers at SmolLM2's vocabulary (more config fields: `shape`, e.g.
-    another `vocab_size`) fitted
-    briefly by next-token loss on the target's greedy continuations (a random draft accepts
-    nothing), saved with the target's tokenizer (llama.cpp's converter reads it): a standalone
-    draft model for draft-simple."""
+    another `vocab_size`) fitted briefly (`steps` AdamW steps at `lr`) by next-token loss on the
+    target's greedy continuations (a random draft accepts nothing), saved with the target's
+    tokenizer (llama.cpp's converter reads it): a standalone draft model for draft-simple."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     config = Qwen3Config(**{**text_kwargs(layers), "vocab_size": SMOLLM2_VOCAB, **shape}, rope_theta=10000.0)
     with seeded(5):
         model = Qwen3ForCausalLM(config)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=DRAFT_FIT_LR)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     for _ in range(steps if sequences else 0):
         loss = sum(model(ids[None], labels=ids[None]).loss for ids, _ in sequences) / len(sequences)
         optimizer.zero_grad()

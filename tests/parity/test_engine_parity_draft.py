@@ -19,7 +19,6 @@ import pytest
 from pipeline.shards import ShardSet
 from tests.helpers import chain_parity as chains, engine_parity as parity, llama_engine as engine
 from tests.helpers.prompts import write_prompts
-from tools.llama_convert import convert
 
 pytestmark = pytest.mark.slow
 
@@ -32,7 +31,7 @@ def one_thread():
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory) -> tuple[parity.Setup, str, str]:
+def setup(tmp_path_factory, converter) -> tuple[parity.Setup, str, str]:
     tmp = tmp_path_factory.mktemp("engine_parity_draft")
     prompts = parity.prompt_ids(parity.PROMPTS)
     model_dir = engine.engine_target(tmp / "target", prompts, MAX_NEW, layers=4)
@@ -41,10 +40,10 @@ def setup(tmp_path_factory) -> tuple[parity.Setup, str, str]:
     finish = {s.finish_reason for s in ShardSet(shards).samples(tensors=[])}
     assert finish == {"eos", "length"}, finish
     sequences = engine.continuations(model_dir, prompts, MAX_NEW)
-    draft = engine.fitted_draft_model(tmp / "target", sequences, tmp / "draft")
-    gguf = str(convert(model_dir, tmp / "target.gguf"))
-    draft_gguf = str(convert(draft, tmp / "draft.gguf"))
-    return parity.Setup(tmp, model_dir, gguf, shards, sequences, converter=None, max_new=MAX_NEW), draft, draft_gguf
+    draft = engine.fitted_draft_model(tmp / "target", sequences, tmp / "draft", **parity.DRAFT_FIT)
+    gguf = converter.convert(model_dir, tmp / "target.gguf")
+    draft_gguf = converter.convert(draft, tmp / "draft.gguf")
+    return parity.Setup(tmp, model_dir, gguf, shards, sequences, converter, max_new=MAX_NEW), draft, draft_gguf
 
 
 def draft_simple(setup: parity.Setup, draft: str, gguf: str, n_max: int) -> parity.Drafter:

@@ -47,7 +47,9 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def smollm2(tmp_path_factory, converter) -> parity.Setup:
-    """The real SmolLM2-135M as extract loads it, its F32 GGUF, greedy shards of chat prompts."""
+    """The real SmolLM2-135M as extract loads it, its F32 GGUF, greedy shards of chat prompts, and
+    the drafters' fit data: the stored responses run on greedily past their stop token to the
+    budget (the 27 s of generating them from the prompts again drop to the few early-stopped)."""
     from pipeline.extract.target import resolve_model_dir
 
     tmp = tmp_path_factory.mktemp("engine_smollm2")
@@ -57,8 +59,10 @@ def smollm2(tmp_path_factory, converter) -> parity.Setup:
     shards = chains.extract(
         tmp / "shards", "smollm2", write_prompts(tmp / "prompts.jsonl", records), parity.MAX_NEW, layers
     )
-    prompts = [s.input_ids[: s.prompt_len].tolist() for s in ShardSet(shards).samples(tensors=[])]
-    sequences = engine.continuations(model_dir, prompts, parity.MAX_NEW)
+    samples = list(ShardSet(shards).samples(tensors=[]))
+    prompts = [s.input_ids[: s.prompt_len].tolist() for s in samples]
+    responses = [s.input_ids[s.prompt_len :].tolist() for s in samples]
+    sequences = engine.continuations(model_dir, prompts, parity.MAX_NEW, responses)
     return parity.Setup(
         tmp, model_dir, converter.convert(model_dir, tmp / "smollm2.gguf"), shards, sequences, converter
     )
@@ -81,7 +85,7 @@ def test_draft_simple_on_the_real_smollm2_counts_equal_llama_server(smollm2):
     """A standalone draft model for the real target: a 2-layer Qwen3 at SmolLM2's vocabulary fitted
     to SmolLM2's own greedy continuations, saved with its tokenizer, converted by llama.cpp's
     converter and served with `--spec-type draft-simple -md` beside SmolLM2's F32 GGUF."""
-    draft = engine.fitted_draft_model(smollm2.target, smollm2.sequences, smollm2.tmp / "draft")
+    draft = engine.fitted_draft_model(smollm2.target, smollm2.sequences, smollm2.tmp / "draft", **parity.DRAFT_FIT)
     path = smollm2.tmp / "draft-simple.json"
     path.write_text(json.dumps({"spec-type": "draft-simple", "model-draft": "draft", "spec-draft-n-max": 4}))
     gguf = smollm2.converter.convert(draft, smollm2.tmp / "draft.gguf")
