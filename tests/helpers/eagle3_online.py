@@ -90,12 +90,18 @@ def packed_batch(documents: list[dict]) -> dict:
     return batch
 
 
-def fit(model, documents: list[dict], *, steps: int, lr: float = 3e-3, per_step: int = 4, seed: int = 0) -> list[float]:
-    """`steps` AdamW steps of the model's own training forward (kl_div over its TTT steps, eager)
-    on `per_step` random documents packed; returns the losses."""
+def fit(
+    model, documents: list[dict], *, steps: int, lr: float = 3e-3, per_step: int = 4, seed: int = 0, kwargs=None
+) -> list[float]:
+    """`steps` AdamW steps of the model's own training forward (kl_div over its TTT steps, eager;
+    `kwargs` another family's training arguments, P-EAGLE's) on `per_step` random documents
+    packed; returns the losses."""
     ttt = model.config.speculators_config.proposal_methods[0].speculative_tokens
-    kwargs, _ = type(model).get_trainer_kwargs(
-        loss_fn="kl_div", loss_implementation="eager", ttt_steps=ttt, ttt_step_loss_decay=1.0
+    kwargs = (
+        kwargs
+        or type(model).get_trainer_kwargs(
+            loss_fn="kl_div", loss_implementation="eager", ttt_steps=ttt, ttt_step_loss_decay=1.0
+        )[0]
     )
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
     losses = []

@@ -66,24 +66,12 @@ def new_drafter(target, *, aux_ids, steps: int, seed: int = 0):
     return model
 
 
-def fit(model, documents: list[dict], *, steps: int, lr: float = 5e-3, per_step: int = 4, seed: int = 0) -> list[float]:
+def fit(model, documents: list[dict], *, steps: int, lr: float = 5e-3, seed: int = 0) -> list[float]:
     """`steps` AdamW steps of the model's own training forward (kl_div, eager, its COD sampling over
-    `num_depths` = its speculative tokens) on `per_step` random documents packed; the losses."""
+    `num_depths` = its speculative tokens) on 4 random documents packed (eagle3_online's loop)."""
     depths = model.config.speculators_config.proposal_methods[0].speculative_tokens
     kwargs = type(model).get_trainer_kwargs(loss_fn="kl_div", loss_implementation="eager")[0] | {"num_depths": depths}
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
-    losses = []
-    model.train()
-    with seeded(seed):
-        for _ in range(steps):
-            chosen = torch.randperm(len(documents))[:per_step].tolist()
-            _, loss, _ = model(**eagle3.packed_batch([documents[i] for i in chosen]), **kwargs)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            losses.append(float(loss.detach()))
-    model.eval()
-    return losses
+    return eagle3.fit(model, documents, steps=steps, lr=lr, seed=seed, kwargs=kwargs)
 
 
 @torch.no_grad()
