@@ -1,9 +1,10 @@
 """pytest fixtures and hooks for the whole suite. The helpers they and the tests use live in
 tests/helpers/ (import them as `from tests.helpers.models import build_tiny_qwen3`).
 
-  hook      pytest_configure: a missing reference package stops the suite at once, one line
-            saying what to install (the tests that need it are never skipped)
-  fixtures  tiny_qwen3_dir, tiny_qwen35_hybrid_dir, tiny_qwen35_vlm_dir (session scope, return
+  hooks     pytest_configure: a missing reference package stops the suite at once, one line
+            saying what to install (the tests that need it are never skipped);
+            pytest_collection_modifyitems: the modules holding slow tests run first
+  fixtures  torch_threads_kept (every test: torch's thread count as it found it), tiny_qwen3_dir, tiny_qwen35_hybrid_dir, tiny_qwen35_vlm_dir (session scope, return
             str paths; tests/helpers/models.py builds them)
 """
 
@@ -58,6 +59,15 @@ def pytest_configure(config):
     share_the_cores()
 
 
+def pytest_collection_modifyitems(config, items):
+    """The modules holding slow tests first, each module's tests kept together and in order: under
+    `--dist loadscope` a worker takes a whole module at a time, in this order, so the minutes-long
+    modules start while the other worker still has many short ones to take. In collection order
+    the longest ones came last and one worker ran them alone for minutes at the end."""
+    slow_modules = {item.nodeid.split("::")[0] for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.nodeid.split("::")[0] not in slow_modules)  # stable: order kept within each
+
+
 def share_the_cores() -> None:
     """Under pytest-xdist, each worker's share of the cores for torch and for the processes it
     starts (CLI runs, torchrun, llama-server): W workers each running as many threads as there are
@@ -72,6 +82,20 @@ def share_the_cores() -> None:
     for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "LLAMA_ARG_THREADS"):
         os.environ.setdefault(name, share)
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
+@pytest.fixture(autouse=True)
+def torch_threads_kept():
+    """torch's intra-op thread count restored after each test: a command run in-process
+    (`profile --engine torch` sets it from --threads, all cores by default) would leave the worker
+    on every core beside the other worker, and OpenMP's spinning then slowed the tests that ran
+    after it in that worker 4x (the sampled parity tests: 180 s for 40)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="session")
