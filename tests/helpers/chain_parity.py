@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from dataclasses import dataclass
 
 import numpy as np
 import polars as pl
@@ -143,3 +144,35 @@ def z_scores(offline: dict, online: dict) -> tuple[dict[str, float], float]:
         diffs.append(mean_off - mean_on)
         variances.append(se_off**2 + se_on**2)
     return each, float(np.mean(diffs) / (np.sqrt(np.sum(variances)) / len(diffs)))
+
+
+@dataclass
+class SampledVerdict:
+    """Per prompt (mean, se) of the online taus, the offline expected taus and the wrong rule's, and
+    the z of each against the online ones (per prompt, and over the prompts)."""
+
+    online: dict
+    offline: dict
+    wrong: dict
+    z_prompts: dict
+    z: float
+    z_wrong_prompts: dict
+    z_wrong: float
+
+
+def sampled_verdict(ckpt: str, shards: str, out, online_taus: dict, wrong_rule, label: str) -> SampledVerdict:
+    """`ckpt` scored on sampled `shards` as it is and inside `wrong_rule()` (a context manager that
+    patches the replay), each one's expected taus against `online_taus` (prompt -> online taus);
+    printed per prompt and over the prompts, the wrong rule named `label`."""
+    online = per_prompt(online_taus)
+    offline = per_prompt(offline_taus(score(ckpt, shards, out / "sampled-results")))
+    with wrong_rule():
+        wrong = per_prompt(offline_taus(score(ckpt, shards, out / "sampled-results-wrong")))
+    verdict = SampledVerdict(online, offline, wrong, *z_scores(offline, online), *z_scores(wrong, online))
+    for prompt, (mean_on, se_on) in online.items():
+        print(
+            f"{prompt}: online {mean_on:.4f} ± {se_on:.4f}, offline {offline[prompt][0]:.4f} ± {offline[prompt][1]:.4f} "
+            f"(z {verdict.z_prompts[prompt]:+.2f}), {label} {wrong[prompt][0]:.4f} (z {verdict.z_wrong_prompts[prompt]:+.2f})"
+        )
+    print(f"over the prompts: z {verdict.z:+.2f}, {label} z {verdict.z_wrong:+.2f}")
+    return verdict

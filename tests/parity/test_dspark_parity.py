@@ -91,12 +91,7 @@ def _extract(out, model_dir, prompts, temperature: float = 0.0, num_samples: int
 
 @pytest.fixture(scope="module", autouse=True)
 def one_thread():
-    """One intra-op thread: tiny matrices gain nothing from more, and on shared cores
-    OpenMP's spinning workers slow every call of these loops by an order of magnitude."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    yield from chains.one_thread()
 
 
 @pytest.fixture(scope="module")

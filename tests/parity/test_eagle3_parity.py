@@ -28,7 +28,6 @@ own save_pretrained; specreplay then scores the saved checkpoint from extracted 
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from contextlib import contextmanager
 
@@ -42,11 +41,9 @@ from pipeline.shards import ShardSet
 from proposers.eagle3 import tree as eagle_tree
 from proposers.eagle3.model import Eagle3Drafter
 from tests.helpers import chain_parity as parity, eagle3_online as online, eagle3_tree_online as tree_online
-from tests.helpers.dspark_online import build_target
 from tests.helpers.dspark_reference import AUX_IDS, OUTPUT_IDS
 from tests.helpers.eagle3_reference import write_specforge
 from tests.helpers.family_fits import frequent_tokens
-from tests.helpers.prompts import write_prompts
 
 MAX_NEW = 24
 PROMPTS = 6
@@ -63,31 +60,13 @@ NEAR_TIE = 1e-4  # logits this close may rank apart between two kernels' float s
 
 @pytest.fixture(scope="module", autouse=True)
 def one_thread():
-    """One intra-op thread: tiny matrices gain nothing from more, and on shared cores
-    OpenMP's spinning workers slow every call of these loops by an order of magnitude."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    yield from parity.one_thread()
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    from transformers import AutoModelForCausalLM
-
-    tmp = tmp_path_factory.mktemp("eagle3_parity")
-    model_dir = build_target(tmp / "target")
-    target = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    prompt_ids = parity.prompt_ids(PROMPTS)
-    with open(f"{model_dir}/generation_config.json") as f:
-        generation = json.load(f)
-    generation["eos_token_id"] = parity.stop_token(target, prompt_ids, MAX_NEW)
-    with open(f"{model_dir}/generation_config.json", "w") as f:
-        json.dump(generation, f)
-    prompts = write_prompts(tmp / "prompts.jsonl", [{"id": f"p{i}", "input_ids": p} for i, p in enumerate(prompt_ids)])
-    greedy = parity.extract(tmp / "greedy", model_dir, prompts, MAX_NEW, OUTPUT_IDS)
-    stop_ids = ShardSet(greedy).settings["target"]["stop_token_ids"]
-    return tmp, model_dir, prompts, target, greedy, stop_ids
+    """(tmp, target dir, prompts file, the target loaded, its greedy shards, their stop ids)."""
+    return parity.tiny_target_setup(tmp_path_factory.mktemp("eagle3_parity"), PROMPTS, MAX_NEW)
 
 
 def _sequences(shards: str) -> list[tuple[torch.Tensor, int]]:
@@ -244,20 +223,17 @@ def test_sampled_expected_tau_equals_the_online_mean_over_seeds(setup, drafter, 
     tmp, model_dir, prompts, target, _, stop_ids = setup
     model, ckpt, _ = drafter
     shards = parity.extract(tmp / "sampled", model_dir, prompts, MAX_NEW, OUTPUT_IDS, TEMPERATURE, SAMPLED_DRAWS)
-    online_stats = parity.per_prompt(_online_taus(model, target, stop_ids))
-    offline = parity.per_prompt(parity.offline_taus(parity.score(ckpt, shards, tmp / "sampled-results")))
-    with monkeypatch.context() as patch:
-        patch.setattr(Eagle3Drafter, "feedback", _post_norm_feedback)
-        wrong = parity.per_prompt(parity.offline_taus(parity.score(ckpt, shards, tmp / "sampled-results-wrong")))
-    z_prompts, z = parity.z_scores(offline, online_stats)
-    z_wrong_prompts, z_wrong = parity.z_scores(wrong, online_stats)
-    for prompt, (mean_on, se_on) in online_stats.items():
-        print(
-            f"{prompt}: online {mean_on:.4f} ± {se_on:.4f}, offline {offline[prompt][0]:.4f} ± "
-            f"{offline[prompt][1]:.4f} (z {z_prompts[prompt]:+.2f}), post-norm fed back "
-            f"{wrong[prompt][0]:.4f} (z {z_wrong_prompts[prompt]:+.2f})"
-        )
-    print(f"over the prompts: z {z:+.2f}, post-norm fed back z {z_wrong:+.2f}")
+
+    @contextmanager
+    def post_norm_fed_back():
+        with monkeypatch.context() as patch:
+            patch.setattr(Eagle3Drafter, "feedback", _post_norm_feedback)
+            yield
+
+    online_taus = _online_taus(model, target, stop_ids)
+    verdict = parity.sampled_verdict(ckpt, shards, tmp, online_taus, post_norm_fed_back, "post-norm fed back")
+    online_stats, z_prompts, z = verdict.online, verdict.z_prompts, verdict.z
+    z_wrong_prompts, z_wrong = verdict.z_wrong_prompts, verdict.z_wrong
     assert np.mean([m for m, _ in online_stats.values()]) > 1.5, online_stats  # several tokens a step
     assert all(abs(v) < 3 for v in z_prompts.values()) and abs(z) < 3, (z_prompts, z)
     assert abs(z_wrong) > 3, (z_wrong_prompts, z_wrong)

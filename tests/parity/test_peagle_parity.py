@@ -20,6 +20,8 @@ scores the saved checkpoint from extracted shards.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import numpy as np
 import polars as pl
 import pytest
@@ -164,18 +166,15 @@ def test_sampled_expected_tau_equals_the_online_mean_over_seeds(setup, drafter, 
     tmp, target, _, stop_ids, model_dir, prompts = setup
     model, ckpt = drafter
     shards = parity.extract(tmp / "sampled", model_dir, prompts, MAX_NEW, OUTPUT_IDS, TEMPERATURE, SAMPLED_DRAWS)
-    online_stats = parity.per_prompt(_online_taus(model, target, stop_ids))
-    offline = parity.per_prompt(parity.offline_taus(parity.score(ckpt, shards, tmp / "sampled-results")))
-    with monkeypatch.context() as patch:
-        patch.setattr(PEagleDrafter, "feedback", _eagle3_feedback)
-        wrong = parity.per_prompt(parity.offline_taus(parity.score(ckpt, shards, tmp / "sampled-results-wrong")))
-    z_prompts, z = parity.z_scores(offline, online_stats)
-    z_wrong_prompts, z_wrong = parity.z_scores(wrong, online_stats)
-    for prompt, (mean_on, se_on) in online_stats.items():
-        print(
-            f"{prompt}: online {mean_on:.4f} ± {se_on:.4f}, offline {offline[prompt][0]:.4f} "
-            f"(z {z_prompts[prompt]:+.2f}), EAGLE-3's feedback {wrong[prompt][0]:.4f} (z {z_wrong_prompts[prompt]:+.2f})"
-        )
-    print(f"over the prompts: z {z:+.2f}, EAGLE-3's feedback z {z_wrong:+.2f}")
+
+    @contextmanager
+    def eagle3_feedback():
+        with monkeypatch.context() as patch:
+            patch.setattr(PEagleDrafter, "feedback", _eagle3_feedback)
+            yield
+
+    online_taus = _online_taus(model, target, stop_ids)
+    verdict = parity.sampled_verdict(ckpt, shards, tmp, online_taus, eagle3_feedback, "EAGLE-3's feedback")
+    z_prompts, z, z_wrong_prompts, z_wrong = verdict.z_prompts, verdict.z, verdict.z_wrong_prompts, verdict.z_wrong
     assert all(abs(v) < 3 for v in z_prompts.values()) and abs(z) < 3, (z_prompts, z)
     assert abs(z_wrong) > 3, (z_wrong_prompts, z_wrong)
