@@ -25,6 +25,9 @@ from proposers.toolkit.eagle.decoder import EagleDrafter
 
 
 class PEagleDrafter(EagleDrafter):
+    # P-EAGLE trains its own embedding, the mask token's row included: the target's is no stand-in
+    optional_weights = ()
+
     def __init__(self, config: DrafterConfig):
         super().__init__(config)
         self.mask_hidden = nn.Parameter(torch.zeros(1, 1, len(config.target_layer_ids) * config.hidden_size))

@@ -78,6 +78,7 @@ BAD = {
         f"field 'mask_token_id' is {TINY_VOCAB}, outside",
     ),
     "no mask hidden state": (None, lambda s: s.pop("mask_hidden"), "mask_hidden"),
+    "no embedding of its own": (None, lambda s: s.pop("embed_tokens.weight"), "embed_tokens.weight"),
     "vLLM's name beside speculators'": (lambda c: c.update(ptd_token_id=MASK_TOKEN), None, "ptd_token_id"),
 }
 
