@@ -23,6 +23,7 @@ transformers on torch (on CUDA when there is one: the engine a GPU user runs a t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from pathlib import Path
@@ -192,16 +193,14 @@ def generate_once(models, prompt: list[int], new_tokens: int, options: dict, dev
     """One greedy generate call of a configuration ((kind, K): torch_generate.generate_options):
     the new tokens; after its first step (generation timed from there, as llama-server's timers
     time it), the seconds, the tokens produced and the steps; the target's forwards in all.
-    `probe`: called with the call's StepClock first."""
+    `probe(clock)`: a context manager entered around the call with its StepClock."""
     from transformers import StoppingCriteriaList
 
     from scoring.speed.torch_generate import StepClock, generate_options
 
     target, draft = models
     ids = torch.tensor([prompt], device=device)
-    with StepClock(torch.device(device), target) as clock:
-        if probe is not None:
-            probe(clock)
+    with StepClock(torch.device(device), target) as clock, probe(clock) if probe else contextlib.nullcontext():
         kwargs = generate_options(*options, draft) | {"stopping_criteria": StoppingCriteriaList([clock])}
         out = target.generate(ids, max_new_tokens=new_tokens, do_sample=False, **kwargs)
     seconds, steps = clock.times[-1] - clock.times[0], len(clock.times) - 1
@@ -227,55 +226,54 @@ def served(models, configs: dict, prompts: list[list[int]], new_tokens: int, dev
     return runs
 
 
-class Probe:
-    """Where a generate call's time goes after its first step, CUDA synchronized at each boundary
-    (so not the timed runs): the target's forwards, and the candidate generator's `get_candidates`
-    (the draft model's own generate, or the lookup); the rest is the loop's own work."""
+class CandidateClock:
+    """The candidate generators' `get_candidates` (the draft model's own generate, or the lookup)
+    timed after the clock's first step, CUDA synchronized at each boundary (so not the timed runs)."""
 
     def __init__(self, clock):
-        self.clock = clock
-        self.seconds = {"target forwards": 0.0, "candidates": 0.0}
+        self.clock, self.seconds = clock, 0.0
 
-    def timed(self, key: str, call):
+    @contextlib.contextmanager
+    def patched(self):
+        from transformers.generation import candidate_generator as generators
+
+        classes = (generators.AssistedCandidateGenerator, generators.PromptLookupCandidateGenerator)
+        saved = {cls: cls.get_candidates for cls in classes}
+        for cls, original in saved.items():
+            cls.get_candidates = lambda gen, *a, _o=original, **k: self.timed(lambda: _o(gen, *a, **k))
+        try:
+            yield self
+        finally:
+            for cls, original in saved.items():
+                cls.get_candidates = original
+
+    def timed(self, call):
         if not self.clock.times:
             return call()
         synchronize(self.clock.device)
         start = time.perf_counter()
         out = call()
         synchronize(self.clock.device)
-        self.seconds[key] += time.perf_counter() - start
+        self.seconds += time.perf_counter() - start
         return out
 
 
 def probed(models, prompt: list[int], new_tokens: int, options: dict, device: str) -> dict:
-    """generate_once with a Probe: the target's forward and the candidate generators patched for
-    the call's length."""
-    from transformers.generation import candidate_generator as generators
+    """generate_once with where its time goes after its first step: the target's forwards
+    (torch_generate.ForwardClock) and the candidate generators (CandidateClock); the rest of the
+    seconds is the loop's own work."""
+    from scoring.speed.torch_generate import ForwardClock
 
-    target = models[0]
-    saved = {
-        cls: cls.get_candidates
-        for cls in (generators.AssistedCandidateGenerator, generators.PromptLookupCandidateGenerator)
-    }
-    forward = target.forward
-    holder = {}
+    found = {}
 
-    def probe_for(clock):
-        holder["probe"] = Probe(clock)
-        return holder["probe"]
+    @contextlib.contextmanager
+    def probe(clock):
+        with ForwardClock(models[0], clock) as forwards, CandidateClock(clock).patched() as candidates:
+            yield
+        found.update({"target forwards": forwards.seconds, "candidates": candidates.seconds})
 
-    target.forward = lambda *a, **k: holder["probe"].timed("target forwards", lambda: forward(*a, **k))
-    for cls, original in saved.items():
-        cls.get_candidates = lambda self, *a, _o=original, **k: holder["probe"].timed(
-            "candidates", lambda: _o(self, *a, **k)
-        )
-    try:
-        run = generate_once(models, prompt, new_tokens, options, device, probe_for)
-    finally:
-        del target.forward
-        for cls, original in saved.items():
-            cls.get_candidates = original
-    return {**{k: v for k, v in run.items() if k != "tokens"}, **holder["probe"].seconds}
+    run = generate_once(models, prompt, new_tokens, options, device, probe)
+    return {**{k: v for k, v in run.items() if k != "tokens"}, **found}
 
 
 def probed_runs(models, configs: dict, prompts: list[list[int]], new_tokens: int, device: str) -> dict:

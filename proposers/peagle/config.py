@@ -18,14 +18,12 @@ def parse_drafter_config(
     checked: SpeculatorsPEagle, raw: dict, source: str = "config", target_layers: int | None = None
 ) -> DrafterConfig:
     """A P-EAGLE config (validated against its declared layout) in the project's terms."""
-    config = parse_speculators(checked, raw, source, target_layers, "peagle", "P-EAGLE")
+    config = parse_speculators(checked, raw, source, target_layers, "peagle", "P-EAGLE", checked.mask_token_id)
     if checked.mask_token_id >= config.vocab_size:
         raise DrafterConfigError(
             f"{source}: field 'mask_token_id' is {checked.mask_token_id}, outside the drafter's vocabulary "
             f"(transformer_layer_config.vocab_size {config.vocab_size})"
         )
-    config.mask_token_id = checked.mask_token_id
-    config.teacher_forced_block = False  # the block is [x_t, mask, ...]: no draft reads another
     return config
 
 

@@ -91,7 +91,7 @@ def measure_profile(wanted: Wanted, how: Measurement, more: tuple[Served, ...] =
         from scoring.speed.torch_generate import in_generate_rows
 
         ks = list(wanted.serve_drafts)
-        served = (lambda model: in_generate_rows(model, wanted.drafts, ks, how)) if wanted.in_generate else None
+        served = (lambda model, drafts: in_generate_rows(model, drafts, ks, how)) if wanted.in_generate else None
         rows, facts, engine = torch_profile_rows(
             wanted.target, wanted.drafts, list(wanted.batches), wanted.tokens, how, served
         )

@@ -90,23 +90,24 @@ def torch_profile_rows(
     target: str, drafts: dict[str, str], batches: list[int], tokens: list[int], how, in_generate=None
 ):
     """({verify, plain, drafters, draft_steps} rows, target facts, what timed them). `how`: a
-    scoring.speed.measure.Measurement (context, reps, device, dtype). `in_generate(model)`, when
-    given, times steps inside transformers' generate too (torch_generate.py: its plain and
-    draft_steps rows; plain decoding at batch 1 is then generate's step)."""
+    scoring.speed.measure.Measurement (context, reps, device, dtype). `in_generate(model, drafts)`,
+    when given, times steps inside transformers' generate too with the loaded draft models
+    (torch_generate.py: its plain and draft_steps rows; plain decoding at batch 1 is then
+    generate's step). Each model is loaded once."""
     model, facts = loaded(target, how.device, how.dtype)
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     times = timed_rows(model, batches, sorted(set(tokens) | {1}), how.context, how.reps)
-    served = in_generate(model) if in_generate else {"plain": [], "draft_steps": []}
-    del model
+    draft_models = {family: loaded(path, how.device, how.dtype)[0] for family, path in drafts.items()}
+    drafters = [
+        {"family": family, "batch": b, "tokens": 1, "seconds": seconds}
+        for family, draft in draft_models.items()
+        for (b, _), seconds in timed_rows(draft, batches, [1], how.context, how.reps).items()
+    ]
+    served = in_generate(model, draft_models) if in_generate else {"plain": [], "draft_steps": []}
+    del model, draft_models
     verify = [{"batch": b, "tokens": n, "seconds": times[(b, n)]} for b in batches for n in tokens]
     served_batches = {row["batch"] for row in served["plain"]}
     plain = served["plain"] + [{"batch": b, "seconds": times[(b, 1)]} for b in batches if b not in served_batches]
-    drafters = []
-    for family, path in drafts.items():
-        draft, _ = loaded(path, how.device, how.dtype)
-        for (b, _), seconds in timed_rows(draft, batches, [1], how.context, how.reps).items():
-            drafters.append({"family": family, "batch": b, "tokens": 1, "seconds": seconds})
-        del draft
     engine = f"transformers on torch {torch.__version__}, {dtype} (median of {how.reps} repetitions)"
     if in_generate:
         engine += f"; plain decoding and draft_steps inside generate ({how.requests} prompts after a warm-up)"

@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from scoring.speed.torch_bench import loaded, random_ids, synchronize
+from scoring.speed.torch_bench import random_ids, synchronize
 
 LOOKUP_NGRAM = 2  # max_matching_ngram_size: transformers' default (scored as ngram:vllm:k=K,min=1,max=2)
 
@@ -114,9 +114,9 @@ def mean_step(model, prompts: list[torch.Tensor], n_predict: int, options: dict,
     return seconds / sum(steps for _, _, steps in runs)
 
 
-def in_generate_rows(model, drafts: dict[str, str], ks: list[int], how) -> dict:
-    """{plain, draft_steps} rows at batch 1 (module docstring). `how`: a Measurement (context,
-    requests, n_predict, device, dtype)."""
+def in_generate_rows(model, drafts: dict, ks: list[int], how) -> dict:
+    """{plain, draft_steps} rows at batch 1 (module docstring); `drafts` family -> its loaded draft
+    model. `how`: a Measurement (context, requests, n_predict)."""
     generator = torch.Generator().manual_seed(1)
     prompts = [random_ids(model, 1, how.context, generator) for _ in range(how.requests)]
     plain = mean_step(model, prompts, how.n_predict, generate_options("plain", 0), False)
@@ -124,10 +124,8 @@ def in_generate_rows(model, drafts: dict[str, str], ks: list[int], how) -> dict:
     for k in ks:
         seconds = mean_step(model, prompts, how.n_predict, generate_options("lookup", k), True)
         steps.append({"family": "ngram", "batch": 1, "drafts": k, "seconds": seconds})
-    for family, path in drafts.items():
-        draft, _ = loaded(path, how.device, how.dtype)
+    for family, draft in drafts.items():
         for k in ks:
             seconds = mean_step(model, prompts, how.n_predict, generate_options("assisted", k, draft), True)
             steps.append({"family": family, "batch": 1, "drafts": k, "seconds": seconds})
-        del draft
     return {"plain": [{"batch": 1, "seconds": plain}], "draft_steps": steps}

@@ -160,19 +160,37 @@ class SampledVerdict:
     z_wrong: float
 
 
-def sampled_verdict(ckpt: str, shards: str, out, online_taus: dict, wrong_rule, label: str) -> SampledVerdict:
-    """`ckpt` scored on sampled `shards` as it is and inside `wrong_rule()` (a context manager that
-    patches the replay), each one's expected taus against `online_taus` (prompt -> online taus);
-    printed per prompt and over the prompts, the wrong rule named `label`."""
-    online = per_prompt(online_taus)
+def online_taus(run, count: int, draws: int) -> dict[str, list[float]]:
+    """Prompt id -> the tau of `draws` seeded online runs on each of the `count` prompts
+    (`run(prompt ids) -> a run with .tau`; a run whose first token stops has none)."""
+    taus: dict[str, list[float]] = {}
+    for i, prompt in enumerate(prompt_ids(count)):
+        for draw in range(draws):
+            torch.manual_seed(1000 * i + draw)
+            tau = run(torch.tensor(prompt)).tau
+            if tau is not None:
+                taus.setdefault(f"p{i}", []).append(tau)
+    return taus
+
+
+def sampled_verdict(ckpt: str, shards: str, out, online: dict, wrong: tuple, label: str) -> SampledVerdict:
+    """`ckpt` scored on sampled `shards` as it is and with the wrong rule patched in (`wrong`:
+    (object, attribute, value), set for that scoring only), each one's expected taus against the
+    `online` taus (prompt -> taus); printed per prompt and over the prompts, the wrong rule named
+    `label`."""
+    import pytest
+
+    online = per_prompt(online)
     offline = per_prompt(offline_taus(score(ckpt, shards, out / "sampled-results")))
-    with wrong_rule():
-        wrong = per_prompt(offline_taus(score(ckpt, shards, out / "sampled-results-wrong")))
-    verdict = SampledVerdict(online, offline, wrong, *z_scores(offline, online), *z_scores(wrong, online))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(*wrong)
+        wrong_taus = per_prompt(offline_taus(score(ckpt, shards, out / "sampled-results-wrong")))
+    verdict = SampledVerdict(online, offline, wrong_taus, *z_scores(offline, online), *z_scores(wrong_taus, online))
     for prompt, (mean_on, se_on) in online.items():
         print(
             f"{prompt}: online {mean_on:.4f} ± {se_on:.4f}, offline {offline[prompt][0]:.4f} ± {offline[prompt][1]:.4f} "
-            f"(z {verdict.z_prompts[prompt]:+.2f}), {label} {wrong[prompt][0]:.4f} (z {verdict.z_wrong_prompts[prompt]:+.2f})"
+            f"(z {verdict.z_prompts[prompt]:+.2f}), {label} {wrong_taus[prompt][0]:.4f} "
+            f"(z {verdict.z_wrong_prompts[prompt]:+.2f})"
         )
     print(f"over the prompts: z {verdict.z:+.2f}, {label} z {verdict.z_wrong:+.2f}")
     return verdict

@@ -102,13 +102,23 @@ def new_drafter(target, *, head_type: str, block_size: int = 4, rank: int = 16, 
     )
     with seeded(seed):
         model = DSparkDraftModel(config)
-    with torch.no_grad():  # what load_verifier_weights copies from a verifier checkpoint
-        model.embed_tokens.weight.copy_(target.get_input_embeddings().weight)
-        model.lm_head.weight.copy_(target.lm_head.weight)
-        model.verifier_lm_head.weight.copy_(target.lm_head.weight)
-        model.verifier_norm.weight.copy_(target.model.norm.weight)
-    for frozen in (model.embed_tokens, model.lm_head, model.verifier_lm_head, model.verifier_norm):
-        frozen.requires_grad_(False)
+    return verifier_weights(model, target)
+
+
+@torch.no_grad()
+def verifier_weights(model, target, head: torch.Tensor | None = None, train_embedding: bool = False):
+    """What a speculators drafter's load_verifier_weights copies from a verifier checkpoint, taken
+    from the loaded target: its embedding, its lm_head (`head`: the draft vocabulary's rows) as the
+    drafter's and the verifier's, its final norm; frozen as it leaves them (the embedding trainable
+    for a family that trains its own, P-EAGLE). Returns the model."""
+    head = target.lm_head.weight if head is None else head
+    model.embed_tokens.weight.copy_(target.get_input_embeddings().weight)
+    model.lm_head.weight.copy_(head)
+    model.verifier_lm_head.weight.copy_(head)
+    model.verifier_norm.weight.copy_(target.model.norm.weight)
+    frozen = (model.lm_head, model.verifier_lm_head, model.verifier_norm)
+    for module in frozen if train_embedding else (model.embed_tokens, *frozen):
+        module.requires_grad_(False)
     return model
 
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 from dflash.model import _rejection_sample, _sample_probs, sample
 
-from tests.helpers.dspark_online import commit, target_states
+from tests.helpers.dspark_online import commit, target_states, verifier_weights
 from tests.helpers.eagle3_reference import speculators_eagle3
 from tests.helpers.masks import broadcast_masks
 from tests.helpers.models import seeded
@@ -50,15 +50,7 @@ def new_drafter(target, *, aux_ids, steps: int, draft_vocab: torch.Tensor | None
         std=None,
         seed=seed,
     )
-    head = target.lm_head.weight if draft_vocab is None else target.lm_head.weight[draft_vocab]
-    with torch.no_grad():
-        model.embed_tokens.weight.copy_(target.get_input_embeddings().weight)
-        model.lm_head.weight.copy_(head)
-        model.verifier_lm_head.weight.copy_(head)
-        model.verifier_norm.weight.copy_(target.model.norm.weight)
-    for frozen in (model.embed_tokens, model.lm_head, model.verifier_lm_head, model.verifier_norm):
-        frozen.requires_grad_(False)
-    return model
+    return verifier_weights(model, target, None if draft_vocab is None else target.lm_head.weight[draft_vocab])
 
 
 def training_documents(target, sequences: list[torch.Tensor], prompt_lens: list[int]) -> list[dict]:

@@ -19,6 +19,7 @@ import torch
 from dflash.model import _sample_probs
 
 from tests.helpers import eagle3_online as eagle3
+from tests.helpers.dspark_online import verifier_weights
 from tests.helpers.eagle3_reference import decoder_config
 from tests.helpers.models import seeded
 
@@ -56,14 +57,7 @@ def new_drafter(target, *, aux_ids, steps: int, seed: int = 0):
     width = target.config
     with seeded(seed):
         model = PEagleDraftModel(speculators_config(width.vocab_size, width.hidden_size, aux_ids, steps))
-    with torch.no_grad():
-        model.embed_tokens.weight.copy_(target.get_input_embeddings().weight)
-        for head in (model.lm_head, model.verifier_lm_head):
-            head.weight.copy_(target.lm_head.weight)
-        model.verifier_norm.weight.copy_(target.model.norm.weight)
-    for frozen in (model.lm_head, model.verifier_lm_head, model.verifier_norm):
-        frozen.requires_grad_(False)
-    return model
+    return verifier_weights(model, target, train_embedding=True)
 
 
 def fit(model, documents: list[dict], *, steps: int, lr: float = 5e-3, seed: int = 0) -> list[float]:

@@ -260,17 +260,6 @@ def test_specforge_and_deepspec_layouts_walk_as_speculators(setup, drafters, hea
 SAMPLED_DRAWS = 200  # extracted responses per prompt, and online runs per prompt
 
 
-def _online_taus(model, target, stop_ids) -> dict[str, list[float]]:
-    taus: dict[str, list[float]] = {}
-    for i, prompt in enumerate(chains.prompt_ids(PROMPTS)):
-        for run in range(SAMPLED_DRAWS):
-            torch.manual_seed(1000 * i + run)
-            tau = online.online_dspark(model, target, torch.tensor(prompt), MAX_NEW, stop_ids, TEMPERATURE).tau
-            if tau is not None:
-                taus.setdefault(f"p{i}", []).append(tau)
-    return taus
-
-
 def _greedy_predecessors(drafts):
     """DSparkDrafter.drafts with the wrong predecessors: slot k's Markov head (and confidence
     head) fed the drafter's own greedy draft of slot k - 1 instead of the stored token before
@@ -287,7 +276,7 @@ def _greedy_predecessors(drafts):
 
 
 @pytest.mark.slow
-def test_sampled_expected_tau_equals_the_online_mean_over_seeds(setup, drafters, monkeypatch):
+def test_sampled_expected_tau_equals_the_online_mean_over_seeds(setup, drafters):
     """Per prompt, the mean offline expected tau over SAMPLED_DRAWS extracted responses (T 0.7,
     samples.parquet) against the mean tau of as many seeded online runs, within 3 combined
     standard errors, and over the prompts. The wrong rule is the same replay re-run with
@@ -296,20 +285,15 @@ def test_sampled_expected_tau_equals_the_online_mean_over_seeds(setup, drafters,
     tmp, model_dir, prompts, target, _, stop_ids = setup
     model, ckpt = drafters["vanilla"]
     shards = _extract(tmp / "sampled", model_dir, prompts, TEMPERATURE, num_samples=SAMPLED_DRAWS, seed=11)
-    online_stats = chains.per_prompt(_online_taus(model, target, stop_ids))
-    offline = chains.per_prompt(chains.offline_taus(chains.score(ckpt, shards, tmp / "sampled-results")))
-    with monkeypatch.context() as patch:
-        patch.setattr(DSparkDrafter, "drafts", _greedy_predecessors(DSparkDrafter.drafts))
-        wrong = chains.per_prompt(chains.offline_taus(chains.score(ckpt, shards, tmp / "sampled-results-wrong")))
-    z_prompts, z = chains.z_scores(offline, online_stats)
-    z_wrong_prompts, z_wrong = chains.z_scores(wrong, online_stats)
-    for prompt, (mean_on, se_on) in online_stats.items():
-        print(
-            f"{prompt}: online {mean_on:.4f} ± {se_on:.4f}, offline {offline[prompt][0]:.4f} ± "
-            f"{offline[prompt][1]:.4f} (z {z_prompts[prompt]:+.2f}), greedy predecessors "
-            f"{wrong[prompt][0]:.4f} (z {z_wrong_prompts[prompt]:+.2f})"
-        )
-    print(f"over the prompts: z {z:+.2f}, greedy predecessors z {z_wrong:+.2f}")
+
+    def run(prompt):
+        return online.online_dspark(model, target, prompt, MAX_NEW, stop_ids, TEMPERATURE)
+
+    online_taus = chains.online_taus(run, PROMPTS, SAMPLED_DRAWS)
+    wrong = (DSparkDrafter, "drafts", _greedy_predecessors(DSparkDrafter.drafts))
+    verdict = chains.sampled_verdict(ckpt, shards, tmp, online_taus, wrong, "greedy predecessors")
+    online_stats, z_prompts, z = verdict.online, verdict.z_prompts, verdict.z
+    z_wrong_prompts, z_wrong = verdict.z_wrong_prompts, verdict.z_wrong
     assert np.mean([m for m, _ in online_stats.values()]) > 1.3, online_stats  # several tokens a step
     assert all(abs(v) < 3 for v in z_prompts.values()) and abs(z) < 3, (z_prompts, z)
     # the wrong rule moves the expectation only where sampled responses branch off the drafter's

@@ -197,17 +197,6 @@ def test_specforge_layout_walks_as_speculators(setup, drafter):
 # sampled, T = 0.7
 
 
-def _online_taus(model, target, stop_ids) -> dict[str, list[float]]:
-    taus: dict[str, list[float]] = {}
-    for i, prompt in enumerate(parity.prompt_ids(PROMPTS)):
-        for run in range(SAMPLED_DRAWS):
-            torch.manual_seed(1000 * i + run)
-            tau = online.online_eagle3(model, target, torch.tensor(prompt), MAX_NEW, stop_ids, TEMPERATURE).tau
-            if tau is not None:
-                taus.setdefault(f"p{i}", []).append(tau)
-    return taus
-
-
 def _post_norm_feedback(self, h):
     """Eagle3Drafter.feedback with the wrong rule: the post-norm hidden state fed to the next step
     where the config (norm_output false) says pre-norm."""
@@ -215,7 +204,7 @@ def _post_norm_feedback(self, h):
 
 
 @pytest.mark.slow
-def test_sampled_expected_tau_equals_the_online_mean_over_seeds(setup, drafter, monkeypatch):
+def test_sampled_expected_tau_equals_the_online_mean_over_seeds(setup, drafter):
     """Per prompt, the mean offline expected tau over SAMPLED_DRAWS extracted responses (T 0.7,
     samples.parquet) against the mean tau of as many seeded online runs, within 3 combined standard
     errors, and over the prompts. The wrong rule is the same replay re-run with the post-norm hidden
@@ -224,14 +213,12 @@ def test_sampled_expected_tau_equals_the_online_mean_over_seeds(setup, drafter, 
     model, ckpt, _ = drafter
     shards = parity.extract(tmp / "sampled", model_dir, prompts, MAX_NEW, OUTPUT_IDS, TEMPERATURE, SAMPLED_DRAWS)
 
-    @contextmanager
-    def post_norm_fed_back():
-        with monkeypatch.context() as patch:
-            patch.setattr(Eagle3Drafter, "feedback", _post_norm_feedback)
-            yield
+    def run(prompt):
+        return online.online_eagle3(model, target, prompt, MAX_NEW, stop_ids, TEMPERATURE)
 
-    online_taus = _online_taus(model, target, stop_ids)
-    verdict = parity.sampled_verdict(ckpt, shards, tmp, online_taus, post_norm_fed_back, "post-norm fed back")
+    online_taus = parity.online_taus(run, PROMPTS, SAMPLED_DRAWS)
+    wrong = (Eagle3Drafter, "feedback", _post_norm_feedback)
+    verdict = parity.sampled_verdict(ckpt, shards, tmp, online_taus, wrong, "post-norm fed back")
     online_stats, z_prompts, z = verdict.online, verdict.z_prompts, verdict.z
     z_wrong_prompts, z_wrong = verdict.z_wrong_prompts, verdict.z_wrong
     assert np.mean([m for m, _ in online_stats.values()]) > 1.5, online_stats  # several tokens a step

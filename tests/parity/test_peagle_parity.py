@@ -20,8 +20,6 @@ scores the saved checkpoint from extracted shards.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import numpy as np
 import polars as pl
 import pytest
@@ -148,18 +146,7 @@ def test_eagle3_feedback_drafts_other_tokens(setup, drafter, anchor_drafts, monk
     assert differ > joined.height // 4
 
 
-def _online_taus(model, target, stop_ids) -> dict[str, list[float]]:
-    taus: dict[str, list[float]] = {}
-    for i, prompt in enumerate(parity.prompt_ids(PROMPTS)):
-        for run in range(SAMPLED_DRAWS):
-            torch.manual_seed(1000 * i + run)
-            tau = online.online_peagle(model, target, torch.tensor(prompt), MAX_NEW, stop_ids, TEMPERATURE).tau
-            if tau is not None:
-                taus.setdefault(f"p{i}", []).append(tau)
-    return taus
-
-
-def test_sampled_expected_tau_equals_the_online_mean_over_seeds(setup, drafter, monkeypatch):
+def test_sampled_expected_tau_equals_the_online_mean_over_seeds(setup, drafter):
     """Per prompt and over the prompts, the offline expected tau (samples.parquet, SAMPLED_DRAWS
     extracted responses at T 0.7) against the mean tau of as many seeded online runs: within 3
     combined standard errors; EAGLE-3's feedback (`_eagle3_feedback`) outside them."""
@@ -167,14 +154,12 @@ def test_sampled_expected_tau_equals_the_online_mean_over_seeds(setup, drafter, 
     model, ckpt = drafter
     shards = parity.extract(tmp / "sampled", model_dir, prompts, MAX_NEW, OUTPUT_IDS, TEMPERATURE, SAMPLED_DRAWS)
 
-    @contextmanager
-    def eagle3_feedback():
-        with monkeypatch.context() as patch:
-            patch.setattr(PEagleDrafter, "feedback", _eagle3_feedback)
-            yield
+    def run(prompt):
+        return online.online_peagle(model, target, prompt, MAX_NEW, stop_ids, TEMPERATURE)
 
-    online_taus = _online_taus(model, target, stop_ids)
-    verdict = parity.sampled_verdict(ckpt, shards, tmp, online_taus, eagle3_feedback, "EAGLE-3's feedback")
+    online_taus = parity.online_taus(run, PROMPTS, SAMPLED_DRAWS)
+    wrong = (PEagleDrafter, "feedback", _eagle3_feedback)
+    verdict = parity.sampled_verdict(ckpt, shards, tmp, online_taus, wrong, "EAGLE-3's feedback")
     z_prompts, z, z_wrong_prompts, z_wrong = verdict.z_prompts, verdict.z, verdict.z_wrong_prompts, verdict.z_wrong
     assert all(abs(v) < 3 for v in z_prompts.values()) and abs(z) < 3, (z_prompts, z)
     assert abs(z_wrong) > 3, (z_wrong_prompts, z_wrong)

@@ -21,10 +21,17 @@ DEFAULT_STEPS = 3
 
 
 def parse_speculators(
-    checked: SpeculatorsEagle, raw: dict, source: str, target_layers: int | None, family: str, label: str
+    checked: SpeculatorsEagle,
+    raw: dict,
+    source: str,
+    target_layers: int | None,
+    family: str,
+    label: str,
+    mask_token_id: int | None = None,
 ) -> DrafterConfig:
     """A speculators config of an EAGLE-style family (`family`, named `label` in messages) in the
-    project's terms: its decoder, feature layers, norm switches and step count."""
+    project's terms: its decoder, feature layers, norm switches and step count; `mask_token_id`
+    the token of a family whose later slots read a mask (P-EAGLE), None for a chain of its drafts."""
     decoder = raw["transformer_layer_config"]
     kind = decoder.get("model_type", "qwen3")
     if kind not in ("llama", "qwen3"):
@@ -40,6 +47,7 @@ def parse_speculators(
         checked,
         target_layers,
         family=family,
+        mask_token_id=mask_token_id,
         steps=checked.speculative_tokens or DEFAULT_STEPS,
         draft_vocab_size=checked.draft_vocab_size,
         stated=list(stated) if stated is not None else before_ids(checked, target_layers, source),
@@ -59,17 +67,29 @@ def before_ids(checked: SpeculatorsEagle, target_layers: int, source: str) -> li
 
 
 def eagle_config(
-    decoder: dict, kind: str, source: str, checked, target_layers, *, family, steps, draft_vocab_size, stated, options
+    decoder: dict,
+    kind: str,
+    source: str,
+    checked,
+    target_layers,
+    *,
+    family,
+    steps,
+    draft_vocab_size,
+    stated,
+    options,
+    mask_token_id=None,
 ):
     """The DrafterConfig of an EAGLE-style drafter of `family` whose decoder fields are `decoder`
-    (`kind` layers)."""
+    (`kind` layers): a block of [x_t, mask, ...] with `mask_token_id`, else the chain's stored
+    tokens (teacher forced: each step reads the draft before it)."""
     hf = decoder_config(decoder, kind, source)
     check_decoder(decoder, hf, checked, source)
     check_eagle_decoder(decoder, hf, "" if checked.LAYOUT == "specforge" else "transformer_layer_config.", source)
     config = DrafterConfig(
         **decoder_shape(hf),
         block_size=steps,
-        mask_token_id=None,
+        mask_token_id=mask_token_id,
         target_layer_ids=checked.feature_layers(source, target_layers),
         num_target_layers=None,
         layer_types=["full_attention"] * hf.num_hidden_layers,
@@ -79,7 +99,7 @@ def eagle_config(
         family=family,
         layout=checked.LAYOUT,
         drafts_from_anchor=True,
-        teacher_forced_block=True,
+        teacher_forced_block=mask_token_id is None,
         block_conventions=False,
         family_options={"decoder": kind, **options},
         stated_layer_ids=stated,
