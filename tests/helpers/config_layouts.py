@@ -81,6 +81,8 @@ BASE = {
         "draft_vocab_size": 512,
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 2, 3], "use_aux_hidden_state": True},
     },
+    "eagle:sglang": lambda: {**LLAMA, "architectures": ["LlamaForCausalLMEagle"]},
+    "eagle:vllm": lambda: {**LLAMA, "architectures": ["EagleLlamaForCausalLM"], "bias": False},
     "mtp:speculators": lambda: _speculators("mtp", {**MTP_TEXT, "model_type": "qwen3_5_text"}, 3),
     "mtp:native": lambda: {"model_type": "qwen3_5", "text_config": {**MTP_TEXT, "model_type": "qwen3_5_text"}},
     "mtp:native-qwen3-next": lambda: {**MTP_TEXT, "model_type": "qwen3_next", "num_experts": 0},
@@ -178,6 +180,10 @@ REFUSALS = [
     ("eagle3:specforge", "tie_word_embeddings", True, "SGLang", False),
     ("eagle3:specforge", "bias", True, "SGLang", False),
     ("eagle3:specforge", "num_aux_hidden_states", 4, "vLLM", 3),
+    # EAGLE-1/2
+    ("eagle:sglang", "model_type", "qwen2", "SGLang", "llama"),
+    ("eagle:vllm", "logit_scale", 2.0, "vLLM", 1.0),
+    ("eagle:sglang", "partial_rotary_factor", 0.5, "SGLang", 1.0),
     # MTP heads
     ("mtp:native", "text_config.mtp_num_hidden_layers", 2, "vLLM", 1),
     ("mtp:native", "text_config.attn_output_gate", False, "vLLM", True),
