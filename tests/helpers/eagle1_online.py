@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+from types import SimpleNamespace
 
 import torch
 from torch import nn
@@ -59,6 +60,13 @@ class ReferenceCache:
     def length(self) -> int:
         return 0 if self.kv is None else self.kv[0][0].shape[2]
 
+    def __deepcopy__(self, memo) -> ReferenceCache:
+        """A tree node's own copy: the same model, its own cache (grown by concatenation, never in
+        place, so the tensors themselves are shared safely)."""
+        copy = ReferenceCache(self.reference)
+        copy.kv = self.kv
+        return copy
+
     def crop(self, length: int) -> None:
         self.kv = tuple((k[:, :, :length], v[:, :, :length]) for k, v in self.kv) if length else None
 
@@ -92,24 +100,49 @@ class ReferenceCache:
 
 
 def new_model(target, *, layers: int = 1, bias: bool = True, seed: int = 0):
-    """The reference `Model` of `layers` layers for the target's widths, its embedding the target's (frozen,
-    as the repository loads it with load_emb); RoPE base 10000, the only one cnets.py builds."""
+    """The reference `Model` of `layers` layers for the target's widths, its embedding the target's
+    (frozen, as the repository loads it with load_emb)."""
+    model = reference_model(config_fields(target.config, layers), bias, seed)
+    model.embed_tokens.weight.data.copy_(target.model.embed_tokens.weight.detach())
+    return model
+
+
+def reference_model(fields: dict, bias: bool, seed: int):
+    """cnets.py's `Model` for the LlamaConfig `fields` (its own init), in float32."""
     from eagle.model.cnets import Model
     from eagle.model.configs import EConfig
 
-    config = EConfig(**eagle_config_fields(target, layers))
+    config = EConfig(**fields)
     # transformers 5's PretrainedConfig fills rope_scaling with its default rope parameters, which
     # cnets.py (written for transformers 4) reads as a scaling type; None is what it meant there
     config.rope_scaling = None
     with seeded(seed):
-        model = Model(config, bias=bias)
-    model.embed_tokens.weight.data.copy_(target.model.embed_tokens.weight.detach())
-    return model.float()
+        return Model(config, bias=bias).float()
 
 
-def eagle_config_fields(target, layers: int) -> dict:
-    """The drafter's LlamaConfig fields for the target's widths, as an EAGLE checkpoint states them."""
-    config = target.config
+def random_eagle1(
+    save_dir, *, vocab: int, hidden: int, layers: int = 1, std: float = 0.2, seed: int = 0, shapes=None, steps=None
+) -> str:
+    """The reference `Model` for a target of `hidden` x `vocab` (`shapes`: heads, kv_heads, mlp;
+    default 4, 2, 2 * hidden) with every weight drawn N(0, std), saved as the repository saves it
+    (SGLang's architecture; `steps` this project's num_speculative_tokens)."""
+    shapes = dict(heads=4, kv_heads=2, mlp=2 * hidden) | (shapes or {})
+    target = SimpleNamespace(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=shapes["mlp"], num_attention_heads=shapes["heads"],
+        num_key_value_heads=shapes["kv_heads"], rms_norm_eps=1e-6, max_position_embeddings=512,
+    )  # fmt: skip
+    fields = config_fields(target, layers) | ({"num_speculative_tokens": steps} if steps else {})
+    model = reference_model(fields, True, seed)
+    with seeded(seed), torch.no_grad():
+        for parameter in model.parameters():
+            parameter.normal_(0.0, std)
+    return save(model, fields, save_dir)
+
+
+def config_fields(target_config, layers: int) -> dict:
+    """The drafter's LlamaConfig fields for the target's widths, as an EAGLE checkpoint states them
+    (RoPE base 10000: the only one cnets.py builds)."""
+    config = target_config
     return dict(
         model_type="llama",
         vocab_size=config.vocab_size,
@@ -149,6 +182,7 @@ def fit(model, target, examples: list[dict], *, steps: int, lr: float = 3e-3, pe
     optimizer = torch.optim.AdamW(trainable, lr=lr)
     losses = []
     model.train()
+    model.gradient_checkpointing = False  # cnets.py recomputes activations to save memory: the same gradients
     with seeded(seed):
         for _ in range(steps):
             chosen = torch.randperm(len(examples))[:per_step].tolist()
@@ -174,12 +208,17 @@ def _loss(model, head, example: dict) -> torch.Tensor:
     return V_W * vloss + P_W * ploss
 
 
-def save(model, target, out_dir, *, architecture: str = "LlamaForCausalLMEagle", bias: bool = True) -> str:
-    """An EAGLE checkpoint as the repository's EaModel loads it: config.json (the LlamaConfig fields,
-    `bias`) and pytorch_model.bin (the model's state dict, embed_tokens included)."""
+def save(model, fields: dict, out_dir, *, architecture: str = "LlamaForCausalLMEagle") -> str:
+    """An EAGLE checkpoint as the repository's EaModel loads it: config.json (the LlamaConfig
+    `fields`, `bias` as the model has it) and pytorch_model.bin (its state dict, embed_tokens included)."""
     os.makedirs(out_dir, exist_ok=True)
+    config = {"architectures": [architecture], **fields, "bias": model.fc.bias is not None}
     with open(os.path.join(out_dir, "config.json"), "w") as f:
-        fields = eagle_config_fields(target, len(model.layers))
-        json.dump({"architectures": [architecture], **fields, "bias": bias}, f, indent=2)
+        json.dump(config, f, indent=2)
     torch.save(model.state_dict(), os.path.join(out_dir, "pytorch_model.bin"))
     return str(out_dir)
+
+
+def save_for(model, target, out_dir, **options) -> str:
+    """`save` with the fields of the target's widths (`new_model`'s)."""
+    return save(model, config_fields(target.config, len(model.layers)), out_dir, **options)

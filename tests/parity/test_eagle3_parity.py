@@ -315,7 +315,7 @@ def test_eagle_trees_specforge_layout_as_speculators(setup, drafter):
     tmp, _, _, _, greedy, _ = setup
     _, ckpt, specforge = drafter
     tables = [
-        tree_checks.tree_alphas(parity.score(path, greedy, tmp / f"trees-{name}", eagle_trees=list(TREES)))
+        tree_checks.tree_alphas(parity.score(path, greedy, tmp / f"trees-{name}", eagle_trees=list(TREES)), TREES)
         for name, path in (("speculators", ckpt), ("specforge", specforge))
     ]
     assert tables[0].equals(tables[1])
