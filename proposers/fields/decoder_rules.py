@@ -159,7 +159,11 @@ def check_mtp_experts(decoder: dict, hf, kind: str, where: str, source: str) -> 
     top_k, experts = hf.num_experts_per_tok, hf.num_experts
     if top_k > experts:
         refuse(
-            source, f"{where}num_experts_per_tok", top_k, f"a token cannot be routed to more than the {experts} experts"
+            source,
+            f"{where}num_experts_per_tok",
+            top_k,
+            f"vLLM, llama.cpp and transformers route each token to its top-k of the {experts} experts (num_experts): "
+            f"there are fewer",
         )
     if hf.shared_expert_intermediate_size == 0:
         refuse(
