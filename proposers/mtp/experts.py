@@ -66,12 +66,17 @@ def check_experts(state: dict, hf, name: str, source: str, config_file: str) -> 
     if fused is not None and fused != count:
         _refuse(source, f"{name}{FUSED[0]} holds {fused} experts", "num_experts", count, fix)
     parts = _per_expert(state)
-    missing = sorted(
-        {(i, p) for i in experts | set(range(count)) for p in ("gate_proj", "up_proj", "down_proj")} - set(parts)
-    )
-    if fused is None and (experts != set(range(count)) or missing):
+    if fused is None and experts != set(range(count)):
         held = f"experts {_span(experts)}" if experts else "no expert tensors"
         _refuse(source, f"{name}experts.* holds {held}", "num_experts", count, fix)
+    missing = sorted({(i, p) for i in experts for p in ("gate_proj", "up_proj", "down_proj")} - set(parts))
+    if missing:
+        index, projection = missing[0]
+        said = f"{name}experts.{index}.{projection}.weight is missing ({len(missing)} expert tensors in all)"
+        raise CheckpointError(
+            f"{source}: {said}, of the {count} experts the config's field 'num_experts' says; "
+            "the checkpoint is incomplete: save it again"
+        )
     for (index, projection), tensor in sorted(parts.items()):
         shape = [hidden, width] if projection == "down_proj" else [width, hidden]
         if list(tensor.shape) != shape:
