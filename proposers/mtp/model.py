@@ -4,8 +4,10 @@ written for batched teacher-forced replay of its chain.
 Weights, named as the target's checkpoint lays them out less the `mtp.` prefix: `fc` [H, 2H],
 `pre_fc_norm_embedding`, `pre_fc_norm_hidden`, `layers.0.*` (one full-attention decoder layer of
 the target's own kind: q_proj [2 * heads * d, H] giving each head's query and its output gate,
-k/v/o_proj, (1 + w) q/k norms over the head dim, partial rotary, a dense MLP) and `norm`. No
-embedding or lm_head: the target's are used.
+k/v/o_proj, (1 + w) q/k norms over the head dim, partial rotary, and the target's MLP: dense, or
+transformers' own sparse MoE block with its gated shared expert where the config makes the layer
+MoE, its per-expert checkpoint tensors stacked onto the block's fused ones, experts.py says why) and
+`norm`. No embedding or lm_head: the target's are used.
 
 The rule (vLLM `qwen3_next_mtp.py` / `qwen3_5_mtp.py` `MultiTokenPredictor.forward`, driven by
 `v1/spec_decode/eagle.py` as an EAGLE-style proposer):
