@@ -49,6 +49,10 @@ def _classes(config):
         from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as m
 
         return m.Qwen3_5MoeDecoderLayer, m.Qwen3_5MoeRMSNorm, m.Qwen3_5MoeTextRotaryEmbedding
+    if config.model_type == "qwen3_next":
+        from transformers.models.qwen3_next import modeling_qwen3_next as m
+
+        return m.Qwen3NextDecoderLayer, m.Qwen3NextRMSNorm, m.Qwen3NextRotaryEmbedding
     from transformers.models.qwen3_5 import modeling_qwen3_5 as m
 
     return m.Qwen3_5DecoderLayer, m.Qwen3_5RMSNorm, m.Qwen3_5TextRotaryEmbedding

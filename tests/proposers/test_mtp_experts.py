@@ -98,3 +98,26 @@ def test_a_missing_expert_is_one_error(saved, tmp_path):
 def test_a_target_without_its_mtp_head_is_one_error(saved, tmp_path):
     path = _copy(saved, tmp_path, tensors=lambda s: {k: v for k, v in s.items() if not k.startswith("mtp.")})
     assert "no 'mtp.*' tensors in its weights: this target has no native MTP head to score" in _refusal(path)
+
+
+@torch.no_grad()
+def test_a_qwen3_next_moe_head_routes_as_its_config_says(tmp_path):
+    """Qwen3-Next: the MTP layer's block is transformers' Qwen3NextSparseMoeBlock, its top-k weights
+    left unnormalized when norm_topk_prob is false (as vLLM's renormalize = norm_topk_prob); loaded
+    from per-expert names, it computes the reference layer's MLP exactly, and not the renormalized one."""
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    fields = {k: v for k, v in online.MOE_TEXT.items() if k != "layer_types"}
+    config = Qwen3NextConfig(**fields, layer_types=["full_attention"] * LAYERS, norm_topk_prob=False)
+    target = Qwen3NextForCausalLM(config).eval()
+    target.save_pretrained(tmp_path)
+    torch.manual_seed(0)
+    head = online.MtpHead(config).eval()
+    online.save_head(head, str(tmp_path), target)
+    drafter, _ = load_drafter(str(tmp_path), target_layers=LAYERS)
+    mine, reference = drafter.layers[0].mlp, head.layers[0].mlp
+    assert type(mine).__name__ == "Qwen3NextSparseMoeBlock" and mine.gate.norm_topk_prob is False
+    x = torch.randn(1, 9, config.hidden_size)
+    assert torch.equal(mine(x), reference(x))
+    mine.gate.norm_topk_prob = True  # the other rule: the test can fail
+    assert not torch.allclose(mine(x), reference(x))
