@@ -67,7 +67,9 @@ def test_greedy_walks_equal_the_online_loop(setup):
         assert walks[sample_id]["produced"].to_list() == run.produced, sample_id
     accepted = [n for run in runs.values() for n in run.accepted]
     produced = [n for run in runs.values() for n in run.produced]
-    print(f"MoE greedy: {len(runs)} walks equal, {len(produced)} steps, tau {np.mean(produced):.3f}")
+    print(
+        f"MoE greedy: {len(runs)} walks equal, {len(produced)} steps, tau {np.mean(produced):.3f}, accepted {np.mean(accepted):.3f}"
+    )
     assert np.mean(accepted) > 1.0, accepted  # a head that accepts: the comparison means something
     assert STEPS in accepted, accepted
 
