@@ -143,7 +143,7 @@ def decoder_shape(hf) -> dict:
         num_attention_heads=hf.num_attention_heads,
         num_key_value_heads=hf.num_key_value_heads,
         head_dim=hf.head_dim,
-        intermediate_size=hf.intermediate_size,
+        intermediate_size=getattr(hf, "intermediate_size", None),  # an all-MoE decoder has none
         vocab_size=hf.vocab_size,
         rms_norm_eps=float(hf.rms_norm_eps),
         attention_bias=bool(hf.attention_bias),
