@@ -23,6 +23,8 @@ EAGLE-2's), calling the reference model on its own KV cache (tests/helpers/eagle
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import polars as pl
 import pytest
@@ -223,3 +225,26 @@ def test_sampled_expected_tau_equals_the_online_mean_over_seeds(setup, drafter):
     verdict = parity.sampled_verdict(drafter[1], shards, tmp, taus, WRONG, "[hidden ; embedding]", steps=STEPS)
     assert all(abs(v) < 3 for v in verdict.z_prompts.values()) and abs(verdict.z) < 3, (verdict.z_prompts, verdict.z)
     assert abs(verdict.z_wrong) > 3, (verdict.z_wrong_prompts, verdict.z_wrong)
+
+
+@pytest.mark.slow
+def test_the_pre_norm_state_is_the_other_convention_and_diagnose_keeps_the_configured_one(setup, drafter):
+    """The target's last hidden state in the other numbering (before-layer id L: the state before the
+    final norm, which the project stores as its id L) is what a drafter trained on the wrong one
+    would read; for this drafter it loses most drafts, and diagnose keeps the configured reading."""
+    from click.testing import CliRunner
+
+    from specreplay.cli import main
+
+    tmp, model_dir, prompts, _, _, _ = setup
+    shards = parity.extract(tmp / "both-states", model_dir, prompts, MAX_NEW, [*FEATURE, TARGET_LAYERS])
+    out = tmp / "diagnose"
+    args = ["diagnose", "--ckpt", drafter[1], "--shards", shards, "--out", str(out), "--variants", "layers+1"]
+    run = CliRunner().invoke(main, [*args, "--no-progress"])
+    assert run.exit_code == 0, run.output
+    [record] = [json.load(open(path)) for path in out.glob("*/diagnose.json")]
+    [table] = [pl.read_parquet(path) for path in out.glob("*/diagnose.parquet")]
+    taus = dict(table.filter(pl.col("metric") == "tau").select("variant", "value").iter_rows())
+    print(f"tau: the post-norm state (configured) {taus['as-configured']:.3f}, the pre-norm one {taus['layers+1']:.3f}")
+    assert taus["as-configured"] > 2.0 and taus["layers+1"] < 1.3, taus
+    assert "consistent" in record["verdict"][0], record["verdict"]
