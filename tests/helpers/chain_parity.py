@@ -194,3 +194,28 @@ def sampled_verdict(ckpt: str, shards: str, out, online: dict, wrong: tuple, lab
         )
     print(f"over the prompts: z {verdict.z:+.2f}, {label} z {verdict.z_wrong:+.2f}")
     return verdict
+
+
+def anchor_chains_compared(ckpt: str, shards: str, out, chain_at, **options) -> tuple[int, int]:
+    """anchors.parquet's draft block at every response anchor (score --anchor-drafts) against the
+    online proposer's greedy chain there, `chain_at(ids, anchor, count)`, up to the chain's first
+    draft that is not the stored token (after it the online chain reads its own wrong draft, the
+    replay the stored token, and it is never verified). Asserts each equal; returns (anchors
+    compared, drafts compared)."""
+    out_dir = score(ckpt, shards, out, anchor_drafts=True, **options)
+    rows = pl.read_parquet(f"{out_dir}/anchors.parquet").select("sample_id", "anchor", "draft_tokens")
+    samples = {s.sample_id: s.input_ids for s in ShardSet(shards).samples(tensors=[])}
+    compared = drafts = 0
+    for sample_id, anchor, offline in rows.iter_rows():
+        ids = samples[sample_id]
+        # drafts of tokens the response holds (a block near a stop token drafts past it, never verified)
+        known = min(len(offline), ids.numel() - 1 - anchor)
+        if known == 0:  # the budget's last position drafts nothing
+            continue
+        chain = chain_at(ids, anchor, known)
+        stored = ids[anchor + 1 : anchor + 1 + known].tolist()
+        verified = next((i + 1 for i, (d, y) in enumerate(zip(chain, stored)) if d != y), known)
+        assert offline[:verified] == chain[:verified], (sample_id, anchor, offline, chain)
+        compared, drafts = compared + 1, drafts + verified
+    print(f"every anchor: {compared} anchors' chains equal the online proposer's ({drafts} drafts compared)")
+    return compared, drafts

@@ -26,6 +26,24 @@ def greedy(target, prompt: list[int], max_new: int) -> torch.Tensor:
     return ids
 
 
+def fitted_native_head(tmp, prompts: int, max_new: int, *, moe=False, train: int, repeats: int, fit_steps: int):
+    """(target dir, the target, its head, greedy shards of id L, the fit's last loss): mtp_online's
+    tiny target (`moe`: its MoE variant) with its head fitted on the greedy continuations of `train`
+    other prompts and of the `prompts` scored ones (`repeats` times) and saved into its checkpoint."""
+    from tests.helpers import chain_parity as parity
+    from tests.helpers.prompts import write_prompts
+
+    model_dir, target, head = online.build_target(tmp / "target", moe=moe)
+    prompt_ids = parity.prompt_ids(prompts)
+    sequences = [greedy(target, p, max_new) for p in parity.prompt_ids(train, seed=9) + prompt_ids * repeats]
+    loss = online.fit(head, target, sequences, steps=fit_steps, lr=5e-3)
+    online.save_head(head.eval(), model_dir, target if moe else None)
+    written = write_prompts(tmp / "prompts.jsonl", [{"id": f"p{i}", "input_ids": p} for i, p in enumerate(prompt_ids)])
+    layers = target.config.num_hidden_layers
+    shards = parity.extract(tmp / "greedy", model_dir, written, max_new, [layers])  # id L: before the final norm
+    return model_dir, target, head, shards, loss
+
+
 def online_runs(head, target, shards: str, steps: int, max_new: int) -> dict[str, online.OnlineRun]:
     """The online loop over every stored sample's prompt; its output must be the stored response."""
     stop_ids = ShardSet(shards).settings["target"]["stop_token_ids"]

@@ -146,21 +146,12 @@ def test_every_anchors_chain_equals_the_online_proposer(setup, drafter):
     fresh cache, up to its first draft that is not the stored token."""
     tmp, _, _, target, greedy, _ = setup
     reference = drafter[0]
-    rows = pl.read_parquet(f"{_score(drafter[1], greedy, tmp / 'anchors', anchor_drafts=True)}/anchors.parquet")
-    samples = {s.sample_id: s.input_ids for s in ShardSet(greedy).samples(tensors=[])}
-    compared = drafts = 0
-    for sample_id, anchor, offline in rows.select("sample_id", "anchor", "draft_tokens").iter_rows():
-        ids = samples[sample_id]
-        known = min(len(offline), ids.numel() - 1 - anchor)
-        if known == 0:
-            continue
+
+    def chain_at(ids, anchor, count):
         _, features, _ = reference.states(target, ids)
-        chain = online.propose(reference.new_cache(), features, ids, anchor, known, 0.0).drafts.tolist()
-        stored = ids[anchor + 1 : anchor + 1 + known].tolist()
-        verified = next((i + 1 for i, (d, y) in enumerate(zip(chain, stored)) if d != y), known)
-        assert offline[:verified] == chain[:verified], (sample_id, anchor, offline, chain)
-        compared, drafts = compared + 1, drafts + verified
-    print(f"every anchor: {compared} anchors' chains equal the online proposer's ({drafts} drafts compared)")
+        return online.propose(reference.new_cache(), features, ids, anchor, count, 0.0).drafts.tolist()
+
+    compared, _ = parity.anchor_chains_compared(drafter[1], greedy, tmp / "anchors", chain_at, steps=STEPS)
     assert compared > 60
 
 

@@ -16,17 +16,13 @@ server slot of its own; compared by engine_parity.assert_engine_counts.
 
 from __future__ import annotations
 
-import copy
 import json
 
 import pytest
 import torch
 
-from pipeline.shards import ShardSet
-from tests.helpers import chain_parity as chains, engine_parity as parity, llama_engine as engine, mtp_online
+from tests.helpers import engine_parity as parity, llama_engine as engine
 from tests.helpers.models import _qwen35_text_config, seeded
-from tests.helpers.prompts import write_prompts
-from tools.llama_convert import convert
 
 pytestmark = pytest.mark.slow
 
@@ -68,26 +64,8 @@ def _keep_saved_tokenizer_class(model_dir: str) -> None:
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory) -> tuple[parity.Setup, parity.Drafter, float]:
     tmp = tmp_path_factory.mktemp("engine_parity_mtp_moe")
-    prompts = parity.prompt_ids(parity.PROMPTS)
-    target = _qwen35_moe()
-    model_dir = engine.engine_target(tmp / "target", prompts, parity.MAX_NEW, model=target)
-    _keep_saved_tokenizer_class(model_dir)
-    sequences = engine.continuations(model_dir, prompts, parity.MAX_NEW)
-    head_config = copy.deepcopy(target.config)  # MtpHead builds layer 0 of it: a full-attention one
-    head_config.layer_types = ["full_attention"] * LAYERS
-    with seeded(1):
-        head = mtp_online.MtpHead(head_config)
-    loss = mtp_online.fit(head, target, [ids for ids, _ in sequences], steps=FIT_STEPS, lr=FIT_LR)
-    mtp_online.save_head(head.eval(), model_dir, target)
-    records = [{"id": f"p{i}", "input_ids": ids} for i, ids in enumerate(prompts)]
-    shards = chains.extract(
-        tmp / "shards", model_dir, write_prompts(tmp / "prompts.jsonl", records), parity.MAX_NEW, [LAYERS]
-    )
-    finish = {s.finish_reason for s in ShardSet(shards).samples(tensors=[])}
-    assert finish == {"eos", "length"}, finish
-    gguf = str(convert(model_dir, tmp / "target.gguf"))  # the MTP block kept as blk.L.nextn.* and blk.L.ffn_*
-    setup = parity.Setup(tmp, model_dir, gguf, shards, sequences, converter=None)
-    return setup, parity.Drafter("mtp", "native", model_dir, None, "draft-mtp", STEPS), loss
+    options = dict(layers=LAYERS, steps=STEPS, fit_steps=FIT_STEPS, fit_lr=FIT_LR)
+    return parity.native_mtp_setup(tmp, _qwen35_moe(), prepare=_keep_saved_tokenizer_class, experts=True, **options)
 
 
 @pytest.fixture(scope="module", autouse=True)

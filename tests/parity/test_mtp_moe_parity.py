@@ -20,7 +20,6 @@ import pytest
 import torch
 
 from tests.helpers import chain_parity as parity, mtp_online as online, mtp_replay as replay
-from tests.helpers.prompts import write_prompts
 
 MAX_NEW = 20
 PROMPTS = 6
@@ -35,13 +34,9 @@ def one_thread():
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("mtp_moe_parity")
-    model_dir, target, head = online.build_target(tmp / "target", moe=True)
-    prompt_ids = parity.prompt_ids(PROMPTS)
-    train = [replay.greedy(target, p, MAX_NEW) for p in parity.prompt_ids(12, seed=9) + prompt_ids * 2]
-    loss = online.fit(head, target, train, steps=300, lr=5e-3)
-    online.save_head(head.eval(), model_dir, target)
-    prompts = write_prompts(tmp / "prompts.jsonl", [{"id": f"p{i}", "input_ids": p} for i, p in enumerate(prompt_ids)])
-    shards = parity.extract(tmp / "greedy", model_dir, prompts, MAX_NEW, [target.config.num_hidden_layers])
+    model_dir, target, head, shards, loss = replay.fitted_native_head(
+        tmp, PROMPTS, MAX_NEW, moe=True, train=12, repeats=2, fit_steps=300
+    )
     print(f"fitted MoE head: step-1 loss {loss:.3f}")
     runs = replay.online_runs(head, target, shards, STEPS, MAX_NEW)
     return tmp, model_dir, target, head, shards, runs

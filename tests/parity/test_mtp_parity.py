@@ -20,7 +20,6 @@ from safetensors.torch import load_file
 from pipeline.shards import ShardSet
 from proposers.toolkit.conventions import Conventions
 from tests.helpers import chain_parity as parity, mtp_export, mtp_online as online, mtp_replay as replay
-from tests.helpers.prompts import write_prompts
 
 MAX_NEW = 20
 PROMPTS = 6
@@ -35,15 +34,10 @@ def one_thread():
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("mtp_parity")
-    model_dir, target, head = online.build_target(tmp / "target")
-    prompt_ids = parity.prompt_ids(PROMPTS)
     # the scored prompts' continuations too (as the EAGLE-3 parity test fits on its greedy responses)
-    train = [replay.greedy(target, p, MAX_NEW) for p in parity.prompt_ids(24, seed=9) + prompt_ids * 3]
-    loss = online.fit(head, target, train, steps=600, lr=5e-3)
-    online.save_head(head.eval(), model_dir)
-    prompts = write_prompts(tmp / "prompts.jsonl", [{"id": f"p{i}", "input_ids": p} for i, p in enumerate(prompt_ids)])
-    layers = target.config.num_hidden_layers
-    shards = parity.extract(tmp / "greedy", model_dir, prompts, MAX_NEW, [layers])  # id L: before the final norm
+    model_dir, target, head, shards, loss = replay.fitted_native_head(
+        tmp, PROMPTS, MAX_NEW, train=24, repeats=3, fit_steps=600
+    )
     print(f"fitted head: step-1 loss {loss:.3f}")
     return tmp, model_dir, target, head, shards
 
