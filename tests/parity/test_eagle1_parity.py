@@ -223,19 +223,44 @@ def test_the_pre_norm_state_is_the_other_convention_and_diagnose_keeps_the_confi
     """The target's last hidden state in the other numbering (before-layer id L: the state before the
     final norm, which the project stores as its id L) is what a drafter trained on the wrong one
     would read; for this drafter it loses most drafts, and diagnose keeps the configured reading."""
+    tmp, model_dir, prompts, _, _, _ = setup
+    shards = parity.extract(tmp / "both-states", model_dir, prompts, MAX_NEW, [*FEATURE, TARGET_LAYERS])
+    taus, verdict = _diagnosed_taus(drafter[1], shards, tmp / "diagnose", "layers+1")
+    print(f"tau: the post-norm state (configured) {taus['as-configured']:.3f}, the pre-norm one {taus['layers+1']:.3f}")
+    assert taus["as-configured"] > 2.0 and taus["layers+1"] < 1.3, taus
+    assert "consistent" in verdict[0], verdict
+
+
+@pytest.mark.slow
+def _diagnosed_taus(ckpt: str, shards: str, out, variants: str) -> tuple[dict, list[str]]:
+    """(variant -> chain tau, the verdict) of `specreplay diagnose`."""
     from click.testing import CliRunner
 
     from specreplay.cli import main
 
-    tmp, model_dir, prompts, _, _, _ = setup
-    shards = parity.extract(tmp / "both-states", model_dir, prompts, MAX_NEW, [*FEATURE, TARGET_LAYERS])
-    out = tmp / "diagnose"
-    args = ["diagnose", "--ckpt", drafter[1], "--shards", shards, "--out", str(out), "--variants", "layers+1"]
+    args = ["diagnose", "--ckpt", ckpt, "--shards", shards, "--out", str(out), "--variants", variants]
     run = CliRunner().invoke(main, [*args, "--no-progress"])
     assert run.exit_code == 0, run.output
-    [record] = [json.load(open(path)) for path in out.glob("*/diagnose.json")]
     [table] = [pl.read_parquet(path) for path in out.glob("*/diagnose.parquet")]
-    taus = dict(table.filter(pl.col("metric") == "tau").select("variant", "value").iter_rows())
-    print(f"tau: the post-norm state (configured) {taus['as-configured']:.3f}, the pre-norm one {taus['layers+1']:.3f}")
-    assert taus["as-configured"] > 2.0 and taus["layers+1"] < 1.3, taus
-    assert "consistent" in record["verdict"][0], record["verdict"]
+    verdict = json.loads(next(out.glob("*/diagnose.json")).read_text())["verdict"]
+    return dict(table.filter(pl.col("metric") == "tau").select("variant", "value").iter_rows()), verdict
+
+
+@pytest.mark.slow
+def test_diagnoses_rope_10000_variant_replays_the_repositorys_rope(setup, drafter):
+    """The repository's inference builds RoPE with base 10000 whatever rope_theta says; vLLM, SGLang
+    and specreplay read rope_theta. The fitted weights saved with rope_theta 500000 (as a Llama-3
+    target's config states it) score lower, and diagnose's rope-10000 variant gives back exactly the
+    tau of the weights under base 10000."""
+    tmp, _, _, target, greedy, _ = setup
+    reference = drafter[0]
+    fields = eagle1.config_fields(target.config, LAYERS) | {"rope_theta": 500000.0}
+    stated = eagle1.save(reference.model, fields, tmp / "ckpt-rope-500000")
+    right, _ = _diagnosed_taus(drafter[1], greedy, tmp / "diagnose-rope-right", "as-configured")
+    wrong, verdict = _diagnosed_taus(stated, greedy, tmp / "diagnose-rope-wrong", "rope-10000")
+    print(
+        f"tau: rope_theta 10000 {right['as-configured']:.3f}; 500000 {wrong['as-configured']:.3f}, with the "
+        f"rope-10000 variant {wrong['rope-10000']:.3f}"
+    )
+    assert wrong["rope-10000"] == right["as-configured"] != wrong["as-configured"], (right, wrong)
+    print(verdict[0])
