@@ -43,9 +43,10 @@ from tests.helpers import (
 MAX_NEW = 24
 PROMPTS = 6
 STEPS = 4
+FIT_STEPS = 1000
 LAYERS = 2  # the drafter's: one layer of this tiny target's features accepts ~1.1 a step, two ~1.4
 TEMPERATURE = 0.7
-SAMPLED_DRAWS = 40
+SAMPLED_DRAWS = 24
 TARGET_LAYERS = 6
 FEATURE = [TARGET_LAYERS - 1]  # the post-norm last hidden state
 NEAR_TIE = 1e-4
@@ -75,7 +76,7 @@ def drafter(setup):
     train = parity.extract(tmp / "train", model_dir, prompts, MAX_NEW, FEATURE, TEMPERATURE, 48, seed=5)
     examples = [eagle1.training_example(target, ids, n) for ids, n in _sequences(greedy) * 6 + _sequences(train)]
     model = eagle1.new_model(target, layers=LAYERS)
-    eagle1.fit(model, target, examples, steps=1500, lr=5e-3)
+    eagle1.fit(model, target, examples, steps=FIT_STEPS, lr=5e-3)
     return eagle1.Eagle1Reference(model, target, STEPS), eagle1.save_for(model, target, tmp / "ckpt")
 
 
@@ -227,7 +228,7 @@ def test_the_pre_norm_state_is_the_other_convention_and_diagnose_keeps_the_confi
     shards = parity.extract(tmp / "both-states", model_dir, prompts, MAX_NEW, [*FEATURE, TARGET_LAYERS])
     taus, verdict = _diagnosed_taus(drafter[1], shards, tmp / "diagnose", "layers+1")
     print(f"tau: the post-norm state (configured) {taus['as-configured']:.3f}, the pre-norm one {taus['layers+1']:.3f}")
-    assert taus["as-configured"] > 2.0 and taus["layers+1"] < 1.3, taus
+    assert taus["as-configured"] > 1.8 and taus["layers+1"] < 0.7 * taus["as-configured"], taus
     assert "consistent" in verdict[0], verdict
 
 
