@@ -75,7 +75,11 @@ class XPressDrafter(BlockDrafter):
         super().__init__(config)
         options = config.family_options
         self.refiner_head = XPressRefiner(
-            config.vocab_size, config.hidden_size, config.block_size, options["xpress_rank"], options["xpress_mlp_ratio"]
+            config.vocab_size,
+            config.hidden_size,
+            config.block_size,
+            options["xpress_rank"],
+            options["xpress_mlp_ratio"],
         )
 
     @property
@@ -99,6 +103,8 @@ class XPressDrafter(BlockDrafter):
             before, anchor = previous[:, :1].long(), previous[:, 1:2].long()
             logits, pred = base, base.argmax(dim=-1)
             for _ in range(self.passes):
-                logits = base + self.refiner_head.bias(self.refiner_inputs(before, anchor, pred), features).to(base.dtype)
+                logits = base + self.refiner_head.bias(self.refiner_inputs(before, anchor, pred), features).to(
+                    base.dtype
+                )
                 pred = logits.argmax(dim=-1)
         return Drafts(logits[:, 1:])

@@ -59,7 +59,9 @@ def drafter(setup):
     tmp, target, greedy, _ = setup
     samples = list(ShardSet(greedy).samples(tensors=[]))
     model = online.new_drafter(target, block_size=BLOCK, passes=PASSES)
-    documents = dspark_online.training_documents(target, [s.input_ids for s in samples], [s.prompt_len for s in samples])
+    documents = dspark_online.training_documents(
+        target, [s.input_ids for s in samples], [s.prompt_len for s in samples]
+    )
     # without the base-logits anchor term (speculators' base_anchor_weight, default 0.6) the backbone
     # alone is not trained to draft, so the refiner carries the drafts: most anchors' drafts are not
     # the backbone's argmax, and a wrong refiner rule shows
@@ -128,11 +130,15 @@ def test_greedy_walks_equal_the_online_loop(setup, drafter):
         assert run.output_ids.tolist() == sample.input_ids.tolist(), sample.sample_id
         walk = walks[sample.sample_id]
         assert walk["produced"].to_list() == run.produced, sample.sample_id
-        for step, (offline, drafts, produced) in enumerate(zip(walk["draft_tokens"].to_list(), run.drafts, run.produced)):
+        for step, (offline, drafts, produced) in enumerate(
+            zip(walk["draft_tokens"].to_list(), run.drafts, run.produced)
+        ):
             kept = produced - 1
             assert offline[:kept] == drafts[:kept], (sample.sample_id, step)
         accepted += [n - 1 for n in run.produced]
-    print(f"greedy: {len(accepted)} steps, mean accepted {np.mean(accepted):.3f}, all {BLOCK - 1}: {accepted.count(BLOCK - 1)}")
+    print(
+        f"greedy: {len(accepted)} steps, mean accepted {np.mean(accepted):.3f}, all {BLOCK - 1}: {accepted.count(BLOCK - 1)}"
+    )
     # non-trivial: several drafts accepted a step, whole blocks accepted
     assert np.mean(accepted) > 1.5 and BLOCK - 1 in accepted, accepted
 
