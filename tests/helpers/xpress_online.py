@@ -16,6 +16,8 @@ B x B), the budget and stop tokens cutting what a step commits.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 from tests.helpers.dspark_online import (
@@ -29,6 +31,11 @@ from tests.helpers.dspark_online import (
 )
 from tests.helpers.dspark_reference import AUX_IDS, MASK, decoder_config
 from tests.helpers.models import seeded
+
+
+@dataclass
+class XPressRun(OnlineRun):
+    accepted: list[int] = field(default_factory=list)  # drafts the target accepted each step (before the budget)
 
 
 def speculators_config(decoder, *, vocab: int, aux_ids, block_size: int, passes: int, rank: int):
@@ -117,13 +124,13 @@ def anchor_drafts(model, features, ids, start: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def online_xpress(model, target, prompt: torch.Tensor, max_new_tokens: int, stop_ids) -> OnlineRun:
+def online_xpress(model, target, prompt: torch.Tensor, max_new_tokens: int, stop_ids) -> XPressRun:
     """The greedy online loop (module docstring) for `prompt` [P]."""
     prompt_len = prompt.numel()
     max_length = prompt_len + max_new_tokens
     logits, features, _ = target_states(target, prompt)
     seq = torch.cat([prompt, logits[-1].argmax().reshape(1)])
-    run = OnlineRun(seq)
+    run = XPressRun(seq)
     start, stopped = prompt_len, int(seq[-1]) in stop_ids
     while start + 1 < max_length and not stopped:
         drafts = anchor_drafts(model, features, seq, start)
@@ -136,6 +143,7 @@ def online_xpress(model, target, prompt: torch.Tensor, max_new_tokens: int, stop
         )
         start += produced
         run.produced.append(produced)
+        run.accepted.append(accepted)
         run.drafts.append(drafts.tolist())
         run.queries.append(model.config.block_size)
     run.output_ids = seq[: min(start + 1, max_length)]
