@@ -56,6 +56,7 @@ BASE = {
     "dflash2:z-lab": lambda: drafter_config(num_heads=4, dflash_extra=dict(DFLASH2_KEYS)),
     "dflash:speculators": lambda: _block("dflash", 3),
     "dflash2:speculators": lambda: _block("dflash2", 3),
+    "xpress:speculators": lambda: {**_block("xpress", 3), "xpress_rank": 8},
     "dspark:speculators": lambda: _block("dspark", 4),  # sample_from_anchor true by default: 4 queries draft
     "dspark:specforge": lambda: {
         **QWEN3,
@@ -213,6 +214,8 @@ PRIOR_REFUSALS = [
     ("dflash:z-lab", "dflash_config.swa_window_size", {**SLIDING, "dflash_config.swa_window_size": 4}),
     ("dflash:speculators", "sample_from_anchor", {"sample_from_anchor": True}),
     ("dflash2:speculators", "draft_vocab_size", {"draft_vocab_size": 256}),
+    ("xpress:speculators", "sample_from_anchor", {"sample_from_anchor": True}),
+    ("xpress:speculators", "draft_vocab_size", {"draft_vocab_size": 256}),
     ("eagle3:speculators", "target_hidden_size", {"target_hidden_size": 48}),
     ("eagle3:speculators", "transformer_layer_config.model_type", {"transformer_layer_config.model_type": "gemma3"}),
     ("eagle3:speculators", "layer_types", {"transformer_layer_config.layer_types": ["sliding_attention"]}),

@@ -64,7 +64,10 @@ def test_the_override_reads_the_file_as_the_named_familys():
 @pytest.mark.parametrize(
     "text, message",
     [
-        ("dflash3", r"no family 'dflash3'; choose from dflash, dflash2, dspark, eagle3, peagle, eagle, mtp, ngram"),
+        (
+            "dflash3",
+            r"no family 'dflash3'; choose from dflash, dflash2, xpress, dspark, eagle3, peagle, eagle, mtp, ngram",
+        ),
         ("dspark:z-lab", r"dspark has no layout 'z-lab'; its layouts: deepspec, specforge, speculators"),
     ],
 )
