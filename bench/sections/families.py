@@ -9,12 +9,13 @@ with the same decoder (one layer of the target's attention and MLP shapes, block
 weights, each built and saved by the public reference's own classes where one is installed:
 z-lab's `dflash.model` DFlashDraftModel / DFlash2DraftModel, speculators 0.9.0 DFlashDraftModel
 (full and reduced draft vocabulary) / DFlash2DraftModel / DSparkDraftModel (vanilla and rnn Markov
-heads), with their own save_pretrained. SpecForge and DeepSpec are not installed: their DSpark
+heads) / XPressDraftModel (issue 36: its refiner's Jacobi passes must not dominate), with their own
+save_pretrained. SpecForge and DeepSpec are not installed: their DSpark
 layouts are the speculators drafter's tensors beside the config.json each writes
 (docs/drafter-families.md#dspark), DeepSpec with its own copies of the embedding and lm_head.
 Every family takes its extra fields at the defaults speculators gives them (DFlash2: kernel 2,
 group 16, selector rank 256, top 16; DSpark: Markov rank 256, confidence head on the Markov
-embedding).
+embedding; XPress: refiner rank 256, 6 Jacobi passes).
 
 Timed: `scoring.score.run.run_score`, all anchors, chain only, each checkpoint alone, after a
 one-sample warm-up; the layouts alternate in rounds (forward, then backward, `--reps` of them),
@@ -54,6 +55,7 @@ DECODER = dict(
 )
 DFLASH2 = dict(conv_kernel_size=2, conv_group_size=16, selector_rank=256, selector_top_k=16)  # speculators' defaults
 DSPARK = dict(markov_rank=256, enable_confidence_head=True, confidence_head_with_markov=True)  # speculators' defaults
+XPRESS = dict(xpress_rank=256, num_jacobi_passes=6)  # speculators' defaults: the refiner's passes dominate or not
 REDUCED_VOCAB = SMOLLM2["vocab_size"] // 4  # speculators' 32k of a 128k-152k vocabulary, scaled
 INIT_STD = 0.02
 TARGET_COPIES = ("embed_tokens.weight", "lm_head.weight")  # DeepSpec saves its own copies of the target's
@@ -68,10 +70,12 @@ LAYOUTS = (
     ("speculators-dspark-rnn", "dspark", "speculators", "speculators DSpark, rnn head"),
     ("specforge-dspark", "dspark", "specforge", "SpecForge DSpark"),
     ("deepspec-dspark", "dspark", "deepspec", "DeepSpec DSpark"),
+    ("speculators-xpress", "xpress", "speculators", "speculators XPress, 6 refiner passes"),
 )
 # The work a family adds on top of the lm_head logits, measured on the loaded model (key: label)
 EXTRA_WORK = {"zlab-dflash2": "selector", "speculators-dspark": "Markov + confidence heads"}
 EXTRA_WORK["speculators-dspark-rnn"] = EXTRA_WORK["speculators-dspark"]
+EXTRA_WORK["speculators-xpress"] = "refiner passes"
 DOMINATES = 0.5  # the family's own extra work above this share of its replay would dominate it
 STAGES = ("context keys/values", "drafter layers", "attention", "masks", "lm_head", "markov head", "logsumexp")
 EXTRA_ANCHORS = 32  # full blocks per `drafts()` call of the extra-work measurement (quick: half)
@@ -90,6 +94,7 @@ BREAKDOWN_ROWS = (
     "zlab-dflash2",
     "speculators-dspark",
     "speculators-dspark-rnn",
+    "speculators-xpress",
 )
 
 
@@ -140,7 +145,7 @@ def zlab(out: Path, family: str, layer_ids: list[int], seed: int) -> None:
 
 
 def speculators(out: Path, family: str, layer_ids: list[int], seed: int, draft_vocab=None, **fields):
-    """speculators' DFlashDraftModel / DFlash2DraftModel / DSparkDraftModel, saved by its
+    """speculators' DFlashDraftModel / DFlash2DraftModel / DSparkDraftModel / XPressDraftModel, saved by its
     save_pretrained; `draft_vocab` a reduced draft vocabulary of that many random target ids
     (its own `load_vocab_mappings`). Returns the model (the other DSpark layouts reuse its weights)."""
     from speculators.config import SpeculatorsConfig, VerifierConfig
@@ -149,6 +154,7 @@ def speculators(out: Path, family: str, layer_ids: list[int], seed: int, draft_v
     from speculators.models.dflash2.core import DFlash2DraftModel
     from speculators.models.dspark.config import DSparkSpeculatorConfig
     from speculators.models.dspark.core import DSparkDraftModel
+    from speculators.models.xpress import XPressDraftModel, XPressSpeculatorConfig
     from speculators.proposals.greedy import GreedyTokenProposalConfig
 
     hidden, vocab = SMOLLM2["hidden_size"], SMOLLM2["vocab_size"]
@@ -156,6 +162,7 @@ def speculators(out: Path, family: str, layer_ids: list[int], seed: int, draft_v
         "dflash": (DFlashSpeculatorConfig, DFlashDraftModel),
         "dflash2": (DFlash2SpeculatorConfig, DFlash2DraftModel),
         "dspark": (DSparkSpeculatorConfig, DSparkDraftModel),
+        "xpress": (XPressSpeculatorConfig, XPressDraftModel),
     }[family]
     drafts = BLOCK_SIZE if family == "dspark" else BLOCK_SIZE - 1  # DSpark drafts from the anchor's slot
     config = config_class(
@@ -247,6 +254,7 @@ def build_drafters(work: Path, layer_ids: list[int]) -> dict[str, str]:
     dspark = speculators(work / "speculators-dspark", "dspark", layer_ids, seed=6, markov_head_type="vanilla", **DSPARK)
     speculators(work / "speculators-dspark-rnn", "dspark", layer_ids, seed=7, markov_head_type="rnn", **DSPARK)
     other_dspark_layouts(work, dspark, layer_ids)
+    speculators(work / "speculators-xpress", "xpress", layer_ids, seed=8, **XPRESS)
     return {key: str(work / key) for key, *_ in LAYOUTS}
 
 
@@ -299,7 +307,8 @@ def extra_work(ckpt: str, lm_head: torch.Tensor, anchors: int, reps: int = 3) ->
 
     drafter, _ = load_drafter(ckpt, dtype=torch.float32, target_layers=SMOLLM2["num_layers"])
     generator = torch.Generator().manual_seed(0)
-    depth = drafter.config.max_drafts
+    # a whole-block family (XPress) reads every block slot, the anchor's too
+    depth = drafter.config.block_size if drafter.config.whole_block else drafter.config.max_drafts
     hidden = torch.randn(anchors, depth, SMOLLM2["hidden_size"], generator=generator)
     previous = torch.randint(0, SMOLLM2["vocab_size"], (anchors, depth), generator=generator)
     drafter.drafts(hidden, lm_head, previous)  # warm-up
