@@ -181,3 +181,39 @@ def test_compare_online_and_the_gguf_drafter_against_llama_server(setup, dflash)
         code, report = outcomes[name]
         differing = [row for row in report["samples"] if row["verdict"] == "differs"]
         assert code == 1 and differing and all(wanted in row["points_at"] for row in differing), (name, report)
+
+
+# z-lab DFlash fields llama.cpp reads and z-lab's dflash 0.1.0 does not, each served as its GGUF: the
+# fitted drafter's weights under another dflash_config, and the same weights under a wrong reading
+# of it (the rule the case checks) scored too, whose walk must differ from the server's somewhere.
+# The bidirectional window spans the whole block (n_max + 1 <= window): inside a block llama.cpp
+# windows keys before the query only (src/llama-hparams.h:475-487), vLLM and z-lab both ways.
+VARIANTS = [
+    ("swa-causal", dict(use_swa=True, swa_window_size=3, causal=True), [dict(swa_window_size=4), dict(causal=False)]),
+    ("swa", dict(use_swa=True, swa_window_size=4), [dict(swa_window_size=5), dict(use_swa=False)]),
+    ("value-scale", dict(attention_value_scale=1.25), [dict(attention_value_scale=1.0)]),
+]
+
+
+def with_dflash_options(source: str, out, options: dict) -> str:
+    """A copy of the z-lab checkpoint at `source` with `options` set in its dflash_config."""
+    shutil.copytree(source, out)
+    config = json.loads((out / "config.json").read_text())
+    config["dflash_config"].update(options)
+    (out / "config.json").write_text(json.dumps(config))
+    return str(out)
+
+
+@pytest.mark.parametrize(("name", "options", "wrongs"), VARIANTS, ids=[v[0] for v in VARIANTS])
+def test_dflash_variant_counts_equal_llama_server(setup, dflash, name, options, wrongs):
+    n_max = dflash.drafts  # the trained block: 4 queries
+    path = with_dflash_options(dflash.path, setup.tmp / f"zlab-{name}", options)
+    variant = parity.converted(setup, "dflash", name, path, "draft-dflash", dflash.drafts)
+    walk = parity.assert_engine_counts(setup, variant, n_max, per_step=0.1)
+    steps = dict(walk_rule="llama.cpp", steps=n_max, eagle_trees=[])
+    for i, wrong in enumerate(wrongs):
+        misread = with_dflash_options(path, setup.tmp / f"zlab-{name}-wrong{i}", wrong)
+        counts = engine.walk_counts(chains.score(misread, setup.shards, setup.tmp / f"{name}-wrong{i}", **steps))
+        differing = sum(counts.get(sid) != served for sid, served in walk.items())
+        print(f"{name}: {wrong} differs from the server on {differing} of {len(walk)} samples")
+        assert differing > 0, (name, wrong)
