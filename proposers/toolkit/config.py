@@ -105,10 +105,14 @@ class DrafterConfig:
         windowed = self.window_every_layer or self.layer_types[index] == "sliding_attention"
         return self.sliding_window if windowed else None
 
-    def layer_mask_kind(self, index: int, conventions: Conventions = REFERENCE) -> tuple[bool, int | None]:
-        """(causal inside the block, sliding window or None) of layer `index` under `conventions`."""
+    def layer_mask_kind(self, index: int, conventions: Conventions = REFERENCE) -> tuple[bool, int | None, bool]:
+        """(causal inside the block, sliding window or None, whether the window also hides later
+        block keys of a bidirectional layer) of layer `index` under `conventions`."""
         window = {"configured": self.layer_window(index), "none": None, "everywhere": self.sliding_window}
-        return self.layer_is_causal(index) or conventions.causal_block, window[conventions.window]
+        if conventions.llama_block:
+            causal = bool(self.is_causal) or conventions.causal_block
+            return causal, window[conventions.window], causal
+        return self.layer_is_causal(index) or conventions.causal_block, window[conventions.window], True
 
     def scales(self, conventions: Conventions = REFERENCE) -> tuple[float, float, float | None]:
         """(input_embedding_scale, output_multiplier, final_logit_softcapping) under `conventions`."""

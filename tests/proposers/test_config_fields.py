@@ -145,7 +145,7 @@ def test_swa_window_size_windows_the_sliding_layers_and_use_swa_every_layer():
 
     def kinds(raw):
         config = parse(raw)
-        return [config.layer_mask_kind(i) for i in range(config.num_hidden_layers)]
+        return [config.layer_mask_kind(i)[:2] for i in range(config.num_hidden_layers)]
 
     sliding = base("dflash:z-lab") | SLIDING  # layer 0 sliding (window 8), layer 1 full
     assert kinds(sliding) == [(True, 8), (False, None)]
