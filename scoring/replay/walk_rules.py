@@ -8,7 +8,8 @@ accepted-draft counts they report. docs/walk-rules.md gives every rule with its 
                 before the drafter runs; it reports acceptance lengths (`produced`)
     llama.cpp   llama-server: the full block is drafted, then cut to the budget minus one; a step with
                 no draft left is a plain decode (0 drafted); a stop token matched as the last draft
-                counts as accepted; an MTP head's draft KV holds one slot more (Conventions.lead_slot)
+                counts as accepted; an MTP head's draft KV holds one slot more (Conventions.lead_slot);
+                a block drafter attends as llama.cpp's DFlash graph (Conventions.llama_block)
     vllm        vLLM: the full block is drafted and verified; accepted drafts past the stop token or
                 the budget are counted too (the stored response cannot say how many: a lower bound)
     sglang      SGLang: as vLLM
