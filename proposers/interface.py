@@ -89,10 +89,11 @@ class PackedTokens:
     def stored(self, sample_idx: torch.Tensor, anchors: torch.Tensor, depth: int, first: int = 1) -> torch.Tensor:
         """[a, depth] the stored token at sample position anchor + first + j for j < depth, clamped
         to the sample's last token where the position is past its end (such a draft is never
-        verified: a caller masks it by whether the position is known)."""
+        verified: a caller masks it by whether the position is known), and to its first token where it
+        is before the start (first -1 at anchor 0: speculators' XPress reads the anchor there)."""
         starts, lengths = self.starts[sample_idx], self.lengths[sample_idx]
         positions = anchors[:, None] + first + torch.arange(depth, device=anchors.device)[None, :]
-        positions = torch.minimum(positions, lengths[:, None] - 1)
+        positions = torch.minimum(positions.clamp(min=0), lengths[:, None] - 1)
         return self.ids[starts[:, None] + positions]
 
 

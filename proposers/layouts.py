@@ -26,6 +26,10 @@ from proposers.toolkit.speculators_layout import SpeculatorsFormat
 KNOWN_ELSEWHERE = {
     "Gemma4DSparkModel": "DeepSpec's Gemma 4 DSpark",
 }
+# Architectures a drafter's config shares with plain models: read only by `--family`, said in the refusal
+ONLY_BY_FAMILY = {
+    "LlamaForCausalLM": "the EAGLE repository's EAGLE-1/2 (and HASS) drafters say it too: --family eagle reads one",
+}
 # the key of an engine's speculative config naming its method -> the layouts' class variable listing theirs
 # (vLLM's `method`, llama-server's `spec-type`, SGLang's `speculative_algorithm`)
 METHOD_KEYS = {"method": "METHODS", "spec-type": "SPEC_TYPES", "speculative_algorithm": "ALGORITHMS"}
@@ -154,7 +158,8 @@ def _check_known(arch: str, source: str, architectures: dict, override: Override
         raise SchemaError(
             f"{source}: architecture {arch!r} is not a drafter layout specreplay reads (it reads "
             f"{sorted(architectures)} and speculators_model_type {speculators}); "
-            f"refusing rather than scoring it wrong"
+            + (f"{ONLY_BY_FAMILY[arch]}; " if arch in ONLY_BY_FAMILY else "")
+            + "refusing rather than scoring it wrong"
         )
 
 

@@ -22,7 +22,7 @@ from types import ModuleType
 from typing import Any
 
 # Every family, by its folder under proposers/ (results' drafter_family values; `score --family`)
-FAMILY_NAMES = ("dflash", "dflash2", "dspark", "eagle3", "peagle", "mtp", "ngram", "draft", "suffix")
+FAMILY_NAMES = ("dflash", "dflash2", "xpress", "dspark", "eagle3", "peagle", "eagle", "mtp", "ngram", "draft", "suffix")
 # The families that need no trained drafter: the baselines a trained one is measured against
 # (compare, report and watch put each drafter beside them: scoring/compare/baselines.py)
 BASELINE_FAMILIES = ("ngram", "draft", "suffix")
@@ -37,6 +37,7 @@ LAYOUT_LABELS = {
     "vllm": "vLLM's",
     "llama.cpp": "llama.cpp's",
     "sglang": "SGLang's",
+    "eagle": "the EAGLE repository's",
 }
 
 
@@ -61,8 +62,8 @@ class Family:
     # a family without `model` that loads weights of its own (a draft model): (config) -> their count,
     # read before loading (a pass's size; refused over --memory-budget); None: it loads none
     parameters: Callable[[Any], int] | None = None
-    # a family without `model`: (config, manifest, shards uri, ckpt) -> None, raising when it cannot
-    # draft for the shards' target (a draft model's vocabulary); trained drafters: compatibility.py
+    # (config, manifest, shards uri, ckpt) -> None, raising when it cannot draft for the shards (a draft
+    # model's vocabulary; XPress on sampled shards); a trained drafter's widths: compatibility.py
     check_shards: Callable[[Any, dict, str, str], None] | None = None
 
     @property

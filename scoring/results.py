@@ -198,7 +198,7 @@ IDENTITY = [
     pa.field("checkpoint_step", pa.int64()),
     pa.field(
         "drafter_family", pa.string()
-    ),  # proposers/registry.py FAMILY_NAMES: dflash, dflash2, dspark, eagle3, mtp, ngram, draft, suffix
+    ),  # proposers/registry.py FAMILY_NAMES: dflash, dflash2, xpress, dspark, eagle3, peagle, eagle, mtp, ngram, draft, suffix
     pa.field("drafter_layout", pa.string()),  # whose config.json layout: z-lab, speculators, specforge, deepspec
 ]
 WALK = [

@@ -21,13 +21,17 @@ from tests.helpers.models import build_tiny_qwen3, build_tiny_qwen35_hybrid, bui
 # The public references the parity tests compare with (PyPI dflash 0.1.0 and speculators 0.9.0,
 # installed with --no-deps by `make setup`): without them those tests cannot run, and a suite that
 # skipped them would pass.
-REFERENCE_PACKAGES = {"dflash": "dflash==0.1.0", "speculators": "speculators==0.9.0"}
+REFERENCE_PACKAGES = {
+    "dflash": "dflash==0.1.0",
+    "speculators": "speculators==0.9.0",
+    "eagle.model.cnets": "eagle-llm==1.2.1",  # the EAGLE repository (EAGLE-1/2 parity)
+}
 
 
 def missing_reference() -> str | None:
     """Why a reference package cannot be imported (absent, or a module its import needs), or None."""
     for name, pin in REFERENCE_PACKAGES.items():
-        if importlib.util.find_spec(name) is None:
+        if importlib.util.find_spec(name.split(".")[0]) is None:
             return f"reference package {name} is missing: run `make setup` (it installs {pin} with --no-deps)"
         try:
             with warnings.catch_warnings():  # its dependencies' deprecation notices, at every start

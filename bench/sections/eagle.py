@@ -8,7 +8,8 @@
    the whole vocabulary). Timed, alternated over `--reps` rounds, min per side:
    * `run_score` of each, all anchors, chain only (ratio EAGLE-3 / DFlash v1 per anchor), and of
      speculators' PEagleDraftModel (P-EAGLE: the same decoder, K_STEPS drafts from one pass online,
-     its mask slots replayed as the step chain's steps; issue 36 item 5);
+     its mask slots replayed as the step chain's steps; issue 36 item 5) and the EAGLE repository's
+     Model (EAGLE-1/2: the same decoder shapes over the target's last layer, K_STEPS steps);
    * `run_score` of the EAGLE-3 drafter with each of TREES (the chain plus sglang's dynamic tree,
      `--eagle-trees`; its cost also as the product's "eagle tree" stage): every branch is its own
      drafter step and lm_head row, 1 + (depth - 1) x topk of them per anchor;
@@ -82,6 +83,22 @@ def eagle3_drafter(out: Path, aux_ids: list[int], seed: int):
     )
     save(model, out)
     return model
+
+
+def eagle1_drafter(out: Path, seed: int) -> str:
+    """The EAGLE repository's Model (eagle-llm) at SmolLM2 shapes (K_STEPS drafts), saved as it saves it."""
+    from tests.helpers.eagle1_online import random_eagle1
+
+    shapes = decoder_shapes()
+    return random_eagle1(
+        out,
+        vocab=SMOLLM2["vocab_size"],
+        hidden=SMOLLM2["hidden_size"],
+        std=INIT_STD,
+        seed=seed,
+        shapes=shapes,
+        steps=K_STEPS,
+    )
 
 
 def peagle_drafter(out: Path, aux_ids: list[int], seed: int) -> str:
@@ -197,6 +214,7 @@ def one_round(ckpts: dict, model, shard_dir: str, aux_ids: list[int], work: Path
         "dflash": lambda: score_once(ckpts["dflash"], shard_dir, work / "results-dflash"),
         "eagle3": lambda: score_once(ckpts["eagle3"], shard_dir, work / "results-eagle3", eagle_trees=[]),
         "peagle": lambda: score_once(ckpts["peagle"], shard_dir, work / "results-peagle"),
+        "eagle1": lambda: score_once(ckpts["eagle1"], shard_dir, work / "results-eagle1", eagle_trees=[]),
         **{
             t: (lambda t=t: score_once(ckpts["eagle3"], shard_dir, work / f"results-{t}", eagle_trees=[t]))
             for t in TREES
@@ -234,7 +252,7 @@ def run(ctx) -> tuple[dict, Rows]:
     try:
         log(f"eagle: synthetic shards ({lengths} tokens), z-lab DFlash v1 and speculators EAGLE-3 (k={K_STEPS}) ...")
         shard_dir = str(work / "shards")
-        stored = list(dict.fromkeys(dflash_ids + aux_ids))
+        stored = list(dict.fromkeys(dflash_ids + aux_ids + [num_layers - 1]))  # EAGLE-1/2 reads L - 1
         write_synthetic_shards(
             Path(shard_dir), lengths, SMOLLM2["hidden_size"], SMOLLM2["vocab_size"], num_layers, stored, PROMPT_TOKENS
         )
@@ -242,6 +260,7 @@ def run(ctx) -> tuple[dict, Rows]:
         model = eagle3_drafter(work / "eagle3", aux_ids, seed=2).float()
         ckpts = {"dflash": str(work / "dflash"), "eagle3": str(work / "eagle3")}
         ckpts["peagle"] = peagle_drafter(work / "peagle", aux_ids, seed=3)
+        ckpts["eagle1"] = eagle1_drafter(work / "eagle1", seed=4)
         score_once(ckpts["eagle3"], shard_dir, work / "warm-up", limit=1, eagle_trees=[])
         figures = rounds(ckpts, model, shard_dir, aux_ids, work, args.reps)
         log("eagle: FLOPs per anchor, one sample each side ...")
@@ -278,6 +297,13 @@ def rows_of(f: dict) -> Rows:
         f"{ms_per_anchor(peagle):.1f} ms, {ms_per_anchor(peagle) / ms_per_anchor(dflash):.2f}x DFlash v1, "
         f"{ms_per_anchor(peagle) / ms_per_anchor(eagle):.2f}x EAGLE-3",
         others=peagle["others_cpu"],
+    )
+    eagle1 = f["eagle1"]
+    rows.add(
+        f"  the EAGLE repository's EAGLE-1/2 chain ({f['k_steps']} drafts), offline",
+        f"{ms_per_anchor(eagle1):.1f} ms, {ms_per_anchor(eagle1) / ms_per_anchor(dflash):.2f}x DFlash v1, "
+        f"{ms_per_anchor(eagle1) / ms_per_anchor(eagle):.2f}x EAGLE-3",
+        others=eagle1["others_cpu"],
     )
     rows.add(
         "  the same anchors online (speculators' modules, growing cache)",

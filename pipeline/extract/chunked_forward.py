@@ -253,7 +253,8 @@ def dense_mlp(module) -> bool:
     experts, whose expert GEMMs change size with the window)."""
     if module is None:
         return False
-    return all(isinstance(c, torch.nn.Linear) or not any(c.parameters()) for c in module.children())
+    # a child without parameters (next(), not any(): any() would ask each weight tensor for its truth)
+    return all(isinstance(c, torch.nn.Linear) or next(c.parameters(), None) is None for c in module.children())
 
 
 def attention_layer(layer, kind: str) -> bool:

@@ -317,6 +317,7 @@ def _load_weights(config: DrafterConfig, weight_files: list[str], config_file: s
     """(the drafter with its weights, the tensors as read, training metadata, prefixes stripped)."""
     skeleton, expected = _expected_shapes(config)
     raw_state, metadata = _read_weights(config, skeleton, weight_files, source)
+    skeleton.check_checkpoint(raw_state, source, config_file)
     state, stripped = normalize_keys(skeleton.canonical_names(raw_state), set(expected), source)
     expected = _drop_absent_optional(skeleton, state, expected)
     check_state_dict(state, expected, config, source, config_file)

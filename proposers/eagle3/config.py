@@ -20,10 +20,10 @@ from __future__ import annotations
 
 from proposers.eagle3.layout import SpecForgeEagle3, SpeculatorsEagle3
 from proposers.eagle3.model import Eagle3Drafter
-from proposers.eagle3.tree import beam_candidates
 from proposers.registry import Family
 from proposers.toolkit.config import DrafterConfig, DrafterConfigError, refuse_field
 from proposers.toolkit.eagle.config import DEFAULT_STEPS, eagle_config, parse_speculators
+from proposers.toolkit.eagle.tree import beam_candidates
 
 
 def parse_drafter_config(checked, raw: dict, source: str = "config", target_layers: int | None = None) -> DrafterConfig:

@@ -141,18 +141,42 @@ def check_mtp_decoder(decoder: dict, hf, where: str, source: str) -> None:
             refuse(source, f"{where}{key}", value, why)
 
 
-def check_mtp_experts(hf, where: str, source: str) -> None:
-    """Qwen3-Next: vLLM builds the MTP layer (mtp.layers.0, index 0) as MoE when num_experts > 0, the
-    index is not in mlp_only_layers and (0 + 1) % decoder_sparse_step == 0, read from the RESOLVED
-    config: an absent num_experts is Qwen3NextConfig's default (512), not 0."""
+def mtp_layer_is_moe(kind: str, hf) -> bool:
+    """Whether engines build the MTP layer's MLP as a mixture of experts. Qwen3.5: by model_type alone
+    (vLLM qwen3_5.py builds the sparse block for qwen3_5_moe_text). Qwen3-Next: as for its decoder
+    layer 0 (mtp.layers.0), from the RESOLVED config: num_experts > 0, 0 not in mlp_only_layers and
+    (0 + 1) % decoder_sparse_step == 0; an absent num_experts is Qwen3NextConfig's default (512), not 0."""
+    if kind != "qwen3_next":
+        return kind == "qwen3_5_moe_text"
     experts = getattr(hf, "num_experts", 0) or 0
     step = getattr(hf, "decoder_sparse_step", 1) or 1
-    if experts > 0 and 0 not in (getattr(hf, "mlp_only_layers", None) or []) and 1 % step == 0:
+    return experts > 0 and 0 not in (getattr(hf, "mlp_only_layers", None) or []) and 1 % step == 0
+
+
+def check_mtp_experts(decoder: dict, hf, kind: str, where: str, source: str) -> None:
+    """An MoE MTP layer's router and shared expert: what transformers' block (the reference) computes
+    and what an engine would compute otherwise."""
+    top_k, experts = hf.num_experts_per_tok, hf.num_experts
+    if top_k > experts:
         refuse(
             source,
-            f"{where}num_experts",
-            experts,
-            "vLLM, SGLang and llama.cpp build the MTP layer's MLP as a mixture of experts (absent, the key is "
-            "Qwen3NextConfig's default 512; mlp_only_layers [0] or decoder_sparse_step > 1 make it dense); "
-            "specreplay scores MTP heads with a dense MLP",
+            f"{where}num_experts_per_tok",
+            top_k,
+            f"vLLM, llama.cpp and transformers route each token to its top-k of the {experts} experts (num_experts): "
+            f"there are fewer",
+        )
+    if hf.shared_expert_intermediate_size == 0:
+        refuse(
+            source,
+            f"{where}shared_expert_intermediate_size",
+            0,
+            "vLLM then builds no shared expert; specreplay's MoE block (transformers') always has one",
+        )
+    if kind == "qwen3_5_moe_text" and decoder.get("norm_topk_prob") is False:
+        refuse(
+            source,
+            f"{where}norm_topk_prob",
+            False,
+            "vLLM then leaves the top-k routing weights unnormalized, while transformers' Qwen3.5-MoE router and "
+            "llama.cpp always renormalize them; specreplay does not pick between them",
         )

@@ -8,7 +8,9 @@ trees no).
   `transformer_layer_config`, its tensors `mtp_layers.0.*` (mtp_model.canonical_names);
   k = `speculators_config.proposal_methods[0].speculative_tokens`.
 
-Both: Qwen3-Next or Qwen3.5 decoders with a dense MLP; MoE heads are refused by name. A block is
+Both: Qwen3-Next or Qwen3.5 decoders; the MTP layer's MLP is the target's own sparse MoE block
+(routed experts and a gated shared expert) where the engines build one: always for Qwen3.5-MoE, for
+Qwen3-Next as its resolved config says (decoder_rules.mtp_layer_is_moe). A block is
 the chain at one anchor, as for EAGLE-3: k steps, step j reading the stored token at t + j - 1
 and proposing t + j. The model and the rule: model.py.
 """
@@ -16,7 +18,7 @@ and proposing t + j. The model and the rule: model.py.
 from __future__ import annotations
 
 from pipeline.common.layer_ids import final_prenorm_id
-from proposers.fields.decoder_rules import check_mtp_decoder, check_mtp_experts
+from proposers.fields.decoder_rules import check_mtp_decoder, check_mtp_experts, mtp_layer_is_moe
 from proposers.mtp.layout import NativeMTP, SpeculatorsMTP
 from proposers.mtp.model import MtpDrafter, hf_config
 from proposers.registry import Family
@@ -26,8 +28,13 @@ from proposers.toolkit.config import DrafterConfig, DrafterConfigError, decoder_
 # speculators' MTP default is 3)
 DEFAULT_STEPS = 3
 # model_type -> the decoder kind model.PARTS builds (Qwen3.5's wrapper nests its text config)
-KINDS = {"qwen3_next": "qwen3_next", "qwen3_5": "qwen3_5_text", "qwen3_5_text": "qwen3_5_text"}
-MOE_KINDS = ("qwen3_5_moe", "qwen3_5_moe_text")
+KINDS = {
+    "qwen3_next": "qwen3_next",
+    "qwen3_5": "qwen3_5_text",
+    "qwen3_5_text": "qwen3_5_text",
+    "qwen3_5_moe": "qwen3_5_moe_text",
+    "qwen3_5_moe_text": "qwen3_5_moe_text",
+}
 
 
 def parse_drafter_config(checked, raw: dict, source: str = "config", target_layers: int | None = None) -> DrafterConfig:
@@ -41,32 +48,31 @@ def parse_drafter_config(checked, raw: dict, source: str = "config", target_laye
     else:
         raise DrafterConfigError(f"{source}: a {type(checked).__name__} config is not one of MTP's layouts")
     kind = _kind(decoder, raw, source)
-    config = _config(decoder, kind, source, checked, steps)
-    hf = hf_config(config.raw, kind, source)
+    hf = hf_config({**decoder, "model_type": kind}, kind, source)
     check_mtp_decoder(decoder, hf, where, source)
-    if kind == "qwen3_next":
-        check_mtp_experts(hf, where, source)
-    return config
+    moe = mtp_layer_is_moe(kind, hf)
+    if moe:
+        check_mtp_experts(decoder, hf, kind, where, source)
+    return _config(decoder, kind, hf, checked, steps, moe)
 
 
 def _kind(decoder: dict, raw: dict, source: str) -> str:
     """The decoder kind of mtp_model.PARTS, or the one line saying why it is not scored."""
     model_type = decoder.get("model_type") or raw.get("model_type")
-    if model_type in MOE_KINDS:
-        refuse_field(
-            source, "model_type", f"{model_type!r} with experts", "specreplay scores MTP heads with a dense MLP"
-        )
     if model_type not in KINDS:
         refuse_field(source, "model_type", repr(model_type), f"specreplay scores the MTP heads of {sorted(KINDS)}")
     return KINDS[model_type]
 
 
-def _config(decoder: dict, kind: str, source: str, checked, steps: int) -> DrafterConfig:
-    raw = {**decoder, "model_type": kind}
-    hf = hf_config(raw, kind, source)
+def _config(decoder: dict, kind: str, hf, checked, steps: int, moe: bool) -> DrafterConfig:
     layers = final_prenorm_id(hf.num_hidden_layers)
+    shape = decoder_shape(hf)
+    if moe:  # the widest MLP activations a token makes: its routed experts' and the shared expert's
+        shape["intermediate_size"] = (
+            hf.num_experts_per_tok * hf.moe_intermediate_size + hf.shared_expert_intermediate_size
+        )
     return DrafterConfig(
-        **decoder_shape(hf),
+        **shape,
         block_size=steps,
         mask_token_id=None,
         target_layer_ids=[layers],
@@ -74,14 +80,14 @@ def _config(decoder: dict, kind: str, source: str, checked, steps: int) -> Draft
         layer_types=["full_attention"],
         sliding_window=None,
         is_causal=True,
-        raw=raw,
+        raw={**decoder, "model_type": kind},
         family="mtp",
         layout=checked.LAYOUT,
         drafts_from_anchor=True,
         teacher_forced_block=True,
         block_conventions=False,
         reads_final_norm=True,
-        family_options={"decoder": kind, "feed_post_norm": True},
+        family_options={"decoder": kind, "feed_post_norm": True, "moe": moe},
         stated_layer_ids=[layers],
         layer_convention="output",
     )

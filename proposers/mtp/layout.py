@@ -4,8 +4,9 @@ and Qwen3.5 (`"qwen3_5"`, the decoder's fields in `text_config`, or a bare `"qwe
 checkpoints carry a native multi-token-prediction head (`mtp.*` tensors) beside the target's
 weights; `score --ckpt <target dir>` scores it (proposers/mtp/config.py). The head reads the
 target's final hidden state before the final norm, this project's id L (layer_ids.final_prenorm_id),
-with the norm's weight from the target head. The MoE kinds are declared so they are refused by
-name rather than read as something else."""
+with the norm's weight from the target head. Qwen3.5-MoE (`"qwen3_5_moe"`, `"qwen3_5_moe_text"`)
+and a Qwen3-Next whose config makes the MTP layer MoE give it a sparse MoE MLP; its expert fields
+are declared here (`MoeKeys`) so that a type error in one is one line naming it."""
 
 from __future__ import annotations
 
@@ -20,18 +21,33 @@ LABEL = "MTP"
 
 # the target kinds whose checkpoints hold `mtp.*` heads, by config.json model_type
 MTP_TARGET_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
-# transformers' config class of each kind (by name: torch-free), and of its text_config when it nests
-# one; None for the MoE kinds, refused by their model_type before any key is looked at
+# transformers' config class of each kind (by name: torch-free), and of its text_config when it nests one
 CONFIG_CLASSES = {
     "qwen3_next": ("Qwen3NextConfig", None),
     "qwen3_5": ("Qwen3_5Config", "Qwen3_5TextConfig"),
     "qwen3_5_text": ("Qwen3_5TextConfig", None),
-    "qwen3_5_moe": (None, None),
-    "qwen3_5_moe_text": (None, None),
+    "qwen3_5_moe": ("Qwen3_5MoeConfig", "Qwen3_5MoeTextConfig"),
+    "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", None),
 }
 
 
-class MtpKeys(Schema):
+class MoeKeys(Schema):
+    """The expert fields of an MoE text config (Qwen3-Next's, Qwen3.5-MoE's; docs/config-fields.md),
+    typed. Whether the MTP layer is MoE is decided from the resolved config (decoder_rules.
+    mtp_layer_is_moe); a dense kind's MLP stays dense whatever these say, as in every engine."""
+
+    num_experts: Count | None = None  # routed experts (Qwen3-Next: 0 makes every layer dense)
+    num_experts_per_tok: Positive | None = None  # top-k
+    moe_intermediate_size: Positive | None = None  # each routed expert's width
+    shared_expert_intermediate_size: Count | None = None  # refused at 0: vLLM then builds no shared expert
+    norm_topk_prob: bool | None = None  # Qwen3-Next: implemented; Qwen3.5-MoE: refused when false
+    decoder_sparse_step: Positive | None = None  # Qwen3-Next: with mlp_only_layers, which layers are MoE
+    mlp_only_layers: list[Count] | None = None
+    router_aux_loss_coef: float | None = None  # the load-balancing loss of training: bookkeeping
+    output_router_logits: bool | None = None  # training-time outputs: bookkeeping
+
+
+class MtpKeys(MoeKeys):
     """Keys of a Qwen3.5 / Qwen3-Next text config that an engine reads for the MTP head (or that
     real checkpoints carry) and transformers' config classes do not declare (docs/config-fields.md)."""
 

@@ -4,8 +4,10 @@ written for batched teacher-forced replay of its chain.
 Weights, named as the target's checkpoint lays them out less the `mtp.` prefix: `fc` [H, 2H],
 `pre_fc_norm_embedding`, `pre_fc_norm_hidden`, `layers.0.*` (one full-attention decoder layer of
 the target's own kind: q_proj [2 * heads * d, H] giving each head's query and its output gate,
-k/v/o_proj, (1 + w) q/k norms over the head dim, partial rotary, a dense MLP) and `norm`. No
-embedding or lm_head: the target's are used.
+k/v/o_proj, (1 + w) q/k norms over the head dim, partial rotary, and the target's MLP: dense, or
+transformers' own sparse MoE block with its gated shared expert where the config makes the layer
+MoE, its per-expert checkpoint tensors stacked onto the block's fused ones, experts.py says why) and
+`norm`. No embedding or lm_head: the target's are used.
 
 The rule (vLLM `qwen3_next_mtp.py` / `qwen3_5_mtp.py` `MultiTokenPredictor.forward`, driven by
 `v1/spec_decode/eagle.py` as an EAGLE-style proposer):
@@ -30,15 +32,22 @@ from typing import NamedTuple
 
 import torch
 from torch import nn
-from transformers import PretrainedConfig, Qwen3_5TextConfig, Qwen3NextConfig
+from transformers import PretrainedConfig, Qwen3_5MoeTextConfig, Qwen3_5TextConfig, Qwen3NextConfig
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5MLP, Qwen3_5RMSNorm, Qwen3_5TextRotaryEmbedding
+from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import (
+    Qwen3_5MoeRMSNorm,
+    Qwen3_5MoeSparseMoeBlock,
+    Qwen3_5MoeTextRotaryEmbedding,
+)
 from transformers.models.qwen3_next.modeling_qwen3_next import (
     Qwen3NextMLP,
     Qwen3NextRMSNorm,
     Qwen3NextRotaryEmbedding,
+    Qwen3NextSparseMoeBlock,
 )
 
 from pipeline.common import timing
+from proposers.mtp.experts import check_experts, fuse_experts
 from proposers.toolkit.attention import attend
 from proposers.toolkit.config import DrafterConfig, transformers_config
 from proposers.toolkit.conventions import REFERENCE, Conventions
@@ -50,14 +59,20 @@ class Parts(NamedTuple):
     """transformers' classes of one target kind the MTP layer is built from."""
 
     config: type
-    mlp: type
+    mlp: type | None  # the dense MLP (None: the kind has none)
     norm: type  # RMSNorm with (1 + w) weights
     rotary: type
+    moe: type | None  # the sparse MoE block with its shared expert (None: the kind has none)
 
 
 PARTS = {
-    "qwen3_next": Parts(Qwen3NextConfig, Qwen3NextMLP, Qwen3NextRMSNorm, Qwen3NextRotaryEmbedding),
-    "qwen3_5_text": Parts(Qwen3_5TextConfig, Qwen3_5MLP, Qwen3_5RMSNorm, Qwen3_5TextRotaryEmbedding),
+    "qwen3_next": Parts(
+        Qwen3NextConfig, Qwen3NextMLP, Qwen3NextRMSNorm, Qwen3NextRotaryEmbedding, Qwen3NextSparseMoeBlock
+    ),
+    "qwen3_5_text": Parts(Qwen3_5TextConfig, Qwen3_5MLP, Qwen3_5RMSNorm, Qwen3_5TextRotaryEmbedding, None),
+    "qwen3_5_moe_text": Parts(
+        Qwen3_5MoeTextConfig, None, Qwen3_5MoeRMSNorm, Qwen3_5MoeTextRotaryEmbedding, Qwen3_5MoeSparseMoeBlock
+    ),
 }
 
 
@@ -115,13 +130,17 @@ class MtpLayer(nn.Module):
     def __init__(self, config: DrafterConfig, hf: PretrainedConfig, parts: Parts):
         super().__init__()
         self.self_attn = GatedAttention(config, parts.norm)
-        self.mlp = parts.mlp(hf, intermediate_size=hf.intermediate_size)
+        # the target's own MLP class: its sparse MoE block when the config makes the layer MoE
+        moe = config.family_options.get("moe", False)
+        self.mlp = parts.moe(hf) if moe else parts.mlp(hf, intermediate_size=hf.intermediate_size)
         self.input_layernorm = parts.norm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = parts.norm(config.hidden_size, eps=config.rms_norm_eps)
 
     def finish(self, attended: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         h = residual + attended
-        return h + self.mlp(self.post_attention_layernorm(h))
+        x = self.post_attention_layernorm(h)
+        # transformers' MoE block takes [batch, seq, H]: every row as one sequence (rows are independent)
+        return h + self.mlp(x.reshape(1, -1, x.shape[-1])).view_as(x)
 
 
 # speculators' MTP layer's own modules -> the native names (the rest of mtp_layers.0 is layers.0)
@@ -168,10 +187,20 @@ class MtpDrafter(StepChainDrafter):
         self.lm_head = self.d2t = self.t2d = None
         self.target_norm = None  # the target's final norm (attach_target_head), not the head's weight
 
-    @staticmethod
-    def canonical_names(state: dict) -> dict:
-        """speculators' export (convert/mtp/converter.py) names the native tensors its own way."""
-        return {_native_name(name): tensor for name, tensor in state.items()}
+    def canonical_names(self, state: dict) -> dict:
+        """speculators' export (convert/mtp/converter.py) names the native tensors its own way; an
+        MoE layer's per-expert tensors are stacked as transformers' block holds them (experts.py)."""
+        named = {_native_name(name): tensor for name, tensor in state.items()}
+        return fuse_experts(named) if self.config.family_options.get("moe") else named
+
+    def check_checkpoint(self, state: dict, source: str, config_file: str) -> None:
+        """An MoE layer's experts against the config, in the file's own names (experts.check_experts)."""
+        if not self.config.family_options.get("moe"):
+            return
+        named = {_native_name(name): tensor for name, tensor in state.items()}
+        hf = hf_config(self.config.raw, self.config.family_options["decoder"])
+        prefix = self.embedded_prefix or ("mtp_" if any(k.startswith("mtp_layers.") for k in state) else "")
+        check_experts(named, hf, f"{prefix}layers.0.mlp.", source, config_file)
 
     def attach_target_head(self, target) -> None:
         """The target's final norm, from its weight in the target head (absent: the shards lack it,

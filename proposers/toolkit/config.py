@@ -60,6 +60,11 @@ class DrafterConfig:
     # every block slot after the anchor's holds the stored token there, not the mask token: each slot's
     # input is the draft before it, teacher-forced along the stored response (EAGLE-3's chain)
     teacher_forced_block: bool = False
+    # the block always has block_size queries, near the budget too, and the drafts read every slot's
+    # hidden state, the anchor's included, with the token before the anchor (XPress: its refiner mixes
+    # a fixed B x B block and summarizes it by the mean of all B slots, so a shorter block is another
+    # network)
+    whole_block: bool = False
     # the block position and context offsets of Conventions apply (diagnose); False for a family whose
     # steps read its own context rows, with no block to shift (EAGLE-3)
     block_conventions: bool = True
@@ -89,7 +94,10 @@ class DrafterConfig:
     def block_len(self, remaining: torch.Tensor) -> torch.Tensor:
         """Block queries at anchors with `remaining` positions left in the budget: as
         `dflash_generate` truncates its block, a block never drafts past the budget's last
-        position (drafts from the anchor: one query fewer for the same last draft)."""
+        position (drafts from the anchor: one query fewer for the same last draft); a `whole_block`
+        family's block is never cut (its drafts past the budget are never verified)."""
+        if self.whole_block:
+            return torch.full_like(remaining, self.block_size)
         return (remaining - int(self.drafts_from_anchor)).clamp(min=0, max=self.block_size)
 
     @property
@@ -151,7 +159,7 @@ def decoder_shape(hf) -> dict:
         num_attention_heads=hf.num_attention_heads,
         num_key_value_heads=hf.num_key_value_heads,
         head_dim=hf.head_dim,
-        intermediate_size=hf.intermediate_size,
+        intermediate_size=getattr(hf, "intermediate_size", None),  # an all-MoE decoder has none
         vocab_size=hf.vocab_size,
         rms_norm_eps=float(hf.rms_norm_eps),
         attention_bias=bool(hf.attention_bias),

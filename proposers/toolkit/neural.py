@@ -91,8 +91,10 @@ class NeuralProposer:
 
     def chunk_drafts(self, packed: PackedTokens, chunk: Chunk, target: TargetHead, options: ProposeOptions) -> Drafts:
         """The drafts [a, D, ...] of one chunk, under `options.conventions`."""
-        hidden = chunk_hidden(self.model, packed, chunk, target, options)  # [a, D, H]
-        previous = packed.stored(chunk.sample_idx, chunk.anchors, hidden.shape[1], first=0)  # token before each draft
+        hidden = chunk_hidden(self.model, packed, chunk, target, options)  # [a, D, H]; whole_block: [a, b, H]
+        # the token before each draft; before each block slot (x_{t-1} first) for a whole_block family
+        first = -1 if self.config.whole_block else 0
+        previous = packed.stored(chunk.sample_idx, chunk.anchors, hidden.shape[1], first=first)
         return self.model.drafts(hidden, target.lm_head, previous, options.conventions)
 
     def draft_logprob(self, drafts: Drafts, tokens: torch.Tensor, sampling: Sampling) -> torch.Tensor:
@@ -193,7 +195,8 @@ def attended_keys(options: ProposeOptions, ctx_len: int) -> int:
 
 
 def chunk_hidden(model, packed: PackedTokens, chunk: Chunk, target: TargetHead, options: ProposeOptions):
-    """The drafter's final hidden states [a, D, H] at the draft slots (D = config.depth(block_len))."""
+    """The drafter's final hidden states [a, D, H] at the draft slots (D = config.depth(block_len)); a
+    `whole_block` family's at every block slot [a, b, H] (its drafts read the anchor's slot too)."""
     cfg, conventions = model.config, options.conventions
     starts = packed.starts[chunk.sample_idx]
     block_ids = block_tokens(cfg, packed, chunk)
@@ -213,7 +216,7 @@ def chunk_hidden(model, packed: PackedTokens, chunk: Chunk, target: TargetHead, 
         ctx_starts=starts,
         conventions=conventions,
     )
-    return hidden[:, cfg.first_draft_slot :]
+    return hidden if cfg.whole_block else hidden[:, cfg.first_draft_slot :]
 
 
 def block_tokens(cfg, packed: PackedTokens, chunk: Chunk) -> torch.Tensor:

@@ -13,7 +13,7 @@ the stored token (teacher-forced: a draft is verified only while the earlier one
 stored tokens), each step's query seeing the context before its anchor and its own earlier steps
 (attention.with_block_keys): speculators' training-time-test forward with its diagonal mask, one
 anchor at a time in vLLM, all anchors at once here. `step` is one such step for any rows: the
-chain's anchors, or the branches of a tree (proposers/eagle3/tree.py), each row seeing its own
+chain's anchors, or the branches of a tree (proposers/toolkit/eagle/tree.py), each row seeing its own
 path of earlier steps.
 
 A family subclasses `StepChainDrafter`, builds `fc`, `layers` (each with `self_attn` and

@@ -37,7 +37,9 @@ from scoring.diagnose.variants import (
     missing_layers,
     not_applicable,
     parse_variants,
+    rope_base,
     same_replay,
+    with_rope_base,
 )
 from scoring.replay.anchors import replay_sample
 from scoring.replay.packing import ReplayOptions, prepare_target_head, select_feature_columns
@@ -91,6 +93,8 @@ class Setup:
 def replay_variant(setup: Setup, variant: Variant, progress=None) -> list[SampleStats]:
     """Every chosen sample replayed under `variant` (all anchors, chain only)."""
     drafter, head, options = setup.drafter, setup.head, setup.options
+    if variant.rope_base is not None:
+        drafter = with_rope_base(drafter, variant.rope_base)
     if variant.dtype is not None and variant.dtype != options.dtype:
         drafter = copy.deepcopy(drafter).to(variant.dtype)
         norm = None if head.final_norm is None else head.final_norm.to(variant.dtype)
@@ -128,6 +132,10 @@ def feature_selector(stored: list[int], drafter_ids: list[int], layer_offset: in
 def skip_reason(variant: Variant, setup: Setup, shardset: ShardSet, program: str) -> str | None:
     """Why a variant is not measured: it changes nothing here, or its layers are not stored."""
     reason = not_applicable(variant, setup.info.config)
+    if reason is None and variant.rope_base is not None:
+        base = rope_base(setup.drafter)
+        if base is None or base == variant.rope_base:
+            reason = "no rotary embedding of its own" if base is None else f"its RoPE base is already {base:g}"
     if reason is not None:
         return reason
     missing = missing_layers(variant, setup.info.config, setup.stored_layer_ids)

@@ -23,12 +23,14 @@ class Variant:
     conventions: Conventions = field(default_factory=Conventions)
     dtype: torch.dtype | None = None  # compute dtype instead of the run's (bf16); None = the run's
     convention: bool = True  # False: a numerics probe, never a verdict's cause
+    rope_base: float | None = None  # the drafter's RoPE built with this base, whatever its config says
 
 
 CONVENTION_VARIANT = "layers-convention"
+EAGLE_REPOSITORY_ROPE_BASE = 10000.0  # cnets.py's LlamaRotaryEmbedding default, rope_theta never read
 
 
-def _variants() -> list[Variant]:  # 98 lines: a table, one entry per variant
+def _variants() -> list[Variant]:  # 106 lines: a table, one entry per variant
     fix = "fix the training code or the evaluation, not the weights"
     return [
         Variant(CONFIGURED, "the checkpoint's config, the reference conventions", ""),
@@ -118,6 +120,14 @@ def _variants() -> list[Variant]:  # 98 lines: a table, one entry per variant
             Conventions(prenorm_hidden=True),
         ),
         Variant(
+            "rope-10000",
+            "the drafter's RoPE with base 10000 whatever its rope_theta",
+            "the checkpoint was trained with RoPE base 10000 (the EAGLE repository's cnets.py builds no other) while "
+            "its config states another rope_theta, which vLLM and SGLang read — set rope_theta to 10000 in its "
+            "config.json",
+            rope_base=EAGLE_REPOSITORY_ROPE_BASE,
+        ),
+        Variant(
             "bf16",
             "the drafter computed in bf16",
             "acceptance changes with the compute precision: the checkpoint is numerically sensitive (not a "
@@ -143,7 +153,7 @@ def for_checkpoint(variant: Variant, config: DrafterConfig) -> Variant:
 def same_replay(variant: Variant, other: Variant) -> bool:
     """Two variants that replay identically (layers-convention is layers-1 or layers+1 made
     concrete for one checkpoint): only one of them needs measuring."""
-    return (variant.conventions, variant.dtype) == (other.conventions, other.dtype)
+    return (variant.conventions, variant.dtype, variant.rope_base) == (other.conventions, other.dtype, other.rope_base)
 
 
 def not_applicable(variant: Variant, config: DrafterConfig) -> str | None:
@@ -166,6 +176,27 @@ def not_applicable(variant: Variant, config: DrafterConfig) -> str | None:
     if variant.name == "scales" and not config.has_scales:
         return "the config sets no scale"
     return None
+
+
+def rope_base(drafter) -> float | None:
+    """The base of the drafter's own rotary embedding (transformers' module keeps its config), None
+    when it has none."""
+    rotary = getattr(drafter, "rotary", None)
+    parameters = getattr(getattr(rotary, "config", None), "rope_parameters", None) or {}
+    return parameters.get("rope_theta")
+
+
+def with_rope_base(drafter, base: float):
+    """A copy of the drafter whose rotary embedding is rebuilt with RoPE base `base` (the variant's
+    replay; the weights are shared, RoPE has none)."""
+    import copy
+
+    changed = copy.copy(drafter)  # a shallow module copy: the same parameters, its own attribute table
+    changed._modules = dict(drafter._modules)
+    config = copy.deepcopy(drafter.rotary.config)
+    config.rope_parameters = {**config.rope_parameters, "rope_theta": base}
+    changed.rotary = type(drafter.rotary)(config).to(drafter.rotary.inv_freq.device)
+    return changed
 
 
 def missing_layers(variant: Variant, config: DrafterConfig, stored: list[int]) -> list[int]:

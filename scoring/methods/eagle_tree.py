@@ -1,5 +1,5 @@
 """EAGLE's dynamic tree as sglang verifies it (docs/eagle-tree.md): the proposer drafts its own tree
-candidates (a TreeProposer: EAGLE-3, proposers/eagle3/tree.py) and the tree of a setting keeps the
+candidates (a TreeProposer: EAGLE-3, proposers/toolkit/eagle/tree.py) and the tree of a setting keeps the
 best `draft_tokens - 1` of them. Greedy verification walks from the root along the target's argmax,
 which offline is the stored token: alpha = the depth of the deepest node on the stored path inside
 the tree. Unlike the chain, a branch's drafts are not the stored tokens, so nothing is teacher-forced:

@@ -108,12 +108,12 @@ def check_anchor_set(shardset: ShardSet, config: ScoreConfig) -> None:
 
 def check_fit(drafter_config, shardset: ShardSet, ckpt: str, dtype: torch.dtype, memory_bytes: int) -> None:
     """Whether the checkpoint can draft for the shards' target, before any weight is read: a trained
-    drafter's widths and layers (compatibility.py), a family's own check (a draft model's vocabulary),
-    and a draft model's size against --memory-budget."""
+    drafter's widths and layers (compatibility.py), a family's own check (a draft model's vocabulary,
+    XPress's greedy-only rule), and a draft model's size against --memory-budget."""
     record = family(drafter_config.family)
     if record.model is not None:
         check_compatibility(drafter_config, shardset.manifest, ckpt, shardset.uri)
-    elif record.check_shards is not None:
+    if record.check_shards is not None:
         record.check_shards(drafter_config, shardset.manifest, shardset.uri, ckpt)
     if record.parameters is not None:
         size = record.parameters(drafter_config) * torch.empty((), dtype=dtype).element_size()

@@ -19,6 +19,7 @@ as `from tests.helpers.<module> import ...`. tests/conftest.py holds only fixtur
   bad_inputs       generated bad inputs (hypothesis) and the schema oracle they are judged by
   dflash2_reference, dspark_reference   the public references' DFlash2 / DSpark models, built and saved
   family_fits, dspark_online            reference drafters fitted with their own training forward; online loops
+  xpress_online                         speculators' XPress built, fitted, its K-pass Jacobi drafts and an online loop
   eagle3_reference, eagle3_online       speculators' EAGLE-3 built, run (TTT forward), written in SpecForge's
                                         layout; fitted, and driven online on a real KV cache
   chain_parity                          prompts, extract/score, walk and tau tables, z-scores of the chain parity tests

@@ -32,11 +32,11 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def tiny_target_setup(tmp, count: int, max_new: int) -> tuple:
+def tiny_target_setup(tmp, count: int, max_new: int, layer_ids=None) -> tuple:
     """(tmp, target dir, prompts file, the target loaded, its greedy shards, their stop ids): the tiny
     target of tests/helpers/dspark_online.py with a stop token its greedy responses reach in about
-    half of `count` prompts (written into its generation config), greedy shards of the before-layer
-    ids 1, 3, 5 (OUTPUT_IDS)."""
+    half of `count` prompts (written into its generation config), greedy shards of `layer_ids`
+    (default the before-layer ids 1, 3, 5: OUTPUT_IDS)."""
     from transformers import AutoModelForCausalLM
 
     from tests.helpers.dspark_online import build_target
@@ -52,7 +52,7 @@ def tiny_target_setup(tmp, count: int, max_new: int) -> tuple:
     with open(f"{model_dir}/generation_config.json", "w") as f:
         json.dump(generation, f)
     prompts = write_prompts(tmp / "prompts.jsonl", [{"id": f"p{i}", "input_ids": p} for i, p in enumerate(ids)])
-    greedy = extract(tmp / "greedy", model_dir, prompts, max_new, OUTPUT_IDS)
+    greedy = extract(tmp / "greedy", model_dir, prompts, max_new, OUTPUT_IDS if layer_ids is None else layer_ids)
     stop_ids = ShardSet(greedy).settings["target"]["stop_token_ids"]
     return tmp, model_dir, prompts, target, greedy, stop_ids
 
@@ -173,18 +173,18 @@ def online_taus(run, count: int, draws: int) -> dict[str, list[float]]:
     return taus
 
 
-def sampled_verdict(ckpt: str, shards: str, out, online: dict, wrong: tuple, label: str) -> SampledVerdict:
+def sampled_verdict(ckpt: str, shards: str, out, online: dict, wrong: tuple, label: str, **options) -> SampledVerdict:
     """`ckpt` scored on sampled `shards` as it is and with the wrong rule patched in (`wrong`:
     (object, attribute, value), set for that scoring only), each one's expected taus against the
     `online` taus (prompt -> taus); printed per prompt and over the prompts, the wrong rule named
-    `label`."""
+    `label`; `options` score's."""
     import pytest
 
     online = per_prompt(online)
-    offline = per_prompt(offline_taus(score(ckpt, shards, out / "sampled-results")))
+    offline = per_prompt(offline_taus(score(ckpt, shards, out / "sampled-results", **options)))
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(*wrong)
-        wrong_taus = per_prompt(offline_taus(score(ckpt, shards, out / "sampled-results-wrong")))
+        wrong_taus = per_prompt(offline_taus(score(ckpt, shards, out / "sampled-results-wrong", **options)))
     verdict = SampledVerdict(online, offline, wrong_taus, *z_scores(offline, online), *z_scores(wrong_taus, online))
     for prompt, (mean_on, se_on) in online.items():
         print(
@@ -194,3 +194,28 @@ def sampled_verdict(ckpt: str, shards: str, out, online: dict, wrong: tuple, lab
         )
     print(f"over the prompts: z {verdict.z:+.2f}, {label} z {verdict.z_wrong:+.2f}")
     return verdict
+
+
+def anchor_chains_compared(ckpt: str, shards: str, out, chain_at, **options) -> tuple[int, int]:
+    """anchors.parquet's draft block at every response anchor (score --anchor-drafts) against the
+    online proposer's greedy chain there, `chain_at(ids, anchor, count)`, up to the chain's first
+    draft that is not the stored token (after it the online chain reads its own wrong draft, the
+    replay the stored token, and it is never verified). Asserts each equal; returns (anchors
+    compared, drafts compared)."""
+    out_dir = score(ckpt, shards, out, anchor_drafts=True, **options)
+    rows = pl.read_parquet(f"{out_dir}/anchors.parquet").select("sample_id", "anchor", "draft_tokens")
+    samples = {s.sample_id: s.input_ids for s in ShardSet(shards).samples(tensors=[])}
+    compared = drafts = 0
+    for sample_id, anchor, offline in rows.iter_rows():
+        ids = samples[sample_id]
+        # drafts of tokens the response holds (a block near a stop token drafts past it, never verified)
+        known = min(len(offline), ids.numel() - 1 - anchor)
+        if known == 0:  # the budget's last position drafts nothing
+            continue
+        chain = chain_at(ids, anchor, known)
+        stored = ids[anchor + 1 : anchor + 1 + known].tolist()
+        verified = next((i + 1 for i, (d, y) in enumerate(zip(chain, stored)) if d != y), known)
+        assert offline[:verified] == chain[:verified], (sample_id, anchor, offline, chain)
+        compared, drafts = compared + 1, drafts + verified
+    print(f"every anchor: {compared} anchors' chains equal the online proposer's ({drafts} drafts compared)")
+    return compared, drafts

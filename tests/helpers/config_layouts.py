@@ -18,6 +18,10 @@ QWEN3 = dict(
 )  # fmt: skip
 LLAMA = {**QWEN3, "model_type": "llama", "num_hidden_layers": 1}
 MTP_TEXT = {**QWEN3, "num_hidden_layers": 3, "layer_types": ["full_attention"] * 3}
+MOE_TEXT = {k: v for k, v in MTP_TEXT.items() if k != "intermediate_size"} | dict(
+    model_type="qwen3_5_moe_text", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+    shared_expert_intermediate_size=48,
+)  # fmt: skip
 DFLASH2_KEYS = dict(conv_kernel_size=2, conv_group_size=8, selector_rank=8, selector_top_k=4)
 
 
@@ -52,6 +56,7 @@ BASE = {
     "dflash2:z-lab": lambda: drafter_config(num_heads=4, dflash_extra=dict(DFLASH2_KEYS)),
     "dflash:speculators": lambda: _block("dflash", 3),
     "dflash2:speculators": lambda: _block("dflash2", 3),
+    "xpress:speculators": lambda: {**_block("xpress", 3), "xpress_rank": 8},
     "dspark:speculators": lambda: _block("dspark", 4),  # sample_from_anchor true by default: 4 queries draft
     "dspark:specforge": lambda: {
         **QWEN3,
@@ -81,9 +86,12 @@ BASE = {
         "draft_vocab_size": 512,
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 2, 3], "use_aux_hidden_state": True},
     },
+    "eagle:sglang": lambda: {**LLAMA, "architectures": ["LlamaForCausalLMEagle"]},
+    "eagle:vllm": lambda: {**LLAMA, "architectures": ["EagleLlamaForCausalLM"], "bias": False},
     "mtp:speculators": lambda: _speculators("mtp", {**MTP_TEXT, "model_type": "qwen3_5_text"}, 3),
     "mtp:native": lambda: {"model_type": "qwen3_5", "text_config": {**MTP_TEXT, "model_type": "qwen3_5_text"}},
     "mtp:native-qwen3-next": lambda: {**MTP_TEXT, "model_type": "qwen3_next", "num_experts": 0},
+    "mtp:native-moe": lambda: {"model_type": "qwen3_5_moe", "text_config": dict(MOE_TEXT)},
     "ngram:vllm": lambda: {"method": "ngram", "num_speculative_tokens": 3},
     "ngram:llama.cpp": lambda: {"spec-type": "ngram-simple"},
     "ngram:sglang": lambda: {"speculative_algorithm": "NGRAM"},
@@ -178,6 +186,10 @@ REFUSALS = [
     ("eagle3:specforge", "tie_word_embeddings", True, "SGLang", False),
     ("eagle3:specforge", "bias", True, "SGLang", False),
     ("eagle3:specforge", "num_aux_hidden_states", 4, "vLLM", 3),
+    # EAGLE-1/2
+    ("eagle:sglang", "model_type", "qwen2", "SGLang", "llama"),
+    ("eagle:vllm", "logit_scale", 2.0, "vLLM", 1.0),
+    ("eagle:sglang", "partial_rotary_factor", 0.5, "SGLang", 1.0),
     # MTP heads
     ("mtp:native", "text_config.mtp_num_hidden_layers", 2, "vLLM", 1),
     ("mtp:native", "text_config.attn_output_gate", False, "vLLM", True),
@@ -185,7 +197,9 @@ REFUSALS = [
     ("mtp:native", "text_config.qkv_bias", True, "vLLM", False),
     ("mtp:native", "text_config.attention_bias", True, "vLLM", False),
     ("mtp:native-qwen3-next", "num_nextn_predict_layers", 2, "llama.cpp", 1),
-    ("mtp:native-qwen3-next", "num_experts", 512, "vLLM", 0),
+    ("mtp:native-moe", "text_config.norm_topk_prob", False, "vLLM", True),
+    ("mtp:native-moe", "text_config.shared_expert_intermediate_size", 0, "vLLM", 48),
+    ("mtp:native-moe", "text_config.num_experts_per_tok", 8, "vLLM", 4),
     ("mtp:speculators", "transformer_layer_config.mtp_num_hidden_layers", 3, "SGLang", 1),
     # a standalone draft model
     ("draft:llama.cpp", "spec-draft-n-min", 2, "llama.cpp", 0),
@@ -200,6 +214,8 @@ PRIOR_REFUSALS = [
     ("dflash:z-lab", "dflash_config.use_swa", {**SLIDING, "dflash_config.use_swa": True}),
     ("dflash:speculators", "sample_from_anchor", {"sample_from_anchor": True}),
     ("dflash2:speculators", "draft_vocab_size", {"draft_vocab_size": 256}),
+    ("xpress:speculators", "sample_from_anchor", {"sample_from_anchor": True}),
+    ("xpress:speculators", "draft_vocab_size", {"draft_vocab_size": 256}),
     ("eagle3:speculators", "target_hidden_size", {"target_hidden_size": 48}),
     ("eagle3:speculators", "transformer_layer_config.model_type", {"transformer_layer_config.model_type": "gemma3"}),
     ("eagle3:speculators", "layer_types", {"transformer_layer_config.layer_types": ["sliding_attention"]}),
@@ -208,7 +224,7 @@ PRIOR_REFUSALS = [
     ("eagle3:specforge", "norm_output", {"norm_output": False}),
     ("eagle3:specforge", "eagle_config.use_aux_hidden_state", {"eagle_config.use_aux_hidden_state": False}),
     ("eagle3:specforge", "target_hidden_size", {"target_hidden_size": 48}),
-    ("mtp:native-qwen3-next", "model_type", {"model_type": "qwen3_5_moe_text"}),
+    ("mtp:speculators", "model_type", {"transformer_layer_config.model_type": "qwen3"}),
     ("mtp:speculators", "num_nextn_predict_layers", {"num_nextn_predict_layers": 2}),
     ("ngram:llama.cpp", "lookup-cache-static", {"spec-type": "ngram-cache", "lookup-cache-static": "static.bin"}),
     ("ngram:llama.cpp", "lookup-cache-dynamic", {"spec-type": "ngram-cache", "lookup-cache-dynamic": "dynamic.bin"}),

@@ -147,11 +147,14 @@ def packed_batch(documents: list[dict]) -> dict:
     )
 
 
-def fit(model, documents: list[dict], *, steps: int, lr=3e-3, per_step: int = 4, anchors: int = 32, seed=0):
+def fit(model, documents: list[dict], *, steps: int, lr=3e-3, per_step: int = 4, anchors: int = 32, seed=0, **knobs):
     """`steps` AdamW steps of the model's own training forward (kl_div and its confidence loss,
     eager implementations), each on `per_step` random documents packed, `anchors` random
-    anchors among their response positions; returns the losses."""
-    kwargs, _ = type(model).get_trainer_kwargs(loss_fn="kl_div", loss_implementation="eager", max_anchors=anchors)
+    anchors among their response positions; `knobs` more of its get_trainer_kwargs' arguments
+    (XPress's base_anchor_weight); returns the losses."""
+    kwargs, _ = type(model).get_trainer_kwargs(
+        loss_fn="kl_div", loss_implementation="eager", max_anchors=anchors, **knobs
+    )
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
     losses = []
     model.train()

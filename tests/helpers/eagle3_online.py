@@ -159,6 +159,22 @@ class DraftCache(GrowingCache):
             )
         return h[0]
 
+    def slots(self, tokens: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        """The target-written slots length.. from the tokens they read [n] and the target's
+        features [n, n*H]; the last layer's output [n, H]."""
+        return self.append(self.model.embed_tokens(tokens), self.model.fc(features))
+
+    def step(self, token: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """One draft step: the token [1] and the previous step's output h [1, H] fed back."""
+        return self.append(self.model.embed_tokens(token.reshape(1)), self.feed(h))
+
+    def draft_probs(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q over the draft vocabulary after the step whose output is h [1, H] (sglang's probs),
+        the target id of each entry)."""
+        model = self.model
+        q = torch.softmax(model.lm_head(model.norm(h)).float()[0], dim=-1)
+        return q, torch.arange(q.numel()) + (model.d2t if model.d2t is not None else 0)
+
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """[n, V] draft logits over the target's vocabulary, -inf outside the draft vocabulary."""
         draft = self.model.lm_head(self.model.norm(h)).float()
@@ -180,9 +196,8 @@ class Proposal:
 def propose(draft: DraftCache, features, seq, start: int, count: int, temperature: float) -> Proposal:
     """`count` drafts at anchor `start`: the target-written slots up to start - 1 appended (their
     features `features` [>= start, n*H]), then one step at a time on the growing cache."""
-    model, written = draft.model, draft.length
-    nxt = seq[written + 1 : start + 1]  # slot s reads x_{s+1}
-    h = draft.append(model.embed_tokens(nxt), model.fc(features[written:start]))[-1:]
+    written = draft.length
+    h = draft.slots(seq[written + 1 : start + 1], features[written:start])[-1:]  # slot s reads x_{s+1}
     drafts, probs, margins = [], [], []
     for j in range(count):
         logits = draft.logits(h)[0]
@@ -196,13 +211,30 @@ def propose(draft: DraftCache, features, seq, start: int, count: int, temperatur
             token = logits.argmax()
         drafts.append(token)
         if j + 1 < count:
-            h = draft.append(model.embed_tokens(token.reshape(1)), draft.feed(h))
+            h = draft.step(token, h)
     stacked = torch.stack(drafts) if drafts else torch.zeros(0, dtype=torch.long)
     return Proposal(stacked, torch.stack(probs) if probs else None, margins)
 
 
 # ---------------------------------------------------------------------------------------------
 # the online loop
+
+# What the loops call on a drafter: speculators' models here; another reference (the EAGLE
+# repository's, tests/helpers/eagle1_online.py) brings its own cache, target states and step count
+
+
+def cache_for(model):
+    return model.new_cache() if hasattr(model, "new_cache") else DraftCache(model)
+
+
+def states_for(model):
+    """(target, ids) -> (logits, the drafter's features, the pre-norm last hidden state)."""
+    return getattr(model, "states", target_states)
+
+
+def steps_of(model) -> int:
+    steps = getattr(model, "steps", None)
+    return steps if isinstance(steps, int) else model.config.speculators_config.proposal_methods[0].speculative_tokens
 
 
 @dataclass
@@ -242,20 +274,20 @@ def online_eagle3(
     generator (seed it). The target runs from scratch over the committed tokens and the drafts at
     each verification. `proposer`: another family's proposal with `propose`'s arguments (P-EAGLE's
     parallel drafting), the loop around it unchanged."""
-    proposer = proposer or propose
-    steps = model.config.speculators_config.proposal_methods[0].speculative_tokens
+    proposer, states = proposer or propose, states_for(model)
+    steps = steps_of(model)
     prompt_len = prompt.numel()
     max_length = prompt_len + max_new_tokens
-    logits, features, _ = target_states(target, prompt)
+    logits, features, _ = states(target, prompt)
     first = logits[-1].argmax() if temperature <= 0 else sample(logits[-1:], temperature)[0]
     seq = torch.cat([prompt, first.reshape(1)])
-    run, draft = OnlineRun(seq), DraftCache(model)
+    run, draft = OnlineRun(seq), cache_for(model)
     start, stopped = prompt_len, int(first) in stop_ids
     while start + 1 < max_length and not stopped:
         proposal = proposer(draft, features, seq, start, min(steps, max_length - start - 1), temperature)
         draft.crop(start)  # the draft slots go; the verified ones are rewritten from target features
         candidate = torch.cat([seq[: start + 1], proposal.drafts])
-        logits, candidate_features, _ = target_states(target, candidate)
+        logits, candidate_features, _ = states(target, candidate)
         accepted, bonus = verify(logits[start:], proposal, temperature)
         new_tokens = torch.cat([proposal.drafts[:accepted], bonus.reshape(1)])
         seq, features, produced, stopped = commit(

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from tests.helpers.dspark_online import commit, target_states
-from tests.helpers.eagle3_online import DraftCache, OnlineRun
+from tests.helpers.eagle3_online import DraftCache, OnlineRun, cache_for, states_for
 
 
 @dataclass
@@ -49,9 +49,7 @@ def best(values: list[float], k: int) -> list[int]:
 def children_of(draft: DraftCache, h: torch.Tensor, topk: int) -> list[tuple[int, torch.Tensor]]:
     """(target id, q) of the topk best drafts after a step whose output is h [1, H]: softmax over
     the draft vocabulary (sglang's probs), ties to the lower target id."""
-    model = draft.model
-    q = torch.softmax(model.lm_head(model.norm(h)).float()[0], dim=-1)  # [draft V]
-    ids = torch.arange(q.numel()) + (model.d2t if model.d2t is not None else 0)
+    q, ids = draft.draft_probs(h)  # [draft V]
     order = sorted(range(q.numel()), key=lambda d: (-float(q[d]), int(ids[d])))[:topk]
     return [(int(ids[d]), q[d]) for d in order]
 
@@ -60,8 +58,7 @@ def children_of(draft: DraftCache, h: torch.Tensor, topk: int) -> list[tuple[int
 def expand(node: Node, topk: int) -> list[Node]:
     """The node's step on a copy of its cache, and its topk children."""
     draft = copy.deepcopy(node.cache)
-    model = draft.model
-    h = draft.append(model.embed_tokens(torch.tensor([node.token])), draft.feed(node.hidden))
+    h = draft.step(torch.tensor([node.token]), node.hidden)
     return [Node(t, node.score * q, node.depth + 1, node, draft, h) for t, q in children_of(draft, h, topk)]
 
 
@@ -75,8 +72,8 @@ def draft_tree(model, features: torch.Tensor, ids: torch.Tensor, anchor: int, to
 @torch.no_grad()
 def beam_nodes(model, features: torch.Tensor, ids: torch.Tensor, anchor: int, topk, depth) -> list[Node]:
     """Every candidate of the `depth`-level beam of `topk` at `anchor` (draft_tree), in sglang's order."""
-    draft = DraftCache(model)
-    h = draft.append(model.embed_tokens(ids[1 : anchor + 1]), model.fc(features[:anchor]))[-1:]
+    draft = cache_for(model)
+    h = draft.slots(ids[1 : anchor + 1], features[:anchor])[-1:]
     beam = [Node(t, q, 1, None, draft, h) for t, q in children_of(draft, h, topk)]
     candidates = list(beam)
     for _ in range(depth - 1):
@@ -109,7 +106,7 @@ def anchor_trees(model, target, ids: torch.Tensor, anchor: int, trees: list) -> 
     are the target's argmax; nothing is accepted past its end): the accepted depth of each tree
     (topk, depth, draft_tokens), and per topk every candidate's score by its token path (the
     deepest beam asked of that topk, drafted once: a shallower tree's candidates are its prefix)."""
-    _, features, _ = target_states(target, ids)
+    _, features, _ = states_for(model)(target, ids)
     stored = ids[anchor + 1 :].tolist()
     depths = {k: max(d for k2, d, _ in trees if k2 == k) for k, _, _ in trees}
     beams = {k: beam_nodes(model, features, ids, anchor, k, d) for k, d in depths.items()}
@@ -143,7 +140,8 @@ def online_tree_walk(model, target, prompt: torch.Tensor, max_new_tokens: int, s
     verifies node by node (its argmax after the committed tokens and the path so far); steps,
     budget and stop tokens as tests/helpers/eagle3_online.py (z-lab's dflash_generate)."""
     max_length = prompt.numel() + max_new_tokens
-    logits, features, _ = target_states(target, prompt)
+    states = states_for(model)
+    logits, features, _ = states(target, prompt)
     seq = torch.cat([prompt, logits[-1].argmax().reshape(1)])
     run, start, stopped = OnlineRun(seq), prompt.numel(), int(seq[-1]) in stop_ids
     while start + 1 < max_length and not stopped:
@@ -154,7 +152,7 @@ def online_tree_walk(model, target, prompt: torch.Tensor, max_new_tokens: int, s
         candidate = torch.cat([root, torch.tensor(path, dtype=root.dtype)])
         new_tokens = torch.tensor(path + [argmax(path)], dtype=root.dtype)
         seq, features, produced, stopped = commit(
-            seq, features, target_states(target, candidate)[1], start, new_tokens, max_length, stop_ids
+            seq, features, states(target, candidate)[1], start, new_tokens, max_length, stop_ids
         )
         start += produced
         run.produced.append(produced)

@@ -142,3 +142,40 @@ def scored(setup: Setup, drafter: Drafter, n_max: int, rule: str) -> str:
     out = setup.tmp / f"{drafter.family}-{drafter.layout}-{Path(drafter.path).stem}-n{n_max}-{rule}"
     steps = dict(walk_rule="llama.cpp", steps=n_max if drafter.steps else None) if rule == "llama.cpp" else {}
     return score(drafter, setup.shards, out, force=False, **steps)
+
+
+def native_mtp_setup(
+    tmp, target, *, layers: int, steps: int, fit_steps: int, fit_lr: float, prepare=None, experts: bool = False
+):
+    """(Setup, Drafter, the fit's last loss) of a target's native MTP head against llama-server's
+    draft-mtp: `target` (a tiny Qwen3.5 or Qwen3.5-MoE causal LM) made the engine target
+    (llama_engine.engine_target), `prepare(model_dir)` run on its directory, a head of its
+    full-attention layer kind fitted on its greedy continuations (mtp_online.fit) and saved into its
+    checkpoint as `mtp.*`, shards of id L (the final state before the norm, whose weight the shards'
+    target head keeps), the target converted with the head kept as blk.L.nextn.*. `experts`: the
+    head's fused experts saved one expert at a time, as the target's save_pretrained names them."""
+    import copy
+
+    from tests.helpers import mtp_online
+    from tests.helpers.models import seeded
+    from tests.helpers.prompts import write_prompts
+    from tools.llama_convert import convert
+
+    prompts = prompt_ids(PROMPTS)
+    model_dir = engine.engine_target(tmp / "target", prompts, MAX_NEW, model=target)
+    if prepare is not None:
+        prepare(model_dir)
+    sequences = engine.continuations(model_dir, prompts, MAX_NEW)
+    head_config = copy.deepcopy(target.config)  # MtpHead builds layer 0 of it: a full-attention one
+    head_config.layer_types = ["full_attention"] * layers
+    with seeded(1):
+        head = mtp_online.MtpHead(head_config)
+    loss = mtp_online.fit(head, target, [ids for ids, _ in sequences], steps=fit_steps, lr=fit_lr)
+    mtp_online.save_head(head.eval(), model_dir, target if experts else None)
+    records = [{"id": f"p{i}", "input_ids": ids} for i, ids in enumerate(prompts)]
+    shards = chains.extract(tmp / "shards", model_dir, write_prompts(tmp / "prompts.jsonl", records), MAX_NEW, [layers])
+    finish = {s.finish_reason for s in ShardSet(shards).samples(tensors=[])}
+    assert finish == {"eos", "length"}, finish
+    gguf = str(convert(model_dir, tmp / "target.gguf"))
+    setup = Setup(tmp, model_dir, gguf, shards, sequences, converter=None)
+    return setup, Drafter("mtp", "native", model_dir, None, "draft-mtp", steps), loss

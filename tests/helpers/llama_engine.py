@@ -97,12 +97,21 @@ def engine_target(
     tokens = torch.randint(SPECIAL, SPECIAL + live, (16, 32), generator=torch.Generator().manual_seed(seed))
     for index, layer in enumerate(model.model.layers):
         entering, out = fits._layer_input_and_mlp_output(model, index, tokens)
-        layer.mlp.down_proj.weight.mul_(gain * entering.norm(dim=-1).mean() / out.norm(dim=-1).mean())
+        for down in _output_projections(layer.mlp):
+            down.mul_(gain * entering.norm(dim=-1).mean() / out.norm(dim=-1).mean())
     _move_stop_token(model, prompts, max_new)
     model.generation_config = GenerationConfig(eos_token_id=STOP, pad_token_id=STOP, bos_token_id=None, do_sample=False)
     model.save_pretrained(str(save_dir))
     smollm2_tokenizer(save_dir)
     return str(save_dir)
+
+
+def _output_projections(mlp) -> list[torch.Tensor]:
+    """The weights an MLP's output is linear in: a dense MLP's down_proj; a sparse MoE block's
+    routed experts' and shared expert's (the MTP engine test's Qwen3.5-MoE)."""
+    if hasattr(mlp, "experts"):
+        return [mlp.experts.down_proj, mlp.shared_expert.down_proj.weight]
+    return [mlp.down_proj.weight]
 
 
 def _move_stop_token(model, prompts: list[list[int]], max_new: int) -> None:

@@ -7,8 +7,10 @@ layer class and a real growing KV cache, one step at a time:
   at s) at position s; step 1 at anchor t is slot t - 1; step j > 1 reads (draft j - 1, h' of
   step j - 1) at position t + j - 2; after verification the draft slots are cropped.
 
-Also: a tiny Qwen3.5 target (all layers full attention) saved with `mtp.*` tensors as the real
-checkpoints lay them out, and a brief fit of the head's teacher-forced step-1 loss."""
+Also: a tiny Qwen3.5 target (all layers full attention; or a Qwen3.5-MoE one, whose MTP layer is
+transformers' own Qwen3_5MoeDecoderLayer with its sparse MoE block) saved with `mtp.*` tensors as the
+real checkpoints lay them out (transformers' own save-time un-fusing of the experts), and a brief fit
+of the head's teacher-forced step-1 loss."""
 
 from __future__ import annotations
 
@@ -35,33 +37,57 @@ TEXT = dict(
     max_position_embeddings=256,
     tie_word_embeddings=False,
 )
+# Qwen3.5-MoE: every MLP a sparse MoE block (4 experts, top-2, a shared expert); no dense width
+MOE_TEXT = {k: v for k, v in TEXT.items() if k != "intermediate_size"} | dict(
+    num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48
+)
+
+
+def _classes(config):
+    """transformers' (decoder layer, RMSNorm, rotary embedding) of the config's kind."""
+    if config.model_type == "qwen3_5_moe_text":
+        from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as m
+
+        return m.Qwen3_5MoeDecoderLayer, m.Qwen3_5MoeRMSNorm, m.Qwen3_5MoeTextRotaryEmbedding
+    if config.model_type == "qwen3_next":
+        from transformers.models.qwen3_next import modeling_qwen3_next as m
+
+        return m.Qwen3NextDecoderLayer, m.Qwen3NextRMSNorm, m.Qwen3NextRotaryEmbedding
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as m
+
+    return m.Qwen3_5DecoderLayer, m.Qwen3_5RMSNorm, m.Qwen3_5TextRotaryEmbedding
 
 
 class MtpHead(nn.Module):
     """The head's modules, named as the checkpoint's `mtp.*` (transformers' own layer class)."""
 
     def __init__(self, config):
-        from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5DecoderLayer, Qwen3_5RMSNorm
-
+        layer, norm, _ = _classes(config)
         super().__init__()
         hidden, eps = config.hidden_size, config.rms_norm_eps
         self.fc = nn.Linear(2 * hidden, hidden, bias=False)
-        self.pre_fc_norm_embedding = Qwen3_5RMSNorm(hidden, eps=eps)
-        self.pre_fc_norm_hidden = Qwen3_5RMSNorm(hidden, eps=eps)
-        self.layers = nn.ModuleList([Qwen3_5DecoderLayer(config, 0)])  # layer_types[0]: full attention
-        self.norm = Qwen3_5RMSNorm(hidden, eps=eps)
+        self.pre_fc_norm_embedding = norm(hidden, eps=eps)
+        self.pre_fc_norm_hidden = norm(hidden, eps=eps)
+        self.layers = nn.ModuleList([layer(config, 0)])  # layer_types[0]: full attention
+        self.norm = norm(hidden, eps=eps)
+        mlp = self.layers[0].mlp
+        if hasattr(mlp, "experts"):  # torch.empty experts and a zero router (ties): drawn like nn.Linear's
+            with torch.no_grad():
+                for weight in (mlp.experts.gate_up_proj, mlp.experts.down_proj, mlp.gate.weight):
+                    weight.normal_(0.0, weight.shape[-1] ** -0.5)
 
     def combine(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         return self.fc(torch.cat([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)], dim=-1))
 
 
-def build_target(save_dir, seed: int = 0) -> tuple[str, object, MtpHead]:
-    """A tiny random Qwen3_5ForCausalLM saved to `save_dir`; returns (dir, target, a new head)."""
-    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+def build_target(save_dir, seed: int = 0, moe: bool = False) -> tuple[str, object, MtpHead]:
+    """A tiny random Qwen3_5ForCausalLM (Qwen3_5MoeForCausalLM with `moe`) saved to `save_dir`;
+    returns (dir, target, a new head)."""
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig, Qwen3_5TextConfig
 
     torch.manual_seed(seed)
-    config = Qwen3_5TextConfig(**TEXT)
-    target = Qwen3_5ForCausalLM(config).eval()
+    config = Qwen3_5MoeTextConfig(**MOE_TEXT) if moe else Qwen3_5TextConfig(**TEXT)
+    target = (Qwen3_5MoeForCausalLM if moe else Qwen3_5ForCausalLM)(config).eval()
     with torch.no_grad():  # a peaked target: its greedy continuations have structure to learn
         target.lm_head.weight.mul_(3.0)
         # a trained final norm's weight: at its init (0, i.e. 1 + 0) the pre- and post-norm hidden
@@ -71,11 +97,18 @@ def build_target(save_dir, seed: int = 0) -> tuple[str, object, MtpHead]:
     return str(save_dir), target, MtpHead(config)
 
 
-def save_head(head: MtpHead, save_dir: str) -> None:
-    """The head's tensors added to the target's safetensors as `mtp.*` (and to its index, if any)."""
+def save_head(head: MtpHead, save_dir: str, target=None) -> None:
+    """The head's tensors added to the target's safetensors as `mtp.*` (and to its index, if any),
+    named as the target's save_pretrained names its own layers' (transformers' revert_weight_conversion:
+    a MoE block's fused experts saved one expert at a time)."""
+    from transformers.core_model_loading import revert_weight_conversion
+
     path = os.path.join(save_dir, "model.safetensors")
     state = load_file(path)
-    state.update({f"mtp.{k}": v.detach().contiguous() for k, v in head.state_dict().items()})
+    head_state = {f"mtp.{k}": v.detach().contiguous() for k, v in head.state_dict().items()}
+    if target is not None:
+        head_state = revert_weight_conversion(target, head_state)
+    state.update({k: v.contiguous() for k, v in head_state.items()})
     save_file(state, path, metadata={"format": "pt"})
     index = os.path.join(save_dir, "model.safetensors.index.json")
     if os.path.exists(index):
@@ -115,14 +148,12 @@ def fit(head: MtpHead, target, sequences: list[torch.Tensor], steps: int = 300, 
 def _forward(head: MtpHead, embeds, hidden, positions, cache):
     """The MTP layer over rows [1, n, H] at `positions` [1, n], causal among themselves and seeing
     every cached slot; the layer's output before `norm`."""
-    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5TextRotaryEmbedding
-
     n = embeds.shape[1]
     start = 0 if cache is None else cache.get_seq_length()
     mask = torch.zeros(1, 1, n, start + n)
     mask.masked_fill_(torch.arange(start + n)[None, :] > (start + torch.arange(n))[:, None], float("-inf"))
     x = head.combine(embeds, hidden)
-    rotary = Qwen3_5TextRotaryEmbedding(head.layers[0].self_attn.config)
+    rotary = _classes(head.layers[0].self_attn.config)[2](head.layers[0].self_attn.config)
     return head.layers[0](x, position_embeddings=rotary(x, positions), attention_mask=mask, cache=cache)
 
 

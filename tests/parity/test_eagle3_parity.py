@@ -29,18 +29,21 @@ own save_pretrained; specreplay then scores the saved checkpoint from extracted 
 from __future__ import annotations
 
 from collections import Counter
-from contextlib import contextmanager
 
 import numpy as np
 import polars as pl
 import pytest
 import torch
 
-import scoring.methods.eagle_tree as tree_method
 from pipeline.shards import ShardSet
-from proposers.eagle3 import tree as eagle_tree
 from proposers.eagle3.model import Eagle3Drafter
-from tests.helpers import chain_parity as parity, eagle3_online as online, eagle3_tree_online as tree_online
+from proposers.toolkit.eagle import tree as eagle_tree
+from tests.helpers import (
+    chain_parity as parity,
+    eagle3_online as online,
+    eagle3_tree_online as tree_online,
+    eagle_tree_checks as tree_checks,
+)
 from tests.helpers.dspark_reference import AUX_IDS, OUTPUT_IDS
 from tests.helpers.eagle3_reference import write_specforge
 from tests.helpers.family_fits import frequent_tokens
@@ -157,22 +160,11 @@ def test_every_anchors_chain_equals_the_online_proposer(setup, drafter):
     verified)."""
     tmp, _, _, target, greedy, _ = setup
     model, ckpt, _ = drafter
-    out_dir = parity.score(ckpt, greedy, tmp / "results-anchors", anchor_drafts=True)
-    rows = pl.read_parquet(f"{out_dir}/anchors.parquet").select("sample_id", "anchor", "draft_tokens")
-    samples = {s.sample_id: s.input_ids for s in ShardSet(greedy).samples(tensors=[])}
-    compared = drafts = 0
-    for sample_id, anchor, offline in rows.iter_rows():
-        ids = samples[sample_id]
-        # drafts of tokens the response holds (a block near a stop token drafts past it, never verified)
-        known = min(len(offline), ids.numel() - 1 - anchor)
-        if known == 0:  # the budget's last position drafts nothing
-            continue
-        chain = _online_chain(model, target, ids, anchor, known)
-        stored = ids[anchor + 1 : anchor + 1 + known].tolist()
-        verified = next((i + 1 for i, (d, y) in enumerate(zip(chain, stored)) if d != y), known)
-        assert offline[:verified] == chain[:verified], (sample_id, anchor, offline, chain)
-        compared, drafts = compared + 1, drafts + verified
-    print(f"every anchor: {compared} anchors' chains equal the online proposer's ({drafts} drafts compared)")
+
+    def chain_at(ids, anchor, count):
+        return _online_chain(model, target, ids, anchor, count)
+
+    compared, _ = parity.anchor_chains_compared(ckpt, greedy, tmp / "results-anchors", chain_at)
     assert compared > 60
 
 
@@ -231,7 +223,7 @@ def test_sampled_expected_tau_equals_the_online_mean_over_seeds(setup, drafter):
 
 TREES = {"4x5-8": (4, 5, 8), "2x4-6": (2, 4, 6)}  # sglang's default, and a narrower deeper one
 SCORE_TOLERANCE = 1e-5  # a candidate's path probability, float32 products of softmaxes
-# plausible wrong rules, each patched into specreplay's tree (proposers/eagle3/tree.py)
+# plausible wrong rules, each patched into specreplay's tree (proposers/toolkit/eagle/tree.py)
 MUTANTS = {
     # children ranked by their own probability, not their path's
     "own-prob": ("child_scores", lambda parents, p: p.expand(parents.shape[0], *p.shape[1:])),
@@ -239,13 +231,6 @@ MUTANTS = {
     # not its parent's: it attends to another branch's steps
     "lane-keys": ("path_rows", lambda parents: torch.arange(parents.numel(), device=parents.device)),
 }
-
-
-def _tree_alphas(out_dir: str) -> pl.DataFrame:
-    """(sample_id, anchor, accepted_len and each tree's alpha) of anchors.parquet, sorted."""
-    columns = [f"eagle_tree_{name.replace('-', '_')}_accepted_len" for name in TREES]
-    rows = pl.read_parquet(f"{out_dir}/anchors.parquet").select("sample_id", "anchor", "accepted_len", *columns)
-    return rows.sort("sample_id", "anchor")
 
 
 @pytest.fixture(scope="module")
@@ -262,64 +247,6 @@ def online_trees(setup, drafter) -> dict[tuple[str, int], tuple[dict, dict]]:
     return found
 
 
-def _mismatches(table: pl.DataFrame, online_trees) -> dict[str, int]:
-    """Per tree, the anchors whose alpha differs from the online tree's."""
-    counts = dict.fromkeys(TREES, 0)
-    for row in table.iter_rows(named=True):
-        for name in TREES:
-            column = f"eagle_tree_{name.replace('-', '_')}_accepted_len"
-            counts[name] += row[column] != online_trees[(row["sample_id"], row["anchor"])][0][name]
-    return counts
-
-
-@contextmanager
-def _drafted_candidates(monkeypatch, shards: str):
-    """While scoring: (sample id, anchor, topk) -> every candidate's token path -> its score, as
-    specreplay's tree drafted them (recorded where scoring/methods/eagle_tree.py verifies them)."""
-    sample_of = {tuple(s.input_ids.tolist()): s.sample_id for s in ShardSet(shards).samples(tensors=[])}
-    found, where = {}, {}
-    known_targets, accepted_depth = tree_method.known_targets, tree_method.accepted_depth
-
-    def seen(packed, chunk, depth):
-        where["chunk"] = packed, chunk
-        return known_targets(packed, chunk, depth)
-
-    def recorded(candidates, tree, targets):
-        packed, chunk = where["chunk"]
-        for row, (s, anchor) in enumerate(zip(chunk.sample_idx.tolist(), chunk.anchors.tolist())):
-            start, length = int(packed.starts[s]), int(packed.lengths[s])
-            sample_id = sample_of[tuple(packed.ids[start : start + length].tolist())]
-            found[(sample_id, anchor, candidates.topk)] = _paths(candidates, row)
-        return accepted_depth(candidates, tree, targets)
-
-    with monkeypatch.context() as patch:
-        patch.setattr(tree_method, "known_targets", seen)
-        patch.setattr(tree_method, "accepted_depth", recorded)
-        yield found
-
-
-def _paths(candidates, row: int) -> dict[tuple[int, ...], float]:
-    paths, scores = {}, {}
-    rows = zip(candidates.parents[row].tolist(), candidates.tokens[row].tolist(), candidates.scores[row].tolist())
-    for c, (parent, token, score) in enumerate(rows):
-        paths[c] = (paths[parent] if parent >= 0 else ()) + (token,)
-        scores[paths[c]] = score
-    return scores
-
-
-def _candidate_mismatches(drafted: dict, online_trees) -> tuple[int, float]:
-    """(the (anchor, topk) pairs whose candidates differ from the online tree's: another set of
-    token paths, or a path's score off by more than SCORE_TOLERANCE; the largest score difference
-    over the paths both drafted)."""
-    differ, largest = 0, 0.0
-    for (sample_id, anchor, topk), mine in drafted.items():
-        online = online_trees[(sample_id, anchor)][1][topk]
-        gaps = [abs(mine[p] - online[p]) for p in mine.keys() & online.keys()]
-        differ += mine.keys() != online.keys() or max(gaps, default=0.0) > SCORE_TOLERANCE
-        largest = max([largest, *gaps])
-    return differ, largest
-
-
 @pytest.mark.slow
 def test_eagle_trees_equal_the_online_tree_at_every_anchor_and_walk(setup, drafter, online_trees, monkeypatch):
     """Every anchor's candidates (token paths and scores) and alpha of each tree equal the online
@@ -327,13 +254,13 @@ def test_eagle_trees_equal_the_online_tree_at_every_anchor_and_walk(setup, draft
     the chain (else this proves little)."""
     tmp, _, _, target, greedy, stop_ids = setup
     model, ckpt, _ = drafter
-    with _drafted_candidates(monkeypatch, greedy) as drafted:
+    with tree_checks.drafted_candidates(monkeypatch, greedy) as drafted:
         out_dir = parity.score(ckpt, greedy, tmp / "results-trees", eagle_trees=list(TREES))
-    table = _tree_alphas(out_dir)
+    table = tree_checks.tree_alphas(out_dir, TREES)
     assert table.height == len(online_trees) and len(drafted) == 2 * len(online_trees)  # two topks
-    differ, largest = _candidate_mismatches(drafted, online_trees)
+    differ, largest = tree_checks.candidate_mismatches(drafted, online_trees, SCORE_TOLERANCE)
     assert differ == 0, (differ, largest)
-    assert _mismatches(table, online_trees) == dict.fromkeys(TREES, 0)
+    assert tree_checks.mismatches(table, online_trees, TREES) == dict.fromkeys(TREES, 0)
     walk = pl.read_parquet(f"{out_dir}/walk.parquet")
     for name, tree in TREES.items():
         mine = walk.filter(pl.col("method") == f"eagle-tree-{name}").sort("sample_id", "step")
@@ -364,10 +291,10 @@ def test_eagle_trees_reject_a_wrong_rule(setup, drafter, online_trees, mutant, m
     the lane rule seldom does: a side lane's deep nodes are rarely kept and accepted)."""
     tmp, _, _, _, greedy, _ = setup
     monkeypatch.setattr(eagle_tree, *MUTANTS[mutant])
-    with _drafted_candidates(monkeypatch, greedy) as drafted:
+    with tree_checks.drafted_candidates(monkeypatch, greedy) as drafted:
         out_dir = parity.score(drafter[1], greedy, tmp / f"results-trees-{mutant}", eagle_trees=list(TREES))
-    differ, _ = _candidate_mismatches(drafted, online_trees)
-    counts = _mismatches(_tree_alphas(out_dir), online_trees)
+    differ, _ = tree_checks.candidate_mismatches(drafted, online_trees, SCORE_TOLERANCE)
+    counts = tree_checks.mismatches(tree_checks.tree_alphas(out_dir, TREES), online_trees, TREES)
     print(f"{mutant}: candidates differ at {differ} of {len(drafted)} (anchor, topk); alphas differ {counts}")
     assert differ > len(drafted) // 4, (differ, counts)
 
@@ -377,7 +304,7 @@ def test_eagle_trees_specforge_layout_as_speculators(setup, drafter):
     tmp, _, _, _, greedy, _ = setup
     _, ckpt, specforge = drafter
     tables = [
-        _tree_alphas(parity.score(path, greedy, tmp / f"trees-{name}", eagle_trees=list(TREES)))
+        tree_checks.tree_alphas(parity.score(path, greedy, tmp / f"trees-{name}", eagle_trees=list(TREES)), TREES)
         for name, path in (("speculators", ckpt), ("specforge", specforge))
     ]
     assert tables[0].equals(tables[1])

@@ -27,18 +27,14 @@ request), which the replay of one sample cannot know: each request goes to a slo
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 
 import pytest
 import torch
 
-from pipeline.shards import ShardSet
 from scoring.replay import walk_rules
-from tests.helpers import chain_parity as chains, engine_parity as parity, llama_engine as engine, mtp_online
+from tests.helpers import engine_parity as parity, llama_engine as engine
 from tests.helpers.models import _qwen35_text_config, seeded
-from tests.helpers.prompts import write_prompts
-from tools.llama_convert import convert
 
 pytestmark = pytest.mark.slow
 
@@ -67,27 +63,7 @@ def _qwen35(seed: int = 0):
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory) -> tuple[parity.Setup, parity.Drafter, float]:
     tmp = tmp_path_factory.mktemp("engine_parity_mtp")
-    prompts = parity.prompt_ids(parity.PROMPTS)
-    target = _qwen35()
-    model_dir = engine.engine_target(tmp / "target", prompts, parity.MAX_NEW, model=target)
-    sequences = engine.continuations(model_dir, prompts, parity.MAX_NEW)
-    # MtpHead builds its layer as layer 0 of the config it is given: a full-attention one
-    head_config = copy.deepcopy(target.config)
-    head_config.layer_types = ["full_attention"] * LAYERS
-    with seeded(1):
-        head = mtp_online.MtpHead(head_config)
-    loss = mtp_online.fit(head, target, [ids for ids, _ in sequences], steps=FIT_STEPS, lr=FIT_LR)
-    mtp_online.save_head(head.eval(), model_dir)
-    records = [{"id": f"p{i}", "input_ids": ids} for i, ids in enumerate(prompts)]
-    # id L: the final hidden state before the final norm, whose weight the shards' target head keeps
-    shards = chains.extract(
-        tmp / "shards", model_dir, write_prompts(tmp / "prompts.jsonl", records), parity.MAX_NEW, [LAYERS]
-    )
-    finish = {s.finish_reason for s in ShardSet(shards).samples(tensors=[])}
-    assert finish == {"eos", "length"}, finish
-    gguf = str(convert(model_dir, tmp / "target.gguf"))  # the MTP block kept as blk.L.nextn.*
-    setup = parity.Setup(tmp, model_dir, gguf, shards, sequences, converter=None)
-    return setup, parity.Drafter("mtp", "native", model_dir, None, "draft-mtp", STEPS), loss
+    return parity.native_mtp_setup(tmp, _qwen35(), layers=LAYERS, steps=STEPS, fit_steps=FIT_STEPS, fit_lr=FIT_LR)
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -18,15 +18,8 @@ import torch
 from safetensors.torch import load_file
 
 from pipeline.shards import ShardSet
-from proposers.checkpoints.load import load_drafter
 from proposers.toolkit.conventions import Conventions
-from proposers.toolkit.neural import neural_proposer
-from scoring.methods.chain import CHAIN
-from scoring.replay.anchors import replay_walks
-from scoring.replay.packing import ReplayOptions, prepare_target_head
-from scoring.replay.walk import stop_mask
-from tests.helpers import chain_parity as parity, mtp_export, mtp_online as online
-from tests.helpers.prompts import write_prompts
+from tests.helpers import chain_parity as parity, mtp_export, mtp_online as online, mtp_replay as replay
 
 MAX_NEW = 20
 PROMPTS = 6
@@ -38,37 +31,19 @@ def one_thread():
     yield from parity.one_thread()
 
 
-def _greedy(target, prompt: list[int], max_new: int) -> torch.Tensor:
-    ids = torch.tensor(prompt)
-    for _ in range(max_new):
-        ids = torch.cat([ids, online.target_states(target, ids)[0][-1].argmax()[None]])
-    return ids
-
-
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("mtp_parity")
-    model_dir, target, head = online.build_target(tmp / "target")
-    prompt_ids = parity.prompt_ids(PROMPTS)
     # the scored prompts' continuations too (as the EAGLE-3 parity test fits on its greedy responses)
-    train = [_greedy(target, p, MAX_NEW) for p in parity.prompt_ids(24, seed=9) + prompt_ids * 3]
-    loss = online.fit(head, target, train, steps=600, lr=5e-3)
-    online.save_head(head.eval(), model_dir)
-    prompts = write_prompts(tmp / "prompts.jsonl", [{"id": f"p{i}", "input_ids": p} for i, p in enumerate(prompt_ids)])
-    layers = target.config.num_hidden_layers
-    shards = parity.extract(tmp / "greedy", model_dir, prompts, MAX_NEW, [layers])  # id L: before the final norm
+    model_dir, target, head, shards, loss = replay.fitted_native_head(
+        tmp, PROMPTS, MAX_NEW, train=24, repeats=3, fit_steps=600
+    )
     print(f"fitted head: step-1 loss {loss:.3f}")
     return tmp, model_dir, target, head, shards
 
 
 def _online_runs(head, target, shards, steps: int = STEPS) -> dict[str, online.OnlineRun]:
-    stop_ids = ShardSet(shards).settings["target"]["stop_token_ids"]
-    runs = {}
-    for sample in ShardSet(shards).samples(tensors=[]):
-        run = online.online_mtp(head, target, sample.input_ids[: sample.prompt_len], steps, MAX_NEW, stop_ids)
-        assert run.output_ids.tolist() == sample.input_ids.tolist(), sample.sample_id
-        runs[sample.sample_id] = run
-    return runs
+    return replay.online_runs(head, target, shards, steps, MAX_NEW)
 
 
 @pytest.mark.slow
@@ -85,46 +60,12 @@ def test_greedy_walks_equal_the_online_loop(setup):
     assert STEPS in accepted, accepted
 
 
-def _offline_produced(model_dir: str, shards: str, conventions: Conventions) -> dict[str, list[int]]:
-    """Each sample's walk (tokens produced a step) replayed under `conventions`."""
-    shardset = ShardSet(shards)
-    drafter, _ = load_drafter(model_dir, target_layers=shardset.settings["target"]["num_layers"])
-    head = prepare_target_head(shardset.target_head(), "cpu", torch.float32)
-    samples = list(shardset.samples())
-    stop_ids = shardset.settings["target"]["stop_token_ids"]
-    options = ReplayOptions(methods={}, conventions=conventions)
-    results = replay_walks(
-        neural_proposer(drafter),
-        head,
-        samples,
-        lambda f: f,
-        [MAX_NEW] * len(samples),
-        [CHAIN],
-        [stop_mask(s.input_ids, stop_ids) for s in samples],
-        options,
-    )
-    return {s.sample_id: _walk(r, s) for s, r in zip(samples, results)}
-
-
-def _walk(result, sample) -> list[int]:
-    """Tokens produced per step along the greedy walk from the replay's per-anchor drafts."""
-    produced, position, end = [], sample.prompt_len, sample.input_ids.numel()
-    while position + 1 < end:
-        row = position - sample.prompt_len
-        depth = int(result.depth[row])
-        match = (result.draft_tokens[row, :depth] == result.target_tokens[row, :depth]).long().cumprod(0).sum()
-        step = min(int(match) + 1, end - 1 - position)
-        produced.append(step)
-        position += step
-    return produced
-
-
 @pytest.mark.slow
 def test_the_other_norm_rule_walks_differently(setup):
     tmp, model_dir, target, head, shards = setup
     runs = _online_runs(head, target, shards)
-    reference = _offline_produced(model_dir, shards, Conventions())
-    prenorm = _offline_produced(model_dir, shards, Conventions(prenorm_hidden=True))
+    reference = replay.offline_produced(model_dir, shards, MAX_NEW, Conventions())
+    prenorm = replay.offline_produced(model_dir, shards, MAX_NEW, Conventions(prenorm_hidden=True))
     same = sum(reference[k] == run.produced for k, run in runs.items())
     wrong = sum(prenorm[k] != run.produced for k, run in runs.items())
     steps = sum(len(run.produced) for run in runs.values())

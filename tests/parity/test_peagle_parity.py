@@ -15,10 +15,14 @@ scores the saved checkpoint from extracted shards.
   of the mask hidden state), drafts other tokens at the same anchors;
 - T = 0.7: per prompt, the offline expected tau equals the mean over seeds of the online loop's
   tau (each slot's draft drawn from its own q, z-lab's rejection sampling) within 3 combined
-  standard errors, and the same statistic rejects EAGLE-3's feedback.
+  standard errors, and the same statistic rejects EAGLE-3's feedback;
+- layer numbering: the same weights with their before-layer ids read as output-of-layer ids (one
+  layer deeper) lose most drafts, and diagnose keeps the configured reading.
 """
 
 from __future__ import annotations
+
+import json
 
 import numpy as np
 import polars as pl
@@ -163,3 +167,28 @@ def test_sampled_expected_tau_equals_the_online_mean_over_seeds(setup, drafter):
     z_prompts, z, z_wrong_prompts, z_wrong = verdict.z_prompts, verdict.z, verdict.z_wrong_prompts, verdict.z_wrong
     assert all(abs(v) < 3 for v in z_prompts.values()) and abs(z) < 3, (z_prompts, z)
     assert abs(z_wrong) > 3, (z_wrong_prompts, z_wrong)
+
+
+def test_the_other_layer_numbering_loses_and_diagnose_keeps_the_configured_one(setup, drafter):
+    """The same weights with their before-layer ids read as output-of-layer ids (one layer deeper
+    each, the z-lab numbering's reading of speculators' ids) lose most drafts, and diagnose names
+    the configured reading the consistent one."""
+    from click.testing import CliRunner
+
+    from specreplay.cli import main
+
+    tmp, _, _, _, model_dir, prompts = setup
+    deeper = [i + 1 for i in OUTPUT_IDS]
+    shards = parity.extract(tmp / "both-numberings", model_dir, prompts, MAX_NEW, sorted({*OUTPUT_IDS, *deeper}))
+    out = tmp / "diagnose"
+    args = ["diagnose", "--ckpt", drafter[1], "--shards", shards, "--out", str(out), "--variants", "layers-convention"]
+    run = CliRunner().invoke(main, [*args, "--no-progress"])
+    assert run.exit_code == 0, run.output
+    [table] = [pl.read_parquet(path) for path in out.glob("*/diagnose.parquet")]
+    taus = dict(table.filter(pl.col("metric") == "tau").select("variant", "value").iter_rows())
+    verdict = json.loads(next(out.glob("*/diagnose.json")).read_text())["verdict"]
+    print(
+        f"tau: before-layer ids as configured {taus['as-configured']:.3f}, read as output ids {taus['layers-convention']:.3f}"
+    )
+    assert taus["as-configured"] > 1.8 and taus["layers-convention"] < 0.7 * taus["as-configured"], taus
+    assert "consistent" in verdict[0], verdict

@@ -180,11 +180,24 @@ def test_speculative_tokens_follow_the_block_geometry():
 def test_a_qwen3_next_mtp_head_is_moe_unless_the_resolved_config_says_dense():
     raw = base("mtp:native-qwen3-next")
     del raw["num_experts"]  # Qwen3NextConfig's default, 512 experts, as every engine reads it
-    assert "field 'num_experts' is 512: vLLM, SGLang and llama.cpp build the MTP layer's MLP as a mixture" in (
-        refusal(raw)
-    )
-    parse(raw | {"mlp_only_layers": [0]})
-    parse(raw | {"decoder_sparse_step": 2})
+    moe = parse(raw)
+    assert moe.family_options["moe"] and moe.intermediate_size == 10 * 512 + 512  # top-10 experts + shared
+    assert not parse(raw | {"mlp_only_layers": [0]}).family_options["moe"]
+    assert not parse(raw | {"decoder_sparse_step": 2}).family_options["moe"]
+    assert not parse(base("mtp:native-qwen3-next")).family_options["moe"]  # num_experts 0
+
+
+def test_a_qwen3_5_moe_mtp_head_is_always_moe():
+    """vLLM builds the sparse block for the qwen3_5_moe_text kind by model_type alone; a dense
+    qwen3_5 kind stays dense whatever expert fields it carries (no engine reads them there)."""
+    assert parse(base("mtp:native-moe")).family_options == {
+        "decoder": "qwen3_5_moe_text",
+        "feed_post_norm": True,
+        "moe": True,
+    }
+    assert parse(base("mtp:native-moe") | {"model_type": "qwen3_5_moe_text"}).family_options["moe"]
+    dense = with_field(base("mtp:native"), "text_config.num_experts", 4)
+    assert not parse(dense).family_options["moe"]
 
 
 def test_mask_embedding_beside_the_weights_is_refused(tmp_path):

@@ -64,7 +64,10 @@ def test_the_override_reads_the_file_as_the_named_familys():
 @pytest.mark.parametrize(
     "text, message",
     [
-        ("dflash3", r"no family 'dflash3'; choose from dflash, dflash2, dspark, eagle3, peagle, mtp, ngram"),
+        (
+            "dflash3",
+            r"no family 'dflash3'; choose from dflash, dflash2, xpress, dspark, eagle3, peagle, eagle, mtp, ngram",
+        ),
         ("dspark:z-lab", r"dspark has no layout 'z-lab'; its layouts: deepspec, specforge, speculators"),
     ],
 )
@@ -85,11 +88,11 @@ def test_score_refuses_a_misspelt_family_before_reading_anything(tmp_path):
             "--out",
             str(tmp_path / "o"),
             "--family",
-            "eagle",
+            "eagle4",
         ],
     )
     assert run.exit_code != 0 and run.output.count("error:") == 1, run.output
-    assert "no family 'eagle'" in run.output and "absent" not in run.output  # the family first, before the paths
+    assert "no family 'eagle4'" in run.output and "absent" not in run.output  # the family first, before the paths
     assert not (tmp_path / "o").exists()
 
 

@@ -1,4 +1,4 @@
-"""How a config of an EAGLE-style family (EAGLE-3, P-EAGLE) becomes the project's: the decoder
+"""How a config of an EAGLE-style family (EAGLE-3, P-EAGLE, EAGLE-1/2) becomes the project's: the decoder
 (Llama or Qwen3 layers), the feature layers, the norm switches and the step count, refusing by name
 what the replay does not implement (docs/config-fields.md). Each family's config.py adds its own.
 
@@ -85,7 +85,7 @@ def eagle_config(
     tokens (teacher forced: each step reads the draft before it)."""
     hf = decoder_config(decoder, kind, source)
     check_decoder(decoder, hf, checked, source)
-    check_eagle_decoder(decoder, hf, "" if checked.LAYOUT == "specforge" else "transformer_layer_config.", source)
+    check_eagle_decoder(decoder, hf, "transformer_layer_config." if checked.LAYOUT == "speculators" else "", source)
     config = DrafterConfig(
         **decoder_shape(hf),
         block_size=steps,
@@ -105,7 +105,8 @@ def eagle_config(
         stated_layer_ids=stated,
         layer_convention=checked.CONVENTION,
     )
-    config.draft_vocab_size = draft_vocab(draft_vocab_size, config.vocab_size, source)
+    if draft_vocab_size is not None:  # a reduced vocabulary (EAGLE-1/2 drafts over the target's whole one)
+        config.draft_vocab_size = draft_vocab(draft_vocab_size, config.vocab_size, source)
     if checked.LAYOUT == "specforge":
         check_specforge_eagle(checked, len(config.target_layer_ids), source)
     return config
@@ -126,10 +127,11 @@ def check_decoder(decoder: dict, hf, checked, source: str) -> None:
             f"{decoder['sliding_window']} with use_sliding_window true",
             "specreplay scores EAGLE-style drafters with full attention",
         )
-    if checked.target_hidden_size is not None and checked.target_hidden_size != hf.hidden_size:
+    stated = getattr(checked, "target_hidden_size", None)  # EAGLE-1/2's layout has none
+    if stated is not None and stated != hf.hidden_size:
         refuse_field(
             source,
             "target_hidden_size",
-            checked.target_hidden_size,
+            stated,
             f"the drafter's width is {hf.hidden_size}; the target's embedding then does not fit its first layer",
         )

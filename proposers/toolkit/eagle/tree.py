@@ -1,5 +1,6 @@
-"""EAGLE-3's dynamic tree as sglang builds it, at every anchor of a chunk at once (its verification
-against the stored tokens, and the tree settings: scoring/methods/eagle_tree.py).
+"""The EAGLE dynamic tree as sglang builds it (EAGLE-2's, which sglang drafts for EAGLE-1/2 and
+EAGLE-3 drafters alike), at every anchor of a chunk at once (its verification against the stored
+tokens, and the tree settings: scoring/methods/eagle_tree.py).
 
 sglang (speculative/eagle_worker.py `draft_forward`, eagle_utils.py `select_top_k_tokens`,
 `organize_draft_results`): probabilities are the softmax of a step's draft logits (over the draft

@@ -1,0 +1,109 @@
+"""What the MTP parity tests (tests/parity/test_mtp_parity.py, test_mtp_moe_parity.py) share around
+the online loop of tests/helpers/mtp_online.py: the target's greedy continuations to fit a head on,
+the online loop's runs over the shards' prompts, the replay's per-anchor chains (specreplay's own
+replay_walks on a loaded drafter, which a test may change first: a wrong rule) and the greedy walk
+read from them."""
+
+from __future__ import annotations
+
+import torch
+
+from pipeline.shards import ShardSet
+from proposers.checkpoints.load import load_drafter
+from proposers.toolkit.conventions import REFERENCE, Conventions
+from proposers.toolkit.neural import neural_proposer
+from scoring.methods.chain import CHAIN
+from scoring.replay.anchors import replay_sample, replay_walks
+from scoring.replay.packing import ReplayOptions, prepare_target_head
+from scoring.replay.walk import stop_mask
+from tests.helpers import mtp_online as online
+
+
+def greedy(target, prompt: list[int], max_new: int) -> torch.Tensor:
+    ids = torch.tensor(prompt)
+    for _ in range(max_new):
+        ids = torch.cat([ids, online.target_states(target, ids)[0][-1].argmax()[None]])
+    return ids
+
+
+def fitted_native_head(tmp, prompts: int, max_new: int, *, moe=False, train: int, repeats: int, fit_steps: int):
+    """(target dir, the target, its head, greedy shards of id L, the fit's last loss): mtp_online's
+    tiny target (`moe`: its MoE variant) with its head fitted on the greedy continuations of `train`
+    other prompts and of the `prompts` scored ones (`repeats` times) and saved into its checkpoint."""
+    from tests.helpers import chain_parity as parity
+    from tests.helpers.prompts import write_prompts
+
+    model_dir, target, head = online.build_target(tmp / "target", moe=moe)
+    prompt_ids = parity.prompt_ids(prompts)
+    sequences = [greedy(target, p, max_new) for p in parity.prompt_ids(train, seed=9) + prompt_ids * repeats]
+    loss = online.fit(head, target, sequences, steps=fit_steps, lr=5e-3)
+    online.save_head(head.eval(), model_dir, target if moe else None)
+    written = write_prompts(tmp / "prompts.jsonl", [{"id": f"p{i}", "input_ids": p} for i, p in enumerate(prompt_ids)])
+    layers = target.config.num_hidden_layers
+    shards = parity.extract(tmp / "greedy", model_dir, written, max_new, [layers])  # id L: before the final norm
+    return model_dir, target, head, shards, loss
+
+
+def online_runs(head, target, shards: str, steps: int, max_new: int) -> dict[str, online.OnlineRun]:
+    """The online loop over every stored sample's prompt; its output must be the stored response."""
+    stop_ids = ShardSet(shards).settings["target"]["stop_token_ids"]
+    runs = {}
+    for sample in ShardSet(shards).samples(tensors=[]):
+        run = online.online_mtp(head, target, sample.input_ids[: sample.prompt_len], steps, max_new, stop_ids)
+        assert run.output_ids.tolist() == sample.input_ids.tolist(), sample.sample_id
+        runs[sample.sample_id] = run
+    return runs
+
+
+def _drafter(model_dir: str, shardset: ShardSet, change):
+    drafter, _ = load_drafter(model_dir, target_layers=shardset.settings["target"]["num_layers"])
+    if change is not None:
+        change(drafter)
+    return neural_proposer(drafter), prepare_target_head(shardset.target_head(), "cpu", torch.float32)
+
+
+def replayed(model_dir: str, shards: str, max_new: int, conventions: Conventions = REFERENCE, change=None):
+    """[(sample, its replay result)] along the greedy walks (walk-only mode): the drafter loaded from
+    `model_dir` (then given to `change`, if any) under `conventions`."""
+    shardset = ShardSet(shards)
+    proposer, head = _drafter(model_dir, shardset, change)
+    samples = list(shardset.samples())
+    stop_ids = shardset.settings["target"]["stop_token_ids"]
+    options = ReplayOptions(methods={}, conventions=conventions)
+    results = replay_walks(
+        proposer,
+        head,
+        samples,
+        lambda f: f,
+        [max_new] * len(samples),
+        [CHAIN],
+        [stop_mask(s.input_ids, stop_ids) for s in samples],
+        options,
+    )
+    return list(zip(samples, results))
+
+
+def every_anchor(model_dir: str, shards: str, max_new: int, change=None):
+    """[(sample, its replay result at every anchor)] (all-anchor mode, scoring.replay.anchors.replay_sample)."""
+    shardset = ShardSet(shards)
+    proposer, head = _drafter(model_dir, shardset, change)
+    options = ReplayOptions(methods={})
+    return [(s, replay_sample(proposer, head, s, lambda f: f, max_new, options)) for s in shardset.samples()]
+
+
+def offline_produced(model_dir: str, shards: str, max_new: int, conventions=REFERENCE, change=None):
+    """Each sample's walk (tokens produced a step) replayed under `conventions` (and `change`)."""
+    return {s.sample_id: walk(r, s) for s, r in replayed(model_dir, shards, max_new, conventions, change)}
+
+
+def walk(result, sample) -> list[int]:
+    """Tokens produced per step along the greedy walk from the replay's per-anchor drafts."""
+    produced, position, end = [], sample.prompt_len, sample.input_ids.numel()
+    while position + 1 < end:
+        row = position - sample.prompt_len
+        depth = int(result.depth[row])
+        match = (result.draft_tokens[row, :depth] == result.target_tokens[row, :depth]).long().cumprod(0).sum()
+        step = min(int(match) + 1, end - 1 - position)
+        produced.append(step)
+        position += step
+    return produced

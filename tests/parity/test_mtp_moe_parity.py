@@ -1,0 +1,137 @@
+"""Exactness of an MTP head whose MLP is a mixture of experts: `score --ckpt <target dir>` of a tiny
+Qwen3.5-MoE target (transformers' Qwen3_5MoeForCausalLM, all layers full attention, 4 experts, top-2,
+a gated shared expert) whose `mtp.*` head (transformers' own Qwen3_5MoeDecoderLayer, its sparse MoE
+block) is fitted briefly on the target's greedy continuations and saved one expert at a time, as
+transformers' save_pretrained un-fuses experts, against the online loop of tests/helpers/mtp_online.py
+on that same layer class:
+
+- every walk's `produced` equals the online loop's, step for step;
+- at every anchor the replay's teacher-forced chain equals the reference's own chain (a fresh cache of
+  the stored prefix, then its own drafts) up to and including its first draft the stored response
+  does not hold: the drafts the walk reads, all of them;
+- a wrong rule fails: the routing weights of the top-k not renormalized (transformers' own Qwen3-Next
+  router with norm_topk_prob false), or no shared expert, changes drafts and walks.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tests.helpers import chain_parity as parity, mtp_online as online, mtp_replay as replay
+
+MAX_NEW = 20
+PROMPTS = 6
+STEPS = 3  # the native head's default (mtp.DEFAULT_STEPS)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    yield from parity.one_thread()
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("mtp_moe_parity")
+    model_dir, target, head, shards, loss = replay.fitted_native_head(
+        tmp, PROMPTS, MAX_NEW, moe=True, train=12, repeats=2, fit_steps=300
+    )
+    print(f"fitted MoE head: step-1 loss {loss:.3f}")
+    runs = replay.online_runs(head, target, shards, STEPS, MAX_NEW)
+    return tmp, model_dir, target, head, shards, runs
+
+
+def test_the_checkpoint_names_experts_one_at_a_time(setup):
+    """What the loader maps: transformers' save names each expert's projections, not the fused tensors."""
+    from safetensors import safe_open
+
+    _, model_dir, target, *_ = setup
+    with safe_open(f"{model_dir}/model.safetensors", framework="pt") as handle:
+        names = {n for n in handle.keys() if n.startswith("mtp.layers.0.mlp.")}  # noqa: SIM118
+    experts = target.config.num_experts
+    assert {f"mtp.layers.0.mlp.experts.{i}.up_proj.weight" for i in range(experts)} <= names
+    assert not any(n.endswith("gate_up_proj") for n in names)
+    assert "mtp.layers.0.mlp.shared_expert_gate.weight" in names
+
+
+def test_greedy_walks_equal_the_online_loop(setup):
+    tmp, model_dir, target, head, shards, runs = setup
+    walks = parity.walks(parity.score(model_dir, shards, tmp / "results"))
+    for sample_id, run in runs.items():
+        assert walks[sample_id]["produced"].to_list() == run.produced, sample_id
+    accepted = [n for run in runs.values() for n in run.accepted]
+    produced = [n for run in runs.values() for n in run.produced]
+    print(
+        f"MoE greedy: {len(runs)} walks equal, {len(produced)} steps, tau {np.mean(produced):.3f}, accepted {np.mean(accepted):.3f}"
+    )
+    assert np.mean(accepted) > 1.0, accepted  # a head that accepts: the comparison means something
+    assert STEPS in accepted, accepted
+
+
+def _reference_chains(head, target, sample) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+    """(anchor row, the reference's own drafts, the stored tokens they propose) at every anchor."""
+    ids = sample.input_ids
+    hidden = online.target_states(target, ids)[1]
+    chains = []
+    for t in range(sample.prompt_len, ids.numel() - 1):
+        depth = min(STEPS, ids.numel() - 1 - t)
+        draft = online.DraftCache(head, target.model.embed_tokens)
+        drafts = online.propose(draft, target.lm_head, hidden, ids, t, depth)
+        chains.append((t - sample.prompt_len, drafts, ids[t + 1 : t + 1 + depth]))
+    return chains
+
+
+def _anchors_equal(setup, change=None) -> tuple[int, int, int]:
+    """(anchors whose read drafts equal the reference's, anchors, drafts compared)."""
+    _, model_dir, target, head, shards, _ = setup
+    same = total = compared = 0
+    for sample, result in replay.every_anchor(model_dir, shards, MAX_NEW, change=change):
+        assert bool(result.computed.all())
+        for row, drafts, stored in _reference_chains(head, target, sample):
+            # the reference's chain reads its own drafts, the replay's the stored tokens: alike up to
+            # and including the first draft the stored response does not hold
+            read = min(int((drafts == stored).long().cumprod(0).sum()) + 1, drafts.numel())
+            assert int(result.depth[row]) == drafts.numel()
+            same += torch.equal(result.draft_tokens[row, :read], drafts[:read])
+            total, compared = total + 1, compared + read
+    return same, total, compared
+
+
+def test_every_anchor_equals_the_reference(setup):
+    same, total, compared = _anchors_equal(setup)
+    print(f"MoE all-anchor: {same}/{total} anchors equal the reference ({compared} drafts)")
+    assert same == total > 0
+
+
+def _unnormalized_top_k(drafter) -> None:
+    """The routing weights of the top-k left unnormalized: transformers' Qwen3-Next router, whose
+    norm_topk_prob false is that rule, with the head's own router weight."""
+    from transformers import Qwen3NextConfig
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextTopKRouter
+
+    mlp = drafter.layers[0].mlp
+    experts, hidden = mlp.gate.weight.shape
+    config = Qwen3NextConfig(
+        hidden_size=hidden, num_experts=experts, num_experts_per_tok=mlp.gate.top_k, norm_topk_prob=False
+    )
+    router = Qwen3NextTopKRouter(config)
+    router.weight = mlp.gate.weight
+    mlp.gate = router
+
+
+def _no_shared_expert(drafter) -> None:
+    """The shared expert left out: its output projection zero."""
+    with torch.no_grad():
+        drafter.layers[0].mlp.shared_expert.down_proj.weight.zero_()
+
+
+@pytest.mark.parametrize("wrong", [_unnormalized_top_k, _no_shared_expert], ids=["top-k unnormalized", "no shared"])
+def test_a_wrong_expert_rule_fails(setup, wrong):
+    tmp, model_dir, target, head, shards, runs = setup
+    same, total, _ = _anchors_equal(setup, change=wrong)
+    walks = replay.offline_produced(model_dir, shards, MAX_NEW, change=wrong)
+    differ = sum(walks[k] != run.produced for k, run in runs.items())
+    tau = np.mean([n for w in walks.values() for n in w])
+    print(f"{wrong.__name__}: {total - same}/{total} anchors differ, {differ}/{len(runs)} walks differ, tau {tau:.3f}")
+    assert same < total and differ > 0

@@ -1,0 +1,121 @@
+"""XPress checkpoints as speculators saves them: detected, scored end to end through the CLI (chain
+rows, no DDTree: each draft reads the drafts before it), and each bad input one `error:` line naming
+its field, nothing written; shards sampled at T > 0 refused the same way. The checkpoint is
+speculators' own XPressDraftModel with random weights (the exactness of its drafts is
+tests/parity/test_xpress_parity.py's)."""
+
+from __future__ import annotations
+
+import json
+
+import polars as pl
+import pytest
+from click.testing import CliRunner
+from safetensors.torch import load_file, save_file
+
+from pipeline.extract.config import ExtractConfig
+from pipeline.extract.run import run_extract
+from proposers.checkpoints.load import load_proposer
+from specreplay.cli import main
+from tests.helpers.models import TINY_HIDDEN, TINY_VOCAB
+from tests.helpers.prompts import write_prompts
+from tests.helpers.xpress_online import random_xpress
+
+AUX_IDS = (2, 4)  # speculators' before-layer ids: the outputs of layers 1 and 3, as the shards store them
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory) -> str:
+    from bench.standins import write_synthetic_shards
+
+    out = tmp_path_factory.mktemp("xpress") / "shards"
+    write_synthetic_shards(out, [14, 12], TINY_HIDDEN, TINY_VOCAB, 6, [1, 3], top_k=4, prompt_tokens=4)
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory) -> str:
+    return random_xpress(
+        tmp_path_factory.mktemp("xpress") / "ckpt", vocab=TINY_VOCAB, hidden=TINY_HIDDEN, aux_ids=AUX_IDS
+    )
+
+
+def _score(ckpt: str, shards: str, out, *extra) -> tuple:
+    run = CliRunner().invoke(main, ["score", "--ckpt", ckpt, "--shards", shards, "--out", str(out), "--quiet", *extra])
+    return run, out
+
+
+def test_a_speculators_checkpoint_is_xpress_with_a_whole_untaught_block(ckpt):
+    proposer, _ = load_proposer(ckpt, target_layers=6)
+    config = proposer.config
+    assert (proposer.family, proposer.layout) == ("xpress", "speculators")
+    assert not proposer.independent_drafts and proposer.max_drafts == 3
+    assert config.whole_block and not config.teacher_forced_block and not config.drafts_from_anchor
+    assert config.family_options == {"xpress_rank": 8, "xpress_mlp_ratio": 2, "num_jacobi_passes": 2}
+    assert proposer.needs.feature_layers == (1, 3)
+    assert tuple(proposer.model.refiner_head.mix_l.shape) == (8, 4, 4)
+
+
+def test_score_writes_chain_rows_under_its_family(ckpt, shards, tmp_path):
+    run, out = _score(ckpt, shards, tmp_path / "results", "--ddtree-budgets", "8", "--anchor-drafts")
+    assert run.exit_code == 0, run.output
+    [result] = [p for p in out.iterdir() if p.is_dir()]
+    summary = pl.read_parquet(result / "summary.parquet")
+    assert set(summary["drafter_family"]) == {"xpress"}
+    assert set(summary["method"]) == {"chain"}  # no DDTree: the drafts depend on each other
+    anchors = pl.read_parquet(result / "anchors.parquet")
+    # the block is never cut at the budget: 3 drafts at every anchor, the last ones included
+    assert set(anchors["block_len"]) == {4}, anchors["block_len"].unique()
+
+
+def _copy(ckpt: str, tmp_path, edit_config=None, edit_state=None) -> str:
+    """A copy of the checkpoint with its config.json and/or weights changed."""
+    out = tmp_path / "bad"
+    out.mkdir()
+    config = json.loads(open(f"{ckpt}/config.json").read())
+    state = load_file(f"{ckpt}/model.safetensors")
+    (edit_config or (lambda c: None))(config)
+    (edit_state or (lambda s: None))(state)
+    (out / "config.json").write_text(json.dumps(config))
+    save_file(state, str(out / "model.safetensors"))
+    return str(out)
+
+
+BAD = {
+    "drafts from the anchor": (lambda c: c.update(sample_from_anchor=True), None, "field 'sample_from_anchor'"),
+    "a reduced draft vocabulary": (lambda c: c.update(draft_vocab_size=256), None, "field 'draft_vocab_size'"),
+    "no mask token": (lambda c: c.pop("mask_token_id"), None, "missing field 'mask_token_id'"),
+    "negative passes": (lambda c: c.update(num_jacobi_passes=-1), None, "num_jacobi_passes"),
+    "a rank the weights do not have": (lambda c: c.update(xpress_rank=16), None, "refiner_head"),
+    "no refiner mixer": (None, lambda s: s.pop("refiner_head.mix_l"), "refiner_head.mix_l"),
+    "no refiner readout": (None, lambda s: s.pop("refiner_head.readout.weight"), "refiner_head.readout.weight"),
+    "served block other than block_size": (
+        lambda c: c["speculators_config"]["proposal_methods"][0].update(speculative_tokens=5),
+        None,
+        "speculative_tokens",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_a_bad_checkpoint_is_one_error_naming_its_field(ckpt, shards, tmp_path, case):
+    edit_config, edit_state, message = BAD[case]
+    run, out = _score(_copy(ckpt, tmp_path, edit_config, edit_state), shards, tmp_path / "results")
+    assert run.exit_code != 0 and run.output.count("error:") == 1, run.output
+    assert message in run.output, run.output
+    assert "Traceback" not in run.output and not any(out.glob("*/summary.parquet"))
+
+
+def test_sampled_shards_are_one_error(ckpt, tiny_qwen3_dir, tmp_path):
+    prompts = write_prompts(tmp_path / "prompts.jsonl", [{"id": "a", "input_ids": [5, 6, 7, 8]}])
+    shards = str(tmp_path / "sampled")
+    run_extract(
+        ExtractConfig(
+            model=tiny_qwen3_dir, prompts=prompts, out=shards, max_new_tokens=6, layer_ids=[1, 3], top_k=4,
+            dtype="fp32", temperature=0.7, num_samples=2,
+        )
+    )  # fmt: skip
+    run, out = _score(ckpt, shards, tmp_path / "results")
+    assert run.exit_code != 0 and run.output.count("error:") == 1, run.output
+    assert "greedy shards only" in run.output and "T=0.7" in run.output, run.output
+    assert "Traceback" not in run.output and not any(out.glob("*/summary.parquet"))
