@@ -58,7 +58,7 @@ def check_zlab(checked, config, source: str) -> None:
     options = checked.dflash_config
     _zlab_other_drafters(checked, options, source)
     if options is not None:
-        _zlab_attention(options, config, source)
+        _zlab_attention(options, source)
     if checked.add_swa_attention_sink_bias:
         refuse(source, "add_swa_attention_sink_bias", True, SINKS)
     if options is not None and options.sample_from_anchor:  # at the top level no engine reads it for DFlash
@@ -104,25 +104,9 @@ def _zlab_other_drafters(checked, options, source: str) -> None:
         )
 
 
-def _zlab_attention(options, config, source: str) -> None:
-    """dflash_config's attention keys the replay does not implement (causal and attention_value_scale it does)."""
-    if options.use_swa:
-        refuse(
-            source,
-            "dflash_config.use_swa",
-            True,
-            "vLLM and llama.cpp then put a sliding window (dflash_config.swa_window_size, else sliding_window) on "
-            "every layer and SGLang none; specreplay windows the layers layer_types says",
-        )
-    window = options.swa_window_size
-    if window is not None and "sliding_attention" in config.layer_types and window != config.sliding_window:
-        refuse(
-            source,
-            "dflash_config.swa_window_size",
-            window,
-            f"vLLM and llama.cpp window the sliding layers with it, SGLang and specreplay with sliding_window "
-            f"({config.sliding_window})",
-        )
+def _zlab_attention(options, source: str) -> None:
+    """dflash_config's attention keys the replay does not implement (causal, attention_value_scale,
+    use_swa and swa_window_size it does: proposers/toolkit/qwen3_decoder.py)."""
     if options.attention_sink_bias:
         refuse(source, "dflash_config.attention_sink_bias", True, SINKS)
 

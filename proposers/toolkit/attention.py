@@ -31,6 +31,7 @@ def block_masks(
     window: int | None,
     ctx_starts: torch.Tensor | None = None,
     context_offset: int = 0,
+    both_ways: bool = True,
 ) -> DenseMask:
     """Visibility for blocks starting at `anchors` (positions within their sample) over a
     context of ctx_len keys, in which each anchor's sample starts at `ctx_starts` (0 when the
@@ -40,8 +41,8 @@ def block_masks(
     position p is visible to the query at q = anchor + i iff p < anchor (the drafter only sees
     context before its block) and, for sliding layers, q - p < window. Inside the block,
     full-attention layers are bidirectional; causal layers see k <= i; windowed layers
-    |i - k| < window (or i - k when causal). `context_offset` (Conventions) moves the context's
-    end, and so the queries' place in the key sequence, to anchor + context_offset.
+    |i - k| < window (or i - k when causal, or when not `both_ways`: llama.cpp's window). `context_offset`
+    (Conventions) moves the context's end, and so the queries' place in the key sequence, to anchor + context_offset.
     """
     device = anchors.device
     i = torch.arange(block_len, device=device)
@@ -54,10 +55,12 @@ def block_masks(
         ctx_visible = ctx_visible & ((query_pos[:, :, None] - pos) < window)
     else:
         ctx_visible = ctx_visible.expand(len(anchors), block_len, ctx_len)
-    return DenseMask(ctx_visible, block_visibility(block_len, is_causal, window, device))
+    return DenseMask(ctx_visible, block_visibility(block_len, is_causal, window, device, both_ways))
 
 
-def block_visibility(block_len: int, is_causal: bool, window: int | None, device=None) -> torch.Tensor:
+def block_visibility(
+    block_len: int, is_causal: bool, window: int | None, device=None, both_ways: bool = True
+) -> torch.Tensor:
     """[b, b] bool: block query i sees block key k (see `block_masks`); the diagonal always."""
     i = torch.arange(block_len, device=device)
     block_visible = torch.ones(block_len, block_len, dtype=torch.bool, device=device)
@@ -66,7 +69,7 @@ def block_visibility(block_len: int, is_causal: bool, window: int | None, device
         block_visible &= rel >= 0
     if window is not None:
         block_visible &= rel < window
-        if not is_causal:
+        if not is_causal and both_ways:
             block_visible &= -rel < window
     return block_visible
 
@@ -79,6 +82,7 @@ def flex_block_mask(
     window: int | None,
     ctx_starts: torch.Tensor | None = None,
     context_offset: int = 0,
+    both_ways: bool = True,
 ):
     """The same visibility as `block_masks` as one block-sparse flex_attention mask.
 
@@ -90,6 +94,7 @@ def flex_block_mask(
 
     b, T = block_len, ctx_len
     W = window if window is not None else 1 << 30
+    later = W if both_ways else 1 << 30  # how far past the query a bidirectional block key stays visible
     starts = torch.zeros_like(anchors) if ctx_starts is None else ctx_starts
 
     def visible(_batch, _head, q_idx, kv_idx):
@@ -100,7 +105,7 @@ def flex_block_mask(
         j = kv_idx - T
         k = j % b
         blk_ok = (j // b == a) & (i - k < W)
-        blk_ok = blk_ok & (k <= i) if is_causal else blk_ok & (k - i < W)
+        blk_ok = blk_ok & (k <= i) if is_causal else blk_ok & (k - i < later)
         return torch.where(kv_idx < T, ctx_ok, blk_ok)
 
     n = anchors.numel() * b
@@ -168,6 +173,7 @@ def blockwise_plan(
     window: int | None,
     ctx_starts: torch.Tensor | None = None,
     context_offset: int = 0,
+    both_ways: bool = True,
     *,
     key_chunk: int = KEY_CHUNK,
     tile_anchors: int = TILE_ANCHORS,
@@ -186,7 +192,7 @@ def blockwise_plan(
         chunks = span.key_chunks(key_chunk)
         if chunks:
             tiles.append(_context_tile(rows, start, span, chunks, anchors.device))
-    return BlockwisePlan(tiles, block_visibility(block_len, is_causal, window, anchors.device))
+    return BlockwisePlan(tiles, block_visibility(block_len, is_causal, window, anchors.device, both_ways))
 
 
 def _anchor_runs(starts: list[int], ends: list[int], size: int) -> list[list[int]]:

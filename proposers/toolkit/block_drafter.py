@@ -126,8 +126,11 @@ class BlockDrafter(DraftHead):
         for index, layer in enumerate(self.layers):
             kind = self.config.layer_mask_kind(index, conventions)
             if kind not in masks:
+                causal, window, both_ways = kind
                 with timing.stage("masks"):
-                    masks[kind] = make_mask(anchors, b, ctx_len, *kind, ctx_starts, conventions.context_offset)
+                    masks[kind] = make_mask(
+                        anchors, b, ctx_len, causal, window, ctx_starts, conventions.context_offset, both_ways=both_ways
+                    )
             ctx_k, ctx_v = context[index]
             h = layer(h, cos, sin, ctx_k, ctx_v, masks[kind])
         return self.norm(h)

@@ -51,6 +51,9 @@ class DrafterConfig:
     layout: str = "z-lab"  # whose config.json layout it was read from (messages, run.json)
     # speculators: sliding-window layers are bidirectional inside the block when true
     sliding_non_causal: bool = False
+    # z-lab `dflash_config.use_swa` over layer_types without a sliding layer: every layer windowed,
+    # each keeping layer_types' causality (vLLM's and llama.cpp's reading)
+    window_every_layer: bool = False
     # every block query drafts (DSpark, `sample_from_anchor`): slot k of [x_t, mask, ...] proposes
     # t + k + 1, B drafts a block; else slot 0 is the anchor and B - 1 drafts
     drafts_from_anchor: bool = False
@@ -107,12 +110,17 @@ class DrafterConfig:
         return max(0, block_len - self.first_draft_slot)
 
     def layer_window(self, index: int) -> int | None:
-        return self.sliding_window if self.layer_types[index] == "sliding_attention" else None
+        windowed = self.window_every_layer or self.layer_types[index] == "sliding_attention"
+        return self.sliding_window if windowed else None
 
-    def layer_mask_kind(self, index: int, conventions: Conventions = REFERENCE) -> tuple[bool, int | None]:
-        """(causal inside the block, sliding window or None) of layer `index` under `conventions`."""
+    def layer_mask_kind(self, index: int, conventions: Conventions = REFERENCE) -> tuple[bool, int | None, bool]:
+        """(causal inside the block, sliding window or None, whether the window also hides later
+        block keys of a bidirectional layer) of layer `index` under `conventions`."""
         window = {"configured": self.layer_window(index), "none": None, "everywhere": self.sliding_window}
-        return self.layer_is_causal(index) or conventions.causal_block, window[conventions.window]
+        if conventions.llama_block:
+            causal = bool(self.is_causal) or conventions.causal_block
+            return causal, window[conventions.window], causal
+        return self.layer_is_causal(index) or conventions.causal_block, window[conventions.window], True
 
     def scales(self, conventions: Conventions = REFERENCE) -> tuple[float, float, float | None]:
         """(input_embedding_scale, output_multiplier, final_logit_softcapping) under `conventions`."""

@@ -48,6 +48,11 @@ class Conventions:
     # request), so the chain's slots and steps sit one position later than vLLM's and every anchor
     # sees one slot more. Reference: slot s reads (x_{s+1}, row s) at position s.
     lead_slot: bool = False
+    # True: llama.cpp's DFlash graph (every block family under --walk-rule llama.cpp): one causality
+    # for every layer, is_causal's, absent bidirectional (common/speculative.cpp:990-991,1063: not
+    # layer_types'), and a window hiding only keys w or more before the query (src/llama-hparams.h:
+    # 475-487), so a bidirectional windowed layer sees every later slot of its block.
+    llama_block: bool = False
 
     def __post_init__(self):
         if self.window not in WINDOW_MODES:

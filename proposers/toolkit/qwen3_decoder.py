@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from transformers import Qwen3Config
 
-from proposers.fields.decoder_rules import check_block_decoder
+from proposers.fields.decoder_rules import check_block_decoder, refuse
 from proposers.toolkit.config import DrafterConfig, DrafterConfigError, decoder_shape, transformers_config
 
 
@@ -72,12 +72,45 @@ def zlab_attention(checked) -> dict:
     return {"is_causal": causal, "attention_value_scale": 1.0 if scale is None else float(scale)}
 
 
+def zlab_windows(checked, raw: dict, decoder: dict, source: str) -> dict:
+    """`dflash_config.use_swa` and `swa_window_size` as vLLM (qwen3_dflash.py:96-156) and llama.cpp
+    (conversion/qwen.py:740-747) both read them: swa_window_size, else sliding_window, windows the
+    sliding layers; use_swa over layer_types without a sliding layer windows every layer, whose
+    causality layer_types still decides. Where the two engines part, refused by name."""
+    options = checked.dflash_config
+    use_swa = bool(options is not None and options.use_swa)
+    size = None if options is None else options.swa_window_size
+    types = decoder["layer_types"]
+    sliding = types.count("sliding_attention")
+    if use_swa and 0 < sliding < len(types):
+        refuse(
+            source,
+            "dflash_config.use_swa",
+            True,
+            "with layer_types mixing sliding and full layers vLLM windows its sliding layers only and llama.cpp "
+            "every layer; set every layer_types entry to sliding_attention, or use_swa to false",
+        )
+    if use_swa and size is None and not (raw.get("use_sliding_window") and raw.get("sliding_window")):
+        refuse(
+            source,
+            "dflash_config.use_swa",
+            True,
+            f"without dflash_config.swa_window_size vLLM takes Qwen3Config's sliding_window (dropped unless "
+            f"use_sliding_window is true) and llama.cpp the file's ({raw.get('sliding_window')!r}); "
+            f"set dflash_config.swa_window_size",
+        )
+    windowed = use_swa or sliding > 0
+    window = int(size) if windowed and size is not None else decoder["sliding_window"]
+    return {"sliding_window": window, "window_every_layer": use_swa and not sliding}
+
+
 def zlab_block_fields(checked, raw: dict, source: str) -> dict:
     """The DrafterConfig fields a z-lab DFlash or DFlash2 config shares: the checked decoder, the
     block fields read from dflash_config first, then the top level, and the attention fields."""
     softcap = checked.value("final_logit_softcapping")
+    decoder = checked_decoder_fields(raw, source, own_model_type=True)
     return dict(
-        **checked_decoder_fields(raw, source, own_model_type=True),
+        **decoder | zlab_windows(checked, raw, decoder, source),
         block_size=checked.value("block_size", 16),
         mask_token_id=checked.value("mask_token_id"),
         target_layer_ids=checked.feature_layers(source),

@@ -42,8 +42,8 @@ class DFlashOptions(DrafterNamespace):
     projector_type: str | None = None  # refused unless absent ('dspark' is SpecForge's DSpark layout)
     causal: bool | None = None  # every layer's block causality when is_causal is absent (vLLM, llama.cpp)
     attention_value_scale: Number | None = None  # values scaled (vLLM, sglang; llama.cpp after o_proj)
-    use_swa: bool | None = None  # refused when true: a window on every layer (vLLM, llama.cpp)
-    swa_window_size: Positive | None = None  # refused when it changes a sliding layer's window
+    use_swa: bool | None = None  # a window on every layer (vLLM, llama.cpp): qwen3_decoder.zlab_windows
+    swa_window_size: Positive | None = None  # the sliding layers' window (vLLM, llama.cpp)
     attention_sink_bias: bool | None = None  # refused when true: learned attention sinks
     sample_from_anchor: bool | None = None  # refused when true: vLLM refuses it for DFlash
     use_aux_hidden_state: bool | None = None  # refused when false: no fc over target features

@@ -8,7 +8,8 @@ accepted-draft counts they report. docs/walk-rules.md gives every rule with its 
                 before the drafter runs; it reports acceptance lengths (`produced`)
     llama.cpp   llama-server: the full block is drafted, then cut to the budget minus one; a step with
                 no draft left is a plain decode (0 drafted); a stop token matched as the last draft
-                counts as accepted; an MTP head's draft KV holds one slot more (Conventions.lead_slot)
+                counts as accepted; an MTP head's draft KV holds one slot more (Conventions.lead_slot);
+                a block drafter attends as llama.cpp's DFlash graph (Conventions.llama_block)
     vllm        vLLM: the full block is drafted and verified; accepted drafts past the stop token or
                 the budget are counted too (the stored response cannot say how many: a lower bound)
     sglang      SGLang: as vLLM
@@ -23,7 +24,12 @@ import torch
 from proposers.toolkit.conventions import REFERENCE, Conventions
 from scoring.config import WALK_RULES
 
-BIG = 1 << 30  # `remaining` that never shortens a block
+BIG = 1 << 30
+BLOCK_FAMILIES = (
+    "dflash",
+    "dflash2",
+    "dspark",
+)  # served by llama.cpp's one DFlash graph (src/models/dflash.cpp)  # `remaining` that never shortens a block
 
 
 @dataclass(frozen=True)
@@ -41,11 +47,17 @@ class WalkRule:
     cuts_to_budget: bool  # llama.cpp: drafts cut to the budget minus one before verification
     counts_past_end: bool  # vLLM, SGLang: accepted drafts past the stop token or the budget are counted
     mtp_lead_slot: bool = False  # llama.cpp: an MTP head's draft KV holds the prompt's first token too
+    llama_block: bool = False  # llama.cpp: a block drafter's causality and window as its DFlash graph's
 
     def conventions(self, family: str) -> Conventions:
-        """How the replay computes a drafter of `family` under this loop: the reference's, except an
-        MTP head under llama.cpp (its extra first slot: Conventions.lead_slot)."""
-        return Conventions(lead_slot=True) if self.mtp_lead_slot and family == "mtp" else REFERENCE
+        """How the replay computes a drafter of `family` under this loop: the reference's, except under
+        llama.cpp an MTP head (its extra first slot: Conventions.lead_slot) and a block drafter (its
+        graph's causality and window: Conventions.llama_block)."""
+        if self.mtp_lead_slot and family == "mtp":
+            return Conventions(lead_slot=True)
+        if self.llama_block and family in BLOCK_FAMILIES:
+            return Conventions(llama_block=True)
+        return REFERENCE
 
     @property
     def truncates_block(self) -> bool:
@@ -92,7 +104,7 @@ RULES = {
     rule.name: rule
     for rule in (
         WalkRule("dflash", cuts_to_budget=False, counts_past_end=False),
-        WalkRule("llama.cpp", cuts_to_budget=True, counts_past_end=False, mtp_lead_slot=True),
+        WalkRule("llama.cpp", cuts_to_budget=True, counts_past_end=False, mtp_lead_slot=True, llama_block=True),
         WalkRule("vllm", cuts_to_budget=False, counts_past_end=True),
         WalkRule("sglang", cuts_to_budget=False, counts_past_end=True),
     )

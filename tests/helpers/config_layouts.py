@@ -211,7 +211,7 @@ REFUSALS = [
 # (layout, the field the error names, the changes that make the config refused)
 SLIDING = {"layer_types": ["sliding_attention", "full_attention"], "use_sliding_window": True, "sliding_window": 8}
 PRIOR_REFUSALS = [
-    ("dflash:z-lab", "dflash_config.swa_window_size", {**SLIDING, "dflash_config.swa_window_size": 4}),
+    ("dflash:z-lab", "dflash_config.use_swa", {**SLIDING, "dflash_config.use_swa": True}),
     ("dflash:speculators", "sample_from_anchor", {"sample_from_anchor": True}),
     ("dflash2:speculators", "draft_vocab_size", {"draft_vocab_size": 256}),
     ("xpress:speculators", "sample_from_anchor", {"sample_from_anchor": True}),

@@ -42,6 +42,7 @@ class Recipe:
     aux_ids: tuple[int, ...] = (2, 4)
     block_size: int = 4
     draft_vocab_size: int | None = None
+    layers: int = 1  # the drafter's decoder layers
     steps: int = 60
     anchors: int = 128  # anchors per step, drawn by the drafter's own select_anchors
     lr: float = 1e-2
@@ -184,7 +185,9 @@ def new_drafter(recipe: Recipe, target_dir: str, sequences):
     from transformers import AutoConfig, Qwen3Config
 
     target = AutoConfig.from_pretrained(target_dir)
-    decoder = Qwen3Config(vocab_size=target.vocab_size, hidden_size=target.hidden_size, num_hidden_layers=1, **DECODER)
+    decoder = Qwen3Config(
+        vocab_size=target.vocab_size, hidden_size=target.hidden_size, num_hidden_layers=recipe.layers, **DECODER
+    )
     decoder._attn_implementation = "eager"  # flex attention needs a compiler; eager runs anywhere
     settings = SpeculatorsConfig(
         algorithm=recipe.family,

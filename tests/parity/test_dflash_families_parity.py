@@ -402,3 +402,41 @@ def test_sampled_wrong_rule_is_rejected(sampled, tmp_path, monkeypatch):
     z, line = _z([t for v in offline.values() for t in v], [t for v in online.values() for t in v])
     print(f"{family} {sampling.describe()} {name}: {line}")
     assert abs(z) > 3, line
+
+
+# ---------------------------------------------------------------------------------------------
+# block attention z-lab's dflash 0.1.0 reads: is_causal (every layer's block causal, a JetSpec-style
+# causal block) and layer_types' sliding layers with sliding_window, windowed both ways inside the
+# block when is_causal is false (dflash/model.py:157-170, 363-367)
+
+ZLAB_ATTENTION = {  # name -> (fields set on the twin, the plausible wrong reading)
+    "causal": ({"is_causal": True}, {"is_causal": False}),
+    "window": ({"sliding_window": 12, "use_sliding_window": True, "is_causal": False}, {"sliding_window": 13}),
+}
+
+
+def _with_fields(source: str, out, fields: dict) -> str:
+    """A copy of the z-lab checkpoint at `source` with top-level `fields` set (a window on every layer)."""
+    config = json.load(open(f"{source}/config.json"))
+    if "sliding_window" in fields:
+        config["layer_types"] = ["sliding_attention"] * config["num_hidden_layers"]
+    os.makedirs(out)
+    os.link(f"{source}/model.safetensors", f"{out}/model.safetensors")
+    json.dump(config | fields, open(f"{out}/config.json", "w"))
+    return str(out)
+
+
+@pytest.mark.parametrize("name", list(ZLAB_ATTENTION))
+def test_zlab_block_attention_walks_equal_dflash_generate(greedy, dflash, name):
+    tmp, model_dir, shards, target, _ = greedy
+    fields, wrong = ZLAB_ATTENTION[name]
+    path = _with_fields(dflash[1], tmp / f"zlab-{name}", fields)
+    online = _reference_walks(fits.load_zlab(path), target, shards)
+    assert _walks(chains.score(path, shards, tmp / f"results-{name}")) == online
+    misread = _walks(chains.score(_with_fields(path, tmp / f"zlab-{name}-wrong", wrong), shards, tmp / f"wrong-{name}"))
+    steps = [n for lengths in online.values() for n in lengths]
+    differing = sum(misread[sid] != walk for sid, walk in online.items())
+    print(
+        f"{name}: {sum(steps) / len(steps):.2f} tokens a step; {wrong} differs on {differing} of {len(online)} samples"
+    )
+    assert sum(steps) / len(steps) > 1.3 and differing > 0

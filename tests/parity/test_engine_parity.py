@@ -27,6 +27,8 @@ import shutil
 import pytest
 
 from pipeline.shards import ShardSet
+from proposers.toolkit.conventions import REFERENCE
+from scoring.replay.walk_rules import WalkRule
 from tests.helpers import chain_parity as chains, engine_parity as parity, family_fits as fits, llama_engine as engine
 from tests.helpers.eagle3_reference import write_specforge
 from tests.helpers.prompts import write_prompts
@@ -37,6 +39,7 @@ TARGET_LAYERS = 8  # llama.cpp's converter's EAGLE-3 default layers [2, L // 2, 
 # extract's (output-of-layer) ids: the DFlash/DSpark aux ids 2, 4 (speculators: before layer i), EAGLE-3's 2, 4, 5
 LAYERS = [1, 3, 4]
 DFLASH = fits.Recipe("dflash", steps=100, anchors=16)
+DFLASH_TWO_LAYERS = fits.Recipe("dflash", layers=2, steps=100, anchors=16)
 DSPARK = fits.Recipe("dspark", steps=100, anchors=16)  # sample_from_anchor: a block of block_size drafts
 DFLASH2 = fits.Recipe("dflash2", steps=100, anchors=16)
 DFLASH2_TOP_K = 4  # llama.cpp refuses hidden < top_k * (top_k + 1) (src/models/dflash.cpp:149-151)
@@ -70,6 +73,15 @@ def dflash(setup):
     ckpt = fits.fitted(DFLASH, setup.target, setup.sequences, setup.tmp / "speculators-dflash")
     twin = fits.zlab_layout(ckpt, setup.tmp / "zlab-dflash", num_target_layers=TARGET_LAYERS)
     return parity.converted(setup, "dflash", "z-lab", twin, "draft-dflash", DFLASH.block_size - 1)
+
+
+@pytest.fixture(scope="module")
+def dflash_two_layers(setup):
+    """As `dflash`, with two decoder layers: a change to one slot's first-layer output reaches
+    every slot that sees it in the second layer."""
+    ckpt = fits.fitted(DFLASH_TWO_LAYERS, setup.target, setup.sequences, setup.tmp / "speculators-dflash-2l")
+    twin = fits.zlab_layout(ckpt, setup.tmp / "zlab-dflash-2l", num_target_layers=TARGET_LAYERS)
+    return parity.converted(setup, "dflash", "z-lab-2l", twin, "draft-dflash", DFLASH_TWO_LAYERS.block_size - 1)
 
 
 @pytest.fixture(scope="module")
@@ -181,3 +193,68 @@ def test_compare_online_and_the_gguf_drafter_against_llama_server(setup, dflash)
         code, report = outcomes[name]
         differing = [row for row in report["samples"] if row["verdict"] == "differs"]
         assert code == 1 and differing and all(wanted in row["points_at"] for row in differing), (name, report)
+
+
+# z-lab DFlash fields llama.cpp reads and z-lab's dflash 0.1.0 does not, each served as its GGUF: the
+# fitted drafter's weights under another config (top-level fields, and dflash_config's), and the
+# same weights under a wrong reading of it (the rule the case checks) scored too, whose walk must
+# differ from the server's somewhere. GRAPH_AS_VLLM reads the drafter with vLLM's and z-lab's block
+# attention instead of llama.cpp's graph (Conventions.llama_block): sliding layers causal when
+# is_causal is absent, a bidirectional window hiding later block keys too.
+GRAPH_AS_VLLM = "vLLM's block attention"
+VARIANTS = [  # (name, the drafter fixture, top-level fields, dflash_config fields, wrong readings)
+    (
+        "swa-causal",
+        "dflash",
+        {},
+        dict(use_swa=True, swa_window_size=3, causal=True),
+        [dict(swa_window_size=4), dict(causal=False)],
+    ),
+    # window 3 < the block's 4 slots: slot 0 sees slot 3 in vLLM's window, not in llama.cpp's
+    (
+        "swa-bidirectional",
+        "dflash_two_layers",
+        {},
+        dict(use_swa=True, swa_window_size=3),
+        [dict(swa_window_size=4), GRAPH_AS_VLLM],
+    ),
+    (
+        "sliding-layers",
+        "dflash",
+        dict(layer_types=["sliding_attention"], use_sliding_window=True, sliding_window=8),
+        {},
+        [GRAPH_AS_VLLM],
+    ),
+    ("value-scale", "dflash", {}, dict(attention_value_scale=1.25), [dict(attention_value_scale=1.0)]),
+]
+
+
+def with_fields(source: str, out, top: dict, dflash: dict) -> str:
+    """A copy of the z-lab checkpoint at `source` with `top` set at its top level, `dflash` in its dflash_config."""
+    shutil.copytree(source, out)
+    config = json.loads((out / "config.json").read_text()) | top
+    config["dflash_config"].update(dflash)
+    (out / "config.json").write_text(json.dumps(config))
+    return str(out)
+
+
+@pytest.mark.parametrize(("name", "drafter", "top", "dflash_fields", "wrongs"), VARIANTS, ids=[v[0] for v in VARIANTS])
+def test_dflash_variant_counts_equal_llama_server(setup, request, name, drafter, top, dflash_fields, wrongs):
+    dflash = request.getfixturevalue(drafter)
+    n_max = dflash.drafts  # the trained block: 4 queries
+    path = with_fields(dflash.path, setup.tmp / f"zlab-{name}", top, dflash_fields)
+    variant = parity.converted(setup, "dflash", name, path, "draft-dflash", dflash.drafts)
+    # a drafter fitted without a window accepts less through a narrow one: 0.2 to 0.4 drafts a step
+    walk = parity.assert_engine_counts(setup, variant, n_max, per_step=0.05)
+    steps = dict(walk_rule="llama.cpp", steps=n_max, eagle_trees=[])
+    for i, wrong in enumerate(wrongs):
+        with pytest.MonkeyPatch.context() as patch:
+            if wrong == GRAPH_AS_VLLM:
+                patch.setattr(WalkRule, "conventions", lambda self, family: REFERENCE)
+                misread = path
+            else:
+                misread = with_fields(path, setup.tmp / f"zlab-{name}-wrong{i}", {}, wrong)
+            counts = engine.walk_counts(chains.score(misread, setup.shards, setup.tmp / f"{name}-wrong{i}", **steps))
+        differing = sum(counts.get(sid) != served for sid, served in walk.items())
+        print(f"{name}: {wrong} differs from the server on {differing} of {len(walk)} samples")
+        assert differing > 0, (name, wrong)

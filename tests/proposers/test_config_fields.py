@@ -22,7 +22,7 @@ from proposers.fields.decoder_rules import shown
 from proposers.toolkit.attention import block_masks
 from proposers.toolkit.layout_fields import UNKNOWN_KEY
 from specreplay.cli import main
-from tests.helpers.config_layouts import ABSENT, BASE, REFUSALS, TARGET_LAYERS, base, with_field
+from tests.helpers.config_layouts import ABSENT, BASE, REFUSALS, SLIDING, TARGET_LAYERS, base, with_field
 from tests.helpers.drafters import _random_weights, fitted_drafters
 from tests.helpers.shards import tiny_shards
 
@@ -139,13 +139,27 @@ def test_a_field_the_replay_does_not_implement_is_refused_unless_neutral(layout,
         parse(with_field(base(layout), path, neutral))
 
 
-def test_swa_window_size_is_refused_only_where_it_changes_a_window():
-    raw = base("dflash:z-lab") | {"layer_types": ["sliding_attention", "full_attention"]}
-    raw |= {"use_sliding_window": True, "sliding_window": 8}
-    parse(with_field(raw, "dflash_config.swa_window_size", 8))
-    parse(with_field(base("dflash:z-lab"), "dflash_config.swa_window_size", 4))  # no sliding layer: inert
-    message = refusal(with_field(raw, "dflash_config.swa_window_size", 4))
-    assert "field 'dflash_config.swa_window_size' is 4: vLLM and llama.cpp window" in message
+def test_swa_window_size_windows_the_sliding_layers_and_use_swa_every_layer():
+    """vLLM's and llama.cpp's reading: swa_window_size before sliding_window on the sliding layers;
+    use_swa over all-full layer_types windows every layer, each keeping layer_types' causality."""
+
+    def kinds(raw):
+        config = parse(raw)
+        return [config.layer_mask_kind(i)[:2] for i in range(config.num_hidden_layers)]
+
+    sliding = base("dflash:z-lab") | SLIDING  # layer 0 sliding (window 8), layer 1 full
+    assert kinds(sliding) == [(True, 8), (False, None)]
+    assert kinds(with_field(sliding, "dflash_config.swa_window_size", 4)) == [(True, 4), (False, None)]
+    assert kinds(with_field(base("dflash:z-lab"), "dflash_config.swa_window_size", 4)) == [(False, None)] * 2
+    every = with_field(
+        with_field(base("dflash:z-lab"), "dflash_config.use_swa", True), "dflash_config.swa_window_size", 3
+    )
+    assert kinds(every) == [(False, 3)] * 2  # full layers stay bidirectional, as vLLM's _dflash_layer_causal
+    assert kinds(with_field(every, "dflash_config.causal", True)) == [(True, 3)] * 2
+    all_sliding = with_field(sliding | {"layer_types": ["sliding_attention"] * 2}, "dflash_config.use_swa", True)
+    assert kinds(all_sliding) == [(True, 8)] * 2
+    message = refusal(with_field(sliding, "dflash_config.use_swa", True))
+    assert "field 'dflash_config.use_swa' is true: with layer_types mixing" in message
 
 
 def test_a_lilicorr_head_switched_off_is_accepted():
@@ -300,7 +314,7 @@ def world(tmp_path_factory, tiny_qwen3_dir):
         (lambda c: c["dflash_config"].update(foo=1), "field 'dflash_config.foo' is not a field specreplay knows"),
         (lambda c: c.update(rope_scaling_typo=1), "field 'rope_scaling_typo' is not a field specreplay knows"),
         (lambda c: c.update(partial_rotary_factor=0.5), "field 'partial_rotary_factor' is 0.5: vLLM, SGLang"),
-        (lambda c: c["dflash_config"].update(use_swa=True), "field 'dflash_config.use_swa' is true: vLLM"),
+        (lambda c: c["dflash_config"].update(use_swa=True), "field 'dflash_config.use_swa' is true: without"),
         (None, "file 'mask_embedding.pt' beside the weights"),
     ],
     ids=["namespace key", "decoder key", "partial rotary", "use_swa", "mask_embedding.pt"],

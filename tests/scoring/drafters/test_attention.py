@@ -215,3 +215,22 @@ def test_auto_is_blockwise_on_cpu_and_flex_on_cuda():
     assert ReplayOptions(device="cpu").attention_backend == "blockwise"
     assert ReplayOptions(device="cuda:0").attention_backend == "flex"
     assert ReplayOptions(device="cpu", attention="dense").attention_backend == "dense"
+
+
+def test_llama_cpp_block_attention_in_every_backend():
+    """llama.cpp's graph (Conventions.llama_block): sliding layers bidirectional when is_causal is
+    absent, their window hiding only earlier block keys; every backend computes it alike, and it
+    is not the reference's (causal sliding layers)."""
+    drafter = _drafter(layer_types=["sliding_attention", "sliding_attention"], window=2)
+    features, anchors, embeds = _inputs(40, [0, 1, 5, 6, 17, 30, 39])
+    llama = Conventions(llama_block=True)
+    dense = _run(drafter, features, anchors, embeds, "dense", conventions=llama)
+    for backend in ("flex", "blockwise"):
+        assert (dense - _run(drafter, features, anchors, embeds, backend, conventions=llama)).abs().max() < 1e-5
+    assert (dense - _run(drafter, features, anchors, embeds, "dense")).abs().max() > 1e-3
+    assert block_masks(anchors, 4, 40, False, 2, both_ways=False).block_visible.tolist() == [
+        [True, True, True, True],
+        [True, True, True, True],
+        [False, True, True, True],
+        [False, False, True, True],
+    ]
