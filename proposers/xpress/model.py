@@ -59,13 +59,22 @@ class XPressRefiner(nn.Module):
         summary = hidden.mean(dim=1, keepdim=True).expand_as(hidden)
         return torch.cat([self.down_h(hidden), self.down_g(summary)], dim=-1)
 
-    def bias(self, previous: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
-        """[a, B, V] logit bias given `previous` [a, B], the token before each slot."""
+    def mixed(self, previous: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        """[a, B, r] the refiner's state given `previous` [a, B], the token before each slot; its logit
+        bias is readout of it."""
         x = self.in_proj(torch.cat([features, self.token_embed(previous).to(features.dtype)], dim=-1))
         causal = torch.tril(torch.ones(x.shape[1], x.shape[1], dtype=x.dtype, device=x.device))
         x = x + torch.einsum("ckj,ajc->akc", self.mix_l * causal, x)  # slot k mixes slots j <= k, per channel
-        x = x + self.mlp_down(F.silu(self.mlp_gate(x)) * self.mlp_up(x))
-        return self.readout(x)
+        return x + self.mlp_down(F.silu(self.mlp_gate(x)) * self.mlp_up(x))
+
+    def logits(self, base: torch.Tensor, previous: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        """[a, B, V] base + readout(mixed): one GEMM accumulating into a copy of the base logits (no
+        separate bias tensor: the vocabulary-wide add is most of a pass's memory traffic)."""
+        x = self.mixed(previous, features).to(base.dtype)
+        out = torch.addmm(
+            base.reshape(-1, base.shape[-1]), x.reshape(-1, x.shape[-1]), self.readout.weight.to(base.dtype).t()
+        )
+        return out.view(base.shape)
 
 
 class XPressDrafter(BlockDrafter):
@@ -101,10 +110,25 @@ class XPressDrafter(BlockDrafter):
             base = self.head_logits(hidden, self.head_weight(lm_head), conventions)  # [a, B, V]
             features = self.refiner_head.hidden_features(hidden)
             before, anchor = previous[:, :1].long(), previous[:, 1:2].long()
-            logits, pred = base, base.argmax(dim=-1)
-            for _ in range(self.passes):
-                logits = base + self.refiner_head.bias(self.refiner_inputs(before, anchor, pred), features).to(
-                    base.dtype
-                )
-                pred = logits.argmax(dim=-1)
-        return Drafts(logits[:, 1:])
+            return Drafts(self.refined(base, features, before, anchor)[:, 1:])
+
+    def refined(self, base, features, before, anchor) -> torch.Tensor:
+        """[a, B, V] the logits after K passes. A row whose pass leaves its next pass's inputs as they
+        were (the drafts it reads unchanged) would get the same logits from every later pass: it
+        leaves the passes there (exact; the passes converge, so most rows stop early)."""
+        logits, pred = base, base.argmax(dim=-1)
+        active = torch.arange(base.shape[0], device=base.device)  # rows still refining
+        inputs = self.refiner_inputs(before, anchor, pred)  # [a, B] what the next pass reads
+        for index in range(self.passes):
+            rows = self.refiner_head.logits(base[active], inputs[active], features[active])
+            if index == 0:
+                logits = rows  # every row takes at least one pass
+            else:
+                logits[active] = rows
+            following = self.refiner_inputs(before[active], anchor[active], rows.argmax(dim=-1))
+            moved = (following != inputs[active]).any(dim=-1)
+            inputs[active] = following
+            active = active[moved]
+            if active.numel() == 0:
+                break
+        return logits

@@ -119,3 +119,41 @@ def test_sampled_shards_are_one_error(ckpt, tiny_qwen3_dir, tmp_path):
     assert run.exit_code != 0 and run.output.count("error:") == 1, run.output
     assert "greedy shards only" in run.output and "T=0.7" in run.output, run.output
     assert "Traceback" not in run.output and not any(out.glob("*/summary.parquet"))
+
+
+def test_the_passes_a_converged_row_skips_change_no_draft(tmp_path):
+    """The replay stops refining a row once a pass leaves its inputs unchanged; at 6 passes, on random
+    blocks where rows converge after different numbers of passes, every row's drafts equal speculators'
+    own refiner run for all 6 passes (tests/helpers/xpress_online.py jacobi_drafts)."""
+    import torch
+    from speculators.models.xpress import XPressDraftModel
+
+    from tests.helpers.xpress_online import jacobi_drafts
+
+    ckpt = random_xpress(tmp_path / "ckpt", vocab=TINY_VOCAB, hidden=TINY_HIDDEN, aux_ids=AUX_IDS, passes=6, std=0.2)
+    mine = load_proposer(ckpt, target_layers=6)[0].model
+    reference = XPressDraftModel.from_pretrained(ckpt).eval()
+    # transformers 5 loads on the meta device and never refills a non-persistent buffer: the mask
+    # speculators' XPressRefinerHead registers in __init__ comes back as uninitialized memory
+    block = reference.refiner_head.mix_l.shape[-1]
+    reference.refiner_head.causal_tril = torch.tril(torch.ones(block, block))
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(64, block, TINY_HIDDEN, generator=generator)
+    base = 0.02 * torch.randn(64, block, TINY_VOCAB, generator=generator)  # small: the refiner decides
+    tokens = torch.randint(0, TINY_VOCAB, (64, 2), generator=generator)
+    features = mine.refiner_head.hidden_features(hidden)
+    rows_per_pass = []
+    logits = mine.refiner_head.logits
+
+    def counted(base, previous, features):
+        rows_per_pass.append(base.shape[0])
+        return logits(base, previous, features)
+
+    mine.refiner_head.logits = counted
+    with torch.no_grad():
+        drafts = mine.refined(base, features, tokens[:, :1], tokens[:, 1:2]).argmax(dim=-1)[:, 1:]
+        expected = [jacobi_drafts(reference, hidden[i], base[i], *tokens[i].tolist(), 6) for i in range(64)]
+    assert torch.equal(drafts, torch.stack(expected))
+    print(f"rows refined at each pass: {rows_per_pass}")
+    # every row refined once, the passes cut short, rows leaving after different numbers of passes
+    assert rows_per_pass[0] == 64 and len(rows_per_pass) < 6 and 0 < rows_per_pass[-1] < 64, rows_per_pass
