@@ -23,12 +23,7 @@ from proposers.dflash2.model import DFlash2Drafter
 from proposers.fields.rules import check_speculators_block, check_zlab
 from proposers.registry import Family
 from proposers.toolkit.config import DrafterConfig, DrafterConfigError
-from proposers.toolkit.qwen3_decoder import (
-    checked_decoder_fields,
-    speculators_decoder,
-    stated_layers,
-    zlab_block_fields,
-)
+from proposers.toolkit.qwen3_decoder import speculators_full_vocab_block, zlab_block_fields
 from proposers.toolkit.zlab_layout import DFLASH2_KEYS, ZlabDFlash
 
 
@@ -52,27 +47,14 @@ def parse_zlab(checked: ZlabDFlash, raw: dict, source: str) -> DrafterConfig:
 
 
 def parse_speculators(checked: SpeculatorsDFlash2, raw: dict, source: str) -> DrafterConfig:
-    decoder = speculators_decoder(raw, source, "DFlash2")
-    fields = checked_decoder_fields(decoder, source, "transformer_layer_config.")
-    if checked.draft_vocab_size != fields["vocab_size"]:
-        raise DrafterConfigError(
-            f"{source}: draft_vocab_size {checked.draft_vocab_size} differs from transformer_layer_config.vocab_size "
-            f"{fields['vocab_size']}; DFlash2 needs the full target vocabulary (speculators refuses a reduced one)"
-        )
-    config = DrafterConfig(
-        **fields,
-        block_size=checked.block_size,
-        mask_token_id=checked.mask_token_id,
-        target_layer_ids=checked.feature_layers(source),
-        num_target_layers=None,
-        is_causal=checked.transformer_layer_config.is_causal,
-        raw=decoder,  # what the backbone builds its Qwen3Config from, as for every speculators family
-        family="dflash2",
-        layout="speculators",
-        sliding_non_causal=checked.sliding_window_non_causal,
+    config = speculators_full_vocab_block(
+        checked,
+        raw,
+        source,
+        "dflash2",
+        "DFlash2",  # speculators refuses a reduced vocabulary for DFlash2 too
         drafts_from_anchor=checked.sample_from_anchor,
         family_options={key: int(getattr(checked, key)) for key in DFLASH2_KEYS},
-        **stated_layers(checked),
     )
     check_options(config, source, {key: key for key in DFLASH2_KEYS})
     check_speculators_block(checked, config, source)

@@ -150,3 +150,30 @@ def draft_vocab(draft_vocab_size: int, vocab_size: int, source: str) -> int | No
             f"vocab_size {vocab_size}; a draft vocabulary is a subset of the target's"
         )
     return draft_vocab_size if draft_vocab_size < vocab_size else None
+
+
+def speculators_full_vocab_block(checked, raw: dict, source: str, family: str, label: str, **fields) -> DrafterConfig:
+    """A speculators block drafter's config (DFlash2, XPress: `transformer_layer_config`, `block_size`,
+    `mask_token_id`, before-layer ids, `sliding_window_non_causal`) whose drafts need the whole target
+    vocabulary (`label` names it in the refusal of a reduced one); `fields` the family's own."""
+    decoder = speculators_decoder(raw, source, label)
+    shape = checked_decoder_fields(decoder, source, "transformer_layer_config.")
+    if checked.draft_vocab_size != shape["vocab_size"]:
+        raise DrafterConfigError(
+            f"{source}: field 'draft_vocab_size' is {checked.draft_vocab_size}, not transformer_layer_config."
+            f"vocab_size {shape['vocab_size']}; specreplay scores {label} drafters over the full target vocabulary"
+        )
+    return DrafterConfig(
+        **shape,
+        block_size=checked.block_size,
+        mask_token_id=checked.mask_token_id,
+        target_layer_ids=checked.feature_layers(source),
+        num_target_layers=None,
+        is_causal=checked.transformer_layer_config.is_causal,
+        raw=decoder,  # what the backbone builds its Qwen3Config from, as for every speculators family
+        family=family,
+        layout="speculators",
+        sliding_non_causal=checked.sliding_window_non_causal,
+        **fields,
+        **stated_layers(checked),
+    )

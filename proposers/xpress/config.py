@@ -17,7 +17,7 @@ from pipeline.common.sampling import sampling_of
 from proposers.fields.rules import check_speculators_block
 from proposers.registry import Family
 from proposers.toolkit.config import DrafterConfig, DrafterConfigError, refuse_field
-from proposers.toolkit.qwen3_decoder import checked_decoder_fields, speculators_decoder, stated_layers
+from proposers.toolkit.qwen3_decoder import speculators_full_vocab_block
 from proposers.xpress.layout import SpeculatorsXPress
 from proposers.xpress.model import XPressDrafter
 
@@ -36,28 +36,14 @@ def parse_drafter_config(
             "every slot would draft from the anchor's own slot; specreplay implements XPress's fill-in layout "
             "(slot 0 the anchor, speculators' default and the released checkpoints') only",
         )
-    decoder = speculators_decoder(raw, source, "XPress")
-    fields = checked_decoder_fields(decoder, source, "transformer_layer_config.")
-    if checked.draft_vocab_size != fields["vocab_size"]:
-        raise DrafterConfigError(
-            f"{source}: field 'draft_vocab_size' is {checked.draft_vocab_size}, not transformer_layer_config."
-            f"vocab_size {fields['vocab_size']}; specreplay scores full-vocabulary XPress drafters only "
-            f"(speculators' XPress recipes are full-vocabulary)"
-        )
-    config = DrafterConfig(
-        **fields,
-        block_size=checked.block_size,
-        mask_token_id=checked.mask_token_id,
-        target_layer_ids=checked.feature_layers(source),
-        num_target_layers=None,
-        is_causal=checked.transformer_layer_config.is_causal,
-        raw=decoder,  # what the backbone builds its Qwen3Config from, as for every speculators family
-        family="xpress",
-        layout="speculators",
-        sliding_non_causal=checked.sliding_window_non_causal,
+    config = speculators_full_vocab_block(
+        checked,
+        raw,
+        source,
+        "xpress",
+        "XPress",  # speculators' XPress recipes are full-vocabulary
         whole_block=True,
         family_options={key: int(getattr(checked, key)) for key in OPTIONS},
-        **stated_layers(checked),
     )
     check_speculators_block(checked, config, source)
     return config

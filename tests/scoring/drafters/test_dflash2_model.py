@@ -358,7 +358,7 @@ def test_zlab_reference_cannot_run_what_is_refused():
         ({"conv_group_size": 5}, "conv_group_size 5 does not divide hidden_size 32"),
         ({"conv_kernel_size": 5}, "conv_kernel_size 5 exceeds block_size 4"),
         ({"selector_top_k": VOCAB + 1}, f"selector_top_k {VOCAB + 1} exceeds transformer_layer_config.vocab_size"),
-        ({"draft_vocab_size": 48}, "draft_vocab_size 48 differs from transformer_layer_config.vocab_size 64"),
+        ({"draft_vocab_size": 48}, "field 'draft_vocab_size' is 48, not transformer_layer_config.vocab_size 64"),
     ],
 )
 def test_speculators_refusals_are_the_references(tmp_path, fields, message):
