@@ -1,9 +1,10 @@
-"""sglang's EAGLE dynamic tree, drafted and verified online, naively, from speculators' modules
-(tests/parity/test_eagle3_parity.py compares specreplay's eagle-tree-* results with it).
+"""sglang's EAGLE dynamic tree, drafted and verified online, naively, from the reference's modules
+(tests/parity/test_eagle3_parity.py and test_eagle1_parity.py compare specreplay's eagle-tree-*
+results with it).
 
-The drafter is speculators' `Eagle3DraftModel` driven as tests/helpers/eagle3_online.py drives
-it: its first layer on a transformers `DynamicCache` holding slots 0..t - 1 written from the
-target's features, then one step per node. Every tree node keeps its own copy of the cache: the
+The drafter is speculators' `Eagle3DraftModel` (or the EAGLE repository's `Model`, through
+tests/helpers/eagle1_online.py's own cache) driven as tests/helpers/eagle3_online.py drives it:
+its cache holding slots 0..t - 1 written from the target's features, then one step per node. Every tree node keeps its own copy of the cache: the
 context plus the steps of its ancestors, so a node's step (its token, the hidden state of the step
 that proposed it, at the next position) attends to those alone, as a tree mask lets it.
 
