@@ -291,20 +291,14 @@ def rows_of(f: dict) -> Rows:
         f"{ms_per_anchor(eagle):.1f} ms, {ms_per_anchor(eagle) / ms_per_anchor(dflash):.2f}x DFlash v1",
         others=eagle["others_cpu"],
     )
-    peagle = f["peagle"]
-    rows.add(
-        f"  speculators P-EAGLE chain ({f['k_steps']} drafts), offline",
-        f"{ms_per_anchor(peagle):.1f} ms, {ms_per_anchor(peagle) / ms_per_anchor(dflash):.2f}x DFlash v1, "
-        f"{ms_per_anchor(peagle) / ms_per_anchor(eagle):.2f}x EAGLE-3",
-        others=peagle["others_cpu"],
-    )
-    eagle1 = f["eagle1"]
-    rows.add(
-        f"  the EAGLE repository's EAGLE-1/2 chain ({f['k_steps']} drafts), offline",
-        f"{ms_per_anchor(eagle1):.1f} ms, {ms_per_anchor(eagle1) / ms_per_anchor(dflash):.2f}x DFlash v1, "
-        f"{ms_per_anchor(eagle1) / ms_per_anchor(eagle):.2f}x EAGLE-3",
-        others=eagle1["others_cpu"],
-    )
+    for key, label in (("peagle", "speculators P-EAGLE"), ("eagle1", "the EAGLE repository's EAGLE-1/2")):
+        side = f[key]
+        rows.add(
+            f"  {label} chain ({f['k_steps']} drafts), offline",
+            f"{ms_per_anchor(side):.1f} ms, {ms_per_anchor(side) / ms_per_anchor(dflash):.2f}x DFlash v1, "
+            f"{ms_per_anchor(side) / ms_per_anchor(eagle):.2f}x EAGLE-3",
+            others=side["others_cpu"],
+        )
     rows.add(
         "  the same anchors online (speculators' modules, growing cache)",
         f"{ms_per_anchor(online):.1f} ms; offline / online {ms_per_anchor(eagle) / ms_per_anchor(online):.2f}x time, "

@@ -15,13 +15,7 @@ from proposers.dflash.model import DFlashDrafter
 from proposers.fields.rules import check_speculators_block, check_zlab
 from proposers.registry import Family
 from proposers.toolkit.config import DrafterConfig, DrafterConfigError
-from proposers.toolkit.qwen3_decoder import (
-    checked_decoder_fields,
-    draft_vocab,
-    speculators_decoder,
-    stated_layers,
-    zlab_block_fields,
-)
+from proposers.toolkit.qwen3_decoder import speculators_block, zlab_block_fields
 from proposers.toolkit.zlab_layout import ZlabDFlash
 
 
@@ -40,20 +34,7 @@ def parse_speculators(checked: SpeculatorsDFlash, raw: dict, source: str) -> Dra
             f"{source}: field 'sample_from_anchor' is true: a DFlash drafter that drafts from the anchor's own "
             f"slot is DSpark's geometry, which no DFlash inference implements (vLLM refuses it too)"
         )
-    decoder = speculators_decoder(raw, source, "DFlash")
-    config = DrafterConfig(
-        **checked_decoder_fields(decoder, source, "transformer_layer_config."),
-        block_size=checked.block_size,
-        mask_token_id=checked.mask_token_id,
-        target_layer_ids=checked.feature_layers(source),
-        num_target_layers=None,
-        is_causal=checked.transformer_layer_config.is_causal,
-        raw=decoder,  # what the backbone builds its Qwen3Config from
-        layout="speculators",
-        sliding_non_causal=checked.sliding_window_non_causal,
-        **stated_layers(checked),
-    )
-    config.draft_vocab_size = draft_vocab(checked.draft_vocab_size, config.vocab_size, source)
+    config = speculators_block(checked, raw, source, "dflash", "DFlash", full_vocab=False)
     check_speculators_block(checked, config, source)
     return config
 

@@ -23,7 +23,7 @@ from proposers.dflash2.model import DFlash2Drafter
 from proposers.fields.rules import check_speculators_block, check_zlab
 from proposers.registry import Family
 from proposers.toolkit.config import DrafterConfig, DrafterConfigError
-from proposers.toolkit.qwen3_decoder import speculators_full_vocab_block, zlab_block_fields
+from proposers.toolkit.qwen3_decoder import speculators_block, zlab_block_fields
 from proposers.toolkit.zlab_layout import DFLASH2_KEYS, ZlabDFlash
 
 
@@ -47,7 +47,7 @@ def parse_zlab(checked: ZlabDFlash, raw: dict, source: str) -> DrafterConfig:
 
 
 def parse_speculators(checked: SpeculatorsDFlash2, raw: dict, source: str) -> DrafterConfig:
-    config = speculators_full_vocab_block(
+    config = speculators_block(
         checked,
         raw,
         source,

@@ -133,10 +133,6 @@ class DSparkDrafter(BlockDrafter):
         frozen copies of the target's embedding and lm_head)."""
         return ("embed_tokens.weight", "lm_head.weight") if self.config.layout == "deepspec" else ()
 
-    def embedding_table(self, target_embed: torch.Tensor) -> torch.Tensor:
-        """The [V, H] table block tokens are embedded with: the drafter's own, else the target's."""
-        return target_embed if self.embed_tokens is None else self.embed_tokens.weight
-
     def markov_bias(self, hidden: torch.Tensor, previous: torch.Tensor) -> torch.Tensor | None:
         """[a, D, Vo] bias over the output vocabulary, None without a Markov head."""
         if self.markov_head is None:

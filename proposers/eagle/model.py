@@ -45,9 +45,6 @@ class Eagle1Drafter(StepChainDrafter):
         self.embed_tokens = nn.Embedding(config.vocab_size, hidden)
         self.lm_head = self.d2t = self.t2d = None  # the target's lm_head
 
-    def embedding_table(self, target_embed: torch.Tensor) -> torch.Tensor:
-        return target_embed if self.embed_tokens is None else self.embed_tokens.weight
-
     def project(self, features: torch.Tensor, conventions: Conventions = REFERENCE) -> torch.Tensor:
         """The target's post-norm last hidden state [..., H], read as stored (id L - 1)."""
         return features

@@ -48,24 +48,19 @@ def fuse_experts(state: dict) -> dict:
     return out
 
 
-def _counts(state: dict) -> tuple[set[int], int | None]:
-    """(the expert indices named one by one, the expert count of fused tensors or None)."""
-    indices = {index for index, _ in _per_expert(state)}
-    fused = state.get(PREFIX + FUSED[0])
-    return indices, None if fused is None else int(fused.shape[0])
-
-
 def check_experts(state: dict, hf, name: str, source: str, config_file: str) -> None:
     """The checkpoint's experts against the config `hf` (transformers' resolved decoder config):
     every expert 0..num_experts-1 present with all three projections, each [moe_intermediate_size, H]
     (down_proj [H, moe_intermediate_size]), the shared expert shared_expert_intermediate_size wide.
     `name` spells the layer's MLP as the file does (`mtp.layers.0.mlp.`)."""
-    experts, fused = _counts(state)
+    parts = _per_expert(state)  # (expert, projection) -> tensor, the per-expert names
+    experts = {index for index, _ in parts}
+    stacked = state.get(PREFIX + FUSED[0])
+    fused = None if stacked is None else int(stacked.shape[0])
     count, width, hidden = hf.num_experts, hf.moe_intermediate_size, hf.hidden_size
     fix = f"use the config.json saved with this checkpoint ({config_file})"
     if fused is not None and fused != count:
         _refuse(source, f"{name}{FUSED[0]} holds {fused} experts", "num_experts", count, fix)
-    parts = _per_expert(state)
     if fused is None and experts != set(range(count)):
         held = f"experts {_span(experts)}" if experts else "no expert tensors"
         _refuse(source, f"{name}experts.* holds {held}", "num_experts", count, fix)

@@ -152,6 +152,10 @@ SPECULATORS_NAMES = {
 }
 
 
+def _native_names(state: dict) -> dict:
+    return {_native_name(name): tensor for name, tensor in state.items()}
+
+
 def _native_name(name: str) -> str:
     prefix = "mtp_layers.0."
     if not name.startswith(prefix):
@@ -190,14 +194,14 @@ class MtpDrafter(StepChainDrafter):
     def canonical_names(self, state: dict) -> dict:
         """speculators' export (convert/mtp/converter.py) names the native tensors its own way; an
         MoE layer's per-expert tensors are stacked as transformers' block holds them (experts.py)."""
-        named = {_native_name(name): tensor for name, tensor in state.items()}
+        named = _native_names(state)
         return fuse_experts(named) if self.config.family_options.get("moe") else named
 
     def check_checkpoint(self, state: dict, source: str, config_file: str) -> None:
         """An MoE layer's experts against the config, in the file's own names (experts.check_experts)."""
         if not self.config.family_options.get("moe"):
             return
-        named = {_native_name(name): tensor for name, tensor in state.items()}
+        named = _native_names(state)
         hf = hf_config(self.config.raw, self.config.family_options["decoder"])
         prefix = self.embedded_prefix or ("mtp_" if any(k.startswith("mtp_layers.") for k in state) else "")
         check_experts(named, hf, f"{prefix}layers.0.mlp.", source, config_file)

@@ -69,8 +69,10 @@ class DraftHead(nn.Module):
             setattr(self, name.split(".")[0], None)
 
     def embedding_table(self, target_embed: torch.Tensor) -> torch.Tensor:
-        """The [V, H] table block tokens are embedded with: the target's (the drafter has none)."""
-        return target_embed
+        """The [V, H] table block tokens are embedded with: the drafter's own `embed_tokens` (DSpark,
+        the EAGLE families), else the target's (none, or dropped as an absent optional weight)."""
+        own = getattr(self, "embed_tokens", None)
+        return target_embed if own is None else own.weight
 
     def head_weight(self, lm_head: torch.Tensor) -> torch.Tensor:
         """The output head [Vo, H]: the drafter's own (a reduced vocabulary), else the target's."""

@@ -152,18 +152,21 @@ def draft_vocab(draft_vocab_size: int, vocab_size: int, source: str) -> int | No
     return draft_vocab_size if draft_vocab_size < vocab_size else None
 
 
-def speculators_full_vocab_block(checked, raw: dict, source: str, family: str, label: str, **fields) -> DrafterConfig:
-    """A speculators block drafter's config (DFlash2, XPress: `transformer_layer_config`, `block_size`,
-    `mask_token_id`, before-layer ids, `sliding_window_non_causal`) whose drafts need the whole target
-    vocabulary (`label` names it in the refusal of a reduced one); `fields` the family's own."""
+def speculators_block(
+    checked, raw: dict, source: str, family: str, label: str, *, full_vocab: bool = True, **fields
+) -> DrafterConfig:
+    """A speculators block drafter's config (DFlash, DFlash2, XPress: `transformer_layer_config`,
+    `block_size`, `mask_token_id`, before-layer ids, `sliding_window_non_causal`); `fields` the
+    family's own. A reduced `draft_vocab_size` is the config's `draft_vocab_size`, or, `full_vocab`,
+    refused (`label` names the family there)."""
     decoder = speculators_decoder(raw, source, label)
     shape = checked_decoder_fields(decoder, source, "transformer_layer_config.")
-    if checked.draft_vocab_size != shape["vocab_size"]:
+    if full_vocab and checked.draft_vocab_size != shape["vocab_size"]:
         raise DrafterConfigError(
             f"{source}: field 'draft_vocab_size' is {checked.draft_vocab_size}, not transformer_layer_config."
             f"vocab_size {shape['vocab_size']}; specreplay scores {label} drafters over the full target vocabulary"
         )
-    return DrafterConfig(
+    config = DrafterConfig(
         **shape,
         block_size=checked.block_size,
         mask_token_id=checked.mask_token_id,
@@ -177,3 +180,6 @@ def speculators_full_vocab_block(checked, raw: dict, source: str, family: str, l
         **fields,
         **stated_layers(checked),
     )
+    if not full_vocab:
+        config.draft_vocab_size = draft_vocab(checked.draft_vocab_size, config.vocab_size, source)
+    return config

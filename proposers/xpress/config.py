@@ -17,7 +17,7 @@ from pipeline.common.sampling import sampling_of
 from proposers.fields.rules import check_speculators_block
 from proposers.registry import Family
 from proposers.toolkit.config import DrafterConfig, DrafterConfigError, refuse_field
-from proposers.toolkit.qwen3_decoder import speculators_full_vocab_block
+from proposers.toolkit.qwen3_decoder import speculators_block
 from proposers.xpress.layout import SpeculatorsXPress
 from proposers.xpress.model import XPressDrafter
 
@@ -36,7 +36,7 @@ def parse_drafter_config(
             "every slot would draft from the anchor's own slot; specreplay implements XPress's fill-in layout "
             "(slot 0 the anchor, speculators' default and the released checkpoints') only",
         )
-    config = speculators_full_vocab_block(
+    config = speculators_block(
         checked,
         raw,
         source,

@@ -24,12 +24,8 @@ import torch
 from proposers.toolkit.conventions import REFERENCE, Conventions
 from scoring.config import WALK_RULES
 
-BIG = 1 << 30
-BLOCK_FAMILIES = (
-    "dflash",
-    "dflash2",
-    "dspark",
-)  # served by llama.cpp's one DFlash graph (src/models/dflash.cpp)  # `remaining` that never shortens a block
+BIG = 1 << 30  # `remaining` that never shortens a block
+BLOCK_FAMILIES = ("dflash", "dflash2", "dspark")  # served by llama.cpp's one DFlash graph (src/models/dflash.cpp)
 
 
 @dataclass(frozen=True)

@@ -108,9 +108,6 @@ class EagleDrafter(StepChainDrafter):
         prefix = "midlayer."
         return {"layers.0." + n[len(prefix) :] if n.startswith(prefix) else n: t for n, t in state.items()}
 
-    def embedding_table(self, target_embed: torch.Tensor) -> torch.Tensor:
-        return target_embed if self.embed_tokens is None else self.embed_tokens.weight
-
     # -- how its inputs enter the chain ------------------------------------------------------
 
     def project(self, features: torch.Tensor, conventions: Conventions = REFERENCE) -> torch.Tensor:
