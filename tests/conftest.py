@@ -25,6 +25,7 @@ REFERENCE_PACKAGES = {
     "dflash": "dflash==0.1.0",
     "speculators": "speculators==0.9.0",
     "eagle.model.cnets": "eagle-llm==1.2.1",  # the EAGLE repository (EAGLE-1/2 parity)
+    "specforge.modeling.draft.peagle": "specforge==0.2.0",  # SpecForge's P-EAGLE (its layout's parity)
 }
 
 

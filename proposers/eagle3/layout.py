@@ -17,7 +17,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import field_validator
 
 from pipeline.common.schema import Positive, SchemaError, wrong
-from proposers.toolkit.layout_fields import REQUIRED_SHAPE, DraftDecoderFields, DrafterNamespace, LayerIds, unique_ids
+from proposers.toolkit.layout_fields import REQUIRED_SHAPE, DraftDecoderFields, EagleOptions
 from proposers.toolkit.speculators_layout import SpeculatorsEagle, default_eagle_ids
 
 LABEL = "EAGLE-3"
@@ -30,17 +30,6 @@ class SpeculatorsEagle3(SpeculatorsEagle):
     FAMILY: ClassVar[str] = "eagle3"
 
     speculators_model_type: Literal["eagle3"]
-
-
-class EagleOptions(DrafterNamespace):
-    """`eagle_config`: which target layers feed `fc`, and whether any do (sglang and vLLM read
-    `norm_before_fc` here first, then at the top level)."""
-
-    eagle_aux_hidden_state_layer_ids: LayerIds | None = None
-    use_aux_hidden_state: bool = True
-    norm_before_fc: bool | None = None  # refused when true: SpecForge never trains it
-
-    _unique = field_validator("eagle_aux_hidden_state_layer_ids")(unique_ids)
 
 
 class SpecForgeEagle3(DraftDecoderFields):

@@ -1,16 +1,37 @@
-"""The P-EAGLE family's config layout, torch-free: speculators' (`speculators_model_type: "peagle"`,
-models/peagle/config.py `PEagleSpeculatorConfig`): EAGLE-3's fields (proposers/toolkit/
-speculators_layout.py `SpeculatorsEagle`) and `mask_token_id`, the token the drafts after the first
-read (vLLM's parallel drafting reads it as `ptd_token_id` and refuses a drafter without one)."""
+"""The P-EAGLE family's config layouts, torch-free.
+
+* speculators (`speculators_model_type: "peagle"`, models/peagle/config.py
+  `PEagleSpeculatorConfig`): EAGLE-3's fields (proposers/toolkit/speculators_layout.py
+  `SpeculatorsEagle`) and `mask_token_id`, the token the drafts after the first read (vLLM's
+  parallel drafting refuses a drafter without one).
+* SpecForge (`"architectures": ["PEagleDraftModel"]`, specforge/modeling/draft/peagle.py, its
+  configs/qwen3-8b-peagle.json): the draft decoder's LlamaConfig at the top level, any number of
+  layers (the first reads [embedding ; hidden] as EAGLE-3's does), `draft_vocab_size`, the
+  `norm_before_residual` switch its save_pretrained writes. vLLM serves it as EAGLE-3 with
+  parallel drafting (model_executor/models/registry.py maps `PEagleDraftModel` to
+  `Eagle3LlamaForCausalLM`) and so reads its fields as it reads an EAGLE-3 config: the feature
+  ids in `eagle_config.eagle_aux_hidden_state_layer_ids` as before-layer ids (v1/worker/
+  gpu_model_runner.py:5207-5221; default [2, L // 2, L - 3]), the mask token from the first of
+  `dflash_config.mask_token_id`, `mask_token_id`, `dspark_noise_token_id`, `pard_token`,
+  `ptd_token_id` (v1/spec_decode/llm_base_proposer.py:361-372). SpecForge resolves its mask token
+  at training time (training/model_utils.py `resolve_mask_token_id`) and saves none: such a config
+  is refused until the user states it, as vLLM refuses it.
+"""
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
-from pipeline.common.schema import Count, SchemaError
-from proposers.toolkit.speculators_layout import SpeculatorsEagle
+from pydantic import field_validator
+
+from pipeline.common.schema import Count, Positive, SchemaError, wrong
+from proposers.toolkit.layout_fields import REQUIRED_SHAPE, DraftDecoderFields, DrafterNamespace, EagleOptions
+from proposers.toolkit.speculators_layout import SpeculatorsEagle, default_eagle_ids, from_before_layer
 
 LABEL = "P-EAGLE"
+ARCHITECTURE = "PEagleDraftModel"
+# vLLM's parallel-drafting token, the first of these a config sets (llm_base_proposer.py:361-372)
+MASK_KEYS = ("dflash_config.mask_token_id", "mask_token_id", "dspark_noise_token_id", "pard_token", "ptd_token_id")
 
 
 class SpeculatorsPEagle(SpeculatorsEagle):
@@ -29,4 +50,91 @@ class SpeculatorsPEagle(SpeculatorsEagle):
             )
 
 
-LAYOUTS = (SpeculatorsPEagle,)
+class MaskOptions(DrafterNamespace):
+    """`dflash_config` of a P-EAGLE config: vLLM reads its parallel-drafting token here first."""
+
+    mask_token_id: Count | None = None
+
+
+class SpecForgePEagle(DraftDecoderFields):
+    LAYOUT: ClassVar[str] = "specforge"
+    CONVENTION: ClassVar[str] = "before"  # vLLM, the engine that serves it, reads the ids before layer i
+    ARCHITECTURES: ClassVar[tuple[str, ...]] = (ARCHITECTURE,)
+    IDS_FIELD: ClassVar[str] = "eagle_config.eagle_aux_hidden_state_layer_ids"
+    DECODER_CLASS: ClassVar[str] = "LlamaConfig"
+
+    architectures: list[str]
+    draft_vocab_size: Positive | None = None
+    target_hidden_size: Positive | None = None
+    eagle_config: EagleOptions | None = None
+    num_speculative_tokens: Positive | None = None  # this project's: vLLM takes num_speculative_tokens
+    norm_before_residual: bool = False  # SpecForge's training switch, saved with the model; vLLM reads it
+    dflash_config: MaskOptions | None = None
+    mask_token_id: Count | None = None
+    dspark_noise_token_id: Count | None = None
+    pard_token: Count | None = None
+    ptd_token_id: Count | None = None
+    # read by vLLM's EAGLE-3 layers, never built by SpecForge's PEagleDraftModel: refused when set
+    norm_before_fc: bool | None = None
+    fc_norm: bool | None = None
+    num_aux_hidden_states: Positive | None = None
+    target_model_type: str | None = None  # which target SpecForge trains against: training-only
+    decoder_sparse_step: Any = None  # copied from a MoE target's config; no Llama layer reads it
+
+    @field_validator("architectures")
+    @classmethod
+    def _peagle(cls, value):
+        if ARCHITECTURE not in value:
+            raise wrong(value, f"['{ARCHITECTURE}']")
+        return value
+
+    def namespaces(self) -> dict:
+        """LlamaConfig's keys whatever model_type says: SpecForge's PEagleDraftModel is Llama layers."""
+        return {"": (self.DECODER_CLASS, type(self))}
+
+    @property
+    def family(self) -> str:
+        return "peagle"
+
+    @property
+    def evidence(self) -> str:
+        return f"architectures ['{ARCHITECTURE}']"
+
+    @property
+    def options(self) -> EagleOptions:
+        return self.eagle_config or EagleOptions()
+
+    @property
+    def mask_token(self) -> int | None:
+        """vLLM's parallel-drafting token: the first of MASK_KEYS the config sets."""
+        nested = self.dflash_config.mask_token_id if self.dflash_config else None
+        found = [nested, self.mask_token_id, self.dspark_noise_token_id, self.pard_token, self.ptd_token_id]
+        return next((token for token in found if token is not None), None)
+
+    def check_complete(self, source: str) -> None:
+        """What SpecForge's PEagleDraftModel reads without a default, and the mask token vLLM needs."""
+        missing = self.require(REQUIRED_SHAPE) + self.require(("draft_vocab_size",))
+        if missing:
+            raise SchemaError(f"{source}: missing field {missing[0]!r}; SpecForge's PEagleDraftModel needs it")
+        if self.mask_token is None:
+            raise SchemaError(
+                f"{source}: missing field 'mask_token_id'; SpecForge picks P-EAGLE's mask token when it trains "
+                f"(its --mask-token-id, else the tokenizer's mask, an unused embedding row, pad, eos or unk token) "
+                f'and does not save it: add "mask_token_id": N with the id your training used (vLLM refuses the '
+                f"config without it too)"
+            )
+
+    def stored_layer_ids(self) -> list[int] | None:
+        return self.options.eagle_aux_hidden_state_layer_ids
+
+    def feature_layers(self, source: str, num_target_layers: int | None = None) -> list[int]:
+        """The stated ids read before layer i as vLLM reads them (the output of layer i - 1, id L
+        the last layer's output), else vLLM's default [2, L // 2, L - 3] (the layers SpecForge's
+        default [1, L // 2 - 1, L - 4] names in its own output-of-layer numbering)."""
+        ids = self.stored_layer_ids()
+        if ids is None:
+            ids = default_eagle_ids((2, 0, -3), num_target_layers, source, self.IDS_FIELD)
+        return from_before_layer(ids, num_target_layers, source, self.IDS_FIELD)
+
+
+LAYOUTS = (SpeculatorsPEagle, SpecForgePEagle)

@@ -2,8 +2,8 @@
 weights and names) and `mask_hidden` [1, 1, n*H], the learned stand-in for the target's features
 at the positions that have none yet.
 
-Inference (vLLM's parallel drafting, v1/spec_decode ptd_eagle.py `PtdEagleProposer`: one forward
-a step): the verified slots as EAGLE-3 writes them (slot s from (embed(x_{s+1}), fc(g_s)) at
+Inference (vLLM's parallel drafting, v1/spec_decode/llm_base_proposer.py with `parallel_drafting`:
+one forward a step): the verified slots as EAGLE-3 writes them (slot s from (embed(x_{s+1}), fc(g_s)) at
 position s), then K - 1 slots of (embed(mask_token_id), fc(mask_hidden)) at positions t .. t + K - 2
 after slot t - 1, causal; the outputs of slot t - 1 and of the K - 1 mask slots are drafts 1..K.
 speculators' training forward is the same attention (models/peagle/attention.py: a mask slot sees

@@ -135,3 +135,14 @@ class BlockDecoderFields(DraftDecoderFields):
 
 # Fields every drafter config states: without them the file is not a drafter's config.json.
 REQUIRED_SHAPE = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
+
+
+class EagleOptions(DrafterNamespace):
+    """`eagle_config`: which target layers feed `fc`, and whether any do (sglang and vLLM read
+    `norm_before_fc` here first, then at the top level)."""
+
+    eagle_aux_hidden_state_layer_ids: LayerIds | None = None
+    use_aux_hidden_state: bool = True
+    norm_before_fc: bool | None = None  # refused when true: SpecForge never trains it
+
+    _unique = field_validator("eagle_aux_hidden_state_layer_ids")(unique_ids)

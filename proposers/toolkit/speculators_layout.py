@@ -111,12 +111,18 @@ class SpeculatorsFormat(Schema):
         ids = self.stored_layer_ids()
         if ids is None:
             raise SchemaError(f"{source}: {self.IDS_FIELD} is not set, so the feature layers are unknown")
-        if 0 in ids:
-            raise SchemaError(
-                f"{source}: {self.IDS_FIELD} lists 0, the embedding output (before layer 0), which specreplay "
-                f"does not store"
-            )
-        return [s if s == num_target_layers else s - 1 for s in ids]
+        return from_before_layer(ids, num_target_layers, source, self.IDS_FIELD)
+
+
+def from_before_layer(ids: list[int], num_target_layers: int | None, source: str, field: str) -> list[int]:
+    """Before-layer ids (speculators', vLLM's) in this project's convention: s is the output of
+    layer s - 1, except s = L (the target's layer count), this project's id L
+    (layer_ids.final_prenorm_id). The embedding output (s = 0) is never stored."""
+    if 0 in ids:
+        raise SchemaError(
+            f"{source}: {field} lists 0, the embedding output (before layer 0), which specreplay does not store"
+        )
+    return [s if s == num_target_layers else s - 1 for s in ids]
 
 
 class SpeculatorsBlock(SpeculatorsFormat):

@@ -4,8 +4,8 @@ fitted by its own training forward with its COD sampling, saved by its own save_
 own forward run at chosen anchors (`reference_logits`), and an online loop of vLLM's parallel
 drafting rule over speculators' modules on a growing cache (`propose`).
 
-vLLM's rule (v1/spec_decode ptd_eagle.py, `PtdEagleProposer.propose` and
-`ptd_prepare_inputs_kernel`): one drafter forward a step over the verified tokens shifted left
+vLLM 0.33.0's rule (v1/spec_decode/llm_base_proposer.py with `parallel_drafting`: `propose`, its
+input preparation kernel and `mask_hidden` through `combine_hidden_states`, 895-930 and 1403-1416): one drafter forward a step over the verified tokens shifted left
 (slot s reads x_{s+1} and the target's features at s, the last one the token just sampled), then
 K - 1 slots of `mask_token_id` whose hidden input is `mask_hidden` through `combine_hidden_states`
 (fc), at positions last + 1 .. last + K - 1, causal; the outputs of the last verified slot and the

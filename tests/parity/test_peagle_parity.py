@@ -17,7 +17,12 @@ scores the saved checkpoint from extracted shards.
   tau (each slot's draft drawn from its own q, z-lab's rejection sampling) within 3 combined
   standard errors, and the same statistic rejects EAGLE-3's feedback;
 - layer numbering: the same weights with their before-layer ids read as output-of-layer ids (one
-  layer deeper) lose most drafts, and diagnose keeps the configured reading.
+  layer deeper) lose most drafts, and diagnose keeps the configured reading;
+- SpecForge's layout: the same fitted weights in SpecForge's own `PEagleDraftModel` (PyPI specforge
+  0.2.0), saved by its own save_pretrained with the mask token and ids a vLLM user adds: every
+  anchor's drafts equal SpecForge's own forward (its flex attention under its training mask), its
+  walks and every anchor's drafts equal the speculators checkpoint's, and its ids read in the other
+  numbering lose as the speculators checkpoint's do.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ import torch
 
 from pipeline.shards import ShardSet
 from proposers.peagle.model import PEagleDrafter
-from tests.helpers import chain_parity as parity, eagle3_online, peagle_online as online
+from tests.helpers import chain_parity as parity, eagle3_online, peagle_online as online, peagle_specforge as specforge
 from tests.helpers.dspark_online import target_states
 from tests.helpers.dspark_reference import AUX_IDS, OUTPUT_IDS
 
@@ -73,11 +78,45 @@ def drafter(setup):
     return model, ckpt
 
 
+def _specforge_checkpoint(setup, drafter, name: str, norm_before_residual: bool = False) -> str:
+    """The fitted weights in SpecForge's own PEagleDraftModel, saved by its own save_pretrained."""
+    tmp, target, *_ = setup
+    width = target.config
+    model = specforge.new_model(
+        vocab=width.vocab_size, hidden=width.hidden_size, norm_before_residual=norm_before_residual
+    )
+    specforge.from_weights(model, drafter[0].state_dict())
+    return specforge.save(model, str(tmp / name), mask_token=online.MASK_TOKEN, aux_ids=AUX_IDS, steps=STEPS)
+
+
+@pytest.fixture(scope="module")
+def specforge_ckpt(setup, drafter) -> str:
+    return _specforge_checkpoint(setup, drafter, "specforge-ckpt")
+
+
+def _anchor_drafts(ckpt: str, greedy: str, out) -> pl.DataFrame:
+    out_dir = parity.score(ckpt, greedy, out, anchor_drafts=True)
+    return pl.read_parquet(f"{out_dir}/anchors.parquet").select("sample_id", "anchor", "draft_tokens")
+
+
 @pytest.fixture(scope="module")
 def anchor_drafts(setup, drafter) -> pl.DataFrame:
     tmp, _, greedy, *_ = setup
-    out_dir = parity.score(drafter[1], greedy, tmp / "results-anchors", anchor_drafts=True)
-    return pl.read_parquet(f"{out_dir}/anchors.parquet").select("sample_id", "anchor", "draft_tokens")
+    return _anchor_drafts(drafter[1], greedy, tmp / "results-anchors")
+
+
+@pytest.fixture(scope="module")
+def specforge_anchor_drafts(setup, specforge_ckpt) -> pl.DataFrame:
+    tmp, _, greedy, *_ = setup
+    return _anchor_drafts(specforge_ckpt, greedy, tmp / "results-specforge")
+
+
+@pytest.fixture(scope="module")
+def both_numberings(setup) -> str:
+    """Shards holding each feature layer and the one above it."""
+    tmp, _, _, _, model_dir, prompts = setup
+    deeper = [i + 1 for i in OUTPUT_IDS]
+    return parity.extract(tmp / "both-numberings", model_dir, prompts, MAX_NEW, sorted({*OUTPUT_IDS, *deeper}))
 
 
 def _reference_blocks(model, target, greedy, monkeypatch) -> dict[tuple[str, int], torch.Tensor]:
@@ -92,11 +131,9 @@ def _reference_blocks(model, target, greedy, monkeypatch) -> dict[tuple[str, int
     return blocks
 
 
-def test_every_anchors_drafts_equal_speculators_forward(setup, drafter, anchor_drafts, monkeypatch):
-    """The replay's K drafts at every response anchor are the argmax of speculators' own forward
-    there (a draft whose two best logits tie within NEAR_TIE may rank either way)."""
-    _, target, greedy, *_ = setup
-    blocks = _reference_blocks(drafter[0], target, greedy, monkeypatch)
+def _compare_to_reference(anchor_drafts: pl.DataFrame, blocks: dict) -> int:
+    """Every anchor's drafts against the argmax of the reference's logits there (a draft whose two
+    best logits tie within NEAR_TIE may rank either way); the number of drafts compared."""
     compared = 0
     for sample_id, anchor, offline in anchor_drafts.iter_rows():
         if (sample_id, anchor) not in blocks or not offline:
@@ -106,8 +143,64 @@ def test_every_anchors_drafts_equal_speculators_forward(setup, drafter, anchor_d
         for j, (mine, theirs) in enumerate(zip(offline, logits.argmax(dim=-1).tolist())):
             assert mine == theirs or float(top2[j, 0] - top2[j, 1]) < NEAR_TIE, (sample_id, anchor, j, offline)
         compared += len(offline)
+    return compared
+
+
+def test_every_anchors_drafts_equal_speculators_forward(setup, drafter, anchor_drafts, monkeypatch):
+    _, target, greedy, *_ = setup
+    compared = _compare_to_reference(anchor_drafts, _reference_blocks(drafter[0], target, greedy, monkeypatch))
     print(f"every anchor: {compared} drafts equal to speculators' forward's argmax")
     assert compared > 200
+
+
+def _specforge_blocks(ckpt: str, target, greedy: str) -> dict[tuple[str, int], torch.Tensor]:
+    """(sample id, anchor) -> SpecForge's own forward's draft logits [K, V] at every response anchor."""
+    from specforge.modeling.draft.peagle import PEagleDraftModel
+
+    model = PEagleDraftModel.from_pretrained(ckpt).eval()
+    blocks = {}
+    for sample in ShardSet(greedy).samples(tensors=[]):
+        ids = sample.input_ids
+        anchors = list(range(sample.prompt_len, ids.numel() - 1))
+        _, features, _ = target_states(target, ids)
+        logits = specforge.reference_logits(model, features, ids, anchors, STEPS, online.MASK_TOKEN)
+        blocks |= {(sample.sample_id, t): block for t, block in zip(anchors, logits)}
+    return blocks
+
+
+def test_specforge_layouts_drafts_equal_specforges_forward(setup, specforge_ckpt, specforge_anchor_drafts):
+    """SpecForge's checkpoint scored: every anchor's K drafts the argmax of SpecForge's own forward."""
+    _, target, greedy, *_ = setup
+    compared = _compare_to_reference(specforge_anchor_drafts, _specforge_blocks(specforge_ckpt, target, greedy))
+    print(f"SpecForge's layout: {compared} drafts equal to SpecForge's forward's argmax")
+    assert compared > 200
+
+
+def test_specforges_norm_before_residual_is_read_as_saved(setup, drafter, specforge_anchor_drafts):
+    """SpecForge's training switch norm_before_residual (saved in its config.json, read by vLLM):
+    the drafts follow SpecForge's forward with it, and differ from those without it."""
+    tmp, target, greedy, *_ = setup
+    ckpt = _specforge_checkpoint(setup, drafter, "specforge-nbr", norm_before_residual=True)
+    drafts = _anchor_drafts(ckpt, greedy, tmp / "results-specforge-nbr")
+    compared = _compare_to_reference(drafts, _specforge_blocks(ckpt, target, greedy))
+    joined = drafts.join(specforge_anchor_drafts, on=["sample_id", "anchor"], suffix="_without")
+    differ = sum(a != b for a, b in zip(joined["draft_tokens"].to_list(), joined["draft_tokens_without"].to_list()))
+    print(f"norm_before_residual: {compared} drafts equal SpecForge's forward; {differ}/{joined.height} anchors differ")
+    assert compared > 200 and differ > joined.height // 10
+
+
+def test_specforge_and_speculators_layouts_score_alike(
+    setup, drafter, specforge_ckpt, anchor_drafts, specforge_anchor_drafts
+):
+    """The same weights in both layouts: every anchor's drafts and every walk equal."""
+    tmp, _, greedy, *_ = setup
+    assert specforge_anchor_drafts.sort("sample_id", "anchor").equals(anchor_drafts.sort("sample_id", "anchor"))
+    walks = [
+        parity.walks(parity.score(c, greedy, tmp / f"walks-{i}")) for i, c in enumerate((drafter[1], specforge_ckpt))
+    ]
+    assert walks[0].keys() == walks[1].keys()
+    for sample_id, walk in walks[0].items():
+        assert walk.equals(walks[1][sample_id]), sample_id
 
 
 def test_greedy_walks_equal_vllms_parallel_drafting(setup, drafter):
@@ -169,19 +262,32 @@ def test_sampled_expected_tau_equals_the_online_mean_over_seeds(setup, drafter):
     assert abs(z_wrong) > 3, (z_wrong_prompts, z_wrong)
 
 
-def test_the_other_layer_numbering_loses_and_diagnose_keeps_the_configured_one(setup, drafter):
+@pytest.mark.parametrize("layout", ["speculators", "specforge"])
+def test_the_other_layer_numbering_loses_and_diagnose_keeps_the_configured_one(
+    setup, drafter, specforge_ckpt, both_numberings, layout
+):
     """The same weights with their before-layer ids read as output-of-layer ids (one layer deeper
-    each, the z-lab numbering's reading of speculators' ids) lose most drafts, and diagnose names
-    the configured reading the consistent one."""
+    each: the z-lab numbering's reading of speculators' ids, SpecForge's training capture's
+    reading of the ids vLLM reads before the layer) lose most drafts, and diagnose names the
+    configured reading the consistent one."""
     from click.testing import CliRunner
 
     from specreplay.cli import main
 
-    tmp, _, _, _, model_dir, prompts = setup
-    deeper = [i + 1 for i in OUTPUT_IDS]
-    shards = parity.extract(tmp / "both-numberings", model_dir, prompts, MAX_NEW, sorted({*OUTPUT_IDS, *deeper}))
-    out = tmp / "diagnose"
-    args = ["diagnose", "--ckpt", drafter[1], "--shards", shards, "--out", str(out), "--variants", "layers-convention"]
+    tmp = setup[0]
+    ckpt = drafter[1] if layout == "speculators" else specforge_ckpt
+    out = tmp / f"diagnose-{layout}"
+    args = [
+        "diagnose",
+        "--ckpt",
+        ckpt,
+        "--shards",
+        both_numberings,
+        "--out",
+        str(out),
+        "--variants",
+        "layers-convention",
+    ]
     run = CliRunner().invoke(main, [*args, "--no-progress"])
     assert run.exit_code == 0, run.output
     [table] = [pl.read_parquet(path) for path in out.glob("*/diagnose.parquet")]

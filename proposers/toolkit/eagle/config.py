@@ -107,7 +107,7 @@ def eagle_config(
     )
     if draft_vocab_size is not None:  # a reduced vocabulary (EAGLE-1/2 drafts over the target's whole one)
         config.draft_vocab_size = draft_vocab(draft_vocab_size, config.vocab_size, source)
-    if checked.LAYOUT == "specforge":
+    if checked.LAYOUT == "specforge" and family == "eagle3":  # P-EAGLE's checks its own config.py
         check_specforge_eagle(checked, len(config.target_layer_ids), source)
     return config
 
