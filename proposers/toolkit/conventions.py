@@ -53,6 +53,9 @@ class Conventions:
     # layer_types'), and a window hiding only keys w or more before the query (src/llama-hparams.h:
     # 475-487), so a bidirectional windowed layer sees every later slot of its block.
     llama_block: bool = False
+    # True: XPress's refiner reads the other token before its slot 0 than its layout's rule: x_{t-1}
+    # where vLLM reads the anchor x_t, or x_t where speculators reads x_{t-1} (proposers/xpress/model.py).
+    xpress_other_slot0: bool = False
 
     def __post_init__(self):
         if self.window not in WINDOW_MODES:

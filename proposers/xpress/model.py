@@ -23,6 +23,14 @@ logits). Each draft reads the drafter's own earlier drafts, never the stored tok
 not teacher-forced and the replay's drafts at an anchor are the online ones; they are not
 independent given the block (no DDTree). x_{t-1} at anchor 0 is the anchor itself, as speculators'
 training reads it. The block is always B slots (`whole_block`): mix_l is B x B and g a mean over B.
+
+vLLM's XPress (its own layout, layout.py `VllmXPress`; v1/worker/gpu/spec_decode/xpress/
+speculator.py and model_executor/models/qwen3_xpress.py `jacobi_refine_greedy`) runs the same
+recurrence with two differences, both family options: slot 0 reads the anchor x_t itself (its
+predecessor lives in the KV cache, out of the speculator's reach: speculator.py:86-91;
+`slot0_reads`), and each pass's argmax runs over the top-C tokens of each slot's base logits only
+(`top_c`, its `xpress_topc`, default 512; 0: the whole vocabulary). `diagnose`'s `xpress-slot0`
+variant reads the other predecessor (Conventions.xpress_other_slot0).
 """
 
 from __future__ import annotations
@@ -41,16 +49,16 @@ from proposers.toolkit.conventions import REFERENCE, Conventions
 class XPressRefiner(nn.Module):
     """The refiner's weights under speculators' names (`refiner_head.*`) and its bias."""
 
-    def __init__(self, vocab: int, hidden: int, block: int, rank: int, mlp_ratio: int):
+    def __init__(self, vocab: int, hidden: int, block: int, rank: int, mlp_hidden: int):
         super().__init__()
         self.token_embed = nn.Embedding(vocab, rank)
         self.down_h = nn.Linear(hidden, rank, bias=False)
         self.down_g = nn.Linear(hidden, rank, bias=False)
         self.in_proj = nn.Linear(3 * rank, rank, bias=False)
         self.mix_l = nn.Parameter(torch.zeros(rank, block, block))
-        self.mlp_gate = nn.Linear(rank, rank * mlp_ratio, bias=False)
-        self.mlp_up = nn.Linear(rank, rank * mlp_ratio, bias=False)
-        self.mlp_down = nn.Linear(rank * mlp_ratio, rank, bias=False)
+        self.mlp_gate = nn.Linear(rank, mlp_hidden, bias=False)
+        self.mlp_up = nn.Linear(rank, mlp_hidden, bias=False)
+        self.mlp_down = nn.Linear(mlp_hidden, rank, bias=False)
         self.readout = nn.Linear(rank, vocab, bias=False)
 
     def hidden_features(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -77,6 +85,27 @@ class XPressRefiner(nn.Module):
         return out.view(base.shape)
 
 
+# vLLM's checkpoint names of the refiner (qwen3_xpress.py `HYBRID_KEY_MAP`) -> speculators'
+VLLM_NAMES = {
+    "w1.": "token_embed.",
+    "mix.L": "mix_l",
+    "mlp.gate_proj.": "mlp_gate.",
+    "mlp.up_proj.": "mlp_up.",
+    "mlp.down_proj.": "mlp_down.",
+    "w2.": "readout.",
+}
+
+
+def _speculators_name(name: str) -> str:
+    """A vLLM-layout tensor name under speculators' (`xpress_head.w1.weight` ->
+    `refiner_head.token_embed.weight`); the backbone's names are z-lab's in both."""
+    if not name.startswith("xpress_head."):
+        return name
+    rest = name[len("xpress_head.") :]
+    own = next((k for k in VLLM_NAMES if rest.startswith(k)), None)
+    return "refiner_head." + (VLLM_NAMES[own] + rest[len(own) :] if own else rest)
+
+
 class XPressDrafter(BlockDrafter):
     rowwise_drafts = False  # each pass reads the previous pass's drafts: no shared lm_head GEMM
 
@@ -88,8 +117,12 @@ class XPressDrafter(BlockDrafter):
             config.hidden_size,
             config.block_size,
             options["xpress_rank"],
-            options["xpress_mlp_ratio"],
+            options["xpress_mlp_hidden"],
         )
+
+    @staticmethod
+    def canonical_names(state: dict) -> dict:
+        return {_speculators_name(name): tensor for name, tensor in state.items()}
 
     @property
     def passes(self) -> int:
@@ -98,9 +131,17 @@ class XPressDrafter(BlockDrafter):
 
     @staticmethod
     def refiner_inputs(before: torch.Tensor, anchor: torch.Tensor, pred: torch.Tensor) -> torch.Tensor:
-        """[a, B] the token before each slot: x_{t-1} before the anchor's slot, the anchor before slot 1,
-        then the previous pass's drafts (fill-in layout: slot k's target is t + k, its predecessor t + k - 1)."""
+        """[a, B] the token before each slot: `before` before the anchor's slot (x_{t-1}, or vLLM's
+        x_t: `slot0`), the anchor before slot 1, then the previous pass's drafts (fill-in layout:
+        slot k's target is t + k, its predecessor t + k - 1)."""
         return torch.cat([before, anchor, pred[:, 1:-1]], dim=1)
+
+    def slot0(self, previous: torch.Tensor, conventions: Conventions) -> torch.Tensor:
+        """[a, 1] what the refiner's slot 0 reads: x_{t-1} (speculators) or the anchor x_t (vLLM),
+        or the other one under `xpress_other_slot0`."""
+        reads_anchor = self.config.family_options["slot0_reads"] == "anchor"
+        column = 1 if reads_anchor != conventions.xpress_other_slot0 else 0
+        return previous[:, column : column + 1].long()
 
     def drafts(self, hidden, lm_head, previous, conventions: Conventions = REFERENCE) -> Drafts:
         """The drafts at slots 1..B-1 from `hidden` [a, B, H] (every slot) and `previous` [a, B], the
@@ -109,18 +150,31 @@ class XPressDrafter(BlockDrafter):
         with timing.stage("xpress refiner", rows=hidden.shape[0] * hidden.shape[1]):
             base = self.head_logits(hidden, self.head_weight(lm_head), conventions)  # [a, B, V]
             features = self.refiner_head.hidden_features(hidden)
-            before, anchor = previous[:, :1].long(), previous[:, 1:2].long()
-            return Drafts(self.refined(base, features, before, anchor)[:, 1:])
+            allowed = self.candidates(base)
+            before, anchor = self.slot0(previous, conventions), previous[:, 1:2].long()
+            return Drafts(self.refined(base, features, before, anchor, allowed)[:, 1:])
 
-    def refined(self, base, features, before, anchor) -> torch.Tensor:
-        """[a, B, V] the logits after K passes. A row whose pass leaves its next pass's inputs as they
-        were (the drafts it reads unchanged) would get the same logits from every later pass: it
-        leaves the passes there (exact; the passes converge, so most rows stop early)."""
+    def candidates(self, base: torch.Tensor) -> torch.Tensor | None:
+        """[a, B, V] additive mask, 0 on each slot's top-C base-logit tokens and -inf elsewhere (vLLM's
+        `xpress_topc`: a pass's argmax never leaves them); None when C is 0 or the whole vocabulary."""
+        top_c = self.config.family_options.get("top_c", 0)
+        if not top_c or top_c >= base.shape[-1]:
+            return None
+        mask = torch.full_like(base, float("-inf"))
+        return mask.scatter_(-1, base.topk(top_c, dim=-1).indices, 0.0)
+
+    def refined(self, base, features, before, anchor, allowed=None) -> torch.Tensor:
+        """[a, B, V] the logits after K passes (outside each slot's candidates -inf under top-C). A row
+        whose pass leaves its next pass's inputs as they were (the drafts it reads unchanged) would
+        get the same logits from every later pass: it leaves the passes there (exact; the passes
+        converge, so most rows stop early)."""
         logits, pred = base, base.argmax(dim=-1)
         active = torch.arange(base.shape[0], device=base.device)  # rows still refining
         inputs = self.refiner_inputs(before, anchor, pred)  # [a, B] what the next pass reads
         for index in range(self.passes):
             rows = self.refiner_head.logits(base[active], inputs[active], features[active])
+            if allowed is not None:
+                rows = rows + allowed[active]
             if index == 0:
                 logits = rows  # every row takes at least one pass
             else:

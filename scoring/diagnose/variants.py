@@ -120,6 +120,14 @@ def _variants() -> list[Variant]:  # 106 lines: a table, one entry per variant
             Conventions(prenorm_hidden=True),
         ),
         Variant(
+            "xpress-slot0",
+            "XPress's refiner reading the other token before its anchor slot (x_{t-1} vs the anchor x_t)",
+            "the XPress refiner was trained reading the other token before the anchor's slot than the engine "
+            "serving it reads: speculators trains on x_{t-1}, vLLM serves it the anchor x_t — serve it as trained, "
+            "or score the layout it is served in",
+            Conventions(xpress_other_slot0=True),
+        ),
+        Variant(
             "rope-10000",
             "the drafter's RoPE with base 10000 whatever its rope_theta",
             "the checkpoint was trained with RoPE base 10000 (the EAGLE repository's cnets.py builds no other) while "
@@ -173,6 +181,8 @@ def not_applicable(variant: Variant, config: DrafterConfig) -> str | None:
         return "every layer is already causal"
     if variant.conventions.prenorm_hidden and not config.reads_final_norm:
         return "only MTP heads read the target's final hidden state"
+    if variant.conventions.xpress_other_slot0 and config.family != "xpress":
+        return "only XPress has a refiner"
     if variant.name == "scales" and not config.has_scales:
         return "the config sets no scale"
     return None

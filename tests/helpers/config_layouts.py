@@ -57,6 +57,13 @@ BASE = {
     "dflash:speculators": lambda: _block("dflash", 3),
     "dflash2:speculators": lambda: _block("dflash2", 3),
     "xpress:speculators": lambda: {**_block("xpress", 3), "xpress_rank": 8},
+    "xpress:vllm": lambda: {
+        **drafter_config(num_heads=4),
+        "architectures": ["Qwen3XPressModel"],
+        "xpress_rank": 8,
+        "xpress_mlp_hidden": 16,
+        "xpress_num_passes": 2,
+    },
     "dspark:speculators": lambda: _block("dspark", 4),  # sample_from_anchor true by default: 4 queries draft
     "dspark:specforge": lambda: {
         **QWEN3,
@@ -230,6 +237,10 @@ PRIOR_REFUSALS = [
     ("dflash2:speculators", "draft_vocab_size", {"draft_vocab_size": 256}),
     ("xpress:speculators", "sample_from_anchor", {"sample_from_anchor": True}),
     ("xpress:speculators", "draft_vocab_size", {"draft_vocab_size": 256}),
+    ("xpress:vllm", "sample_from_anchor", {"sample_from_anchor": True}),
+    ("xpress:vllm", "xpress_block_size", {"xpress_block_size": 99}),
+    ("xpress:vllm", "xpress_topc", {"xpress_topc": 100000}),
+    ("xpress:vllm", "draft_vocab_size", {"draft_vocab_size": 256}),
     ("eagle3:speculators", "target_hidden_size", {"target_hidden_size": 48}),
     ("eagle3:speculators", "transformer_layer_config.model_type", {"transformer_layer_config.model_type": "gemma3"}),
     ("eagle3:speculators", "layer_types", {"transformer_layer_config.layer_types": ["sliding_attention"]}),

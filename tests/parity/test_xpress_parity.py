@@ -15,7 +15,11 @@ passes, so the replay must run exactly K passes, not the serial rule they conver
   step's produced count and its accepted drafts;
 - plausible wrong rules (one pass fewer; slot k reading the token at its own position, DSpark's
   sample_from_anchor predecessor, instead of the one before it; the anchor's slot reading the anchor
-  instead of x_{t-1}) draft other tokens at the same anchors, or are reported as not caught.
+  instead of x_{t-1}) draft other tokens at the same anchors, or are reported as not caught;
+- vLLM's layout (the same weights as vLLM 0.33.0 loads them, tests/helpers/xpress_vllm.py): every
+  anchor's drafts equal vLLM's refiner written rule by rule (its anchor slot reading the anchor, its
+  top-C), with its default top-C and one that binds; diagnose's xpress-slot0 variant gives back the
+  speculators checkpoint's tau.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import torch
 
 from pipeline.shards import ShardSet
 from proposers.xpress.model import XPressDrafter
-from tests.helpers import chain_parity as parity, dspark_online, xpress_online as online
+from tests.helpers import chain_parity as parity, dspark_online, xpress_online as online, xpress_vllm as vllm
 from tests.helpers.dspark_online import target_states
 
 pytestmark = pytest.mark.slow
@@ -171,3 +175,70 @@ def test_a_wrong_rule_drafts_other_tokens(setup, drafter, anchor_drafts, rule, m
     differ = sum(a != b for a, b in zip(joined["draft_tokens"].to_list(), joined["draft_tokens_wrong"].to_list()))
     print(f"{rule}: {differ}/{joined.height} anchors' drafts differ")
     assert differ > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# vLLM's layout and rule (tests/helpers/xpress_vllm.py): the same fitted weights as vLLM loads them
+
+SMALL_TOPC = 2  # a top-C that binds on the tiny vocabulary
+
+
+@pytest.fixture(scope="module")
+def vllm_ckpts(setup, drafter) -> dict[int, str]:
+    """top-C -> the fitted drafter in vLLM's layout with that `xpress_topc` (None: absent, vLLM's
+    default 512, the whole tiny vocabulary)."""
+    tmp, target, *_ = setup
+    layers = target.config.num_hidden_layers
+    return {c: vllm.vllm_layout(drafter[1], tmp / f"vllm-topc{c}", layers, topc=c) for c in (None, SMALL_TOPC)}
+
+
+def _vllm_reference(model, ckpt: str, target, greedy: str, topc: int | None) -> dict[tuple[str, int], list[int]]:
+    """(sample id, anchor) -> vLLM's refiner's drafts over speculators' own backbone's block."""
+    head, blocks = vllm.refiner(ckpt), {}
+    for sample in ShardSet(greedy).samples(tensors=[]):
+        ids = sample.input_ids
+        _, features, _ = target_states(target, ids)
+        for t in range(sample.prompt_len, ids.numel() - 1):
+            hidden, base = dspark_online.block_hidden(model, features, ids, t, BLOCK)
+            blocks[(sample.sample_id, t)] = vllm.refine(head, hidden, base, int(ids[t]), PASSES, topc)
+    return blocks
+
+
+@pytest.mark.parametrize("topc", [None, SMALL_TOPC])
+def test_vllms_layout_drafts_equal_vllms_refiner(setup, drafter, vllm_ckpts, anchor_drafts, reference, topc):
+    """Every anchor's drafts of the vLLM-layout checkpoint equal vLLM's rule (its slot 0 reading the
+    anchor, its top-C); they differ from speculators' rule where that rule reads x_{t-1}, and a
+    binding top-C changes drafts too."""
+    tmp, target, greedy, _ = setup
+    offline = _anchor_drafts(vllm_ckpts[topc], greedy, tmp / f"results-vllm-{topc}")
+    theirs = _vllm_reference(drafter[0], vllm_ckpts[topc], target, greedy, topc)
+    assert set(zip(offline["sample_id"], offline["anchor"])) == set(theirs)
+    rows = list(offline.iter_rows())
+    for sample_id, anchor, drafts in rows:
+        assert drafts == theirs[(sample_id, anchor)], (sample_id, anchor, drafts, theirs[(sample_id, anchor)])
+    from_speculators = sum(drafts != reference[(s, a)] for s, a, drafts in rows)
+    print(f"vLLM's rule, top-C {topc}: {len(rows)} anchors equal; {from_speculators} differ from speculators' rule")
+    assert from_speculators > 0
+
+
+def test_diagnose_names_the_speculators_slot0_reading(setup, drafter, vllm_ckpts):
+    """The vLLM-layout checkpoint under diagnose's xpress-slot0 variant (the anchor slot reading
+    x_{t-1}) replays speculators' rule: the variant is measured for XPress and its tau is the
+    speculators checkpoint's (here equal to vLLM's too: its two anchors that differ change no walk)."""
+    from click.testing import CliRunner
+
+    from specreplay.cli import main
+
+    tmp, _, greedy, _ = setup
+    out = tmp / "diagnose-slot0"
+    args = ["diagnose", "--ckpt", vllm_ckpts[None], "--shards", greedy, "--out", str(out), "--variants", "xpress-slot0"]
+    run = CliRunner().invoke(main, [*args, "--no-progress"])
+    assert run.exit_code == 0, run.output
+    [table] = [pl.read_parquet(path) for path in out.glob("*/diagnose.parquet")]
+    taus = dict(table.filter(pl.col("metric") == "tau").select("variant", "value").iter_rows())
+    speculators = pl.read_parquet(f"{parity.score(drafter[1], greedy, tmp / 'results-tau')}/summary.parquet")
+    tau = speculators.filter(pl.col("method") == "chain")["tau"][0]
+    print(
+        f"tau: vLLM's slot 0 {taus['as-configured']:.4f}, xpress-slot0 {taus['xpress-slot0']:.4f}, speculators {tau:.4f}"
+    )
+    assert taus["xpress-slot0"] == pytest.approx(tau, abs=1e-9)

@@ -1,4 +1,4 @@
-"""XPress checkpoints as speculators saves them: detected, scored end to end through the CLI (chain
+"""XPress checkpoints as speculators and vLLM lay them out: detected, scored end to end through the CLI (chain
 rows, no DDTree: each draft reads the drafts before it), and each bad input one `error:` line naming
 its field, nothing written; shards sampled at T > 0 refused the same way. The checkpoint is
 speculators' own XPressDraftModel with random weights (the exactness of its drafts is
@@ -40,6 +40,35 @@ def ckpt(tmp_path_factory) -> str:
     )
 
 
+@pytest.fixture(scope="module")
+def vllm_ckpt(ckpt, tmp_path_factory) -> str:
+    """The same weights in vLLM's own layout (z-lab's config, `xpress_*` keys, vLLM's tensor names)."""
+    from tests.helpers.xpress_vllm import vllm_layout
+
+    return vllm_layout(ckpt, tmp_path_factory.mktemp("xpress") / "vllm", 6, topc=8)
+
+
+def test_a_vllm_checkpoint_is_xpress_read_with_vllms_rule(vllm_ckpt, ckpt, shards, tmp_path):
+    """Detected by its architecture, its refiner's tensors renamed to the model's, vLLM's options
+    (the anchor slot reading x_t, its top-C), and scored through the CLI."""
+    proposer, _ = load_proposer(vllm_ckpt, target_layers=6)
+    assert (proposer.family, proposer.layout) == ("xpress", "vllm")
+    assert proposer.config.family_options == {
+        "xpress_rank": 8,
+        "xpress_mlp_hidden": 16,
+        "num_jacobi_passes": 2,
+        "top_c": 8,
+        "slot0_reads": "anchor",
+    }
+    theirs = load_proposer(ckpt, target_layers=6)[0].model.refiner_head.state_dict()
+    mine = proposer.model.refiner_head.state_dict()
+    assert mine.keys() == theirs.keys() and all(mine[k].equal(theirs[k]) for k in mine)
+    run, out = _score(vllm_ckpt, shards, tmp_path / "results")
+    assert run.exit_code == 0, run.output
+    [result] = [p for p in out.iterdir() if p.is_dir()]
+    assert set(pl.read_parquet(result / "summary.parquet")["drafter_layout"]) == {"vllm"}
+
+
 def _score(ckpt: str, shards: str, out, *extra) -> tuple:
     run = CliRunner().invoke(main, ["score", "--ckpt", ckpt, "--shards", shards, "--out", str(out), "--quiet", *extra])
     return run, out
@@ -51,7 +80,13 @@ def test_a_speculators_checkpoint_is_xpress_with_a_whole_untaught_block(ckpt):
     assert (proposer.family, proposer.layout) == ("xpress", "speculators")
     assert not proposer.independent_drafts and proposer.max_drafts == 3
     assert config.whole_block and not config.teacher_forced_block and not config.drafts_from_anchor
-    assert config.family_options == {"xpress_rank": 8, "xpress_mlp_ratio": 2, "num_jacobi_passes": 2}
+    assert config.family_options == {
+        "xpress_rank": 8,
+        "xpress_mlp_hidden": 16,
+        "num_jacobi_passes": 2,
+        "top_c": 0,
+        "slot0_reads": "before",
+    }
     assert proposer.needs.feature_layers == (1, 3)
     assert tuple(proposer.model.refiner_head.mix_l.shape) == (8, 4, 4)
 
