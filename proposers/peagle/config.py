@@ -21,6 +21,10 @@ from proposers.toolkit.eagle.config import DEFAULT_STEPS, eagle_config, parse_sp
 def parse_drafter_config(checked, raw: dict, source: str = "config", target_layers: int | None = None) -> DrafterConfig:
     """A P-EAGLE config (validated against its declared layout) in the project's terms."""
     if isinstance(checked, SpeculatorsPEagle):
+        if checked.fc_norm:
+            refuse_field(source, "fc_norm", "true", "vLLM's speculators converter does not carry it for P-EAGLE "
+                         "(transformers_utils/configs/speculators/algos.py:53-85) and serves the drafter "
+                         "without those norms")  # fmt: skip
         mask = checked.mask_token_id
         config = parse_speculators(checked, raw, source, target_layers, "peagle", "P-EAGLE", mask)
     elif isinstance(checked, SpecForgePEagle):

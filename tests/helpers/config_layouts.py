@@ -203,6 +203,7 @@ REFUSALS = [
     ("eagle3:specforge", "bias", True, "SGLang", False),
     ("eagle3:specforge", "num_aux_hidden_states", 4, "vLLM", 3),
     # P-EAGLE
+    ("peagle:speculators", "fc_norm", True, "vLLM", False),
     ("peagle:specforge", "fc_norm", True, "vLLM", False),
     ("peagle:specforge", "norm_before_fc", True, "vLLM", False),
     ("peagle:specforge", "eagle_config.norm_before_fc", True, "vLLM", False),
