@@ -150,21 +150,22 @@ class XPressDrafter(BlockDrafter):
         with timing.stage("xpress refiner", rows=hidden.shape[0] * hidden.shape[1]):
             base = self.head_logits(hidden, self.head_weight(lm_head), conventions)  # [a, B, V]
             features = self.refiner_head.hidden_features(hidden)
-            allowed = self.candidates(base)
+            outside = self.candidates(base)
             before, anchor = self.slot0(previous, conventions), previous[:, 1:2].long()
-            return Drafts(self.refined(base, features, before, anchor, allowed)[:, 1:])
+            return Drafts(self.refined(base, features, before, anchor, outside)[:, 1:])
 
     def candidates(self, base: torch.Tensor) -> torch.Tensor | None:
-        """[a, B, V] additive mask, 0 on each slot's top-C base-logit tokens and -inf elsewhere (vLLM's
-        `xpress_topc`: a pass's argmax never leaves them); None when C is 0 or the whole vocabulary."""
+        """[a, B, V] bool, true outside each slot's top-C base-logit tokens (vLLM's `xpress_topc`: a
+        pass's argmax never leaves them; a byte per logit, once per batch); None when C is 0 or the
+        whole vocabulary."""
         top_c = self.config.family_options.get("top_c", 0)
         if not top_c or top_c >= base.shape[-1]:
             return None
-        mask = torch.full_like(base, float("-inf"))
-        return mask.scatter_(-1, base.topk(top_c, dim=-1).indices, 0.0)
+        outside = torch.ones_like(base, dtype=torch.bool)
+        return outside.scatter_(-1, base.topk(top_c, dim=-1).indices, False)
 
-    def refined(self, base, features, before, anchor, allowed=None) -> torch.Tensor:
-        """[a, B, V] the logits after K passes (outside each slot's candidates -inf under top-C). A row
+    def refined(self, base, features, before, anchor, outside=None) -> torch.Tensor:
+        """[a, B, V] the logits after K passes (-inf `outside` each slot's candidates under top-C). A row
         whose pass leaves its next pass's inputs as they were (the drafts it reads unchanged) would
         get the same logits from every later pass: it leaves the passes there (exact; the passes
         converge, so most rows stop early)."""
@@ -173,8 +174,8 @@ class XPressDrafter(BlockDrafter):
         inputs = self.refiner_inputs(before, anchor, pred)  # [a, B] what the next pass reads
         for index in range(self.passes):
             rows = self.refiner_head.logits(base[active], inputs[active], features[active])
-            if allowed is not None:
-                rows = rows + allowed[active]
+            if outside is not None:
+                rows.masked_fill_(outside[active], float("-inf"))
             if index == 0:
                 logits = rows  # every row takes at least one pass
             else:
