@@ -71,11 +71,13 @@ LAYOUTS = (
     ("specforge-dspark", "dspark", "specforge", "SpecForge DSpark"),
     ("deepspec-dspark", "dspark", "deepspec", "DeepSpec DSpark"),
     ("speculators-xpress", "xpress", "speculators", "speculators XPress, 6 refiner passes"),
+    ("vllm-xpress", "xpress", "vllm", "vLLM XPress, 6 refiner passes, top-512"),
 )
 # The work a family adds on top of the lm_head logits, measured on the loaded model (key: label)
 EXTRA_WORK = {"zlab-dflash2": "selector", "speculators-dspark": "Markov + confidence heads"}
 EXTRA_WORK["speculators-dspark-rnn"] = EXTRA_WORK["speculators-dspark"]
 EXTRA_WORK["speculators-xpress"] = "refiner passes"
+EXTRA_WORK["vllm-xpress"] = "refiner passes over the top-512"
 DOMINATES = 0.5  # the family's own extra work above this share of its replay would dominate it
 STAGES = ("context keys/values", "drafter layers", "attention", "masks", "lm_head", "markov head", "logsumexp")
 EXTRA_ANCHORS = 32  # full blocks per `drafts()` call of the extra-work measurement (quick: half)
@@ -95,6 +97,7 @@ BREAKDOWN_ROWS = (
     "speculators-dspark",
     "speculators-dspark-rnn",
     "speculators-xpress",
+    "vllm-xpress",
 )
 
 
@@ -255,7 +258,16 @@ def build_drafters(work: Path, layer_ids: list[int]) -> dict[str, str]:
     speculators(work / "speculators-dspark-rnn", "dspark", layer_ids, seed=7, markov_head_type="rnn", **DSPARK)
     other_dspark_layouts(work, dspark, layer_ids)
     speculators(work / "speculators-xpress", "xpress", layer_ids, seed=8, **XPRESS)
+    vllm_xpress(work)
     return {key: str(work / key) for key, *_ in LAYOUTS}
+
+
+def vllm_xpress(work: Path) -> None:
+    """The speculators XPress's weights in vLLM's own layout (z-lab's config and `xpress_*` keys,
+    vLLM's refiner names; its default top-C, 512, binds on SmolLM2's vocabulary)."""
+    from tests.helpers.xpress_vllm import vllm_layout
+
+    vllm_layout(str(work / "speculators-xpress"), work / "vllm-xpress", SMOLLM2["num_layers"], topc=None)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -20,12 +20,10 @@
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+from typing import ClassVar, Literal
 
-from pydantic import field_validator
-
-from pipeline.common.schema import Count, Positive, SchemaError, wrong
-from proposers.toolkit.layout_fields import REQUIRED_SHAPE, DraftDecoderFields, DrafterNamespace, EagleOptions
+from pipeline.common.schema import Count, SchemaError
+from proposers.toolkit.layout_fields import DrafterNamespace, SpecForgeEagleFields
 from proposers.toolkit.speculators_layout import SpeculatorsEagle, default_eagle_ids, from_before_layer
 
 LABEL = "P-EAGLE"
@@ -56,53 +54,18 @@ class MaskOptions(DrafterNamespace):
     mask_token_id: Count | None = None
 
 
-class SpecForgePEagle(DraftDecoderFields):
-    LAYOUT: ClassVar[str] = "specforge"
+class SpecForgePEagle(SpecForgeEagleFields):
     CONVENTION: ClassVar[str] = "before"  # vLLM, the engine that serves it, reads the ids before layer i
     ARCHITECTURES: ClassVar[tuple[str, ...]] = (ARCHITECTURE,)
-    IDS_FIELD: ClassVar[str] = "eagle_config.eagle_aux_hidden_state_layer_ids"
-    DECODER_CLASS: ClassVar[str] = "LlamaConfig"
+    FAMILY: ClassVar[str] = "peagle"
 
-    architectures: list[str]
-    draft_vocab_size: Positive | None = None
-    target_hidden_size: Positive | None = None
-    eagle_config: EagleOptions | None = None
-    num_speculative_tokens: Positive | None = None  # this project's: vLLM takes num_speculative_tokens
     norm_before_residual: bool = False  # SpecForge's training switch, saved with the model; vLLM reads it
     dflash_config: MaskOptions | None = None
     mask_token_id: Count | None = None
     dspark_noise_token_id: Count | None = None
     pard_token: Count | None = None
     ptd_token_id: Count | None = None
-    # read by vLLM's EAGLE-3 layers, never built by SpecForge's PEagleDraftModel: refused when set
-    norm_before_fc: bool | None = None
-    fc_norm: bool | None = None
-    num_aux_hidden_states: Positive | None = None
-    target_model_type: str | None = None  # which target SpecForge trains against: training-only
-    decoder_sparse_step: Any = None  # copied from a MoE target's config; no Llama layer reads it
-
-    @field_validator("architectures")
-    @classmethod
-    def _peagle(cls, value):
-        if ARCHITECTURE not in value:
-            raise wrong(value, f"['{ARCHITECTURE}']")
-        return value
-
-    def namespaces(self) -> dict:
-        """LlamaConfig's keys whatever model_type says: SpecForge's PEagleDraftModel is Llama layers."""
-        return {"": (self.DECODER_CLASS, type(self))}
-
-    @property
-    def family(self) -> str:
-        return "peagle"
-
-    @property
-    def evidence(self) -> str:
-        return f"architectures ['{ARCHITECTURE}']"
-
-    @property
-    def options(self) -> EagleOptions:
-        return self.eagle_config or EagleOptions()
+    fc_norm: bool | None = None  # read by vLLM's EAGLE-3 layers, never built by PEagleDraftModel: refused
 
     @property
     def mask_token(self) -> int | None:
@@ -112,10 +75,8 @@ class SpecForgePEagle(DraftDecoderFields):
         return next((token for token in found if token is not None), None)
 
     def check_complete(self, source: str) -> None:
-        """What SpecForge's PEagleDraftModel reads without a default, and the mask token vLLM needs."""
-        missing = self.require(REQUIRED_SHAPE) + self.require(("draft_vocab_size",))
-        if missing:
-            raise SchemaError(f"{source}: missing field {missing[0]!r}; SpecForge's PEagleDraftModel needs it")
+        """SpecForge's required fields, and the mask token vLLM needs."""
+        super().check_complete(source)
         if self.mask_token is None:
             raise SchemaError(
                 f"{source}: missing field 'mask_token_id'; SpecForge picks P-EAGLE's mask token when it trains "
@@ -123,9 +84,6 @@ class SpecForgePEagle(DraftDecoderFields):
                 f'and does not save it: add "mask_token_id": N with the id your training used (vLLM refuses the '
                 f"config without it too)"
             )
-
-    def stored_layer_ids(self) -> list[int] | None:
-        return self.options.eagle_aux_hidden_state_layer_ids
 
     def feature_layers(self, source: str, num_target_layers: int | None = None) -> list[int]:
         """The stated ids read before layer i as vLLM reads them (the output of layer i - 1, id L

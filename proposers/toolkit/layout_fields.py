@@ -13,7 +13,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BeforeValidator, Field, ValidationInfo, field_validator
 
-from pipeline.common.schema import ClosedNamespace, Count, Number, Positive, Schema, wrong
+from pipeline.common.schema import ClosedNamespace, Count, Number, Positive, Schema, SchemaError, wrong
 
 LayerIds = Annotated[list[Count], Field(min_length=1)]
 # The refusal of a key specreplay does not know, in a namespace it enumerates and in a decoder's
@@ -146,3 +146,58 @@ class EagleOptions(DrafterNamespace):
     norm_before_fc: bool | None = None  # refused when true: SpecForge never trains it
 
     _unique = field_validator("eagle_aux_hidden_state_layer_ids")(unique_ids)
+
+
+class SpecForgeEagleFields(DraftDecoderFields):
+    """What SpecForge's EAGLE-style configs share (EAGLE-3's `LlamaForCausalLMEagle3`, P-EAGLE's
+    `PEagleDraftModel`): the draft decoder's LlamaConfig at the top level, `draft_vocab_size`
+    beside it, the feature ids in `eagle_config`, and the keys an engine reads that SpecForge's
+    trainer never writes. A subclass names its `ARCHITECTURES` (the first is the one it says) and
+    `FAMILY`, and reads the ids in its own convention (`feature_layers`)."""
+
+    LAYOUT: ClassVar[str] = "specforge"
+    IDS_FIELD: ClassVar[str] = "eagle_config.eagle_aux_hidden_state_layer_ids"
+    DECODER_CLASS: ClassVar[str] = "LlamaConfig"
+    FAMILY: ClassVar[str]
+
+    architectures: list[str]
+    draft_vocab_size: Positive | None = None
+    target_hidden_size: Positive | None = None
+    eagle_config: EagleOptions | None = None
+    num_speculative_tokens: Positive | None = None  # this project's: the engines take it from their flags
+    norm_before_fc: bool | None = None
+    num_aux_hidden_states: Positive | None = None
+    target_model_type: str | None = None  # which target SpecForge trains against: training-only
+    decoder_sparse_step: Any = None  # copied from a MoE target's config; no Llama layer reads it
+
+    @field_validator("architectures")
+    @classmethod
+    def _architecture(cls, value):
+        if cls.ARCHITECTURES[0] not in value:
+            raise wrong(value, f"['{cls.ARCHITECTURES[0]}']")
+        return value
+
+    def namespaces(self) -> dict:
+        """LlamaConfig's keys whatever model_type says: SpecForge's EAGLE-style drafters are Llama layers."""
+        return {"": (self.DECODER_CLASS, type(self))}
+
+    @property
+    def family(self) -> str:
+        return self.FAMILY
+
+    @property
+    def evidence(self) -> str:
+        return f"architectures ['{self.ARCHITECTURES[0]}']"
+
+    @property
+    def options(self) -> EagleOptions:
+        return self.eagle_config or EagleOptions()
+
+    def check_complete(self, source: str) -> None:
+        """What SpecForge's model class reads without a default."""
+        missing = self.require(REQUIRED_SHAPE) + self.require(("draft_vocab_size",))
+        if missing:
+            raise SchemaError(f"{source}: missing field {missing[0]!r}; SpecForge's {self.ARCHITECTURES[0]} needs it")
+
+    def stored_layer_ids(self) -> list[int] | None:
+        return self.options.eagle_aux_hidden_state_layer_ids
