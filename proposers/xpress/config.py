@@ -25,6 +25,7 @@ from proposers.toolkit.qwen3_decoder import speculators_block, zlab_block_fields
 from proposers.xpress.layout import SpeculatorsXPress, VllmXPress
 from proposers.xpress.model import XPressDrafter
 
+VLLM_MIXER = 16  # the refiner's mixer when xpress_block_size is absent (num_speculative_steps 15 + 1)
 DEFAULT_TOPC = 512  # vLLM's when the config states none (qwen3_xpress.py:263), at most the vocabulary
 SERVED = "vLLM refuses it for XPress (its refiner is trained and served in the fill-in layout)"
 
@@ -62,10 +63,10 @@ def _vllm(checked: VllmXPress, raw: dict, source: str) -> DrafterConfig:
     fields = zlab_block_fields(checked, raw, source)
     config = DrafterConfig(**fields, family="xpress", layout="vllm", whole_block=True, family_options=options)
     check_zlab(checked, config, source)
-    block = checked.xpress_block_size
-    if block is not None and block != config.block_size:
-        refuse_field(source, "xpress_block_size", block, f"vLLM drafts block_size ({config.block_size}) slots a step "
-                     "and sizes the refiner's mixer by this; specreplay scores the two equal")  # fmt: skip
+    block = checked.xpress_block_size or VLLM_MIXER  # absent: vLLM's mixer is 16 slots (qwen3_xpress.py:258-259)
+    if block != config.block_size:
+        refuse_field(source, "xpress_block_size", checked.xpress_block_size, f"vLLM sizes the refiner's mixer "
+                     f"{block} slots and cannot serve it with a block of {config.block_size}; set it to block_size")  # fmt: skip
     if checked.xpress_topc is not None and checked.xpress_topc > config.vocab_size:
         refuse_field(source, "xpress_topc", checked.xpress_topc, f"vLLM refuses a top-C above the vocabulary "
                      f"({config.vocab_size}): vllm/config/speculative.py:1623-1638")  # fmt: skip

@@ -60,6 +60,7 @@ BASE = {
     "xpress:vllm": lambda: {
         **drafter_config(num_heads=4),
         "architectures": ["Qwen3XPressModel"],
+        "xpress_block_size": drafter_config(num_heads=4)["block_size"],
         "xpress_rank": 8,
         "xpress_mlp_hidden": 16,
         "xpress_num_passes": 2,
@@ -240,6 +241,7 @@ PRIOR_REFUSALS = [
     ("xpress:speculators", "draft_vocab_size", {"draft_vocab_size": 256}),
     ("xpress:vllm", "sample_from_anchor", {"sample_from_anchor": True}),
     ("xpress:vllm", "xpress_block_size", {"xpress_block_size": 99}),
+    ("xpress:vllm", "xpress_block_size", {"xpress_block_size": None}),  # absent: vLLM's mixer is 16 slots
     ("xpress:vllm", "xpress_topc", {"xpress_topc": 100000}),
     ("xpress:vllm", "draft_vocab_size", {"draft_vocab_size": 256}),
     ("eagle3:speculators", "target_hidden_size", {"target_hidden_size": 48}),

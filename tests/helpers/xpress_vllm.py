@@ -63,6 +63,7 @@ def vllm_layout(speculators_dir: str, out_dir, num_target_layers: int, *, topc: 
         xpress_rank=spec["xpress_rank"],
         xpress_mlp_hidden=spec["xpress_rank"] * spec["xpress_mlp_ratio"],
         xpress_num_passes=spec["num_jacobi_passes"],
+        xpress_block_size=spec["block_size"],  # absent, vLLM's mixer is 16 slots
     )
     if topc is not None:
         config["xpress_topc"] = topc
