@@ -106,7 +106,7 @@ def score(ckpt: str, shards: str, out, force: bool = True, **options) -> str:
 
 def walk_table(out_dir: str) -> pl.DataFrame:
     walk = pl.read_parquet(f"{out_dir}/walk.parquet", glob=False).filter(pl.col("method") == "chain")
-    return walk.sort("sample_id", "step").select("sample_id", "step", "anchor", "produced", "draft_tokens")
+    return walk.sort("sample_id", "step").select("sample_id", "step", "anchor", "produced", "drafted", "draft_tokens")
 
 
 def walks(out_dir: str) -> dict[str, pl.DataFrame]:

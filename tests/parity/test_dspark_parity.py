@@ -144,10 +144,13 @@ def drafters(setup):
 def _assert_walks_equal(walks: dict[str, pl.DataFrame], runs: dict[str, online.OnlineRun]) -> None:
     """Per sample, the offline `produced` list is the online loop's; at each step the offline
     drafts up to the first rejected one are the online proposal's (after a rejection the
-    online Markov head conditions on its own wrong draft, the offline one on the stored token)."""
+    online Markov head conditions on its own wrong draft, the offline one on the stored token);
+    the drafts proposed are the online proposal's count, its confidence cut read along its own
+    drafts past a rejection too."""
     for sample_id, run in runs.items():
-        walk = walks.get(sample_id, pl.DataFrame({"produced": [], "draft_tokens": []}))
+        walk = walks.get(sample_id, pl.DataFrame({"produced": [], "draft_tokens": [], "drafted": []}))
         assert walk["produced"].to_list() == run.produced, sample_id
+        assert walk["drafted"].to_list() == [len(drafts) for drafts in run.drafts], sample_id
         for step, (offline, drafts, produced) in enumerate(
             zip(walk["draft_tokens"].to_list(), run.drafts, run.produced)
         ):

@@ -29,7 +29,13 @@ import pytest
 from pipeline.shards import ShardSet
 from proposers.toolkit.conventions import REFERENCE
 from scoring.replay.walk_rules import WalkRule
-from tests.helpers import chain_parity as chains, engine_parity as parity, family_fits as fits, llama_engine as engine
+from tests.helpers import (
+    chain_parity as chains,
+    dspark_engine as cut,
+    engine_parity as parity,
+    family_fits as fits,
+    llama_engine as engine,
+)
 from tests.helpers.eagle3_reference import write_specforge
 from tests.helpers.prompts import write_prompts
 
@@ -41,6 +47,7 @@ LAYERS = [1, 3, 4]
 DFLASH = fits.Recipe("dflash", steps=100, anchors=16)
 DFLASH_TWO_LAYERS = fits.Recipe("dflash", layers=2, steps=100, anchors=16)
 DSPARK = fits.Recipe("dspark", steps=100, anchors=16)  # sample_from_anchor: a block of block_size drafts
+DSPARK_CUT = 0.5  # llama-server's --spec-draft-p-min: cuts some blocks of the fitted confidence head
 DFLASH2 = fits.Recipe("dflash2", steps=100, anchors=16)
 DFLASH2_TOP_K = 4  # llama.cpp refuses hidden < top_k * (top_k + 1) (src/models/dflash.cpp:149-151)
 EAGLE3_AUX = (2, 4, 5)  # before-layer ids: SpecForge's default layers of an 8-layer target, and llama.cpp's
@@ -92,6 +99,14 @@ def dspark(setup):
 
 
 @pytest.fixture(scope="module")
+def dspark_confidence(setup):
+    """As `dspark`, with a confidence head over [h ; W1[prev]] trained by its own loss."""
+    out = setup.tmp / "speculators-dspark-confidence"
+    ckpt = engine.dspark_drafter(setup.target, setup.sequences, out, DSPARK, confidence=True)
+    return parity.converted(setup, "dspark", "confidence", ckpt, "draft-dspark", DSPARK.block_size)
+
+
+@pytest.fixture(scope="module")
 def deepspec(setup):
     """A DSpark drafter fitted with the target's lm_head as its embedding, in DeepSpec's layout."""
     ckpt = engine.dspark_drafter(
@@ -138,6 +153,19 @@ def test_dspark_speculators_counts_equal_llama_server(setup, dspark):
 
 def test_dspark_deepspec_counts_equal_llama_server(setup, deepspec):
     parity.assert_engine_counts(setup, deepspec, deepspec.drafts)
+
+
+def test_dspark_confidence_cut_equals_llama_server(setup, dspark_confidence):
+    """llama-server --spec-draft-p-min P against `confidence_threshold: P` (tests/helpers/dspark_engine.py):
+    equal steps, some blocks cut by the head; each wrong reading of the cut walks otherwise."""
+    n_max = dspark_confidence.drafts
+    path = cut.with_threshold(dspark_confidence.path, setup.tmp / "dspark-threshold", DSPARK_CUT)
+    served = cut.served_with_threshold(dspark_confidence, path, DSPARK_CUT)
+    walk = parity.assert_engine_counts(setup, served, n_max, per_step=0.1)
+    cuts = cut.confidence_cuts(parity.scored(setup, served, n_max, "llama.cpp"), setup.shards, n_max, setup.max_new)
+    differing = {rule: cut.differing_samples(setup, served, walk, n_max, rule) for rule in cut.WRONG_RULES}
+    print(f"p-min {DSPARK_CUT}: {cuts} steps cut by the confidence head; wrong readings differ on {differing}")
+    assert cuts > 0 and all(differing.values()), (cuts, differing)
 
 
 @pytest.mark.parametrize("layout", ["speculators", "specforge"])
