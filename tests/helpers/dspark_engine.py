@@ -86,3 +86,24 @@ def differing_samples(setup: parity.Setup, drafter: parity.Drafter, served: dict
     with wrong_rule(rule):
         counts = engine.walk_counts(parity.score(drafter, setup.shards, out, walk_rule="llama.cpp", steps=n_max))
     return sum(counts.get(sid) != steps for sid, steps in served.items())
+
+
+def option_counts(setup: parity.Setup, drafter: parity.Drafter, ckpt: str, n_max: int, threshold: float) -> dict:
+    """The llama.cpp walk's counts of `ckpt` (a checkpoint without the field, or the GGUF llama-server
+    serves) scored with `score --confidence-threshold`."""
+    out = setup.tmp / f"dspark-option-{Path(ckpt).name}"
+    options = dict(walk_rule="llama.cpp", steps=n_max, confidence_threshold=threshold)
+    return engine.walk_counts(parity.score(replace(drafter, path=ckpt), setup.shards, out, **options))
+
+
+def option_refusal(ckpt: str, shards: str, out: Path) -> str:
+    """`specreplay score --confidence-threshold 0.5` on `ckpt`: its one `error:` line (nothing written)."""
+    from click.testing import CliRunner
+
+    from specreplay.cli import main
+
+    args = ["score", "--ckpt", ckpt, "--shards", shards, "--out", str(out), "--quiet", "--confidence-threshold", "0.5"]
+    run = CliRunner().invoke(main, args)
+    assert run.exit_code != 0 and run.output.count("error:") == 1, run.output
+    assert "Traceback" not in run.output and not any(out.glob("*/summary.parquet")), run.output
+    return run.output

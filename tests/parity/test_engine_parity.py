@@ -166,6 +166,18 @@ def test_dspark_confidence_cut_equals_llama_server(setup, dspark_confidence):
     differing = {rule: cut.differing_samples(setup, served, walk, n_max, rule) for rule in cut.WRONG_RULES}
     print(f"p-min {DSPARK_CUT}: {cuts} steps cut by the confidence head; wrong readings differ on {differing}")
     assert cuts > 0 and all(differing.values()), (cuts, differing)
+    # `score --confidence-threshold`: the checkpoint without the field, and the GGUF the server runs
+    for ckpt in (dspark_confidence.path, served.gguf):
+        assert cut.option_counts(setup, served, ckpt, n_max, DSPARK_CUT) == engine.walk_counts(
+            parity.scored(setup, served, n_max, "llama.cpp")
+        ), ckpt
+
+
+def test_confidence_threshold_option_refusals(setup, dflash, dspark):
+    """`score --confidence-threshold` on a drafter with no confidence head to cut with: one error line."""
+    errors = [cut.option_refusal(d.path, setup.shards, setup.tmp / f"refused-{d.layout}") for d in (dflash, dspark)]
+    assert "is a DFlash drafter; only a DSpark drafter's confidence head" in errors[0], errors[0]
+    assert "has no confidence head (llama-server refuses --spec-draft-p-min above 0" in errors[1], errors[1]
 
 
 @pytest.mark.parametrize("layout", ["speculators", "specforge"])
