@@ -24,8 +24,9 @@ from pipeline.shards import ShardSet
 from proposers.dspark.model import DSparkDrafter
 from tests.helpers import engine_parity as parity, llama_engine as engine
 
-# Every wrong reading: name -> how it patches DSparkDrafter (its rule for the cut)
+# The wrong readings of the cut a fitted head tells apart (wrong_rule says how each patches DSparkDrafter)
 WRONG_RULES = ("after the slot", "stored predecessors", "raw logit")
+AT_THRESHOLD = "at or below"  # sigmoid(c) <= P: only a confidence exactly at P tells it apart (flat_confidence)
 
 
 def with_threshold(path: str, out: Path, threshold: float) -> str:
@@ -38,7 +39,8 @@ def with_threshold(path: str, out: Path, threshold: float) -> str:
 
 def served_with_threshold(drafter: parity.Drafter, path: str, threshold: float) -> parity.Drafter:
     """The converted drafter served with llama-server's confidence cut at `threshold`, scored from `path`."""
-    return replace(drafter, layout=f"p-min {threshold}", path=path, flags=("--spec-draft-p-min", str(threshold)))
+    layout = f"{drafter.layout}-p{threshold}"
+    return replace(drafter, layout=layout, path=path, flags=("--spec-draft-p-min", str(threshold)))
 
 
 def confidence_cuts(results: str, shards: str, n_max: int, max_new: int) -> int:
@@ -63,6 +65,8 @@ def wrong_rule(name: str):
             patch.setattr(DSparkDrafter, "cuts_by_previous", property(lambda self: False))
         elif name == "raw logit":  # the head's logit against P, no sigmoid
             patch.setattr(DSparkDrafter, "below_threshold", _raw_below)
+        elif name == AT_THRESHOLD:  # a slot whose confidence equals P cut too
+            patch.setattr(DSparkDrafter, "below_threshold", _at_or_below)
         else:
             raise ValueError(name)
         yield
@@ -78,6 +82,24 @@ def _cut_after(limit):
 
 def _raw_below(self, confidence: torch.Tensor) -> torch.Tensor:
     return confidence < self.config.family_options["confidence_threshold"]
+
+
+def _at_or_below(self, confidence: torch.Tensor) -> torch.Tensor:
+    return torch.sigmoid(confidence) <= self.config.family_options["confidence_threshold"]
+
+
+def flat_confidence(path: str, out: Path) -> str:
+    """A copy of the checkpoint at `path` whose confidence head is zero, weights and bias: every
+    slot's confidence is sigmoid(0) = 0.5 exactly, in torch and in ggml (1 / (1 + exp(0))), so at
+    P = 0.5 the strict cut keeps every slot and a non-strict one none."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(path, out)
+    state = load_file(str(out / "model.safetensors"))
+    for name in ("confidence_head.proj.weight", "confidence_head.proj.bias"):
+        state[name] = torch.zeros_like(state[name])
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return str(out)
 
 
 def differing_samples(setup: parity.Setup, drafter: parity.Drafter, served: dict, n_max: int, rule: str) -> int:

@@ -15,7 +15,8 @@ response's timings.draft_n_accepted / draft_n. The default `--walk-rule dflash` 
 engine on some sample, so the comparison can fail; the steps compared include drafts cut near the
 budget and plain last-token decodes, and DFlash with one draft a step a stop token drafted last.
 
-Families and layouts: DFlash (z-lab; full block, 2 and 1 drafts), DSpark (speculators, DeepSpec),
+Families and layouts: DFlash (z-lab; full block, 2 and 1 drafts), DSpark (speculators, DeepSpec; the
+confidence cut at --spec-draft-p-min, tests/helpers/dspark_engine.py),
 EAGLE-3 (speculators, SpecForge), DFlash2 (z-lab).
 """
 
@@ -103,7 +104,7 @@ def dspark_confidence(setup):
     """As `dspark`, with a confidence head over [h ; W1[prev]] trained by its own loss."""
     out = setup.tmp / "speculators-dspark-confidence"
     ckpt = engine.dspark_drafter(setup.target, setup.sequences, out, DSPARK, confidence=True)
-    return parity.converted(setup, "dspark", "confidence", ckpt, "draft-dspark", DSPARK.block_size)
+    return parity.converted(setup, "dspark", "conf", ckpt, "draft-dspark", DSPARK.block_size)
 
 
 @pytest.fixture(scope="module")
@@ -171,6 +172,19 @@ def test_dspark_confidence_cut_equals_llama_server(setup, dspark_confidence):
         assert cut.option_counts(setup, served, ckpt, n_max, DSPARK_CUT) == engine.walk_counts(
             parity.scored(setup, served, n_max, "llama.cpp")
         ), ckpt
+
+
+def test_dspark_confidence_at_the_threshold_is_proposed_as_llama_server(setup, dspark_confidence):
+    """A confidence exactly at P (a zero head: 0.5 in torch and ggml alike) is not cut by llama.cpp's
+    strict `<` (common/speculative.cpp:1274): the server drafts full blocks, and so does the
+    replay; cutting at or below P would draft nothing."""
+    flat = cut.flat_confidence(dspark_confidence.path, setup.tmp / "dspark-flat-confidence")
+    drafter = parity.converted(setup, "dspark", "flat", flat, "draft-dspark", DSPARK.block_size)
+    served = cut.served_with_threshold(drafter, cut.with_threshold(flat, setup.tmp / "dspark-flat-0.5", 0.5), 0.5)
+    walk = parity.assert_engine_counts(setup, served, drafter.drafts)
+    differing = cut.differing_samples(setup, served, walk, drafter.drafts, cut.AT_THRESHOLD)
+    print(f"confidence 0.5 at p-min 0.5: the non-strict cut differs on {differing} of {len(walk)} samples")
+    assert differing == len(walk), differing
 
 
 def test_confidence_threshold_option_refusals(setup, dflash, dspark):
