@@ -58,9 +58,10 @@ def score_chunk(
     if drafts.limit is not None:  # drafts past a confidence head's cut are never proposed
         kept = drafts.limit.clamp(max=depth).long()
         proposed = kept if drafts.drafted is None else drafts.drafted.clamp(max=depth).long()
-        cut = torch.arange(depth, device=draft.device)[None, :] >= kept[:, None]
-        draft = draft.masked_fill(cut, NOT_PROPOSED)
-        sampled = sampled.masked_fill(cut & known, float("-inf"))
+        slot = torch.arange(depth, device=draft.device)[None, :]
+        # the draft list is the loop's; acceptance (greedy: the same prefix, sampled: q) the stored chain's
+        draft = draft.masked_fill(slot >= proposed[:, None], NOT_PROPOSED)
+        sampled = sampled.masked_fill((slot >= kept[:, None]) & known, float("-inf"))
     scored = ChunkScores(proposer, packed, chunk, target, options, drafts, scores, lse, targets, known)
     planned = {m.kind: m.chunk(scored, options.methods[m.kind]) for m in TREES if options.methods.get(m.kind)}
     cpu = (t.cpu() for t in (draft, targets, target_logprob, sampled, kl, nonfinite, proposed))
