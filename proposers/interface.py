@@ -125,6 +125,9 @@ class Drafts:
     limit: torch.Tensor | None = (
         None  # [a] drafts actually proposed (a confidence head's cut, a short match); None: all D
     )
+    # [a] drafts the loop proposes when that differs from `limit` past the first rejected draft (a
+    # cut reading the drafter's own drafts there: DSpark's confidence head); None: `limit`
+    drafted: torch.Tensor | None = None
 
 
 @dataclass

@@ -22,10 +22,6 @@ from pipeline.common.schema import SchemaError, found, validate
 from proposers.registry import FAMILY_NAMES, families_of, layout_classes
 from proposers.toolkit.speculators_layout import SpeculatorsFormat
 
-# Known layouts this version does not declare yet: refused by name rather than read wrong.
-KNOWN_ELSEWHERE = {
-    "Gemma4DSparkModel": "DeepSpec's Gemma 4 DSpark",
-}
 # Architectures a drafter's config shares with plain models: read only by `--family`, said in the refusal
 ONLY_BY_FAMILY = {
     "LlamaForCausalLM": "the EAGLE repository's EAGLE-1/2 (and HASS) drafters say it too: --family eagle reads one",
@@ -147,11 +143,20 @@ def _by_architecture(raw: dict, source: str, classes, architectures: dict, overr
     return Detected(architectures[said[0]], None if override else assumed)
 
 
+def known_elsewhere() -> dict[str, tuple[str, str]]:
+    """Known layouts this version does not read, as the families declare them (a layout class's
+    REFUSED_ARCHITECTURES): architecture -> (whose layout, what is missing); refused by name rather
+    than read wrong."""
+    return {a: why for c in layout_classes() for a, why in vars(c).get("REFUSED_ARCHITECTURES", {}).items()}
+
+
 def _check_known(arch: str, source: str, architectures: dict, override: Override | None) -> None:
-    if arch in KNOWN_ELSEWHERE:
+    refused = known_elsewhere()
+    if arch in refused:
+        whose, missing = refused[arch]
         raise SchemaError(
-            f"{source}: architecture {arch!r} is {KNOWN_ELSEWHERE[arch]} layout, which specreplay does not "
-            f"read yet; refusing rather than scoring it wrong"
+            f"{source}: architecture {arch!r} is {whose} layout, which specreplay does not read yet, {missing}; "
+            "refusing rather than scoring it wrong"
         )
     if arch not in architectures and override is None:
         speculators = sorted(c.FAMILY for c in layout_classes() if issubclass(c, SpeculatorsFormat))

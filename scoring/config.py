@@ -28,6 +28,8 @@ class ScoreConfig:
     eagle_trees: list[str] | None = None
     # --steps: drafts per anchor of an autoregressive chain (EAGLE-3, MTP); None: the checkpoint's
     steps: int | None = None
+    # --confidence-threshold: a DSpark drafter's confidence cut (llama-server's --spec-draft-p-min); None: the checkpoint's
+    confidence_threshold: float | None = None
     # --family NAME[:LAYOUT]: read every checkpoint as this family's (and layout's); None: detected
     family: str | None = None
     device: str = "auto"

@@ -37,6 +37,31 @@ DeepSpecIds = Annotated[list[Annotated[int, Field(ge=-1, le=LARGEST)]], Field(mi
 Threshold = Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)]
 
 
+# DSpark layouts engines serve whose decoder the block drafter (proposers/toolkit/block_drafter.py, Qwen3
+# layers) is not: architecture -> (whose layout, what specreplay lacks for it), refused by name
+REFUSED_ARCHITECTURES = {
+    "Gemma4DSparkModel": (
+        "DeepSpec's Gemma 4 DSpark",
+        "whose decoder is Gemma 4's: q/k/v norms, K and V from one projection, sandwich norms, layer scalars, "
+        "proportional RoPE, GELU, an embedding scale (llama.cpp conversion/gemma.py:813-911)",
+    ),
+    "K3DSparkModel": (
+        "Kimi K3's DSpark",
+        "whose decoder attends with MLA (vLLM's kimi_k3 dspark_mla.py), and llama.cpp has no converter for it",
+    ),
+    "Qwen3OmniDSparkModel": (
+        "vLLM's Qwen3-Omni DSpark",
+        "whose decoder is Qwen3 DSpark's over the Omni thinker's features (vLLM's qwen3_omni_dspark.py) but "
+        "whose config and layer numbering no public checkpoint here shows, and llama.cpp has no converter for it",
+    ),
+    "DeepseekV4DSparkModel": (
+        "DeepSeek-V4's DSpark",
+        "whose stages mtp.* are DeepSeek-V4 blocks: hyper-connections, MLA, mixture of experts "
+        "(llama.cpp conversion/deepseek.py:927-1034)",
+    ),
+}
+
+
 @dataclass(frozen=True)
 class DSparkHeads:
     """The Markov and confidence heads a DSpark config describes, resolved with its layout's defaults."""
@@ -180,6 +205,7 @@ class DeepSpecDSpark(BlockDecoderFields):
     LAYOUT: ClassVar[str] = "deepspec"
     CONVENTION: ClassVar[str] = "output"
     ARCHITECTURES: ClassVar[tuple[str, ...]] = ("Qwen3DSparkModel",)
+    REFUSED_ARCHITECTURES: ClassVar[dict[str, tuple[str, str]]] = REFUSED_ARCHITECTURES  # read by proposers/layouts.py
 
     architectures: list[str]
     num_target_layers: Positive | None = None

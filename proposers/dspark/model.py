@@ -35,6 +35,7 @@ from proposers.interface import Drafts
 from proposers.toolkit.block_drafter import BlockDrafter
 from proposers.toolkit.config import DrafterConfig
 from proposers.toolkit.conventions import REFERENCE, Conventions
+from proposers.toolkit.vocab import target_ids
 
 # Early SpecForge DSpark checkpoints saved the heads under a `logit_head.` container; SpecForge
 # maps them back on load (specforge/modeling/draft/dflash.py:296-332), and so does this model.
@@ -76,8 +77,17 @@ class MarkovHead(nn.Module):
             return e
         hidden = hidden.to(e.dtype)
         if self.kind == "gated":
-            return torch.sigmoid(self.gate_proj(torch.cat([hidden, e], dim=-1))) * e
+            return self._gated(hidden, e)
         return self._recurrent(hidden, e)
+
+    def _gated(self, hidden: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(self.gate_proj(torch.cat([hidden, e], dim=-1))) * e
+
+    def _rnn_step(self, state: torch.Tensor, e: torch.Tensor, hidden: torch.Tensor):
+        """(tanh(o_k), the next state) of the rnn head at one slot: [a, r], [a, r], [a, H]."""
+        gate, candidate, output = self.joint_proj(torch.cat([state, e, hidden], dim=-1)).chunk(3, -1)
+        gate = torch.sigmoid(gate)
+        return torch.tanh(output), gate * state + (1.0 - gate) * torch.tanh(candidate)
 
     def _recurrent(self, hidden: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
         """The rnn head's outputs tanh(o_k): sequential over the slots, all anchors at once; the
@@ -85,11 +95,30 @@ class MarkovHead(nn.Module):
         state = e.new_zeros(e.shape[0], self.rank)
         outputs = []
         for k in range(e.shape[1]):
-            gate, candidate, output = self.joint_proj(torch.cat([state, e[:, k], hidden[:, k]], dim=-1)).chunk(3, -1)
-            gate = torch.sigmoid(gate)
-            state = gate * state + (1.0 - gate) * torch.tanh(candidate)
-            outputs.append(torch.tanh(output))
+            output, state = self._rnn_step(state, e[:, k], hidden[:, k])
+            outputs.append(output)
         return torch.stack(outputs, dim=1) if outputs else e
+
+    @torch.no_grad()
+    def own_predecessors(self, hidden: torch.Tensor, base: torch.Tensor, first: torch.Tensor, ids=None):
+        """[a, D] each slot's predecessor along the drafter's own greedy chain: prev_0 = `first`
+        (the anchor token), prev_k = argmax(base_{k-1} + bias_{k-1}) given prev_{k-1}, as DeepSpec's
+        proposal and llama.cpp's in-graph chain (src/models/dflash.cpp:383-385) take them. Past the
+        first rejected draft they are not the stored tokens, and the confidence cut there decides how
+        many drafts the loop proposes. `base` [a, D, Vo] over the output vocabulary, `ids` its target ids."""
+        previous = first.new_empty(base.shape[:2])
+        previous[:, 0] = first
+        state = base.new_zeros(base.shape[0], self.rank, dtype=self.markov_w2.weight.dtype)
+        for k in range(base.shape[1] - 1):
+            e = self.prev_embeddings(previous[:, k]).to(self.markov_w2.weight.dtype)
+            h = hidden[:, k].to(e.dtype)
+            if self.kind == "gated":
+                e = self._gated(h, e)
+            elif self.kind == "rnn":
+                e, state = self._rnn_step(state, e, h)
+            best = (base[:, k] + self.markov_w2(e).to(base.dtype)).argmax(dim=-1)
+            previous[:, k + 1] = best if ids is None else ids[best]
+        return previous
 
     def forward(self, hidden: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
         """[a, D, Vo] logit bias."""
@@ -152,25 +181,41 @@ class DSparkDrafter(BlockDrafter):
 
     def proposal_limit(self, confidence: torch.Tensor | None) -> torch.Tensor | None:
         """[a] drafts proposed: the slots before the first whose sigmoid(confidence) is below the
-        threshold (DeepSpec eval/dspark/draft_ops.py:82-93); None when nothing is cut."""
-        threshold = self.config.family_options["confidence_threshold"]
-        if confidence is None or threshold <= 0.0:
+        threshold (DeepSpec eval/dspark/draft_ops.py:82-93; llama.cpp common/speculative.cpp:
+        1268-1276 with --spec-draft-p-min); None when nothing is cut."""
+        if confidence is None or self.config.family_options["confidence_threshold"] <= 0.0:
             return None
-        below = torch.sigmoid(confidence) < threshold
-        if below.shape[-1] == 0:  # a block with no draft slot left
-            return torch.zeros(below.shape[:-1], dtype=torch.long, device=below.device)
-        first = below.to(torch.int8).argmax(dim=-1)
-        return torch.where(below.any(dim=-1), first, torch.full_like(first, below.shape[-1]))
+        return first_cut(self.below_threshold(confidence))
+
+    def below_threshold(self, confidence: torch.Tensor) -> torch.Tensor:
+        """[a, D] bool: the slots the cut stops at, strictly below the threshold (a slot at it is proposed)."""
+        return torch.sigmoid(confidence) < self.config.family_options["confidence_threshold"]
 
     def drafts(self, hidden, lm_head, previous, conventions: Conventions = REFERENCE) -> Drafts:
         """Teacher-forced drafts at the draft slots `hidden` [a, D, H], `previous` [a, D] the
         token before each draft's target: logits base + Markov bias over the target vocabulary
-        (greedy draft = their argmax, as DeepSpec's), and the confidence head's cut."""
+        (greedy draft = their argmax, as DeepSpec's), and the confidence head's cut: along the
+        stored tokens (`limit`, what acceptance sees) and along the drafter's own greedy chain
+        (`drafted`, what the loop proposes: they differ past the first rejected draft)."""
         scores = self.head_logits(hidden, self.head_weight(lm_head), conventions)
+        own = None
+        if self.cuts_by_previous:
+            ids = None if self.d2t is None else target_ids(self.d2t)
+            own = self.markov_head.own_predecessors(hidden, scores, previous[:, 0], ids)
         bias = self.markov_bias(hidden, previous)
         if bias is not None:
             scores = scores.add_(bias.to(scores.dtype))
-        return Drafts(self.to_target(scores), limit=self.proposal_limit(self.confidence(hidden, previous)))
+        limit = self.proposal_limit(self.confidence(hidden, previous))
+        drafted = None if own is None else self.proposal_limit(self.confidence(hidden, own))
+        return Drafts(self.to_target(scores), limit=limit, drafted=drafted)
+
+    @property
+    def cuts_by_previous(self) -> bool:
+        """Whether the confidence cut reads each slot's predecessor (a head over [h ; W1[prev]] and
+        a threshold above 0)."""
+        options = self.config.family_options
+        with_markov = self.confidence_head is not None and options["confidence_head_with_markov"]
+        return with_markov and options["confidence_threshold"] > 0.0
 
     def draft_logprob(self, logits: torch.Tensor, tokens: torch.Tensor, sampling: Sampling) -> torch.Tensor:
         """log q_k(tokens) as DeepSpec samples: softmax((base + bias) / T), temperature only
@@ -181,6 +226,15 @@ class DSparkDrafter(BlockDrafter):
             return torch.where(hit, 0.0, float("-inf"))[..., 0]
         scores = logits.float() / sampling.temperature
         return scores.gather(-1, tokens)[..., 0] - torch.logsumexp(scores, dim=-1)
+
+
+def first_cut(below: torch.Tensor) -> torch.Tensor:
+    """[a] the index of each row's first True in `below` [a, D] (D where none): the drafts kept
+    before it."""
+    if below.shape[-1] == 0:  # a block with no draft slot left
+        return torch.zeros(below.shape[:-1], dtype=torch.long, device=below.device)
+    first = below.to(torch.int8).argmax(dim=-1)
+    return torch.where(below.any(dim=-1), first, torch.full_like(first, below.shape[-1]))
 
 
 def _rename_legacy_heads(module, state_dict, prefix, *_):

@@ -56,10 +56,12 @@ def score_chunk(
         sampled = torch.where(known, proposer.draft_logprob(drafts, targets, options.sampling), sampled)
     proposed = torch.full((draft.shape[0],), depth, dtype=torch.long, device=draft.device)
     if drafts.limit is not None:  # drafts past a confidence head's cut are never proposed
-        proposed = drafts.limit.clamp(max=depth).long()
-        cut = torch.arange(depth, device=draft.device)[None, :] >= proposed[:, None]
-        draft = draft.masked_fill(cut, NOT_PROPOSED)
-        sampled = sampled.masked_fill(cut & known, float("-inf"))
+        kept = drafts.limit.clamp(max=depth).long()
+        proposed = kept if drafts.drafted is None else drafts.drafted.clamp(max=depth).long()
+        slot = torch.arange(depth, device=draft.device)[None, :]
+        # the draft list is the loop's; acceptance (greedy: the same prefix, sampled: q) the stored chain's
+        draft = draft.masked_fill(slot >= proposed[:, None], NOT_PROPOSED)
+        sampled = sampled.masked_fill((slot >= kept[:, None]) & known, float("-inf"))
     scored = ChunkScores(proposer, packed, chunk, target, options, drafts, scores, lse, targets, known)
     planned = {m.kind: m.chunk(scored, options.methods[m.kind]) for m in TREES if options.methods.get(m.kind)}
     cpu = (t.cpu() for t in (draft, targets, target_logprob, sampled, kl, nonfinite, proposed))
@@ -72,7 +74,7 @@ def finite_drafts(drafts: Drafts) -> tuple[Drafts, torch.Tensor]:
     if drafts.logits is None:
         return drafts, torch.zeros(drafts.tokens.shape[0], dtype=torch.bool, device=drafts.tokens.device)
     logits, nonfinite = finite_logits(drafts.logits)
-    return Drafts(logits, drafts.tokens, drafts.limit), nonfinite
+    return Drafts(logits, drafts.tokens, drafts.limit, drafts.drafted), nonfinite
 
 
 def stored_targets(packed: PackedSamples, chunk: Chunk, depth: int):

@@ -59,6 +59,7 @@ def planned_record(
         # --steps on a block family (an engine's shorter block); None: its trained block
         "block_steps": None if family(info.config.family).chain_steps else config.steps,
         "walk_rule": config.walk_rule,
+        "confidence_threshold": config.confidence_threshold,  # --confidence-threshold; None: the checkpoint's
         "anchor_set": config.anchors,
         "anchor_drafts": config.anchor_drafts,
         "dtype": dtype_name(dtype),
@@ -134,6 +135,7 @@ def settings_of(record: dict) -> dict:
         "chain steps": record.get("chain_steps"),
         "block steps": record.get("block_steps"),
         "walk rule": record.get("walk_rule", "dflash"),
+        "confidence threshold": record.get("confidence_threshold"),
         "anchor set": record.get("anchor_set", "all"),
         "anchor drafts": record.get("anchor_drafts", False),
         "requests": record.get("requests"),  # a proposer with state across requests: their order

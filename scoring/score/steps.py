@@ -21,6 +21,7 @@ from pipeline.common.sizes import format_size
 from pipeline.shards import ShardSet
 from proposers.checkpoints.compatibility import check_compatibility, target_layers
 from proposers.checkpoints.load import CheckpointInfo, load_proposer, read_drafter_config
+from proposers.dspark.config import set_confidence_threshold
 from proposers.interface import Proposer, drafts_trees, is_stateful, serves_requests
 from proposers.layouts import Override
 from proposers.registry import family, family_label
@@ -136,6 +137,7 @@ def prepare_job(ckpt: str, shardset: ShardSet, out_dir: str, config: ScoreConfig
     with timing.stage("load drafter"):
         proposer, info = load_proposer(ckpt, dtype, device, target_layers=layers, override=override)
     set_chain_steps(config.steps, info.config, ckpt, config.walk_rule)
+    set_confidence_threshold(info.config, config.confidence_threshold, ckpt)
     chosen, selection = choose_samples(shardset, config)
     sampling = sampling_of(manifest["settings"])
     if is_stateful(proposer):

@@ -90,6 +90,14 @@ def d(name: str):
     "--spec-draft-n-max, whose default is 3; default the trained block).",
 )
 @click.option(
+    "--confidence-threshold",
+    type=click.FloatRange(min=0.0, max=1.0),
+    default=None,
+    help="DSpark drafters with a confidence head: end each proposal at the first slot whose predicted "
+    "acceptance is below this (llama-server's --spec-draft-p-min, DeepSpec's --confidence-threshold; 0: "
+    "never); default the checkpoint's confidence_threshold, else 0.",
+)
+@click.option(
     "--walk-rule",
     type=click.Choice(list(WALK_RULES)),
     default=d("walk_rule"),

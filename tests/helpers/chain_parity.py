@@ -104,14 +104,15 @@ def score(ckpt: str, shards: str, out, force: bool = True, **options) -> str:
     return outcome.out_dir
 
 
-def walk_table(out_dir: str) -> pl.DataFrame:
+def walk_table(out_dir: str, *more: str) -> pl.DataFrame:
+    """walk.parquet's chain steps (and the columns `more`), sorted."""
     walk = pl.read_parquet(f"{out_dir}/walk.parquet", glob=False).filter(pl.col("method") == "chain")
-    return walk.sort("sample_id", "step").select("sample_id", "step", "anchor", "produced", "draft_tokens")
+    return walk.sort("sample_id", "step").select("sample_id", "step", "anchor", "produced", "draft_tokens", *more)
 
 
-def walks(out_dir: str) -> dict[str, pl.DataFrame]:
-    """sample id -> its chain steps (produced, the teacher-forced draft tokens), in order."""
-    rows = walk_table(out_dir)
+def walks(out_dir: str, *more: str) -> dict[str, pl.DataFrame]:
+    """sample id -> its chain steps (produced, the teacher-forced draft tokens, the columns `more`), in order."""
+    rows = walk_table(out_dir, *more)
     return {sid: group for (sid,), group in rows.group_by("sample_id", maintain_order=True)}
 
 

@@ -156,6 +156,21 @@ def reference_drafts(model, features: torch.Tensor, ids: torch.Tensor) -> dict:
     }
 
 
+@torch.no_grad()
+def own_chain_confidence(model, hidden, logits, previous, ids_out) -> torch.Tensor:
+    """[A, D] confidence logits along the drafter's own greedy drafts, as DeepSpec's proposal reads
+    them (each slot's predecessor the draft before it, the first slot's the anchor token), from the
+    reference's modules: `hidden` [A, D, H] and the teacher-forced `logits` [A, D, Vd] of the draft
+    slots, `previous` [A, D] their stored predecessors, `ids_out` [Vd] the target id of each draft id."""
+    head = model.markov_head
+    base = logits - head.block_bias(prev_token_ids=previous, hidden_states=hidden)
+    own = previous.clone()
+    for k in range(1, own.shape[1]):
+        chained = base + head.block_bias(prev_token_ids=own, hidden_states=hidden)
+        own[:, k] = ids_out[chained[:, k - 1].argmax(dim=-1)]
+    return model.confidence_head(torch.cat([hidden, head.prev_embeddings(own).to(hidden.dtype)], dim=-1))
+
+
 def confident_prefix_length(confidence: torch.Tensor, threshold: float) -> torch.Tensor:
     """DeepSpec's `_confident_prefix_length` (eval/dspark/draft_ops.py:82-93) for each row of
     [A, B] confidence logits: B when threshold <= 0 or no slot is below it, else the first slot

@@ -158,10 +158,17 @@ def continuations(
 
 
 def dspark_drafter(
-    target_dir: str, sequences, out_dir, recipe: fits.Recipe, rank: int = 16, head_as_embedding: bool = False
+    target_dir: str,
+    sequences,
+    out_dir,
+    recipe: fits.Recipe,
+    rank: int = 16,
+    head_as_embedding: bool = False,
+    confidence: bool = False,
 ) -> str:
     """speculators' DSparkDraftModel for the target (a vanilla Markov head, the one llama.cpp
-    runs; no confidence head, which llama.cpp reads only with --spec-draft-p-min > 0), its
+    runs; no confidence head, which llama.cpp reads only with --spec-draft-p-min > 0, unless
+    `confidence`: one over [h ; W1[prev]], trained by its own loss), its
     target-owned weights loaded and fitted as family_fits does the DFlash ones, saved by its own
     save_pretrained (the speculators layout: neither embedding nor lm_head, as both are the
     target's). `head_as_embedding`: its noise embedding is the target's lm_head (see deepspec_layout)."""
@@ -182,7 +189,8 @@ def dspark_drafter(
         sample_from_anchor=True,
         markov_rank=rank,
         markov_head_type="vanilla",
-        enable_confidence_head=False,
+        enable_confidence_head=confidence,
+        confidence_head_with_markov=confidence,
         speculators_config=SpeculatorsConfig(
             algorithm="dspark",
             proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=recipe.block_size)],

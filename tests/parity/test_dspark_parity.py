@@ -144,10 +144,13 @@ def drafters(setup):
 def _assert_walks_equal(walks: dict[str, pl.DataFrame], runs: dict[str, online.OnlineRun]) -> None:
     """Per sample, the offline `produced` list is the online loop's; at each step the offline
     drafts up to the first rejected one are the online proposal's (after a rejection the
-    online Markov head conditions on its own wrong draft, the offline one on the stored token)."""
+    online Markov head conditions on its own wrong draft, the offline one on the stored token);
+    the drafts proposed are the online proposal's count, its confidence cut read along its own
+    drafts past a rejection too."""
     for sample_id, run in runs.items():
-        walk = walks.get(sample_id, pl.DataFrame({"produced": [], "draft_tokens": []}))
+        walk = walks.get(sample_id, pl.DataFrame({"produced": [], "draft_tokens": [], "drafted": []}))
         assert walk["produced"].to_list() == run.produced, sample_id
+        assert walk["drafted"].to_list() == [len(drafts) for drafts in run.drafts], sample_id
         for step, (offline, drafts, produced) in enumerate(
             zip(walk["draft_tokens"].to_list(), run.drafts, run.produced)
         ):
@@ -197,7 +200,7 @@ def test_greedy_walks_equal_the_online_loop(setup, drafters, head):
     tmp, _, _, target, greedy, stop_ids = setup
     model, ckpt = drafters[head]
     runs = _online_walks(model, target, greedy, stop_ids)
-    _assert_walks_equal(chains.walks(chains.score(ckpt, greedy, tmp / f"results-{head}")), runs)
+    _assert_walks_equal(chains.walks(chains.score(ckpt, greedy, tmp / f"results-{head}"), "drafted"), runs)
     steps = [n for run in runs.values() for n in run.produced]
     finish = Counter(s.finish_reason for s in ShardSet(greedy).samples(tensors=[]))
     print(f"{head}: greedy tau {sum(steps) / len(steps):.3f} over {len(steps)} steps, finish {dict(finish)}")
@@ -210,7 +213,9 @@ def test_greedy_walks_equal_the_online_loop(setup, drafters, head):
     threshold = _cutting_threshold(runs)
     cut_ckpt = _with_threshold(ckpt, tmp / f"ckpt-{head}-threshold", threshold)
     cut_runs = _online_walks(model, target, greedy, stop_ids, threshold=threshold)
-    _assert_walks_equal(chains.walks(chains.score(cut_ckpt, greedy, tmp / f"results-{head}-threshold")), cut_runs)
+    _assert_walks_equal(
+        chains.walks(chains.score(cut_ckpt, greedy, tmp / f"results-{head}-threshold"), "drafted"), cut_runs
+    )
     proposals = [(len(d), q) for run in cut_runs.values() for d, q in zip(run.drafts, run.queries)]
     cut = sum(n < q for n, q in proposals)
     print(f"{head}: threshold {threshold:.3f} cuts {cut} of {len(proposals)} proposals, {dict(Counter(proposals))}")
@@ -245,7 +250,8 @@ def test_specforge_and_deepspec_layouts_walk_as_speculators(setup, drafters, hea
         for name, path in layouts.items():
             if cut:
                 path = _with_threshold(path, tmp / f"{name}-{head}-threshold", threshold)
-            tables[name] = chains.walk_table(chains.score(path, greedy, tmp / f"layouts-{head}-{name}-{cut}"))
+            results = chains.score(path, greedy, tmp / f"layouts-{head}-{name}-{cut}")
+            tables[name] = chains.walk_table(results, "drafted")
         assert tables["speculators"].height > PROMPTS
         for name in ("deepspec", "specforge"):
             assert tables[name].equals(tables["speculators"]), (name, cut)

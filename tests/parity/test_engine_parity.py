@@ -15,7 +15,8 @@ response's timings.draft_n_accepted / draft_n. The default `--walk-rule dflash` 
 engine on some sample, so the comparison can fail; the steps compared include drafts cut near the
 budget and plain last-token decodes, and DFlash with one draft a step a stop token drafted last.
 
-Families and layouts: DFlash (z-lab; full block, 2 and 1 drafts), DSpark (speculators, DeepSpec),
+Families and layouts: DFlash (z-lab; full block, 2 and 1 drafts), DSpark (speculators, DeepSpec; the
+confidence cut at --spec-draft-p-min, tests/helpers/dspark_engine.py),
 EAGLE-3 (speculators, SpecForge), DFlash2 (z-lab).
 """
 
@@ -29,7 +30,13 @@ import pytest
 from pipeline.shards import ShardSet
 from proposers.toolkit.conventions import REFERENCE
 from scoring.replay.walk_rules import WalkRule
-from tests.helpers import chain_parity as chains, engine_parity as parity, family_fits as fits, llama_engine as engine
+from tests.helpers import (
+    chain_parity as chains,
+    dspark_engine as cut,
+    engine_parity as parity,
+    family_fits as fits,
+    llama_engine as engine,
+)
 from tests.helpers.eagle3_reference import write_specforge
 from tests.helpers.prompts import write_prompts
 
@@ -41,6 +48,7 @@ LAYERS = [1, 3, 4]
 DFLASH = fits.Recipe("dflash", steps=100, anchors=16)
 DFLASH_TWO_LAYERS = fits.Recipe("dflash", layers=2, steps=100, anchors=16)
 DSPARK = fits.Recipe("dspark", steps=100, anchors=16)  # sample_from_anchor: a block of block_size drafts
+DSPARK_CUT = 0.5  # llama-server's --spec-draft-p-min: cuts some blocks of the fitted confidence head
 DFLASH2 = fits.Recipe("dflash2", steps=100, anchors=16)
 DFLASH2_TOP_K = 4  # llama.cpp refuses hidden < top_k * (top_k + 1) (src/models/dflash.cpp:149-151)
 EAGLE3_AUX = (2, 4, 5)  # before-layer ids: SpecForge's default layers of an 8-layer target, and llama.cpp's
@@ -92,6 +100,14 @@ def dspark(setup):
 
 
 @pytest.fixture(scope="module")
+def dspark_confidence(setup):
+    """As `dspark`, with a confidence head over [h ; W1[prev]] trained by its own loss."""
+    out = setup.tmp / "speculators-dspark-confidence"
+    ckpt = engine.dspark_drafter(setup.target, setup.sequences, out, DSPARK, confidence=True)
+    return parity.converted(setup, "dspark", "conf", ckpt, "draft-dspark", DSPARK.block_size)
+
+
+@pytest.fixture(scope="module")
 def deepspec(setup):
     """A DSpark drafter fitted with the target's lm_head as its embedding, in DeepSpec's layout."""
     ckpt = engine.dspark_drafter(
@@ -138,6 +154,44 @@ def test_dspark_speculators_counts_equal_llama_server(setup, dspark):
 
 def test_dspark_deepspec_counts_equal_llama_server(setup, deepspec):
     parity.assert_engine_counts(setup, deepspec, deepspec.drafts)
+
+
+def test_dspark_confidence_cut_equals_llama_server(setup, dspark_confidence):
+    """llama-server --spec-draft-p-min P against `confidence_threshold: P` (tests/helpers/dspark_engine.py):
+    equal steps, some blocks cut by the head; each wrong reading of the cut walks otherwise."""
+    n_max = dspark_confidence.drafts
+    path = cut.with_threshold(dspark_confidence.path, setup.tmp / "dspark-threshold", DSPARK_CUT)
+    served = cut.served_with_threshold(dspark_confidence, path, DSPARK_CUT)
+    walk = parity.assert_engine_counts(setup, served, n_max, per_step=0.1)
+    cuts = cut.confidence_cuts(parity.scored(setup, served, n_max, "llama.cpp"), setup.shards, n_max, setup.max_new)
+    differing = {rule: cut.differing_samples(setup, served, walk, n_max, rule) for rule in cut.WRONG_RULES}
+    print(f"p-min {DSPARK_CUT}: {cuts} steps cut by the confidence head; wrong readings differ on {differing}")
+    assert cuts > 0 and all(differing.values()), (cuts, differing)
+    # `score --confidence-threshold`: the checkpoint without the field, and the GGUF the server runs
+    for ckpt in (dspark_confidence.path, served.gguf):
+        assert cut.option_counts(setup, served, ckpt, n_max, DSPARK_CUT) == engine.walk_counts(
+            parity.scored(setup, served, n_max, "llama.cpp")
+        ), ckpt
+
+
+def test_dspark_confidence_at_the_threshold_is_proposed_as_llama_server(setup, dspark_confidence):
+    """A confidence exactly at P (a zero head: 0.5 in torch and ggml alike) is not cut by llama.cpp's
+    strict `<` (common/speculative.cpp:1274): the server drafts full blocks, and so does the
+    replay; cutting at or below P would draft nothing."""
+    flat = cut.flat_confidence(dspark_confidence.path, setup.tmp / "dspark-flat-confidence")
+    drafter = parity.converted(setup, "dspark", "flat", flat, "draft-dspark", DSPARK.block_size)
+    served = cut.served_with_threshold(drafter, cut.with_threshold(flat, setup.tmp / "dspark-flat-0.5", 0.5), 0.5)
+    walk = parity.assert_engine_counts(setup, served, drafter.drafts)
+    differing = cut.differing_samples(setup, served, walk, drafter.drafts, cut.AT_THRESHOLD)
+    print(f"confidence 0.5 at p-min 0.5: the non-strict cut differs on {differing} of {len(walk)} samples")
+    assert differing == len(walk), differing
+
+
+def test_confidence_threshold_option_refusals(setup, dflash, dspark):
+    """`score --confidence-threshold` on a drafter with no confidence head to cut with: one error line."""
+    errors = [cut.option_refusal(d.path, setup.shards, setup.tmp / f"refused-{d.layout}") for d in (dflash, dspark)]
+    assert "is a DFlash drafter; only a DSpark drafter's confidence head" in errors[0], errors[0]
+    assert "has no confidence head (llama-server refuses --spec-draft-p-min above 0" in errors[1], errors[1]
 
 
 @pytest.mark.parametrize("layout", ["speculators", "specforge"])

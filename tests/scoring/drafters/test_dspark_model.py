@@ -36,6 +36,7 @@ from tests.helpers.dspark_reference import (
     OUTPUT_IDS,
     VOCAB,
     confident_prefix_length,
+    own_chain_confidence,
     reference_drafts,
     speculators_dspark,
     write_deepspec,
@@ -119,10 +120,17 @@ def assert_matches_reference(ref, ours, embed, head):
     # the median of each block's lowest sigmoid(confidence): cuts some blocks, not all
     threshold = float(expected["confidence"][:, slots].sigmoid().min(dim=-1).values.median())
     ours.config.family_options["confidence_threshold"] = threshold
-    limit = our_drafts(ours, embed, head, features, ids, anchors)[2].limit
+    cut = our_drafts(ours, embed, head, features, ids, anchors)[2]
     reference = confident_prefix_length(expected["confidence"][:, slots], threshold)
-    assert torch.equal(limit, reference)
-    assert 0 < int((limit < ref_logits.shape[1]).sum()) < anchors.numel()
+    assert torch.equal(cut.limit, reference)
+    assert 0 < int((cut.limit < ref_logits.shape[1]).sum()) < anchors.numel()
+    if not ours.config.family_options["confidence_head_with_markov"]:
+        assert cut.drafted is None  # the cut reads no predecessor: the same along any chain
+        return
+    # the drafts proposed: the cut along the drafter's own greedy drafts, past a rejection too
+    own = own_chain_confidence(ref, hidden[:, slots], ref_logits, previous, ids_out)
+    assert torch.equal(cut.drafted, confident_prefix_length(own, threshold))
+    assert not torch.equal(cut.drafted, cut.limit)  # the stored predecessors would cut elsewhere
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,42 @@
+"""DSpark layouts specreplay does not read (proposers/dspark/layout.py REFUSED_ARCHITECTURES): a
+checkpoint naming one is one `error:` line through `specreplay score`, naming the file, the
+architecture and what is missing, nothing written, no traceback.
+docs/drafter-families.md#dspark says why each is refused."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.torch import save_file
+
+from proposers.dspark.layout import REFUSED_ARCHITECTURES
+from specreplay.cli import main
+from tests.helpers.models import TINY_HIDDEN, TINY_VOCAB
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory) -> str:
+    from bench.standins import write_synthetic_shards
+
+    out = tmp_path_factory.mktemp("dspark-layouts") / "shards"
+    write_synthetic_shards(out, [10], TINY_HIDDEN, TINY_VOCAB, 4, [1, 3], top_k=4, prompt_tokens=4)
+    return str(out)
+
+
+@pytest.mark.parametrize("architecture", sorted(REFUSED_ARCHITECTURES))
+def test_a_refused_dspark_layout_is_one_error_naming_it(shards, tmp_path, architecture):
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    config = {"architectures": [architecture], "hidden_size": TINY_HIDDEN, "vocab_size": TINY_VOCAB}
+    (ckpt / "config.json").write_text(json.dumps(config))
+    save_file({"fc.weight": torch.zeros(TINY_HIDDEN, 2 * TINY_HIDDEN)}, str(ckpt / "model.safetensors"))
+    out = tmp_path / "results"
+    run = CliRunner().invoke(main, ["score", "--ckpt", str(ckpt), "--shards", shards, "--out", str(out), "--quiet"])
+    assert run.exit_code != 0 and run.output.count("error:") == 1, run.output
+    whose, _ = REFUSED_ARCHITECTURES[architecture]
+    assert f"config.json: architecture {architecture!r} is {whose} layout" in run.output, run.output
+    assert "Traceback" not in run.output and not any(out.glob("*/summary.parquet"))
+    assert not out.exists() or not any(out.iterdir()), list(out.iterdir())
