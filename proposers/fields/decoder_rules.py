@@ -180,3 +180,45 @@ def check_mtp_experts(decoder: dict, hf, kind: str, where: str, source: str) -> 
             "vLLM then leaves the top-k routing weights unnormalized, while transformers' Qwen3.5-MoE router and "
             "llama.cpp always renormalize them; specreplay does not pick between them",
         )
+
+
+def check_nextn_decoder(raw: dict, hf, source: str) -> None:
+    """A GLM-4.5 target's NextN head (proposers/mtp/nextn.py): one head, MoE, routed over every expert."""
+    layers = hf.num_nextn_predict_layers  # absent: Glm4MoeConfig's 1
+    if not layers:
+        refuse(source, "num_nextn_predict_layers", layers, "the target has no NextN head to score")
+    if layers > 1:
+        refuse(
+            source,
+            "num_nextn_predict_layers",
+            layers,
+            f"vLLM cycles the draft steps through the {layers} heads (glm4_moe_mtp.py:172, step i uses head "
+            f"i % {layers}) and llama.cpp's GLM-4.5 MTP graph builds one (src/models/glm4-moe.cpp:135); specreplay "
+            "scores one",
+        )
+    if hf.first_k_dense_replace > hf.num_hidden_layers:
+        refuse(
+            source,
+            "first_k_dense_replace",
+            hf.first_k_dense_replace,
+            f"the NextN layer (layer {hf.num_hidden_layers}) is then dense in vLLM while llama.cpp's MTP graph always "
+            "builds it MoE (src/models/glm4-moe.cpp:150); specreplay does not pick between them",
+        )
+    if hf.n_group > 1 and hf.topk_group < hf.n_group:
+        refuse(
+            source,
+            "topk_group",
+            hf.topk_group,
+            f"vLLM and transformers then route inside the best {hf.topk_group} of {hf.n_group} expert groups, while "
+            "llama.cpp's GLM-4.5 converter writes no groups (conversion/glm.py:151-183) and routes over every "
+            "expert; specreplay does not pick between them",
+        )
+    if not hf.n_shared_experts:
+        refuse(
+            source,
+            "n_shared_experts",
+            hf.n_shared_experts,
+            "llama.cpp's MTP graph always adds the shared experts (src/models/glm4-moe.cpp:248-257); specreplay's "
+            "MoE block (transformers' Glm4MoeMoE) would add an empty one",
+        )
+    check_logit_scale(raw, "", source)
