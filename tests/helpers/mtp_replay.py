@@ -121,13 +121,15 @@ def reference_chains(head, target, sample, steps: int) -> list[tuple[int, torch.
     return chains
 
 
-def anchors_equal(model_dir: str, head, target, shards: str, max_new: int, steps: int, change=None):
+def anchors_equal(model_dir: str, head, target, shards: str, max_new: int, steps: int, change=None, chains=None):
     """(anchors whose read drafts equal the reference's, anchors, drafts compared): the replay's
-    teacher-forced chain against the reference's own, at every anchor (`change`: a wrong rule)."""
+    teacher-forced chain against the reference's own, at every anchor (`change`: a wrong rule;
+    `chains`: the reference's, sample id -> reference_chains, computed here when not given)."""
     same = total = compared = 0
     for sample, result in every_anchor(model_dir, shards, max_new, change=change):
         assert bool(result.computed.all())
-        for row, drafts, stored in reference_chains(head, target, sample, steps):
+        found = chains[sample.sample_id] if chains else reference_chains(head, target, sample, steps)
+        for row, drafts, stored in found:
             # the reference's chain reads its own drafts, the replay's the stored tokens: alike up to
             # and including the first draft the stored response does not hold
             read = min(int((drafts == stored).long().cumprod(0).sum()) + 1, drafts.numel())

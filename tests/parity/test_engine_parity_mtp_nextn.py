@@ -4,7 +4,7 @@
 - llama-server (`--spec-type draft-mtp`, the head kept in the target's GGUF by llama.cpp's
   converter, conversion/glm.py `Glm4MoeModel` with `supports_mtp_export`, run as
   src/models/glm4-moe.cpp's graph_mtp): every sample's accepted counts equal the replay's under
-  `--walk-rule llama.cpp`, step for step; replayed with vLLM's feedback (the state before
+  `--walk-rule llama.cpp`, step for step, at n_max 3 and 2; replayed with vLLM's feedback (the state before
   shared_head.norm) or without llama.cpp's lead slot, samples differ;
 - vLLM's rule (tests/helpers/nextn_online.py on transformers' own Glm4MoeDecoderLayer, each line
   citing glm4_moe_mtp.py): under the default rule every greedy walk equals that online loop, and at
@@ -78,10 +78,11 @@ def one_thread():
     yield from parity.threads_and_table("mtp ")
 
 
-def test_nextn_counts_equal_llama_server(setup):
+@pytest.mark.parametrize("n_max", [STEPS, 2])
+def test_nextn_counts_equal_llama_server(setup, n_max):
     setup, drafter, loss, *_ = setup
     print(f"\nfitted NextN head: step-1 loss {loss:.3f}")
-    parity.assert_engine_counts(setup, drafter, STEPS, fresh_slots=True)
+    parity.assert_engine_counts(setup, drafter, n_max, fresh_slots=True)
 
 
 # -- llama.cpp's rule: what the engine runs, against the rules it does not ------------------------
@@ -141,9 +142,23 @@ def test_greedy_walks_equal_vllms_online_loop(setup, online_runs):
     assert np.mean(accepted) > 1.0 and STEPS in accepted, accepted  # a head that accepts
 
 
-def test_every_anchor_equals_vllms_reference(setup):
+@pytest.fixture(scope="module")
+def reference_chains(setup) -> dict:
+    """The online reference's own chain at every anchor of every sample, computed once."""
+    from pipeline.shards import ShardSet
+
     found, _, _, target, head = setup
-    same, total, compared = replay.anchors_equal(found.target, head, target, found.shards, found.max_new, STEPS)
+    samples = ShardSet(found.shards).samples(tensors=[])
+    return {s.sample_id: replay.reference_chains(head, target, s, STEPS) for s in samples}
+
+
+def _anchors_equal(setup, chains, change=None) -> tuple[int, int, int]:
+    found, _, _, target, head = setup
+    return replay.anchors_equal(found.target, head, target, found.shards, found.max_new, STEPS, change, chains)
+
+
+def test_every_anchor_equals_vllms_reference(setup, reference_chains):
+    same, total, compared = _anchors_equal(setup, reference_chains)
     print(f"\nvLLM rule all-anchor: {same}/{total} anchors equal the reference ({compared} drafts)")
     assert same == total > 0
 
@@ -173,9 +188,9 @@ WRONG = [_post_norm_feedback, _concat_swapped, _position_zero_kept, _no_shared_e
 
 
 @pytest.mark.parametrize("wrong", WRONG, ids=["post-norm feedback", "concat swapped", "position 0 kept", "no shared"])
-def test_a_wrong_rule_differs_from_vllms_reference(setup, online_runs, wrong):
-    found, _, _, target, head = setup
-    same, total, _ = replay.anchors_equal(found.target, head, target, found.shards, found.max_new, STEPS, wrong)
+def test_a_wrong_rule_differs_from_vllms_reference(setup, online_runs, reference_chains, wrong):
+    found, *_ = setup
+    same, total, _ = _anchors_equal(setup, reference_chains, wrong)
     walks = replay.offline_produced(found.target, found.shards, found.max_new, change=wrong)
     differ = sum(walks[k] != run.produced for k, run in online_runs.items())
     print(f"\n{wrong.__name__}: {total - same}/{total} anchors, {differ}/{len(online_runs)} walks differ")
