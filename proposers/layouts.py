@@ -25,8 +25,6 @@ from proposers.toolkit.speculators_layout import SpeculatorsFormat
 # Known layouts this version does not declare yet: refused by name rather than read wrong.
 KNOWN_ELSEWHERE = {
     "Gemma4DSparkModel": "DeepSpec's Gemma 4 DSpark",
-    # its NextN head's MLA attention is not implemented (docs/drafter-families.md#nextn-heads-glm-45)
-    "DeepseekV3ForCausalLM": "a DeepSeek-V3 target's NextN head (MLA attention; GLM-4.5's NextN heads are read)",
 }
 # Architectures a drafter's config shares with plain models: read only by `--family`, said in the refusal
 ONLY_BY_FAMILY = {

@@ -1,5 +1,5 @@
-"""A DeepSeek-style NextN head (GLM-4.5's, transformers `glm4_moe`), written for batched
-teacher-forced replay of its chain.
+"""A DeepSeek-style NextN head (GLM-4.5's, transformers `glm4_moe`; DeepSeek-V3's, `deepseek_v3`,
+its attention MLA: mla.py), written for batched teacher-forced replay of its chain.
 
 Weights: the target checkpoint's `model.layers.{L}.*` (L = num_hidden_layers), renamed here
 (`canonical_names`): `eh_proj` -> `fc` [H, 2H], `enorm` / `hnorm` -> `pre_fc_norm_embedding` /
@@ -28,12 +28,20 @@ Where the engines differ (docs/drafter-families.md#nextn-heads):
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import nn
-from transformers import Glm4MoeConfig, PretrainedConfig
+from transformers import DeepseekV3Config, Glm4MoeConfig, PretrainedConfig
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
+    DeepseekV3MoE,
+    DeepseekV3RMSNorm,
+    DeepseekV3RotaryEmbedding,
+)
 from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeMoE, Glm4MoeRMSNorm, Glm4MoeRotaryEmbedding
 
 from proposers.mtp.experts import ExpertFields, check_experts, fuse_experts
+from proposers.mtp.mla import MlaAttention
 from proposers.mtp.model import TargetStateHead, partial_rope
 from proposers.toolkit.config import DrafterConfig, transformers_config
 from proposers.toolkit.conventions import Conventions
@@ -51,9 +59,10 @@ OWN_NAMES = {
 
 
 def nextn_config(raw: dict, source: str = "config") -> PretrainedConfig:
-    """transformers' Glm4MoeConfig of the target's fields `raw`, head_dim resolved as vLLM and
-    llama.cpp resolve an absent one (hidden_size // num_attention_heads)."""
-    hf = transformers_config(Glm4MoeConfig, raw, source, drop=("model_type", "architectures", "auto_map"))
+    """transformers' config of the target's fields `raw` (its kind's: KINDS), a GLM-4.5 head_dim
+    resolved as vLLM and llama.cpp resolve an absent one (hidden_size // num_attention_heads)."""
+    kind = KINDS[raw["model_type"]]
+    hf = transformers_config(kind.config, raw, source, drop=("model_type", "architectures", "auto_map"))
     if getattr(hf, "head_dim", None) is None:
         hf.head_dim = hf.hidden_size // hf.num_attention_heads
     return hf
@@ -91,15 +100,37 @@ class NextnAttention(DrafterAttention):
         return partial_rope(k.transpose(-2, -3), cos, sin), self.v_proj(x).view(shape).transpose(-2, -3)
 
 
-class NextnLayer(nn.Module):
-    """The head's decoder layer (layers.0): Glm4MoeDecoderLayer's, its MLP transformers' Glm4MoeMoE."""
+class Kind(NamedTuple):
+    """transformers' classes of one target kind the NextN layer is built from, and vLLM's feedback."""
 
-    def __init__(self, config: DrafterConfig, hf: PretrainedConfig):
+    config: type
+    attention: type
+    moe: type
+    norm: type
+    rotary: type
+    # vLLM feeds back the layer output before shared_head.norm (GLM-4.5, glm4_moe_mtp.py:127-128),
+    # or after it (DeepSeek-V3: deepseek_mtp.py:136-144 returns (h', shared_head(h')), the second fed back)
+    feeds_pre_norm: bool
+
+
+KINDS = {
+    "glm4_moe": Kind(Glm4MoeConfig, NextnAttention, Glm4MoeMoE, Glm4MoeRMSNorm, Glm4MoeRotaryEmbedding, True),
+    "deepseek_v3": Kind(
+        DeepseekV3Config, MlaAttention, DeepseekV3MoE, DeepseekV3RMSNorm, DeepseekV3RotaryEmbedding, False
+    ),
+}
+
+
+class NextnLayer(nn.Module):
+    """The head's decoder layer (layers.0): Glm4MoeDecoderLayer's or DeepseekV3DecoderLayer's, its MLP
+    transformers' own MoE block of that kind."""
+
+    def __init__(self, config: DrafterConfig, hf: PretrainedConfig, kind: Kind):
         super().__init__()
-        self.self_attn = NextnAttention(config, hf)
-        self.mlp = Glm4MoeMoE(hf)
-        self.input_layernorm = Glm4MoeRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = Glm4MoeRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.self_attn = kind.attention(config, hf)
+        self.mlp = kind.moe(hf)
+        self.input_layernorm = kind.norm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = kind.norm(config.hidden_size, eps=config.rms_norm_eps)
 
     def finish(self, attended: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         h = residual + attended
@@ -109,7 +140,6 @@ class NextnLayer(nn.Module):
 
 class NextnDrafter(TargetStateHead):
     optional_weights = ("embed_tokens.weight", "lm_head.weight")  # absent: the target's (llama.cpp's rule)
-    target_norm_class = Glm4MoeRMSNorm
 
     @property
     def embedded_prefix(self) -> str:
@@ -123,17 +153,19 @@ class NextnDrafter(TargetStateHead):
         super().__init__()
         self.config = config
         hidden, eps = config.hidden_size, config.rms_norm_eps
-        hf = nextn_config(config.raw)
+        hf, kind = nextn_config(config.raw), KINDS[config.family_options["decoder"]]
+        self.kind = kind
         self.fc = nn.Linear(2 * hidden, hidden, bias=False)
-        self.pre_fc_norm_embedding = Glm4MoeRMSNorm(hidden, eps=eps)
-        self.pre_fc_norm_hidden = Glm4MoeRMSNorm(hidden, eps=eps)
-        self.layers = nn.ModuleList([NextnLayer(config, hf)])
-        self.norm = Glm4MoeRMSNorm(hidden, eps=eps)
+        self.pre_fc_norm_embedding = kind.norm(hidden, eps=eps)
+        self.pre_fc_norm_hidden = kind.norm(hidden, eps=eps)
+        self.layers = nn.ModuleList([NextnLayer(config, hf, kind)])
+        self.norm = kind.norm(hidden, eps=eps)
         self.embed_tokens = nn.Embedding(config.vocab_size, hidden)
         self.lm_head = nn.Linear(hidden, config.vocab_size, bias=False)
         self.d2t = self.t2d = None
-        self.rotary = Glm4MoeRotaryEmbedding(hf)  # buffers only, not in the state dict
+        self.rotary = kind.rotary(hf)  # buffers only, not in the state dict
         self.target_norm = None  # the target's final norm (attach_target_head)
+        self.target_norm_class = kind.norm
 
     def canonical_names(self, state: dict) -> dict:
         return fuse_experts({_own_name(name): tensor for name, tensor in state.items()})
@@ -145,12 +177,13 @@ class NextnDrafter(TargetStateHead):
                       glm_fields(nextn_config(self.config.raw)))  # fmt: skip
 
     def feedback(self, h: torch.Tensor) -> torch.Tensor:
-        """vLLM's: the layer output before shared_head.norm (glm4_moe_mtp.py:127-128)."""
-        return h
+        """vLLM's: GLM-4.5's layer output before shared_head.norm (glm4_moe_mtp.py:127-128),
+        DeepSeek-V3's after it (deepseek_mtp.py:136-144)."""
+        return h if self.kind.feeds_pre_norm else self.norm(h)
 
     def feedback_under(self, h: torch.Tensor, conventions: Conventions) -> torch.Tensor:
         """llama.cpp's (`nextn_feed_normed`): after shared_head.norm (glm4-moe.cpp:267-269)."""
-        return self.norm(h) if conventions.nextn_feed_normed else h
+        return self.norm(h) if conventions.nextn_feed_normed else self.feedback(h)
 
     def slot_embeds(self, embeds: torch.Tensor, positions: torch.Tensor, conventions: Conventions) -> torch.Tensor:
         """vLLM zeroes the embedding at position 0 (glm4_moe_mtp.py:116); llama.cpp's lead slot there

@@ -180,8 +180,8 @@ def not_applicable(variant: Variant, config: DrafterConfig) -> str | None:
         return "every layer is already causal"
     if variant.conventions.prenorm_hidden and not config.reads_final_norm:
         return "only MTP heads read the target's final hidden state"
-    if variant.conventions.nextn_feed_normed and config.layout != "nextn":
-        return "only a NextN head's engines disagree on the state fed back"
+    if variant.conventions.nextn_feed_normed and not config.family_options.get("feeds_pre_norm"):
+        return "only a GLM-4.5 NextN head's engines disagree on the state fed back"
     if variant.name == "scales" and not config.has_scales:
         return "the config sets no scale"
     return None

@@ -45,10 +45,14 @@ MOE_TEXT = {k: v for k, v in TEXT.items() if k != "intermediate_size"} | dict(
 
 def _classes(config):
     """transformers' (decoder layer, RMSNorm, rotary embedding) of the config's kind."""
-    if config.model_type == "glm4_moe":  # tests/helpers/nextn_online.py's NextN head
+    if config.model_type == "glm4_moe":  # tests/helpers/nextn_online.py's NextN heads
         from transformers.models.glm4_moe import modeling_glm4_moe as m
 
         return m.Glm4MoeDecoderLayer, m.Glm4MoeRMSNorm, m.Glm4MoeRotaryEmbedding
+    if config.model_type == "deepseek_v3":
+        from transformers.models.deepseek_v3 import modeling_deepseek_v3 as m
+
+        return m.DeepseekV3DecoderLayer, m.DeepseekV3RMSNorm, m.DeepseekV3RotaryEmbedding
     if config.model_type == "qwen3_5_moe_text":
         from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as m
 

@@ -42,18 +42,27 @@ def greedy(target, prompt: list[int], max_new: int) -> torch.Tensor:
     return ids
 
 
-def fitted_native_head(tmp, prompts: int, max_new: int, *, moe=False, train: int, repeats: int, fit_steps: int):
+def fitted_native_head(
+    tmp, prompts: int, max_new: int, *, moe=False, train: int, repeats: int, fit_steps: int, nextn=None
+):
     """(target dir, the target, its head, greedy shards of id L, the fit's last loss): mtp_online's
-    tiny target (`moe`: its MoE variant) with its head fitted on the greedy continuations of `train`
-    other prompts and of the `prompts` scored ones (`repeats` times) and saved into its checkpoint."""
-    from tests.helpers import chain_parity as parity
+    tiny target (`moe`: its MoE variant; `nextn`: a NextN target of that transformers config,
+    nextn_online.build_dir) with its head fitted on the greedy continuations of `train` other prompts
+    and of the `prompts` scored ones (`repeats` times) and saved into its checkpoint."""
+    from tests.helpers import chain_parity as parity, nextn_online
     from tests.helpers.prompts import write_prompts
 
-    model_dir, target, head = online.build_target(tmp / "target", moe=moe)
+    if nextn is None:
+        model_dir, target, head = online.build_target(tmp / "target", moe=moe)
+    else:
+        model_dir, target, head = nextn_online.build_dir(tmp / "target", nextn)
     prompt_ids = parity.prompt_ids(prompts)
     sequences = [greedy(target, p, max_new) for p in parity.prompt_ids(train, seed=9) + prompt_ids * repeats]
     loss = online.fit(head, target, sequences, steps=fit_steps, lr=5e-3)
-    online.save_head(head.eval(), model_dir, target if moe else None)
+    if nextn is None:
+        online.save_head(head.eval(), model_dir, target if moe else None)
+    else:
+        nextn_online.save_head(head, model_dir, target)
     written = write_prompts(tmp / "prompts.jsonl", [{"id": f"p{i}", "input_ids": p} for i, p in enumerate(prompt_ids)])
     layers = target.config.num_hidden_layers
     shards = parity.extract(tmp / "greedy", model_dir, written, max_new, [layers])  # id L: before the final norm

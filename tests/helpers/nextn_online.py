@@ -12,6 +12,12 @@ by tests/helpers/mtp_online.py's growing-cache loop. vLLM 0.33 `model_executor/m
   Glm4MoeMTPModel, 1001-1014) is both what the logits read and what the next step reads (599-602,
   753-760), so the state fed back is the one before shared_head.norm.
 
+DeepSeek-V3 (`model_executor/models/deepseek_mtp.py`, the same loop on transformers' own
+DeepseekV3DecoderLayer: MLA, group-limited routing): the same forward (113-144: position 0 zeroed at
+123, [enorm(e) ; hnorm(h)] at 124-129), but it returns `(h, shared_head(h))` (144) and, with
+`model_returns_tuple` true for DeepSeekMTPModel (llm_base_proposer.py:1001-1012), the proposer feeds
+back the second (603-604, 757-758): the state AFTER shared_head.norm.
+
 Also a tiny GLM-4.5 target (transformers' Glm4MoeForCausalLM: layer 0 dense, the rest MoE) and the
 head saved into its checkpoint as `model.layers.{L}.*`, named as the target's save_pretrained names
 its own layers (experts one at a time)."""
@@ -42,10 +48,54 @@ GLM = dict(
 )
 
 
+# DeepSeek-V3's NextN head: MLA (q LoRA, compressed kv, interleaved rope, YaRN), group-limited routing
+DEEPSEEK = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    q_lora_rank=32,
+    kv_lora_rank=16,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=12,
+    intermediate_size=128,
+    moe_intermediate_size=32,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    n_shared_experts=1,
+    n_group=4,
+    topk_group=2,  # DeepSeek-V3's 8 groups, 4 kept, in small
+    first_k_dense_replace=1,
+    routed_scaling_factor=2.5,
+    rope_interleave=True,
+    rope_parameters={
+        "rope_type": "yarn",
+        "rope_theta": 10000.0,
+        "factor": 4.0,
+        "original_max_position_embeddings": 64,
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+    },  # fmt: skip
+    num_nextn_predict_layers=1,
+    max_position_embeddings=256,
+    tie_word_embeddings=False,
+)
+
+
 def glm_config(vocab_size: int):
     from transformers import Glm4MoeConfig
 
     return Glm4MoeConfig(**GLM, vocab_size=vocab_size)
+
+
+def deepseek_config(vocab_size: int):
+    from transformers import DeepseekV3Config
+
+    # the keys DeepSeek-V3's config.json states and vLLM reads (transformers' class does not declare them)
+    return DeepseekV3Config(**DEEPSEEK, vocab_size=vocab_size, scoring_func="sigmoid", topk_method="noaux_tc")
 
 
 def draw_moe(mlp, bias_std: float = 0.3) -> None:
@@ -68,17 +118,21 @@ class NextnHead(nn.Module):
     modules at the top: `state` below)."""
 
     def __init__(self, config):
-        from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeDecoderLayer, Glm4MoeRMSNorm
+        from tests.helpers.mtp_online import _classes
 
         super().__init__()
+        decoder_layer, norm, _ = _classes(config)  # Glm4MoeDecoderLayer or DeepseekV3DecoderLayer
         hidden, eps = config.hidden_size, config.rms_norm_eps
-        self.enorm = Glm4MoeRMSNorm(hidden, eps=eps)
-        self.hnorm = Glm4MoeRMSNorm(hidden, eps=eps)
+        self.enorm = norm(hidden, eps=eps)
+        self.hnorm = norm(hidden, eps=eps)
         self.eh_proj = nn.Linear(2 * hidden, hidden, bias=False)
-        self.shared_head = SharedHead(Glm4MoeRMSNorm(hidden, eps=eps))
+        self.shared_head = SharedHead(norm(hidden, eps=eps))
+        # vLLM feeds back GLM-4.5's layer output (glm4_moe_mtp.py:127-128), DeepSeek-V3's normed one
+        # (deepseek_mtp.py:136-144: `return hidden_states, self.shared_head(hidden_states)`, the second fed back)
+        self.feeds_normed = config.model_type == "deepseek_v3"
         with torch.no_grad():  # a trained norm's weight: at 1 hnorm would cancel it, and with it the
             self.shared_head.norm.weight.normal_(1.0, 0.5)  # difference between the engines' feedbacks
-        layer = Glm4MoeDecoderLayer(config, config.num_hidden_layers)  # vLLM's mtp_block: layer L, MoE
+        layer = decoder_layer(config, config.num_hidden_layers)  # vLLM's mtp_block: layer L, MoE
         layer.self_attn.layer_idx = 0  # the head's own one-layer cache
         self.layers = nn.ModuleList([layer])
         draw_moe(layer.mlp)
@@ -92,7 +146,7 @@ class NextnHead(nn.Module):
         return self.shared_head.norm(h)  # compute_logits, glm4_moe_mtp.py:189
 
     def fed_back(self, h: torch.Tensor) -> torch.Tensor:
-        return h  # the returned tensor, before shared_head.norm (127-128)
+        return self.shared_head.norm(h) if self.feeds_normed else h
 
     def state(self, layer_index: int) -> dict[str, torch.Tensor]:
         """The tensors as the checkpoint names them (fused experts: save_head un-fuses them)."""
@@ -104,14 +158,15 @@ class NextnHead(nn.Module):
 
 
 def build_target(config, seed: int = 0):
-    """A random Glm4MoeForCausalLM of `config`, its score-correction biases drawn (non-zero) and its
+    """A random Glm4MoeForCausalLM (DeepseekV3ForCausalLM) of `config`, its score-correction biases drawn (non-zero) and its
     final norm's weight drawn (at 1 the pre- and post-norm states differ by a scale alone, which hnorm removes)."""
-    from transformers import Glm4MoeForCausalLM
+    from transformers import DeepseekV3ForCausalLM, Glm4MoeForCausalLM
 
     from tests.helpers.models import seeded
 
+    causal = DeepseekV3ForCausalLM if config.model_type == "deepseek_v3" else Glm4MoeForCausalLM
     with seeded(seed):
-        model = Glm4MoeForCausalLM(config).eval()
+        model = causal(config).eval()
         with torch.no_grad():
             for layer in model.model.layers[config.first_k_dense_replace :]:
                 layer.mlp.gate.e_score_correction_bias.normal_(0.0, 0.3)
@@ -131,3 +186,18 @@ def save_head(head: NextnHead, save_dir: str, target) -> None:
     state = load_file(path)
     state.update(revert_weight_conversion(target, head.eval().state(target.config.num_hidden_layers)))
     save_file({k: v.contiguous() for k, v in state.items()}, path, metadata={"format": "pt"})
+
+
+def build_dir(save_dir, config) -> tuple[str, object, NextnHead]:
+    """(dir, target, a new head): build_target's target, peaked (lm_head x 3: its greedy continuations
+    have structure to learn), saved with the tiny tokenizer."""
+    from tests.helpers.models import make_tokenizer, seeded
+
+    target = build_target(config)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(3.0)
+    target.save_pretrained(str(save_dir))
+    make_tokenizer(str(save_dir))
+    with seeded(1):
+        head = NextnHead(config)
+    return str(save_dir), target, head

@@ -3,8 +3,7 @@
 file and the field, nothing written, no traceback: a config promising a head
 (`num_nextn_predict_layers` 1) whose checkpoint holds no `model.layers.{L}.*` tensors; an expert
 count in the checkpoint other than `n_routed_experts`; `num_nextn_predict_layers` 2 (vLLM cycles
-the steps through the heads, llama.cpp's GLM-4.5 graph builds one); a DeepSeek-V3 target, whose
-NextN head (MLA attention) is not implemented."""
+the steps through the heads, llama.cpp's GLM-4.5 graph builds one)."""
 
 from __future__ import annotations
 
@@ -83,13 +82,3 @@ def test_more_than_one_head(target, tmp_path):
     with_head, _, shards, _ = target
     line = replay.score_error(_edit_config(with_head, tmp_path, num_nextn_predict_layers=2), shards, tmp_path / "out")
     assert "config.json: field 'num_nextn_predict_layers' is 2" in line and "i % 2" in line, line
-
-
-def test_a_deepseek_v3_target_is_refused_by_name():
-    """DeepSeek-V3's NextN head (MLA attention) is not implemented: its config.json is one line naming it."""
-    from proposers.detect import parse_drafter_config
-    from proposers.toolkit.config import DrafterConfigError
-
-    raw = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "num_nextn_predict_layers": 1}
-    with pytest.raises(DrafterConfigError, match="'DeepseekV3ForCausalLM' is a DeepSeek-V3 target's NextN head"):
-        parse_drafter_config(raw, "config.json")
