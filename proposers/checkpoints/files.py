@@ -347,9 +347,10 @@ def listing(names: list[str]) -> str:
     return ", ".join(names[:MAX_LISTED]) + more
 
 
-def read_prefixed(files: list[str], prefix: str, source: str) -> dict[str, torch.Tensor]:
+def read_prefixed(files: list[str], prefix: str, source: str, promise: str | None = None) -> dict[str, torch.Tensor]:
     """The tensors named `prefix`... of safetensors files, the prefix stripped, each read alone
-    (safe_open): a target's MTP head out of its checkpoint without reading the target."""
+    (safe_open): a target's MTP head out of its checkpoint without reading the target. `promise`:
+    the config field that says the head is there, named when it is not."""
     state: dict[str, torch.Tensor] = {}
     for path in files:
         if not path.endswith(".safetensors"):
@@ -359,8 +360,9 @@ def read_prefixed(files: list[str], prefix: str, source: str) -> dict[str, torch
                 if name.startswith(prefix):
                     state[name[len(prefix) :]] = handle.get_tensor(name)
     if not state:
+        said = f", although its config.json's {promise}" if promise else ""
         raise CheckpointError(
-            f"{source}: no '{prefix}*' tensors in its weights: this target has no native MTP head to score"
+            f"{source}: no '{prefix}*' tensors in its weights{said}: this target has no native MTP head to score"
         )
     check_finite(state, source)
     return state

@@ -266,7 +266,7 @@ def _read_weights(config: DrafterConfig, skeleton, weight_files: list[str], sour
         return gguf.gguf_state(weight_files[0]), {}
     if prefix is None:
         return read_state_dict(weight_files, skip=skeleton.reloaded_weights)
-    return read_prefixed(weight_files, prefix, source), {}
+    return read_prefixed(weight_files, prefix, source, skeleton.embedded_promise), {}
 
 
 def _identity(drafter, weight_files: list[str], state: dict, config_raw: dict) -> str:

@@ -180,3 +180,81 @@ def check_mtp_experts(decoder: dict, hf, kind: str, where: str, source: str) -> 
             "vLLM then leaves the top-k routing weights unnormalized, while transformers' Qwen3.5-MoE router and "
             "llama.cpp always renormalize them; specreplay does not pick between them",
         )
+
+
+def check_nextn_decoder(raw: dict, hf, source: str) -> None:
+    """A GLM-4.5 or DeepSeek-V3 target's NextN head (proposers/mtp/nextn.py): one head, MoE; GLM-4.5's
+    routed over every expert (llama.cpp's export has no groups), DeepSeek-V3's as its own keys say."""
+    layers = hf.num_nextn_predict_layers  # absent: Glm4MoeConfig's 1
+    if not layers:
+        refuse(source, "num_nextn_predict_layers", layers, "the target has no NextN head to score")
+    if layers > 1:
+        refuse(
+            source,
+            "num_nextn_predict_layers",
+            layers,
+            f"vLLM cycles the draft steps through the {layers} heads (glm4_moe_mtp.py:172, step i uses head "
+            f"i % {layers}) and llama.cpp's GLM-4.5 MTP graph builds one (src/models/glm4-moe.cpp:135); specreplay "
+            "scores one",
+        )
+    if hf.first_k_dense_replace > hf.num_hidden_layers:
+        refuse(
+            source,
+            "first_k_dense_replace",
+            hf.first_k_dense_replace,
+            f"the NextN layer (layer {hf.num_hidden_layers}) is then dense in vLLM while llama.cpp's MTP graph always "
+            "builds it MoE (src/models/glm4-moe.cpp:150); specreplay does not pick between them",
+        )
+    if raw["model_type"] == "deepseek_v3":
+        _check_deepseek(raw, hf, source)
+    elif hf.n_group > 1 and hf.topk_group < hf.n_group:
+        refuse(
+            source,
+            "topk_group",
+            hf.topk_group,
+            f"vLLM and transformers then route inside the best {hf.topk_group} of {hf.n_group} expert groups, while "
+            "llama.cpp's GLM-4.5 converter writes no groups (conversion/glm.py:151-183) and routes over every "
+            "expert; specreplay does not pick between them",
+        )
+    if not hf.n_shared_experts:
+        refuse(
+            source,
+            "n_shared_experts",
+            hf.n_shared_experts,
+            "llama.cpp's MTP graph always adds the shared experts (src/models/glm4-moe.cpp:248-257); specreplay's "
+            "MoE block (transformers' Glm4MoeMoE) would add an empty one",
+        )
+    check_logit_scale(raw, "", source)
+
+
+# DeepSeek-V3's config.json keys vLLM's deepseek_v2.py reads, the value specreplay's replay
+# (transformers' DeepseekV3MoE: sigmoid scores, the score-correction bias, every layer from
+# first_k_dense_replace on MoE) implements, and what vLLM does when a config leaves one out
+DEEPSEEK_ONLY = (
+    ("moe_layer_freq", 1, 1, "vLLM then makes only every moe_layer_freq-th layer MoE (deepseek_v2.py:1269,1296)"),
+    ("scoring_func", "sigmoid", "softmax", "vLLM then scores the experts so (deepseek_v2.py:387)"),
+    ("topk_method", "noaux_tc", None, "vLLM then drops the score-correction bias (deepseek_v2.py:327-332)"),
+)
+
+
+def _check_deepseek(raw: dict, hf, source: str) -> None:
+    for key, value, absent, why in DEEPSEEK_ONLY:
+        said = raw.get(key, absent)
+        if said != value:
+            stated = "absent" if key not in raw else shown(said)
+            refuse_field(source, key, stated, f"{why}; specreplay scores {shown(value)} (transformers' DeepseekV3MoE)")
+    if raw.get("quantization_config") is not None:
+        refuse(
+            source,
+            "quantization_config",
+            raw["quantization_config"].get("quant_method", "set"),
+            "the checkpoint's weights are quantized (vLLM dequantizes them with their scales); specreplay reads "
+            "unquantized weights: dequantize the checkpoint first",
+        )
+    if hf.v_head_dim > hf.qk_nope_head_dim + hf.qk_rope_head_dim:
+        refuse(
+            source,
+            "v_head_dim",
+            hf.v_head_dim,
+            "specreplay's MLA pads the values to the key width (qk_nope_head_dim + qk_rope_head_dim), which is smaller",
+        )

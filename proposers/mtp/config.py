@@ -8,7 +8,10 @@ trees no).
   `transformer_layer_config`, its tensors `mtp_layers.0.*` (mtp_model.canonical_names);
   k = `speculators_config.proposal_methods[0].speculative_tokens`.
 
-Both: Qwen3-Next or Qwen3.5 decoders; the MTP layer's MLP is the target's own sparse MoE block
+* nextn (a GLM-4.5 or DeepSeek-V3 target's config.json, `model_type` `glm4_moe` / `deepseek_v3`): its NextN head
+  `model.layers.{L}.*`, the target's own config its decoder (nextn.py; decoder_rules.check_nextn_decoder).
+
+native and speculators: Qwen3-Next or Qwen3.5 decoders; the MTP layer's MLP is the target's own sparse MoE block
 (routed experts and a gated shared expert) where the engines build one: always for Qwen3.5-MoE, for
 Qwen3-Next as its resolved config says (decoder_rules.mtp_layer_is_moe). A block is
 the chain at one anchor, as for EAGLE-3: k steps, step j reading the stored token at t + j - 1
@@ -18,8 +21,9 @@ and proposing t + j. The model and the rule: model.py.
 from __future__ import annotations
 
 from pipeline.common.layer_ids import final_prenorm_id
-from proposers.fields.decoder_rules import check_mtp_decoder, check_mtp_experts, mtp_layer_is_moe
-from proposers.mtp.layout import NativeMTP, SpeculatorsMTP
+from proposers.fields.decoder_rules import check_mtp_decoder, check_mtp_experts, check_nextn_decoder, mtp_layer_is_moe
+from proposers.mtp import nextn
+from proposers.mtp.layout import NativeMTP, NativeNextN, SpeculatorsMTP
 from proposers.mtp.model import MtpDrafter, hf_config
 from proposers.registry import Family
 from proposers.toolkit.config import DrafterConfig, DrafterConfigError, decoder_shape, refuse_field
@@ -39,6 +43,8 @@ KINDS = {
 
 def parse_drafter_config(checked, raw: dict, source: str = "config", target_layers: int | None = None) -> DrafterConfig:
     """An MTP head's config in the project's terms: a target's own config.json or a speculators export."""
+    if isinstance(checked, NativeNextN):
+        return _nextn(checked, raw, source)
     if isinstance(checked, NativeMTP):
         decoder, steps = raw.get("text_config") or raw, DEFAULT_STEPS
         where = "text_config." if raw.get("text_config") else ""
@@ -93,4 +99,46 @@ def _config(decoder: dict, kind: str, hf, checked, steps: int, moe: bool) -> Dra
     )
 
 
-FAMILY = Family("mtp", parse_drafter_config, MtpDrafter, independent_drafts=False, chain_steps=True)
+def _nextn(checked: NativeNextN, raw: dict, source: str) -> DrafterConfig:
+    """A GLM-4.5 or DeepSeek-V3 target's NextN head (nextn.py): its decoder is the target's own config."""
+    hf = nextn.nextn_config(raw, source)
+    check_nextn_decoder(raw, hf, source)
+    layers = final_prenorm_id(hf.num_hidden_layers)
+    shape = decoder_shape(hf)  # the widest MLP activations a token makes: its routed experts' and the shared ones
+    shape["intermediate_size"] = hf.moe_intermediate_size * (hf.num_experts_per_tok + hf.n_shared_experts)
+    if checked.model_type == "deepseek_v3":  # MLA: every head its own keys, values padded to the key width (mla.py)
+        shape["head_dim"] = hf.qk_nope_head_dim + hf.qk_rope_head_dim
+        shape["num_key_value_heads"] = hf.num_attention_heads
+    return DrafterConfig(
+        **shape,
+        block_size=DEFAULT_STEPS,
+        mask_token_id=None,
+        target_layer_ids=[layers],
+        num_target_layers=hf.num_hidden_layers,
+        layer_types=["full_attention"],
+        sliding_window=None,
+        is_causal=True,
+        raw={**raw},
+        family="mtp",
+        layout=checked.LAYOUT,
+        drafts_from_anchor=True,
+        teacher_forced_block=True,
+        block_conventions=False,
+        reads_final_norm=True,
+        # feeds_pre_norm: vLLM feeds back the state before shared_head.norm, where llama.cpp does not (GLM-4.5)
+        family_options={
+            "decoder": checked.model_type,
+            "moe": True,
+            "feeds_pre_norm": nextn.KINDS[checked.model_type].feeds_pre_norm,
+        },
+        stated_layer_ids=[layers],
+        layer_convention="output",
+    )
+
+
+def build_model(config: DrafterConfig):
+    """The head's network: a NextN layer (GLM-4.5, DeepSeek-V3) or a Qwen3.5 / Qwen3-Next `mtp.*` head."""
+    return nextn.NextnDrafter(config) if config.layout == NativeNextN.LAYOUT else MtpDrafter(config)
+
+
+FAMILY = Family("mtp", parse_drafter_config, build_model, independent_drafts=False, chain_steps=True)

@@ -15,6 +15,7 @@ disagree with the config (their count, their widths), which a stacked shape woul
 from __future__ import annotations
 
 import re
+from typing import NamedTuple
 
 import torch
 
@@ -48,28 +49,53 @@ def fuse_experts(state: dict) -> dict:
     return out
 
 
-def check_experts(state: dict, hf, name: str, source: str, config_file: str) -> None:
-    """The checkpoint's experts against the config `hf` (transformers' resolved decoder config):
-    every expert 0..num_experts-1 present with all three projections, each [moe_intermediate_size, H]
-    (down_proj [H, moe_intermediate_size]), the shared expert shared_expert_intermediate_size wide.
+class ExpertFields(NamedTuple):
+    """How a config names an MoE layer's experts: the routed count (its field and value), each
+    expert's width, the shared expert's module and width, and the field that sets that width."""
+
+    count_field: str
+    count: int
+    width: int
+    shared: str  # the shared expert's module under the MLP
+    shared_field: str
+    shared_said: object  # that field's value
+    shared_width: int
+
+
+def qwen_fields(hf) -> ExpertFields:
+    """Qwen3-Next's and Qwen3.5-MoE's names (`num_experts`, `mlp.shared_expert`)."""
+    shared = hf.shared_expert_intermediate_size
+    return ExpertFields(
+        "num_experts", hf.num_experts, hf.moe_intermediate_size, "shared_expert", "shared_expert_intermediate_size",
+        shared, shared,
+    )  # fmt: skip
+
+
+def check_experts(
+    state: dict, hf, name: str, source: str, config_file: str, fields: ExpertFields | None = None
+) -> None:
+    """The checkpoint's experts against the config `hf` (transformers' resolved decoder config),
+    named as `fields` says (Qwen's by default): every expert 0..count-1 present with all three
+    projections, each [width, H] (down_proj [H, width]), the shared expert shared_width wide.
     `name` spells the layer's MLP as the file does (`mtp.layers.0.mlp.`)."""
+    fields = fields or qwen_fields(hf)
     parts = _per_expert(state)  # (expert, projection) -> tensor, the per-expert names
     experts = {index for index, _ in parts}
     stacked = state.get(PREFIX + FUSED[0])
     fused = None if stacked is None else int(stacked.shape[0])
-    count, width, hidden = hf.num_experts, hf.moe_intermediate_size, hf.hidden_size
+    count, width, hidden = fields.count, fields.width, hf.hidden_size
     fix = f"use the config.json saved with this checkpoint ({config_file})"
     if fused is not None and fused != count:
-        _refuse(source, f"{name}{FUSED[0]} holds {fused} experts", "num_experts", count, fix)
+        _refuse(source, f"{name}{FUSED[0]} holds {fused} experts", fields.count_field, count, fix)
     if fused is None and experts != set(range(count)):
         held = f"experts {_span(experts)}" if experts else "no expert tensors"
-        _refuse(source, f"{name}experts.* holds {held}", "num_experts", count, fix)
+        _refuse(source, f"{name}experts.* holds {held}", fields.count_field, count, fix)
     missing = sorted({(i, p) for i in experts for p in ("gate_proj", "up_proj", "down_proj")} - set(parts))
     if missing:
         index, projection = missing[0]
         said = f"{name}experts.{index}.{projection}.weight is missing ({len(missing)} expert tensors in all)"
         raise CheckpointError(
-            f"{source}: {said}, of the {count} experts the config's field 'num_experts' says; "
+            f"{source}: {said}, of the {count} experts the config's field '{fields.count_field}' says; "
             "the checkpoint is incomplete: save it again"
         )
     for (index, projection), tensor in sorted(parts.items()):
@@ -77,10 +103,10 @@ def check_experts(state: dict, hf, name: str, source: str, config_file: str) -> 
         if list(tensor.shape) != shape:
             said = f"{name}experts.{index}.{projection}.weight is {list(tensor.shape)}, not {shape}"
             _refuse(source, said, "moe_intermediate_size", width, fix)
-    shared = state.get(PREFIX + "shared_expert.gate_proj.weight")
-    if shared is not None and shared.shape[0] != hf.shared_expert_intermediate_size:
-        said = f"{name}shared_expert.gate_proj.weight has {shared.shape[0]} rows"
-        _refuse(source, said, "shared_expert_intermediate_size", hf.shared_expert_intermediate_size, fix)
+    shared = state.get(f"{PREFIX}{fields.shared}.gate_proj.weight")
+    if shared is not None and shared.shape[0] != fields.shared_width:
+        said = f"{name}{fields.shared}.gate_proj.weight has {shared.shape[0]} rows"
+        _refuse(source, said, fields.shared_field, fields.shared_said, fix)
 
 
 def _span(indices: set[int]) -> str:

@@ -4,7 +4,8 @@ and Qwen3.5 (`"qwen3_5"`, the decoder's fields in `text_config`, or a bare `"qwe
 checkpoints carry a native multi-token-prediction head (`mtp.*` tensors) beside the target's
 weights; `score --ckpt <target dir>` scores it (proposers/mtp/config.py). The head reads the
 target's final hidden state before the final norm, this project's id L (layer_ids.final_prenorm_id),
-with the norm's weight from the target head. Qwen3.5-MoE (`"qwen3_5_moe"`, `"qwen3_5_moe_text"`)
+with the norm's weight from the target head. GLM-4.5 (`"glm4_moe"`, `NativeNextN`) and DeepSeek-V3
+(`"deepseek_v3"`) carry DeepSeek-style NextN heads instead, `model.layers.{num_hidden_layers + i}.*` (proposers/mtp/nextn.py). Qwen3.5-MoE (`"qwen3_5_moe"`, `"qwen3_5_moe_text"`)
 and a Qwen3-Next whose config makes the MTP layer MoE give it a sparse MoE MLP; its expert fields
 are declared here (`MoeKeys`) so that a type error in one is one line naming it."""
 
@@ -29,6 +30,10 @@ CONFIG_CLASSES = {
     "qwen3_5_moe": ("Qwen3_5MoeConfig", "Qwen3_5MoeTextConfig"),
     "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", None),
 }
+
+# targets whose checkpoints hold DeepSeek-style NextN heads (`model.layers.{L + i}.*`), by model_type
+NEXTN_TARGET_TYPES = ("glm4_moe", "deepseek_v3")
+NEXTN_CONFIG_CLASSES = {"glm4_moe": "Glm4MoeConfig", "deepseek_v3": "DeepseekV3Config"}
 
 
 class MoeKeys(Schema):
@@ -139,4 +144,51 @@ class SpeculatorsMTP(SpeculatorsFormat):
         return [layers]
 
 
-LAYOUTS = (SpeculatorsMTP, NativeMTP)
+class NativeNextN(Schema):
+    """A GLM-4.5 or DeepSeek-V3 target's own config.json (transformers' Glm4MoeConfig,
+    DeepseekV3Config): its NextN head is `model.layers.{num_hidden_layers}.*` in the target's
+    checkpoint (proposers/mtp/nextn.py). Only the keys the head's rule reads are typed here; the rest
+    are the config class's (fields/known.py)."""
+
+    LAYOUT: ClassVar[str] = "nextn"
+    CONVENTION: ClassVar[str] = "output"
+    MODEL_TYPES: ClassVar[tuple[str, ...]] = NEXTN_TARGET_TYPES
+
+    model_type: Literal[NEXTN_TARGET_TYPES]
+    num_hidden_layers: Positive | None = None
+    num_nextn_predict_layers: Count | None = None  # 0 or absent: no head; above 1 refused (config.py)
+    head_dim: Positive | None = None  # GLM-4.5's config.json states it; transformers 5.25's class does not declare it
+    n_routed_experts: Positive | None = None
+    n_shared_experts: Count | None = None
+    first_k_dense_replace: Count | None = None
+    n_group: Positive | None = None
+    topk_group: Positive | None = None
+    # DeepSeek-V3's config.json states these; transformers 5.25's DeepseekV3Config does not declare them
+    moe_layer_freq: Positive | None = None  # refused other than 1 (decoder_rules.check_nextn_decoder)
+    scoring_func: str | None = None  # refused other than "sigmoid"
+    topk_method: str | None = None  # refused other than "noaux_tc"
+    ep_size: Positive | None = None  # expert parallelism of training and serving: bookkeeping
+    qk_head_dim: Positive | None = None  # transformers' save_pretrained writes it: qk_nope + qk_rope, derived
+    quantization_config: dict | None = None  # refused: quantized weights
+
+    def namespaces(self) -> dict:
+        return {"": (NEXTN_CONFIG_CLASSES[self.model_type], type(self))}
+
+    @property
+    def family(self) -> str:
+        return "mtp"
+
+    @property
+    def evidence(self) -> str:
+        return f"a target's config.json, model_type {self.model_type!r} (NextN head)"
+
+    @property
+    def layers(self) -> int | None:
+        return self.num_hidden_layers
+
+    check_complete = NativeMTP.check_complete
+    stored_layer_ids = NativeMTP.stored_layer_ids
+    feature_layers = NativeMTP.feature_layers
+
+
+LAYOUTS = (SpeculatorsMTP, NativeMTP, NativeNextN)

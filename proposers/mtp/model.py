@@ -165,7 +165,42 @@ def _native_name(name: str) -> str:
     return SPECULATORS_NAMES[own] + rest[len(own) :] if own else "layers.0." + rest
 
 
-class MtpDrafter(StepChainDrafter):
+class TargetStateHead(StepChainDrafter):
+    """What every MTP head does with the target's state (Qwen3.5's `mtp.*`, GLM-4.5's NextN layers,
+    nextn.py): step 1 reads the target's final hidden state after its final norm (vLLM and llama.cpp
+    both feed the target model's normed output), and `fc` reads [norm_e(embed(x)) ; norm_h(h)],
+    embedding first. A subclass builds fc, the two norms, its layer, `norm` and `rotary`, and names
+    the target's final norm class (`target_norm_class`)."""
+
+    target_norm_class: type
+
+    def attach_target_head(self, target) -> None:
+        """The target's final norm, from its weight in the target head (absent: the shards lack it,
+        and only the pre-norm convention can be replayed; compatibility.py refuses that for score)."""
+        weight = target.final_norm
+        if weight is None:
+            self.target_norm = None
+            return
+        norm = self.target_norm_class(self.config.hidden_size, eps=self.config.rms_norm_eps)
+        norm.weight = nn.Parameter(weight.to(self.fc.weight), requires_grad=False)
+        self.target_norm = norm
+
+    def project(self, features: torch.Tensor, conventions: Conventions = REFERENCE) -> torch.Tensor:
+        """The hidden state step 1 reads [..., H] from the stored one before the target's final norm:
+        after the norm (vLLM's rule), or as stored under `prenorm_hidden`."""
+        if conventions.prenorm_hidden:
+            return features
+        if self.target_norm is None:
+            raise ValueError("MTP: the target's final norm weight is not attached (attach_target_head)")
+        return self.target_norm(features)
+
+    def layer_input(self, layer: nn.Module, h: torch.Tensor, embeds: torch.Tensor | None):
+        """(what the layer's q/k/v read, its residual): z = fc([norm_e(embed) ; norm_h(h)]), embedding first."""
+        z = self.fc(torch.cat([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(h)], dim=-1))
+        return layer.input_layernorm(z), z
+
+
+class MtpDrafter(TargetStateHead):
     # speculators' MTPDraftModel reloads these from the verifier on load (load_verifier_weights,
     # `_keys_to_ignore_on_load_missing`); its converter's export still saves `verifier_lm_head.weight`
     # as the NaN it was initialised to (speculators 0.9.0 leaves it out of `_keys_to_ignore_on_save`)
@@ -190,6 +225,7 @@ class MtpDrafter(StepChainDrafter):
         self.embed_tokens = None  # the target's embedding and lm_head
         self.lm_head = self.d2t = self.t2d = None
         self.target_norm = None  # the target's final norm (attach_target_head), not the head's weight
+        self.target_norm_class = parts.norm
 
     def canonical_names(self, state: dict) -> dict:
         """speculators' export (convert/mtp/converter.py) names the native tensors its own way; an
@@ -205,32 +241,6 @@ class MtpDrafter(StepChainDrafter):
         hf = hf_config(self.config.raw, self.config.family_options["decoder"])
         prefix = self.embedded_prefix or ("mtp_" if any(k.startswith("mtp_layers.") for k in state) else "")
         check_experts(named, hf, f"{prefix}layers.0.mlp.", source, config_file)
-
-    def attach_target_head(self, target) -> None:
-        """The target's final norm, from its weight in the target head (absent: the shards lack it,
-        and only the pre-norm convention can be replayed; compatibility.py refuses that for score)."""
-        weight = target.final_norm
-        if weight is None:
-            self.target_norm = None
-            return
-        parts = PARTS[self.config.family_options["decoder"]]
-        norm = parts.norm(self.config.hidden_size, eps=self.config.rms_norm_eps)
-        norm.weight = nn.Parameter(weight.to(self.fc.weight), requires_grad=False)
-        self.target_norm = norm
-
-    def project(self, features: torch.Tensor, conventions: Conventions = REFERENCE) -> torch.Tensor:
-        """The hidden state step 1 reads [..., H] from the stored one before the target's final norm:
-        after the norm (vLLM's rule), or as stored under `prenorm_hidden`."""
-        if conventions.prenorm_hidden:
-            return features
-        if self.target_norm is None:
-            raise ValueError("MTP: the target's final norm weight is not attached (attach_target_head)")
-        return self.target_norm(features)
-
-    def layer_input(self, layer: nn.Module, h: torch.Tensor, embeds: torch.Tensor | None):
-        """(what the layer's q/k/v read, its residual): z = fc([norm_e(embed) ; norm_h(h)]), embedding first."""
-        z = self.fc(torch.cat([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(h)], dim=-1))
-        return layer.input_layernorm(z), z
 
     def feedback(self, h: torch.Tensor) -> torch.Tensor:
         """vLLM's proposer feeds back the MTP model's single returned tensor, after `norm`."""

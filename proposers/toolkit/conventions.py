@@ -48,6 +48,11 @@ class Conventions:
     # request), so the chain's slots and steps sit one position later than vLLM's and every anchor
     # sees one slot more. Reference: slot s reads (x_{s+1}, row s) at position s.
     lead_slot: bool = False
+    # True: a NextN head (GLM-4.5's, proposers/mtp/nextn.py) feeds its step output back AFTER its
+    # shared_head.norm, as llama.cpp's MTP graph returns it (src/models/glm4-moe.cpp:267-269, t_h_nextn);
+    # reference: BEFORE it, as vLLM's Glm4MoeMultiTokenPredictorLayer.forward returns it
+    # (model_executor/models/glm4_moe_mtp.py:127-128). Other heads feed back one state under every rule.
+    nextn_feed_normed: bool = False
     # True: llama.cpp's DFlash graph (every block family under --walk-rule llama.cpp): one causality
     # for every layer, is_causal's, absent bidirectional (common/speculative.cpp:990-991,1063: not
     # layer_types'), and a window hiding only keys w or more before the query (src/llama-hparams.h:

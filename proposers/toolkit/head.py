@@ -31,6 +31,7 @@ class DraftHead(nn.Module):
     # the prefix of its tensors inside a target's own checkpoint, read alone (a native MTP head); None:
     # the checkpoint is the drafter's
     embedded_prefix: str | None = None
+    embedded_promise: str | None = None  # the config field that says those tensors are there
 
     def add_draft_vocab(self, config: DrafterConfig) -> None:
         """A reduced draft vocabulary's own head and id map (vocab.py); none: the target's lm_head."""

@@ -49,6 +49,16 @@ class StepChainDrafter(DraftHead):
         """What the next step reads of this step's last hidden state h."""
         raise NotImplementedError
 
+    def feedback_under(self, h: torch.Tensor, conventions: Conventions) -> torch.Tensor:
+        """`feedback` as `conventions` has it: the same under every rule, except where the engines
+        disagree on what is fed back (a NextN head, proposers/mtp/nextn.py)."""
+        return self.feedback(h)
+
+    def slot_embeds(self, embeds: torch.Tensor, positions: torch.Tensor, conventions: Conventions) -> torch.Tensor:
+        """The token embeddings [c, H] the context slots at `positions` [c] read: as they are, except
+        where an engine masks one (a NextN head under vLLM zeroes position 0's)."""
+        return embeds
+
     def context_kv(
         self,
         features: torch.Tensor,
@@ -94,17 +104,21 @@ class StepChainDrafter(DraftHead):
                         embeds = nn.functional.embedding(nxt[start:end], table).to(dtype)
                     else:
                         inputs, embeds = h[start:end], None
-                    out[start:end] = self._context_rows(layer, inputs, embeds, keys, values, start, attention)
+                    out[start:end] = self._context_rows(
+                        layer, inputs, embeds, keys, values, start, attention, conventions
+                    )
                 kv.append((keys, values))
                 h = out
         return kv + [(h[None],)]
 
-    def _context_rows(self, layer: nn.Module, inputs, embeds, keys, values, start: int, attention: str):
+    def _context_rows(self, layer: nn.Module, inputs, embeds, keys, values, start: int, attention: str, conventions):
         """Layer output [c, H] of slots start..start + c - 1 (inputs [c, H]); writes their keys and
         values into keys/values [kv_heads, T, d], which must hold every slot before them."""
         end = start + inputs.shape[0]
+        positions = torch.arange(start, end, device=inputs.device)
+        if embeds is not None:
+            embeds = self.slot_embeds(embeds, positions, conventions)
         x, residual = self.layer_input(layer, inputs, embeds)
-        positions = torch.arange(start, end, device=x.device)
         cos, sin = self.rope(x, positions)
         k, v = layer.self_attn.keys_values(x, cos, sin)  # [kv_heads, c, d]
         keys[:, start:end], values[:, start:end] = k, v
@@ -133,16 +147,16 @@ class StepChainDrafter(DraftHead):
             raise ValueError("a step chain has no block whose positions or context could shift")
         anchors = anchors + int(conventions.lead_slot)  # llama.cpp's slot t is the reference's t - 1
         with timing.stage("drafter steps", anchors=block_embeds.shape[0], block=block_embeds.shape[1]):
-            return self._steps(block_embeds, anchors, context, _backend(attention), ctx_starts)
+            return self._steps(block_embeds, anchors, context, _backend(attention), ctx_starts, conventions)
 
-    def _steps(self, block_embeds, anchors, context, attention, ctx_starts) -> torch.Tensor:
+    def _steps(self, block_embeds, anchors, context, attention, ctx_starts, conventions) -> torch.Tensor:
         h = self.first_hidden(anchors, context, ctx_starts)  # [A, H]
         hidden = [self.norm(h)]
         base, layer_kv = self.step_context(anchors, context, attention, ctx_starts)
         path = None  # per layer, the keys and values of steps 2..j [A, kv_heads, j - 1, d]
         for j in range(1, block_embeds.shape[1]):
             positions = (anchors + j - 1)[:, None]  # [A, 1] step j + 1 sits at t - 1 + j
-            h, path = self.step(h, block_embeds[:, j], positions, base, layer_kv, path)
+            h, path = self.step(h, block_embeds[:, j], positions, base, layer_kv, path, conventions)
             hidden.append(self.norm(h))
         return torch.stack(hidden, dim=1)
 
@@ -161,13 +175,13 @@ class StepChainDrafter(DraftHead):
             base = MASK_BUILDERS[_backend(attention)](anchors, 1, layer_kv[0][0].shape[-2], False, None, starts)
         return base, layer_kv
 
-    def step(self, h, embeds, positions, base, layer_kv, path):
+    def step(self, h, embeds, positions, base, layer_kv, path, conventions: Conventions = REFERENCE):
         """One drafter step for rows [R] (a chain's anchors, or a tree's branches): h [R, H] the
         previous step's last hidden state (fed back), embeds [R, H] the token it reads, positions
         [R, 1]; each row sees the context `base` lets it see and the keys of `path` (per layer
         (k, v) [R, kv_heads, m, d], None before any: the earlier steps on its own path) beside its
         own. Returns (h [R, H] pre-norm, `path` with this step's keys appended)."""
-        h, embeds, grown = self.feedback(h)[:, None], embeds[:, None], []
+        h, embeds, grown = self.feedback_under(h, conventions)[:, None], embeds[:, None], []
         for i, (layer, (ctx_k, ctx_v)) in enumerate(zip(self.layers, layer_kv)):
             x, residual = self.layer_input(layer, h, embeds)
             cos, sin = self.rope(x, positions)

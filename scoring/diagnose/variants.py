@@ -30,7 +30,7 @@ CONVENTION_VARIANT = "layers-convention"
 EAGLE_REPOSITORY_ROPE_BASE = 10000.0  # cnets.py's LlamaRotaryEmbedding default, rope_theta never read
 
 
-def _variants() -> list[Variant]:  # 106 lines: a table, one entry per variant
+def _variants() -> list[Variant]:  # 113 lines: a table, one entry per variant
     fix = "fix the training code or the evaluation, not the weights"
     return [
         Variant(CONFIGURED, "the checkpoint's config, the reference conventions", ""),
@@ -128,6 +128,13 @@ def _variants() -> list[Variant]:  # 106 lines: a table, one entry per variant
             Conventions(xpress_other_slot0=True),
         ),
         Variant(
+            "nextn-feed-normed",
+            "a NextN head's step output fed back after its shared_head.norm",
+            "the NextN head was trained feeding each step's normed output to the next, as llama.cpp serves it "
+            "(--walk-rule llama.cpp replays that), while vLLM feeds back the output before shared_head.norm",
+            Conventions(nextn_feed_normed=True),
+        ),
+        Variant(
             "rope-10000",
             "the drafter's RoPE with base 10000 whatever its rope_theta",
             "the checkpoint was trained with RoPE base 10000 (the EAGLE repository's cnets.py builds no other) while "
@@ -183,6 +190,8 @@ def not_applicable(variant: Variant, config: DrafterConfig) -> str | None:
         return "only MTP heads read the target's final hidden state"
     if variant.conventions.xpress_other_slot0 and config.family != "xpress":
         return "only XPress has a refiner"
+    if variant.conventions.nextn_feed_normed and not config.family_options.get("feeds_pre_norm"):
+        return "only a GLM-4.5 NextN head's engines disagree on the state fed back"
     if variant.name == "scales" and not config.has_scales:
         return "the config sets no scale"
     return None

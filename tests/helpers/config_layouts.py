@@ -22,6 +22,16 @@ MOE_TEXT = {k: v for k, v in MTP_TEXT.items() if k != "intermediate_size"} | dic
     model_type="qwen3_5_moe_text", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
     shared_expert_intermediate_size=48,
 )  # fmt: skip
+GLM = dict(
+    model_type="glm4_moe", hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=16, intermediate_size=128, vocab_size=512, moe_intermediate_size=32, n_routed_experts=4,
+    num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, num_nextn_predict_layers=1,
+)  # fmt: skip
+DEEPSEEK = {k: v for k, v in GLM.items() if k != "head_dim"} | dict(
+    model_type="deepseek_v3", num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16,
+    qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, n_group=4, topk_group=2, moe_layer_freq=1,
+    scoring_func="sigmoid", topk_method="noaux_tc", ep_size=1,
+)  # fmt: skip
 DFLASH2_KEYS = dict(conv_kernel_size=2, conv_group_size=8, selector_rank=8, selector_top_k=4)
 
 
@@ -109,6 +119,8 @@ BASE = {
     "mtp:native": lambda: {"model_type": "qwen3_5", "text_config": {**MTP_TEXT, "model_type": "qwen3_5_text"}},
     "mtp:native-qwen3-next": lambda: {**MTP_TEXT, "model_type": "qwen3_next", "num_experts": 0},
     "mtp:native-moe": lambda: {"model_type": "qwen3_5_moe", "text_config": dict(MOE_TEXT)},
+    "mtp:nextn": lambda: dict(GLM),
+    "mtp:nextn-deepseek": lambda: dict(DEEPSEEK),
     "ngram:vllm": lambda: {"method": "ngram", "num_speculative_tokens": 3},
     "ngram:llama.cpp": lambda: {"spec-type": "ngram-simple"},
     "ngram:sglang": lambda: {"speculative_algorithm": "NGRAM"},
@@ -224,6 +236,13 @@ REFUSALS = [
     ("mtp:native-moe", "text_config.shared_expert_intermediate_size", 0, "vLLM", 48),
     ("mtp:native-moe", "text_config.num_experts_per_tok", 8, "vLLM", 4),
     ("mtp:speculators", "transformer_layer_config.mtp_num_hidden_layers", 3, "SGLang", 1),
+    ("mtp:nextn", "num_nextn_predict_layers", 2, "vLLM", 1),
+    ("mtp:nextn", "first_k_dense_replace", 4, "llama.cpp", 3),
+    ("mtp:nextn", "n_shared_experts", 0, "llama.cpp", 2),
+    ("mtp:nextn-deepseek", "moe_layer_freq", 2, "vLLM", 1),
+    ("mtp:nextn-deepseek", "scoring_func", "softmax", "vLLM", "sigmoid"),
+    ("mtp:nextn-deepseek", "topk_method", "greedy", "vLLM", "noaux_tc"),
+    ("mtp:nextn-deepseek", "v_head_dim", 32, "MLA", 24),
     # a standalone draft model
     ("draft:llama.cpp", "spec-draft-n-min", 2, "llama.cpp", 0),
     ("draft:llama.cpp", "spec-draft-p-min", 0.6, "llama.cpp", 0.0),
@@ -257,6 +276,8 @@ PRIOR_REFUSALS = [
     ("peagle:specforge", "target_hidden_size", {"target_hidden_size": 48}),
     ("mtp:speculators", "model_type", {"transformer_layer_config.model_type": "qwen3"}),
     ("mtp:speculators", "num_nextn_predict_layers", {"num_nextn_predict_layers": 2}),
+    ("mtp:nextn", "topk_group", {"n_group": 2, "topk_group": 1}),
+    ("mtp:nextn-deepseek", "quantization_config", {"quantization_config": {"quant_method": "fp8"}}),
     ("ngram:llama.cpp", "lookup-cache-static", {"spec-type": "ngram-cache", "lookup-cache-static": "static.bin"}),
     ("ngram:llama.cpp", "lookup-cache-dynamic", {"spec-type": "ngram-cache", "lookup-cache-dynamic": "dynamic.bin"}),
     ("ngram:sglang", "speculative_ngram_external_corpus_path", {"speculative_ngram_external_corpus_path": "c.jsonl"}),

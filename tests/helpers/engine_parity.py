@@ -145,7 +145,17 @@ def scored(setup: Setup, drafter: Drafter, n_max: int, rule: str) -> str:
 
 
 def native_mtp_setup(
-    tmp, target, *, layers: int, steps: int, fit_steps: int, fit_lr: float, prepare=None, experts: bool = False
+    tmp,
+    target,
+    *,
+    layers: int,
+    steps: int,
+    fit_steps: int,
+    fit_lr: float,
+    prepare=None,
+    experts: bool = False,
+    nextn: bool = False,
+    fitted: dict | None = None,
 ):
     """(Setup, Drafter, the fit's last loss) of a target's native MTP head against llama-server's
     draft-mtp: `target` (a tiny Qwen3.5 or Qwen3.5-MoE causal LM) made the engine target
@@ -153,10 +163,12 @@ def native_mtp_setup(
     full-attention layer kind fitted on its greedy continuations (mtp_online.fit) and saved into its
     checkpoint as `mtp.*`, shards of id L (the final state before the norm, whose weight the shards'
     target head keeps), the target converted with the head kept as blk.L.nextn.*. `experts`: the
-    head's fused experts saved one expert at a time, as the target's save_pretrained names them."""
+    head's fused experts saved one expert at a time, as the target's save_pretrained names them.
+    `nextn`: a GLM-4.5 target's NextN head (nextn_online.NextnHead) saved as `model.layers.{L}.*`.
+    `fitted`: a dict given the fitted head (`head`), for a test's own online reference."""
     import copy
 
-    from tests.helpers import mtp_online
+    from tests.helpers import mtp_online, nextn_online
     from tests.helpers.models import seeded
     from tests.helpers.prompts import write_prompts
     from tools.llama_convert import convert
@@ -169,13 +181,19 @@ def native_mtp_setup(
     head_config = copy.deepcopy(target.config)  # MtpHead builds layer 0 of it: a full-attention one
     head_config.layer_types = ["full_attention"] * layers
     with seeded(1):
-        head = mtp_online.MtpHead(head_config)
+        head = nextn_online.NextnHead(head_config) if nextn else mtp_online.MtpHead(head_config)
     loss = mtp_online.fit(head, target, [ids for ids, _ in sequences], steps=fit_steps, lr=fit_lr)
-    mtp_online.save_head(head.eval(), model_dir, target if experts else None)
+    if fitted is not None:
+        fitted["head"] = head
+    if nextn:
+        nextn_online.save_head(head, model_dir, target)
+    else:
+        mtp_online.save_head(head.eval(), model_dir, target if experts else None)
     records = [{"id": f"p{i}", "input_ids": ids} for i, ids in enumerate(prompts)]
     shards = chains.extract(tmp / "shards", model_dir, write_prompts(tmp / "prompts.jsonl", records), MAX_NEW, [layers])
     finish = {s.finish_reason for s in ShardSet(shards).samples(tensors=[])}
     assert finish == {"eos", "length"}, finish
     gguf = str(convert(model_dir, tmp / "target.gguf"))
     setup = Setup(tmp, model_dir, gguf, shards, sequences, converter=None)
-    return setup, Drafter("mtp", "native", model_dir, None, "draft-mtp", steps), loss
+    layout = "nextn" if nextn else "native"
+    return setup, Drafter("mtp", layout, model_dir, None, "draft-mtp", steps), loss

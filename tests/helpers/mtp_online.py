@@ -45,6 +45,14 @@ MOE_TEXT = {k: v for k, v in TEXT.items() if k != "intermediate_size"} | dict(
 
 def _classes(config):
     """transformers' (decoder layer, RMSNorm, rotary embedding) of the config's kind."""
+    if config.model_type == "glm4_moe":  # tests/helpers/nextn_online.py's NextN heads
+        from transformers.models.glm4_moe import modeling_glm4_moe as m
+
+        return m.Glm4MoeDecoderLayer, m.Glm4MoeRMSNorm, m.Glm4MoeRotaryEmbedding
+    if config.model_type == "deepseek_v3":
+        from transformers.models.deepseek_v3 import modeling_deepseek_v3 as m
+
+        return m.DeepseekV3DecoderLayer, m.DeepseekV3RMSNorm, m.DeepseekV3RotaryEmbedding
     if config.model_type == "qwen3_5_moe_text":
         from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as m
 
@@ -76,8 +84,16 @@ class MtpHead(nn.Module):
                 for weight in (mlp.experts.gate_up_proj, mlp.experts.down_proj, mlp.gate.weight):
                     weight.normal_(0.0, weight.shape[-1] ** -0.5)
 
-    def combine(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    def combine(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.fc(torch.cat([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)], dim=-1))
+
+    def logit_state(self, h: torch.Tensor) -> torch.Tensor:
+        """What lm_head reads of the layer's output h: h' = norm(h)."""
+        return self.norm(h)
+
+    def fed_back(self, h: torch.Tensor) -> torch.Tensor:
+        """What the next step reads: h' too (the MTP model's single returned tensor)."""
+        return self.norm(h)
 
 
 def build_target(save_dir, seed: int = 0, moe: bool = False) -> tuple[str, object, MtpHead]:
@@ -138,7 +154,7 @@ def fit(head: MtpHead, target, sequences: list[torch.Tensor], steps: int = 300, 
         with torch.no_grad():
             embeds = embed(ids[1:-1])[None]
         h = _forward(head, embeds, hidden[None, :-2], torch.arange(ids.numel() - 2)[None], None)
-        loss = nn.functional.cross_entropy(target.lm_head(head.norm(h))[0], ids[2:])
+        loss = nn.functional.cross_entropy(target.lm_head(head.logit_state(h))[0], ids[2:])
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
@@ -152,7 +168,7 @@ def _forward(head: MtpHead, embeds, hidden, positions, cache):
     start = 0 if cache is None else cache.get_seq_length()
     mask = torch.zeros(1, 1, n, start + n)
     mask.masked_fill_(torch.arange(start + n)[None, :] > (start + torch.arange(n))[:, None], float("-inf"))
-    x = head.combine(embeds, hidden)
+    x = head.combine(embeds, hidden, positions)
     rotary = _classes(head.layers[0].self_attn.config)[2](head.layers[0].self_attn.config)
     return head.layers[0](x, position_embeddings=rotary(x, positions), attention_mask=mask, cache=cache)
 
@@ -168,24 +184,23 @@ class DraftCache(GrowingCache):
 
     @torch.no_grad()
     def append(self, tokens: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        """Slots length.. from tokens [n] and hidden inputs [n, H]; returns h' [n, H] (after norm)."""
+        """Slots length.. from tokens [n] and hidden inputs [n, H]; returns the layer's outputs [n, H]."""
         positions = torch.arange(self.length, self.length + tokens.numel())[None]
-        h = _forward(self.head, self.embed(tokens)[None], hidden[None], positions, self.cache)
-        return self.head.norm(h[0])
+        return _forward(self.head, self.embed(tokens)[None], hidden[None], positions, self.cache)[0]
 
 
 @torch.no_grad()
 def propose(draft: DraftCache, lm_head, hidden, seq, start: int, count: int) -> torch.Tensor:
     """`count` greedy drafts at anchor `start`: the verified slots up to start - 1 written from
-    target features, then one step at a time, each step's h' fed to the next."""
+    target features, then one step at a time, each step's output fed to the next (head.fed_back)."""
     written = draft.length
     h = draft.append(seq[written + 1 : start + 1], hidden[written:start])[-1:]
     drafts = []
     for j in range(count):
-        token = lm_head(h)[0].argmax()
+        token = lm_head(draft.head.logit_state(h))[0].argmax()
         drafts.append(token)
         if j + 1 < count:
-            h = draft.append(token.reshape(1), h)
+            h = draft.append(token.reshape(1), draft.head.fed_back(h))
     return torch.stack(drafts) if drafts else torch.zeros(0, dtype=torch.long)
 
 

@@ -19,6 +19,22 @@ from scoring.replay.walk import stop_mask
 from tests.helpers import mtp_online as online
 
 
+def score_error(ckpt: str, shards: str, out) -> str:
+    """`specreplay score`'s one `error:` line for a head it refuses: exit 1, no traceback, nothing written."""
+    import os
+
+    from click.testing import CliRunner
+
+    from specreplay.cli import main
+
+    result = CliRunner().invoke(main, ["score", "--ckpt", ckpt, "--shards", shards, "--out", str(out)])
+    errors = [line for line in result.output.splitlines() if line.startswith("error: ")]
+    assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+    assert len(errors) == 1, result.output
+    assert not os.path.exists(out)  # nothing written
+    return errors[0]
+
+
 def greedy(target, prompt: list[int], max_new: int) -> torch.Tensor:
     ids = torch.tensor(prompt)
     for _ in range(max_new):
@@ -26,18 +42,27 @@ def greedy(target, prompt: list[int], max_new: int) -> torch.Tensor:
     return ids
 
 
-def fitted_native_head(tmp, prompts: int, max_new: int, *, moe=False, train: int, repeats: int, fit_steps: int):
+def fitted_native_head(
+    tmp, prompts: int, max_new: int, *, moe=False, train: int, repeats: int, fit_steps: int, nextn=None
+):
     """(target dir, the target, its head, greedy shards of id L, the fit's last loss): mtp_online's
-    tiny target (`moe`: its MoE variant) with its head fitted on the greedy continuations of `train`
-    other prompts and of the `prompts` scored ones (`repeats` times) and saved into its checkpoint."""
-    from tests.helpers import chain_parity as parity
+    tiny target (`moe`: its MoE variant; `nextn`: a NextN target of that transformers config,
+    nextn_online.build_dir) with its head fitted on the greedy continuations of `train` other prompts
+    and of the `prompts` scored ones (`repeats` times) and saved into its checkpoint."""
+    from tests.helpers import chain_parity as parity, nextn_online
     from tests.helpers.prompts import write_prompts
 
-    model_dir, target, head = online.build_target(tmp / "target", moe=moe)
+    if nextn is None:
+        model_dir, target, head = online.build_target(tmp / "target", moe=moe)
+    else:
+        model_dir, target, head = nextn_online.build_dir(tmp / "target", nextn)
     prompt_ids = parity.prompt_ids(prompts)
     sequences = [greedy(target, p, max_new) for p in parity.prompt_ids(train, seed=9) + prompt_ids * repeats]
     loss = online.fit(head, target, sequences, steps=fit_steps, lr=5e-3)
-    online.save_head(head.eval(), model_dir, target if moe else None)
+    if nextn is None:
+        online.save_head(head.eval(), model_dir, target if moe else None)
+    else:
+        nextn_online.save_head(head, model_dir, target)
     written = write_prompts(tmp / "prompts.jsonl", [{"id": f"p{i}", "input_ids": p} for i, p in enumerate(prompt_ids)])
     layers = target.config.num_hidden_layers
     shards = parity.extract(tmp / "greedy", model_dir, written, max_new, [layers])  # id L: before the final norm
@@ -89,6 +114,39 @@ def every_anchor(model_dir: str, shards: str, max_new: int, change=None):
     proposer, head = _drafter(model_dir, shardset, change)
     options = ReplayOptions(methods={})
     return [(s, replay_sample(proposer, head, s, lambda f: f, max_new, options)) for s in shardset.samples()]
+
+
+def reference_chains(head, target, sample, steps: int) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+    """(anchor row, the online reference's own drafts, the stored tokens they propose) at every
+    anchor: a fresh draft cache of the stored prefix, then the head's own chain (mtp_online.propose)."""
+    ids = sample.input_ids
+    hidden = online.target_states(target, ids)[1]
+    chains = []
+    for t in range(sample.prompt_len, ids.numel() - 1):
+        depth = min(steps, ids.numel() - 1 - t)
+        draft = online.DraftCache(head, target.model.embed_tokens)
+        drafts = online.propose(draft, target.lm_head, hidden, ids, t, depth)
+        chains.append((t - sample.prompt_len, drafts, ids[t + 1 : t + 1 + depth]))
+    return chains
+
+
+def anchors_equal(model_dir: str, head, target, shards: str, max_new: int, steps: int, change=None, chains=None):
+    """(anchors whose read drafts equal the reference's, anchors, drafts compared): the replay's
+    teacher-forced chain against the reference's own, at every anchor (`change`: a wrong rule;
+    `chains`: the reference's, sample id -> reference_chains, computed here when not given)."""
+    same = total = compared = 0
+    for sample, result in every_anchor(model_dir, shards, max_new, change=change):
+        assert bool(result.computed.all())
+        found = chains[sample.sample_id] if chains else reference_chains(head, target, sample, steps)
+        for row, drafts, stored in found:
+            # the reference's chain reads its own drafts, the replay's the stored tokens: alike up to
+            # and including the first draft the stored response does not hold
+            read = min(int((drafts == stored).long().cumprod(0).sum()) + 1, drafts.numel())
+            # the replay drafts to the budget; past a response its stop token ended no draft is verified
+            assert int(result.depth[row]) >= drafts.numel()
+            same += torch.equal(result.draft_tokens[row, :read], drafts[:read])
+            total, compared = total + 1, compared + read
+    return same, total, compared
 
 
 def offline_produced(model_dir: str, shards: str, max_new: int, conventions=REFERENCE, change=None):

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.helpers import chain_parity as parity, mtp_online as online, mtp_replay as replay
+from tests.helpers import chain_parity as parity, mtp_replay as replay
 
 MAX_NEW = 20
 PROMPTS = 6
@@ -69,33 +69,9 @@ def test_greedy_walks_equal_the_online_loop(setup):
     assert STEPS in accepted, accepted
 
 
-def _reference_chains(head, target, sample) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
-    """(anchor row, the reference's own drafts, the stored tokens they propose) at every anchor."""
-    ids = sample.input_ids
-    hidden = online.target_states(target, ids)[1]
-    chains = []
-    for t in range(sample.prompt_len, ids.numel() - 1):
-        depth = min(STEPS, ids.numel() - 1 - t)
-        draft = online.DraftCache(head, target.model.embed_tokens)
-        drafts = online.propose(draft, target.lm_head, hidden, ids, t, depth)
-        chains.append((t - sample.prompt_len, drafts, ids[t + 1 : t + 1 + depth]))
-    return chains
-
-
 def _anchors_equal(setup, change=None) -> tuple[int, int, int]:
-    """(anchors whose read drafts equal the reference's, anchors, drafts compared)."""
     _, model_dir, target, head, shards, _ = setup
-    same = total = compared = 0
-    for sample, result in replay.every_anchor(model_dir, shards, MAX_NEW, change=change):
-        assert bool(result.computed.all())
-        for row, drafts, stored in _reference_chains(head, target, sample):
-            # the reference's chain reads its own drafts, the replay's the stored tokens: alike up to
-            # and including the first draft the stored response does not hold
-            read = min(int((drafts == stored).long().cumprod(0).sum()) + 1, drafts.numel())
-            assert int(result.depth[row]) == drafts.numel()
-            same += torch.equal(result.draft_tokens[row, :read], drafts[:read])
-            total, compared = total + 1, compared + read
-    return same, total, compared
+    return replay.anchors_equal(model_dir, head, target, shards, MAX_NEW, STEPS, change)
 
 
 def test_every_anchor_equals_the_reference(setup):

@@ -11,14 +11,12 @@ import os
 
 import pytest
 import torch
-from click.testing import CliRunner
 from safetensors.torch import load_file
 
 from pipeline.shards import ShardSet, read_manifest, write_manifest
 from proposers.checkpoints.files import NonFiniteWeightsError
 from proposers.checkpoints.load import load_drafter
-from specreplay.cli import main
-from tests.helpers import chain_parity as parity, mtp_export, mtp_online as online
+from tests.helpers import chain_parity as parity, mtp_export, mtp_online as online, mtp_replay as replay
 from tests.helpers.prompts import write_prompts
 
 
@@ -45,13 +43,7 @@ def _same_for_the_export(line: str, with_head: str, exported: str, shards: str, 
     assert _errors(exported, shards, out).replace(exported, with_head) == line
 
 
-def _errors(ckpt: str, shards: str, out) -> str:
-    result = CliRunner().invoke(main, ["score", "--ckpt", ckpt, "--shards", shards, "--out", str(out)])
-    errors = [line for line in result.output.splitlines() if line.startswith("error: ")]
-    assert result.exit_code == 1 and "Traceback" not in result.output, result.output
-    assert len(errors) == 1, result.output
-    assert not os.path.exists(out)  # nothing written
-    return errors[0]
+_errors = replay.score_error
 
 
 def test_a_target_without_mtp_weights(target, tmp_path):

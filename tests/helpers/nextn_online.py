@@ -1,0 +1,203 @@
+"""A GLM-4.5 NextN head written from vLLM's rule alone, on transformers' own Glm4MoeDecoderLayer
+(its Glm4MoeMoE: sigmoid router with the score-correction bias, routed and shared experts), driven
+by tests/helpers/mtp_online.py's growing-cache loop. vLLM 0.33 `model_executor/models/glm4_moe_mtp.py`:
+
+  Glm4MoeMultiTokenPredictorLayer.forward (106-128): the embedding is zeroed at position 0 (116),
+  h = eh_proj([enorm(embed) ; hnorm(previous_hidden_states)]) (117-122, embedding first), the
+  decoder layer of the target's kind (`mtp_block`, 98-104, built at layer index
+  num_hidden_layers: MoE), returned as `residual + hidden_states` (127-128), BEFORE shared_head.norm;
+  compute_logits (182-191): shared_head.head(shared_head.norm(h)) (shared_head.head: the target's
+  lm_head when the checkpoint has none, load_weights 252-254);
+  v1/spec_decode/llm_base_proposer.py: a single returned tensor (`model_returns_tuple` false for
+  Glm4MoeMTPModel, 1001-1014) is both what the logits read and what the next step reads (599-602,
+  753-760), so the state fed back is the one before shared_head.norm.
+
+DeepSeek-V3 (`model_executor/models/deepseek_mtp.py`, the same loop on transformers' own
+DeepseekV3DecoderLayer: MLA, group-limited routing): the same forward (113-144: position 0 zeroed at
+123, [enorm(e) ; hnorm(h)] at 124-129), but it returns `(h, shared_head(h))` (144) and, with
+`model_returns_tuple` true for DeepSeekMTPModel (llm_base_proposer.py:1001-1012), the proposer feeds
+back the second (603-604, 757-758): the state AFTER shared_head.norm.
+
+Also a tiny GLM-4.5 target (transformers' Glm4MoeForCausalLM: layer 0 dense, the rest MoE) and the
+head saved into its checkpoint as `model.layers.{L}.*`, named as the target's save_pretrained names
+its own layers (experts one at a time)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+GLM = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    intermediate_size=128,
+    moe_intermediate_size=32,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    n_shared_experts=1,
+    first_k_dense_replace=1,  # layer 0 dense, layer 1 and the NextN layer MoE (GLM-4.5's 3 of 92)
+    routed_scaling_factor=2.5,  # GLM-4.5's
+    attention_bias=True,  # GLM-4.5's q/k/v biases
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+    num_nextn_predict_layers=1,
+    max_position_embeddings=256,
+    tie_word_embeddings=False,
+)
+
+
+# DeepSeek-V3's NextN head: MLA (q LoRA, compressed kv, interleaved rope, YaRN), group-limited routing
+DEEPSEEK = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    q_lora_rank=32,
+    kv_lora_rank=16,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=12,
+    intermediate_size=128,
+    moe_intermediate_size=32,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    n_shared_experts=1,
+    n_group=4,
+    topk_group=2,  # DeepSeek-V3's 8 groups, 4 kept, in small
+    first_k_dense_replace=1,
+    routed_scaling_factor=2.5,
+    rope_interleave=True,
+    rope_parameters={
+        "rope_type": "yarn",
+        "rope_theta": 10000.0,
+        "factor": 4.0,
+        "original_max_position_embeddings": 64,
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+    },  # fmt: skip
+    num_nextn_predict_layers=1,
+    max_position_embeddings=256,
+    tie_word_embeddings=False,
+)
+
+
+def glm_config(vocab_size: int):
+    from transformers import Glm4MoeConfig
+
+    return Glm4MoeConfig(**GLM, vocab_size=vocab_size)
+
+
+def deepseek_config(vocab_size: int):
+    from transformers import DeepseekV3Config
+
+    # the keys DeepSeek-V3's config.json states and vLLM reads (transformers' class does not declare them)
+    return DeepseekV3Config(**DEEPSEEK, vocab_size=vocab_size, scoring_func="sigmoid", topk_method="noaux_tc")
+
+
+def draw_moe(mlp, bias_std: float = 0.3) -> None:
+    """A Glm4MoeMoE outside a PreTrainedModel holds torch.empty experts and a zero router: drawn
+    like nn.Linear's, and a non-zero score-correction bias (it picks the experts, not their weights)."""
+    with torch.no_grad():
+        for weight in (mlp.experts.gate_up_proj, mlp.experts.down_proj, mlp.gate.weight):
+            weight.normal_(0.0, weight.shape[-1] ** -0.5)
+        mlp.gate.e_score_correction_bias.normal_(0.0, bias_std)
+
+
+class SharedHead(nn.Module):
+    def __init__(self, norm: nn.Module):
+        super().__init__()
+        self.norm = norm  # no `head`: the target's lm_head serves (llama.cpp's and vLLM's fallback)
+
+
+class NextnHead(nn.Module):
+    """The head's modules, named as the checkpoint's `model.layers.{L}.*` (the decoder layer's own
+    modules at the top: `state` below)."""
+
+    def __init__(self, config):
+        from tests.helpers.mtp_online import _classes
+
+        super().__init__()
+        decoder_layer, norm, _ = _classes(config)  # Glm4MoeDecoderLayer or DeepseekV3DecoderLayer
+        hidden, eps = config.hidden_size, config.rms_norm_eps
+        self.enorm = norm(hidden, eps=eps)
+        self.hnorm = norm(hidden, eps=eps)
+        self.eh_proj = nn.Linear(2 * hidden, hidden, bias=False)
+        self.shared_head = SharedHead(norm(hidden, eps=eps))
+        # vLLM feeds back GLM-4.5's layer output (glm4_moe_mtp.py:127-128), DeepSeek-V3's normed one
+        # (deepseek_mtp.py:136-144: `return hidden_states, self.shared_head(hidden_states)`, the second fed back)
+        self.feeds_normed = config.model_type == "deepseek_v3"
+        with torch.no_grad():  # a trained norm's weight: at 1 hnorm would cancel it, and with it the
+            self.shared_head.norm.weight.normal_(1.0, 0.5)  # difference between the engines' feedbacks
+        layer = decoder_layer(config, config.num_hidden_layers)  # vLLM's mtp_block: layer L, MoE
+        layer.self_attn.layer_idx = 0  # the head's own one-layer cache
+        self.layers = nn.ModuleList([layer])
+        draw_moe(layer.mlp)
+
+    def combine(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """glm4_moe_mtp.py:116-122: position 0's embedding zeroed, then [enorm(e) ; hnorm(h)]."""
+        embeds = torch.where(positions[..., None] == 0, 0.0, embeds)
+        return self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden)], dim=-1))
+
+    def logit_state(self, h: torch.Tensor) -> torch.Tensor:
+        return self.shared_head.norm(h)  # compute_logits, glm4_moe_mtp.py:189
+
+    def fed_back(self, h: torch.Tensor) -> torch.Tensor:
+        return self.shared_head.norm(h) if self.feeds_normed else h
+
+    def state(self, layer_index: int) -> dict[str, torch.Tensor]:
+        """The tensors as the checkpoint names them (fused experts: save_head un-fuses them)."""
+        prefix = f"model.layers.{layer_index}."
+        return {
+            prefix + name.removeprefix("layers.0."): tensor.detach().contiguous()
+            for name, tensor in self.state_dict().items()
+        }
+
+
+def build_target(config, seed: int = 0):
+    """A random Glm4MoeForCausalLM (DeepseekV3ForCausalLM) of `config`, its score-correction biases drawn (non-zero) and its
+    final norm's weight drawn (at 1 the pre- and post-norm states differ by a scale alone, which hnorm removes)."""
+    from transformers import DeepseekV3ForCausalLM, Glm4MoeForCausalLM
+
+    from tests.helpers.models import seeded
+
+    causal = DeepseekV3ForCausalLM if config.model_type == "deepseek_v3" else Glm4MoeForCausalLM
+    with seeded(seed):
+        model = causal(config).eval()
+        with torch.no_grad():
+            for layer in model.model.layers[config.first_k_dense_replace :]:
+                layer.mlp.gate.e_score_correction_bias.normal_(0.0, 0.3)
+            model.model.norm.weight.normal_(0.0, 1.0)
+    return model
+
+
+def save_head(head: NextnHead, save_dir: str, target) -> None:
+    """The head's tensors added to the target's safetensors as `model.layers.{L}.*`, experts one at
+    a time (transformers' revert_weight_conversion, as the target's own layers are saved)."""
+    import os
+
+    from safetensors.torch import load_file, save_file
+    from transformers.core_model_loading import revert_weight_conversion
+
+    path = os.path.join(save_dir, "model.safetensors")
+    state = load_file(path)
+    state.update(revert_weight_conversion(target, head.eval().state(target.config.num_hidden_layers)))
+    save_file({k: v.contiguous() for k, v in state.items()}, path, metadata={"format": "pt"})
+
+
+def build_dir(save_dir, config) -> tuple[str, object, NextnHead]:
+    """(dir, target, a new head): build_target's target, peaked (lm_head x 3: its greedy continuations
+    have structure to learn), saved with the tiny tokenizer."""
+    from tests.helpers.models import make_tokenizer, seeded
+
+    target = build_target(config)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(3.0)
+    target.save_pretrained(str(save_dir))
+    make_tokenizer(str(save_dir))
+    with seeded(1):
+        head = NextnHead(config)
+    return str(save_dir), target, head

@@ -1,0 +1,118 @@
+"""Exactness of a DeepSeek-V3 NextN head (`model.layers.{L}.*`, proposers/mtp/nextn.py with MLA,
+proposers/mtp/mla.py), scored by `specreplay score --ckpt <target dir>`, against vLLM's rule on
+transformers' own DeepseekV3DecoderLayer (tests/helpers/nextn_online.py, citing deepseek_mtp.py):
+llama.cpp's converter drops DeepSeek-V3's MTP layers (conversion/deepseek.py:238-240, 396-401), so
+no llama-server comparison exists for it.
+
+- every greedy walk equals the online loop's, and at every anchor the teacher-forced chain equals
+  the reference's own chain up to its first draft the response does not hold;
+- a wrong rule changes anchors and walks: GLM-4.5's feedback (the state before shared_head.norm),
+  position 0's embedding kept, routing over every expert group, the shared experts left out;
+- the target's final state read before its norm (`mtp-prenorm`) walks measurably worse.
+
+The target: transformers' DeepseekV3ForCausalLM (layer 0 dense, layer 1 MoE: 8 experts in 4 groups,
+2 kept, top-2, a shared expert, drawn score-correction biases; MLA with a q LoRA, interleaved rope,
+YaRN), its head fitted briefly on its greedy continuations and saved one expert at a time.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from proposers.toolkit.conventions import Conventions
+from tests.helpers import chain_parity as parity, mtp_replay as replay, nextn_online
+from tests.helpers.models import TINY_VOCAB
+
+MAX_NEW = 20
+PROMPTS = 6
+STEPS = 3  # the native head's default (mtp.DEFAULT_STEPS)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    yield from parity.one_thread()
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("mtp_nextn_deepseek")
+    config = nextn_online.deepseek_config(TINY_VOCAB)
+    model_dir, target, head, shards, loss = replay.fitted_native_head(
+        tmp, PROMPTS, MAX_NEW, train=12, repeats=2, fit_steps=300, nextn=config
+    )
+    print(f"fitted DeepSeek-V3 NextN head: step-1 loss {loss:.3f}")
+    runs = replay.online_runs(head, target, shards, STEPS, MAX_NEW)
+    chains = {s.sample_id: replay.reference_chains(head, target, s, STEPS) for s, _ in _samples(shards)}
+    return tmp, model_dir, target, head, shards, runs, chains
+
+
+def _samples(shards: str):
+    from pipeline.shards import ShardSet
+
+    return [(s, None) for s in ShardSet(shards).samples(tensors=[])]
+
+
+def _anchors_equal(setup, change=None) -> tuple[int, int, int]:
+    _, model_dir, target, head, shards, _, chains = setup
+    return replay.anchors_equal(model_dir, head, target, shards, MAX_NEW, STEPS, change, chains)
+
+
+def test_greedy_walks_and_every_anchor_equal_vllms_rule(setup):
+    tmp, model_dir, _, _, shards, runs, _ = setup
+    walks = parity.walks(parity.score(model_dir, shards, tmp / "results"))
+    stepped = {k: run.produced for k, run in runs.items() if run.produced}
+    assert {sid: w["produced"].to_list() for sid, w in walks.items()} == stepped
+    accepted = [n for run in runs.values() for n in run.accepted]
+    produced = [n for run in runs.values() for n in run.produced]
+    same, total, compared = _anchors_equal(setup)
+    print(
+        f"\nDeepSeek-V3: {len(stepped)} walks equal ({len(produced)} steps, tau {np.mean(produced):.3f}); "
+        f"{same}/{total} anchors equal ({compared} drafts)"
+    )
+    assert same == total > 0
+    assert np.mean(accepted) > 1.0 and STEPS in accepted, accepted  # a head that accepts
+
+
+def _pre_norm_feedback(drafter) -> None:
+    drafter.feedback_under = lambda h, conventions: h
+
+
+def _position_zero_kept(drafter) -> None:
+    drafter.slot_embeds = lambda embeds, positions, conventions: embeds
+
+
+def _every_group(drafter) -> None:
+    gate = drafter.layers[0].mlp.gate
+    gate.topk_group = gate.num_group
+
+
+def _no_shared_experts(drafter) -> None:
+    with torch.no_grad():
+        drafter.layers[0].mlp.shared_experts.down_proj.weight.zero_()
+
+
+WRONG = [_pre_norm_feedback, _position_zero_kept, _every_group, _no_shared_experts]
+
+
+@pytest.mark.parametrize("wrong", WRONG, ids=["pre-norm feedback", "position 0 kept", "every group", "no shared"])
+def test_a_wrong_rule_differs_from_vllms_reference(setup, wrong):
+    _, model_dir, _, _, shards, runs, _ = setup
+    same, total, _ = _anchors_equal(setup, wrong)
+    walks = replay.offline_produced(model_dir, shards, MAX_NEW, change=wrong)
+    differ = sum(walks[k] != run.produced for k, run in runs.items())
+    print(f"\n{wrong.__name__}: {total - same}/{total} anchors, {differ}/{len(runs)} walks differ")
+    assert same < total
+
+
+def test_the_pre_norm_state_walks_worse(setup):
+    _, model_dir, _, _, shards, runs, _ = setup
+    prenorm = replay.offline_produced(model_dir, shards, MAX_NEW, Conventions(prenorm_hidden=True))
+    differ = sum(prenorm[k] != run.produced for k, run in runs.items())
+    tau = {
+        "post": np.mean([n for run in runs.values() for n in run.produced]),
+        "pre": np.mean([n for w in prenorm.values() for n in w]),
+    }
+    print(f"\npre-norm reading: {differ}/{len(runs)} walks differ; tau {tau}")
+    assert differ > 0 and tau["pre"] < tau["post"] - 0.1, tau
