@@ -180,6 +180,7 @@ def write_synthetic_shards(
     prompt_tokens: int,
     top_k: int = 32,
     seed: int = 0,
+    final_norm: bool = False,
 ) -> None:
     """A shard set `score` accepts, planned by extract itself: random token ids as prompt and
     given response (one sample per length), random bf16 features and top-k in place of a
@@ -232,7 +233,9 @@ def write_synthetic_shards(
     embed = (torch.randn(vocab, hidden, generator=generator) * 0.02).to(torch.bfloat16)
     lm_head = (torch.randn(vocab, hidden, generator=generator) * 0.02).to(torch.bfloat16)
     Path(out).mkdir(parents=True, exist_ok=True)
-    manifest["target_head"] = shards.save_target_head(str(out), embed, lm_head)
+    # the final norm's weight (MTP heads read the state after it), drawn around 1 as a trained one
+    norm = (1 + 0.5 * torch.randn(hidden, generator=generator)).to(torch.bfloat16) if final_norm else None
+    manifest["target_head"] = shards.save_target_head(str(out), embed, lm_head, norm)
     writer = shards.ShardWriter(
         str(out),
         0,

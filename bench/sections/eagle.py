@@ -8,8 +8,11 @@
    the whole vocabulary). Timed, alternated over `--reps` rounds, min per side:
    * `run_score` of each, all anchors, chain only (ratio EAGLE-3 / DFlash v1 per anchor), and of
      speculators' PEagleDraftModel (P-EAGLE: the same decoder, K_STEPS drafts from one pass online,
-     its mask slots replayed as the step chain's steps; issue 36 item 5) and the EAGLE repository's
-     Model (EAGLE-1/2: the same decoder shapes over the target's last layer, K_STEPS steps);
+     its mask slots replayed as the step chain's steps; issue 36 item 5), the EAGLE repository's
+     Model (EAGLE-1/2: the same decoder shapes over the target's last layer, K_STEPS steps) and the
+     MTP heads of four targets at SmolLM2's widths (bench/mtp_heads.py: Qwen3.5 dense and MoE,
+     GLM-4.5's and DeepSeek-V3's NextN heads; K_STEPS steps over the last layer's output and the
+     target's final norm, which the shards then hold);
    * `run_score` of the EAGLE-3 drafter with each of TREES (the chain plus sglang's dynamic tree,
      `--eagle-trees`; its cost also as the product's "eagle tree" stage): every branch is its own
      drafter step and lm_head row, 1 + (depth - 1) x topk of them per anchor;
@@ -35,12 +38,20 @@ from pathlib import Path
 import torch
 
 from bench.common import Phase, Rows, log
+from bench.mtp_heads import KINDS as MTP_KINDS, write_head
 from bench.sections.families import DECODER, INIT_STD, score_once, zlab
 from bench.sections.length import PROMPT_TOKENS, SMOLLM2
 
 K_STEPS = 5  # chain drafts per anchor: sglang's default --speculative-num-steps
 TREES = ("4x5-8", "8x5-32")  # --eagle-trees: sglang's default (topk 4, 5 steps, 8 draft tokens), a wider one
 STORE_PROMPTS = 4
+# the MTP heads' rows (issue 36 item 5): a target's own head, K_STEPS steps (`score --steps`)
+MTP_LABELS = (
+    ("qwen3_5", "Qwen3.5 MTP head (dense)"),
+    ("qwen3_5_moe", "Qwen3.5-MoE MTP head (32 experts, top 4)"),
+    ("glm4_moe", "GLM-4.5 NextN head (32 experts, top 4)"),
+    ("deepseek_v3", "DeepSeek-V3 NextN head (MLA, 32 experts, top 4)"),
+)
 
 
 # speculators' EAGLE-3 config without aux ids: its default layers (extract --draft-config reads them)
@@ -215,6 +226,7 @@ def one_round(ckpts: dict, model, shard_dir: str, aux_ids: list[int], work: Path
         "eagle3": lambda: score_once(ckpts["eagle3"], shard_dir, work / "results-eagle3", eagle_trees=[]),
         "peagle": lambda: score_once(ckpts["peagle"], shard_dir, work / "results-peagle"),
         "eagle1": lambda: score_once(ckpts["eagle1"], shard_dir, work / "results-eagle1", eagle_trees=[]),
+        **{k: (lambda k=k: score_once(ckpts[k], shard_dir, work / f"results-{k}", steps=K_STEPS)) for k in MTP_KINDS},
         **{
             t: (lambda t=t: score_once(ckpts["eagle3"], shard_dir, work / f"results-{t}", eagle_trees=[t]))
             for t in TREES
@@ -252,15 +264,16 @@ def run(ctx) -> tuple[dict, Rows]:
     try:
         log(f"eagle: synthetic shards ({lengths} tokens), z-lab DFlash v1 and speculators EAGLE-3 (k={K_STEPS}) ...")
         shard_dir = str(work / "shards")
-        stored = list(dict.fromkeys(dflash_ids + aux_ids + [num_layers - 1]))  # EAGLE-1/2 reads L - 1
-        write_synthetic_shards(
-            Path(shard_dir), lengths, SMOLLM2["hidden_size"], SMOLLM2["vocab_size"], num_layers, stored, PROMPT_TOKENS
-        )
+        # EAGLE-1/2 reads L - 1; the MTP heads read L (the last layer's output before the final norm) and the norm
+        stored = list(dict.fromkeys(dflash_ids + aux_ids + [num_layers - 1, num_layers]))
+        shapes = SMOLLM2["hidden_size"], SMOLLM2["vocab_size"], num_layers, stored, PROMPT_TOKENS
+        write_synthetic_shards(Path(shard_dir), lengths, *shapes, final_norm=True)
         zlab(work / "dflash", "dflash", dflash_ids, seed=1)
         model = eagle3_drafter(work / "eagle3", aux_ids, seed=2).float()
         ckpts = {"dflash": str(work / "dflash"), "eagle3": str(work / "eagle3")}
         ckpts["peagle"] = peagle_drafter(work / "peagle", aux_ids, seed=3)
         ckpts["eagle1"] = eagle1_drafter(work / "eagle1", seed=4)
+        ckpts |= {kind: write_head(work / kind, kind, seed=5 + i) for i, kind in enumerate(MTP_KINDS)}
         score_once(ckpts["eagle3"], shard_dir, work / "warm-up", limit=1, eagle_trees=[])
         figures = rounds(ckpts, model, shard_dir, aux_ids, work, args.reps)
         log("eagle: FLOPs per anchor, one sample each side ...")
@@ -291,7 +304,7 @@ def rows_of(f: dict) -> Rows:
         f"{ms_per_anchor(eagle):.1f} ms, {ms_per_anchor(eagle) / ms_per_anchor(dflash):.2f}x DFlash v1",
         others=eagle["others_cpu"],
     )
-    for key, label in (("peagle", "speculators P-EAGLE"), ("eagle1", "the EAGLE repository's EAGLE-1/2")):
+    for key, label in (("peagle", "speculators P-EAGLE"), ("eagle1", "the EAGLE repository's EAGLE-1/2"), *MTP_LABELS):
         side = f[key]
         rows.add(
             f"  {label} chain ({f['k_steps']} drafts), offline",

@@ -274,9 +274,11 @@ def vllm_xpress(work: Path) -> None:
 # timing
 
 
-def score_once(ckpt: str, shard_dir: str, out: Path, limit: int | None = None, eagle_trees=None) -> dict:
+def score_once(
+    ckpt: str, shard_dir: str, out: Path, limit: int | None = None, eagle_trees=None, steps: int | None = None
+) -> dict:
     """One `run_score` (all anchors, chain only; `eagle_trees` [] for an EAGLE-3 drafter's chain
-    alone) of one checkpoint: wall, others' CPU, stages."""
+    alone; `steps` a chain's drafts, `score --steps`) of one checkpoint: wall, others' CPU, stages."""
     from pipeline.common import timing
     from scoring.config import ScoreConfig
     from scoring.score.run import run_score
@@ -292,6 +294,7 @@ def score_once(ckpt: str, shard_dir: str, out: Path, limit: int | None = None, e
                 eagle_trees=eagle_trees,
                 force=True,
                 limit=limit,
+                steps=steps,
             )
         )
     assert outcome.status == "scored", outcome.error

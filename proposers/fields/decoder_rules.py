@@ -251,6 +251,14 @@ def _check_deepseek(raw: dict, hf, source: str) -> None:
             "the checkpoint's weights are quantized (vLLM dequantizes them with their scales); specreplay reads "
             "unquantized weights: dequantize the checkpoint first",
         )
+    if raw.get("head_dim") not in (None, hf.qk_rope_head_dim):
+        refuse(
+            source,
+            "head_dim",
+            raw["head_dim"],
+            f"DeepSeek-V3's rotary embedding is qk_rope_head_dim ({hf.qk_rope_head_dim}) wide: vLLM's MLA reads that "
+            "and transformers sets head_dim to it unless a config says otherwise, when its rotary no longer fits",
+        )
     if hf.v_head_dim > hf.qk_nope_head_dim + hf.qk_rope_head_dim:
         refuse(
             source,

@@ -71,66 +71,51 @@ def _kind(decoder: dict, raw: dict, source: str) -> str:
 
 
 def _config(decoder: dict, kind: str, hf, checked, steps: int, moe: bool) -> DrafterConfig:
-    layers = final_prenorm_id(hf.num_hidden_layers)
     shape = decoder_shape(hf)
     if moe:  # the widest MLP activations a token makes: its routed experts' and the shared expert's
         shape["intermediate_size"] = (
             hf.num_experts_per_tok * hf.moe_intermediate_size + hf.shared_expert_intermediate_size
         )
-    return DrafterConfig(
-        **shape,
-        block_size=steps,
-        mask_token_id=None,
-        target_layer_ids=[layers],
-        num_target_layers=hf.num_hidden_layers,
-        layer_types=["full_attention"],
-        sliding_window=None,
-        is_causal=True,
-        raw={**decoder, "model_type": kind},
-        family="mtp",
-        layout=checked.LAYOUT,
-        drafts_from_anchor=True,
-        teacher_forced_block=True,
-        block_conventions=False,
-        reads_final_norm=True,
-        family_options={"decoder": kind, "feed_post_norm": True, "moe": moe},
-        stated_layer_ids=[layers],
-        layer_convention="output",
-    )
+    options = {"decoder": kind, "feed_post_norm": True, "moe": moe}
+    return _head_config(shape, hf.num_hidden_layers, steps, {**decoder, "model_type": kind}, checked, options)
 
 
 def _nextn(checked: NativeNextN, raw: dict, source: str) -> DrafterConfig:
     """A GLM-4.5 or DeepSeek-V3 target's NextN head (nextn.py): its decoder is the target's own config."""
     hf = nextn.nextn_config(raw, source)
     check_nextn_decoder(raw, hf, source)
-    layers = final_prenorm_id(hf.num_hidden_layers)
     shape = decoder_shape(hf)  # the widest MLP activations a token makes: its routed experts' and the shared ones
     shape["intermediate_size"] = hf.moe_intermediate_size * (hf.num_experts_per_tok + hf.n_shared_experts)
     if checked.model_type == "deepseek_v3":  # MLA: every head its own keys, values padded to the key width (mla.py)
         shape["head_dim"] = hf.qk_nope_head_dim + hf.qk_rope_head_dim
         shape["num_key_value_heads"] = hf.num_attention_heads
+    # feeds_pre_norm: vLLM feeds back the state before shared_head.norm, where llama.cpp does not (GLM-4.5)
+    kind = nextn.KINDS[checked.model_type]
+    options = {"decoder": checked.model_type, "moe": True, "feeds_pre_norm": kind.feeds_pre_norm}
+    return _head_config(shape, hf.num_hidden_layers, DEFAULT_STEPS, {**raw}, checked, options)
+
+
+def _head_config(shape: dict, num_layers: int, steps: int, raw: dict, checked, options: dict) -> DrafterConfig:
+    """An MTP head's config: the chain of `steps` drafts over the target's final hidden state before
+    its norm (id L, the norm's weight from the target head), one full-attention layer of `shape`."""
+    layers = final_prenorm_id(num_layers)
     return DrafterConfig(
         **shape,
-        block_size=DEFAULT_STEPS,
+        block_size=steps,
         mask_token_id=None,
         target_layer_ids=[layers],
-        num_target_layers=hf.num_hidden_layers,
+        num_target_layers=num_layers,
         layer_types=["full_attention"],
         sliding_window=None,
         is_causal=True,
-        raw={**raw},
+        raw=raw,
         family="mtp",
         layout=checked.LAYOUT,
         drafts_from_anchor=True,
         teacher_forced_block=True,
         block_conventions=False,
         reads_final_norm=True,
-        # feeds_pre_norm: vLLM feeds back the state before shared_head.norm, where llama.cpp does not (GLM-4.5)
-        family_options={
-            "decoder": checked.model_type,
-            "moe": True,
-            "feeds_pre_norm": nextn.KINDS[checked.model_type].feeds_pre_norm,
-        },
+        family_options=options,
         stated_layer_ids=[layers],
         layer_convention="output",
     )

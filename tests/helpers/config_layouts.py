@@ -243,6 +243,7 @@ REFUSALS = [
     ("mtp:nextn-deepseek", "scoring_func", "softmax", "vLLM", "sigmoid"),
     ("mtp:nextn-deepseek", "topk_method", "greedy", "vLLM", "noaux_tc"),
     ("mtp:nextn-deepseek", "v_head_dim", 32, "MLA", 24),
+    ("mtp:nextn-deepseek", "head_dim", 64, "vLLM", 8),
     # a standalone draft model
     ("draft:llama.cpp", "spec-draft-n-min", 2, "llama.cpp", 0),
     ("draft:llama.cpp", "spec-draft-p-min", 0.6, "llama.cpp", 0.0),
