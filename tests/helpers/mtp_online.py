@@ -19,10 +19,11 @@ import os
 from dataclasses import dataclass
 
 import torch
+from dflash.model import _sample_probs
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from tests.helpers.dspark_online import commit, verify
+from tests.helpers.dspark_online import commit, sample, verify
 from tests.helpers.eagle3_online import GrowingCache, OnlineRun
 
 TEXT = dict(
@@ -190,34 +191,46 @@ class DraftCache(GrowingCache):
 
 
 @torch.no_grad()
-def propose(draft: DraftCache, lm_head, hidden, seq, start: int, count: int) -> torch.Tensor:
-    """`count` greedy drafts at anchor `start`: the verified slots up to start - 1 written from
-    target features, then one step at a time, each step's output fed to the next (head.fed_back)."""
+def propose(draft: DraftCache, lm_head, hidden, seq, start: int, count: int, temperature: float = 0.0) -> "_Proposal":
+    """`count` drafts at anchor `start`: the verified slots up to start - 1 written from target
+    features, then one step at a time, each step's output fed to the next (head.fed_back). Greedy:
+    each step's argmax; T > 0: each draft drawn from q = softmax(logits / T), the next step reading
+    the drawn one (the sampled rule specreplay scores every chain with: docs/sampling.md)."""
     written = draft.length
     h = draft.append(seq[written + 1 : start + 1], hidden[written:start])[-1:]
-    drafts = []
+    drafts, probs = [], []
     for j in range(count):
-        token = lm_head(draft.head.logit_state(h))[0].argmax()
+        logits = lm_head(draft.head.logit_state(h))[0]
+        if temperature <= 0:
+            token = logits.argmax()
+        else:
+            probs.append(torch.softmax(logits.float() / temperature, dim=-1))
+            token = _sample_probs(probs[-1][None])[0]
         drafts.append(token)
         if j + 1 < count:
             h = draft.append(token.reshape(1), draft.head.fed_back(h))
-    return torch.stack(drafts) if drafts else torch.zeros(0, dtype=torch.long)
+    tokens = torch.stack(drafts) if drafts else torch.zeros(0, dtype=torch.long)
+    return _Proposal(tokens, torch.stack(probs) if probs else None)
 
 
 @torch.no_grad()
-def online_mtp(head: MtpHead, target, prompt: torch.Tensor, steps: int, max_new: int, stop_ids) -> OnlineRun:
-    """The greedy loop for `prompt` [P] with `steps` drafts a step (dflash_generate's budget and stop rules)."""
+def online_mtp(
+    head: MtpHead, target, prompt: torch.Tensor, steps: int, max_new: int, stop_ids, temperature: float = 0.0
+) -> OnlineRun:
+    """The loop for `prompt` [P] with `steps` drafts a step (dflash_generate's budget and stop rules;
+    at T > 0 z-lab's rejection sampling, torch's global generator: seed it)."""
     max_length = prompt.numel() + max_new
     logits, hidden = target_states(target, prompt)
-    seq = torch.cat([prompt, logits[-1].argmax().reshape(1)])
+    first = logits[-1].argmax() if temperature <= 0 else sample(logits[-1:], temperature)[0]
+    seq = torch.cat([prompt, first.reshape(1)])
     run, draft = OnlineRun(seq), DraftCache(head, target.model.embed_tokens)
     start, stopped = prompt.numel(), int(seq[-1]) in stop_ids
     while start + 1 < max_length and not stopped:
-        drafts = propose(draft, target.lm_head, hidden, seq, start, min(steps, max_length - start - 1))
+        proposal = propose(draft, target.lm_head, hidden, seq, start, min(steps, max_length - start - 1), temperature)
         draft.crop(start)  # the draft slots go; verified ones are rewritten from target features
-        logits, candidate_hidden = target_states(target, torch.cat([seq[: start + 1], drafts]))
-        accepted, bonus = verify(logits[start:], _Proposal(drafts), 0.0)
-        new_tokens = torch.cat([drafts[:accepted], bonus.reshape(1)])
+        logits, candidate_hidden = target_states(target, torch.cat([seq[: start + 1], proposal.drafts]))
+        accepted, bonus = verify(logits[start:], proposal, temperature)
+        new_tokens = torch.cat([proposal.drafts[:accepted], bonus.reshape(1)])
         seq, hidden, produced, stopped = commit(seq, hidden, candidate_hidden, start, new_tokens, max_length, stop_ids)
         start += produced
         run.produced.append(produced)
@@ -229,4 +242,4 @@ def online_mtp(head: MtpHead, target, prompt: torch.Tensor, steps: int, max_new:
 @dataclass
 class _Proposal:
     drafts: torch.Tensor
-    probs: None = None
+    probs: torch.Tensor | None = None  # [n, V] each draft's q at T > 0

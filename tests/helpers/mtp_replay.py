@@ -125,7 +125,7 @@ def reference_chains(head, target, sample, steps: int) -> list[tuple[int, torch.
     for t in range(sample.prompt_len, ids.numel() - 1):
         depth = min(steps, ids.numel() - 1 - t)
         draft = online.DraftCache(head, target.model.embed_tokens)
-        drafts = online.propose(draft, target.lm_head, hidden, ids, t, depth)
+        drafts = online.propose(draft, target.lm_head, hidden, ids, t, depth).drafts
         chains.append((t - sample.prompt_len, drafts, ids[t + 1 : t + 1 + depth]))
     return chains
 

@@ -5,7 +5,10 @@ growing KV cache). The target is a tiny random Qwen3.5 (all layers full attentio
 
 - every walk's `produced` equals the online loop's, step for step;
 - replayed under the other pre/post-norm rule (the `mtp-prenorm` variant: the target's final
-  hidden state before its final norm), the walks differ: the test can fail.
+  hidden state before its final norm), the walks differ: the test can fail;
+- T = 0.3: per prompt the offline expected tau equals the mean tau of seeded online runs (each
+  step's draft drawn from its q, z-lab's rejection sampling) within 3 combined standard errors,
+  and the same statistic rejects fc reading [hidden ; embedding].
 """
 
 from __future__ import annotations
@@ -149,3 +152,38 @@ def test_the_exports_speculative_tokens_set_k(setup):
     assert all(walks[k]["produced"].to_list() == run.produced for k, run in runs.items())
     assert max(n for run in runs.values() for n in run.produced) == 3  # 2 drafts and the bonus token
     assert any(run.produced != runs_at_three[k].produced for k, run in runs.items())
+
+
+TEMPERATURE = 0.3  # at 0.7 the tiny target is so flat that even a wrong fc moves tau less than the test resolves
+SAMPLED_DRAWS = 24  # extracted responses per prompt, and online runs per prompt
+
+
+def _hidden_first(self, layer, h, embeds):
+    """The wrong rule: fc reads [hidden ; embedding], the halves in the other order."""
+    z = self.fc(torch.cat([self.pre_fc_norm_hidden(h), self.pre_fc_norm_embedding(embeds)], dim=-1))
+    return layer.input_layernorm(z), z
+
+
+@pytest.mark.slow
+def test_sampled_expected_tau_equals_the_online_mean_over_seeds(setup):
+    """T = 0.3: per prompt the offline expected tau (samples.parquet, SAMPLED_DRAWS extracted
+    responses) against the mean tau of as many seeded online runs (each draft drawn from its q,
+    z-lab's rejection sampling) within 3 combined standard errors; fc reading its halves in the
+    other order outside them (milder wrong rules, the pre-norm state or feedback, move tau by less
+    than this statistic resolves on this tiny target)."""
+    from proposers.mtp.model import MtpDrafter
+
+    tmp, model_dir, target, head, greedy = setup
+    layers = target.config.num_hidden_layers  # id L, as the greedy shards (the same prompts: p0, p1, ...)
+    prompts = str(tmp / "prompts.jsonl")
+    shards = parity.extract(tmp / "sampled", model_dir, prompts, MAX_NEW, [layers], TEMPERATURE, SAMPLED_DRAWS)
+    stop_ids = ShardSet(greedy).settings["target"]["stop_token_ids"]
+
+    def run(prompt):
+        return online.online_mtp(head, target, prompt, STEPS, MAX_NEW, stop_ids, TEMPERATURE)
+
+    online_taus = parity.online_taus(run, PROMPTS, SAMPLED_DRAWS)
+    wrong = (MtpDrafter, "layer_input", _hidden_first)
+    verdict = parity.sampled_verdict(model_dir, shards, tmp, online_taus, wrong, "[hidden ; embedding]")
+    assert all(abs(v) < 3 for v in verdict.z_prompts.values()) and abs(verdict.z) < 3, (verdict.z_prompts, verdict.z)
+    assert abs(verdict.z_wrong) > 3, (verdict.z_wrong_prompts, verdict.z_wrong)
