@@ -5,6 +5,7 @@ serves and reads it)."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -197,3 +198,16 @@ def native_mtp_setup(
     setup = Setup(tmp, model_dir, gguf, shards, sequences, converter=None)
     layout = "nextn" if nextn else "native"
     return setup, Drafter("mtp", layout, model_dir, None, "draft-mtp", steps), loss
+
+
+def keep_saved_tokenizer_class(model_dir: str) -> None:
+    """An auto_map entry in the target's tokenizer_config.json making AutoTokenizer load the saved
+    class (TokenizersBackend): transformers 5.25 loads some model types' tokenizers as their own
+    class whatever the file says (MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS: Qwen3.5-MoE's, whose
+    pre-tokenizer is not SmolLM2's, so llama.cpp's converter refuses its hash)."""
+    path = f"{model_dir}/tokenizer_config.json"
+    with open(path) as f:
+        config = json.load(f)
+    config["auto_map"] = {"AutoTokenizer": [None, "TokenizersBackend"]}
+    with open(path, "w") as f:
+        json.dump(config, f, indent=2)

@@ -165,3 +165,29 @@ def walk(result, sample) -> list[int]:
         produced.append(step)
         position += step
     return produced
+
+
+def hidden_first(self, layer, h, embeds):
+    """A wrong rule for a TargetStateHead's `layer_input`: fc reads [hidden ; embedding], its
+    halves in the other order."""
+    z = self.fc(torch.cat([self.pre_fc_norm_hidden(h), self.pre_fc_norm_embedding(embeds)], dim=-1))
+    return layer.input_layernorm(z), z
+
+
+def sampled_verdict(tmp, model_dir: str, target, head, greedy: str, *, steps: int, max_new: int, **sampled):
+    """fitted_native_head's head at T > 0: its prompts (tmp/prompts.jsonl, p0, p1, ...) extracted
+    `draws` times each at `temperature` (id L), the offline expected taus against as many seeded
+    online runs of mtp_online's loop, and the `wrong` rule (object, attribute, value) named `label`
+    (chain_parity.sampled_verdict); `sampled` holds prompts, temperature, draws, wrong, label."""
+    from tests.helpers import chain_parity as parity
+
+    temperature, draws = sampled["temperature"], sampled["draws"]
+    layers = [target.config.num_hidden_layers]
+    shards = parity.extract(tmp / "sampled", model_dir, str(tmp / "prompts.jsonl"), max_new, layers, temperature, draws)
+    stop_ids = ShardSet(greedy).settings["target"]["stop_token_ids"]
+
+    def run(prompt):
+        return online.online_mtp(head, target, prompt, steps, max_new, stop_ids, temperature)
+
+    online_taus = parity.online_taus(run, sampled["prompts"], draws)
+    return parity.sampled_verdict(model_dir, shards, tmp, online_taus, sampled["wrong"], sampled["label"])

@@ -16,8 +16,6 @@ server slot of its own; compared by engine_parity.assert_engine_counts.
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
@@ -48,24 +46,13 @@ def _qwen35_moe(seed: int = 0):
     return model
 
 
-def _keep_saved_tokenizer_class(model_dir: str) -> None:
-    """transformers 5.25's AutoTokenizer loads a qwen3_5_moe_text checkpoint's tokenizer as
-    Qwen3_5Tokenizer whatever tokenizer_config.json says (MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS),
-    whose pre-tokenizer is not SmolLM2's: llama.cpp's converter then refuses its hash. An auto_map
-    entry makes it load the saved class (TokenizersBackend), as for the dense qwen3_5_text target."""
-    path = f"{model_dir}/tokenizer_config.json"
-    with open(path) as f:
-        config = json.load(f)
-    config["auto_map"] = {"AutoTokenizer": [None, "TokenizersBackend"]}
-    with open(path, "w") as f:
-        json.dump(config, f, indent=2)
-
-
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory) -> tuple[parity.Setup, parity.Drafter, float]:
     tmp = tmp_path_factory.mktemp("engine_parity_mtp_moe")
     options = dict(layers=LAYERS, steps=STEPS, fit_steps=FIT_STEPS, fit_lr=FIT_LR)
-    return parity.native_mtp_setup(tmp, _qwen35_moe(), prepare=_keep_saved_tokenizer_class, experts=True, **options)
+    return parity.native_mtp_setup(
+        tmp, _qwen35_moe(), prepare=parity.keep_saved_tokenizer_class, experts=True, **options
+    )
 
 
 @pytest.fixture(scope="module", autouse=True)

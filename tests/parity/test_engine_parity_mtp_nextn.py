@@ -55,12 +55,7 @@ def _glm_tokenizer(model_dir: str) -> None:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     tokenizer.add_special_tokens({"additional_special_tokens": list(GLM_SPECIAL)})
     tokenizer.save_pretrained(model_dir)
-    path = f"{model_dir}/tokenizer_config.json"
-    with open(path) as f:
-        config = json.load(f)
-    config["auto_map"] = {"AutoTokenizer": [None, "TokenizersBackend"]}
-    with open(path, "w") as f:
-        json.dump(config, f, indent=2)
+    parity.keep_saved_tokenizer_class(model_dir)
 
 
 @pytest.fixture(scope="module")

@@ -116,3 +116,23 @@ def test_the_pre_norm_state_walks_worse(setup):
     }
     print(f"\npre-norm reading: {differ}/{len(runs)} walks differ; tau {tau}")
     assert differ > 0 and tau["pre"] < tau["post"] - 0.1, tau
+
+
+TEMPERATURE = 0.1  # this head accepts little at 0.3 (tau 1.06), where no wrong rule shows
+SAMPLED_DRAWS = 24
+
+
+def test_sampled_expected_tau_equals_the_online_mean_over_seeds(setup):
+    """T = 0.1: per prompt the offline expected tau against the mean tau of as many seeded runs of
+    vLLM's rule (each draft drawn from its q, z-lab's rejection sampling), within 3 combined
+    standard errors; fc reading [hidden ; embedding] outside them."""
+    from proposers.mtp.nextn import NextnDrafter
+
+    tmp, model_dir, target, head, shards, *_ = setup
+    wrong = (NextnDrafter, "layer_input", replay.hidden_first)
+    sampled = dict(
+        prompts=PROMPTS, temperature=TEMPERATURE, draws=SAMPLED_DRAWS, wrong=wrong, label="[hidden ; embedding]"
+    )
+    verdict = replay.sampled_verdict(tmp, model_dir, target, head, shards, steps=STEPS, max_new=MAX_NEW, **sampled)
+    assert all(abs(v) < 3 for v in verdict.z_prompts.values()) and abs(verdict.z) < 3, (verdict.z_prompts, verdict.z)
+    assert abs(verdict.z_wrong) > 3, (verdict.z_wrong_prompts, verdict.z_wrong)

@@ -158,12 +158,6 @@ TEMPERATURE = 0.3  # at 0.7 the tiny target is so flat that even a wrong fc move
 SAMPLED_DRAWS = 24  # extracted responses per prompt, and online runs per prompt
 
 
-def _hidden_first(self, layer, h, embeds):
-    """The wrong rule: fc reads [hidden ; embedding], the halves in the other order."""
-    z = self.fc(torch.cat([self.pre_fc_norm_hidden(h), self.pre_fc_norm_embedding(embeds)], dim=-1))
-    return layer.input_layernorm(z), z
-
-
 @pytest.mark.slow
 def test_sampled_expected_tau_equals_the_online_mean_over_seeds(setup):
     """T = 0.3: per prompt the offline expected tau (samples.parquet, SAMPLED_DRAWS extracted
@@ -174,16 +168,10 @@ def test_sampled_expected_tau_equals_the_online_mean_over_seeds(setup):
     from proposers.mtp.model import MtpDrafter
 
     tmp, model_dir, target, head, greedy = setup
-    layers = target.config.num_hidden_layers  # id L, as the greedy shards (the same prompts: p0, p1, ...)
-    prompts = str(tmp / "prompts.jsonl")
-    shards = parity.extract(tmp / "sampled", model_dir, prompts, MAX_NEW, [layers], TEMPERATURE, SAMPLED_DRAWS)
-    stop_ids = ShardSet(greedy).settings["target"]["stop_token_ids"]
-
-    def run(prompt):
-        return online.online_mtp(head, target, prompt, STEPS, MAX_NEW, stop_ids, TEMPERATURE)
-
-    online_taus = parity.online_taus(run, PROMPTS, SAMPLED_DRAWS)
-    wrong = (MtpDrafter, "layer_input", _hidden_first)
-    verdict = parity.sampled_verdict(model_dir, shards, tmp, online_taus, wrong, "[hidden ; embedding]")
+    wrong = (MtpDrafter, "layer_input", replay.hidden_first)
+    sampled = dict(
+        prompts=PROMPTS, temperature=TEMPERATURE, draws=SAMPLED_DRAWS, wrong=wrong, label="[hidden ; embedding]"
+    )
+    verdict = replay.sampled_verdict(tmp, model_dir, target, head, greedy, steps=STEPS, max_new=MAX_NEW, **sampled)
     assert all(abs(v) < 3 for v in verdict.z_prompts.values()) and abs(verdict.z) < 3, (verdict.z_prompts, verdict.z)
     assert abs(verdict.z_wrong) > 3, (verdict.z_wrong_prompts, verdict.z_wrong)
