@@ -16,17 +16,15 @@ from pathlib import Path
 
 import torch
 
+from bench.sections.families import DECODER
 from bench.sections.length import SMOLLM2
 
-WIDTHS = dict(
+# the target's widths: SmolLM2's, its layer the other drafters' decoder layer (families.DECODER)
+SHAPES = ("num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size", "max_position_embeddings")
+WIDTHS = {key: DECODER[key] for key in SHAPES} | dict(
     vocab_size=SMOLLM2["vocab_size"],
     hidden_size=SMOLLM2["hidden_size"],
     num_hidden_layers=SMOLLM2["num_layers"],
-    num_attention_heads=9,
-    num_key_value_heads=3,
-    head_dim=64,
-    intermediate_size=1536,
-    max_position_embeddings=8192,
     tie_word_embeddings=False,
 )
 # an MoE head's experts: 32 routed (top 4) and a shared one, each as wide as a quarter of the dense MLP

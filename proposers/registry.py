@@ -65,6 +65,9 @@ class Family:
     # (config, manifest, shards uri, ckpt) -> None, raising when it cannot draft for the shards (a draft
     # model's vocabulary; XPress on sampled shards); a trained drafter's widths: compatibility.py
     check_shards: Callable[[Any, dict, str, str], None] | None = None
+    # (config, threshold, ckpt) -> None: `score --confidence-threshold` set on a family whose drafter
+    # cuts its proposals by confidence (DSpark), raising where it cannot; None: the option is refused
+    set_confidence_threshold: Callable[[Any, float, str], None] | None = None
 
     @property
     def label(self) -> str:

@@ -20,7 +20,7 @@ from dataclasses import asdict
 from proposers.dspark.layout import DeepSpecDSpark, DSparkHeads, SpecForgeDSpark, SpeculatorsDSpark, resolve_heads
 from proposers.dspark.model import DSparkDrafter
 from proposers.fields.rules import check_speculators_block, check_target_width, dspark_from_anchor
-from proposers.registry import Family, family_label
+from proposers.registry import Family
 from proposers.toolkit.config import DrafterConfig, DrafterConfigError
 from proposers.toolkit.qwen3_decoder import checked_decoder_fields, draft_vocab, speculators_decoder, stated_layers
 
@@ -148,17 +148,10 @@ def _threshold(value, source: str) -> float:
     return float(value)
 
 
-def set_confidence_threshold(config: DrafterConfig, threshold: float | None, source: str) -> None:
+def set_confidence_threshold(config: DrafterConfig, threshold: float, source: str) -> None:
     """`score --confidence-threshold P` (llama-server's --spec-draft-p-min P) over the checkpoint's
-    `confidence_threshold`; refused for another family, and above 0 for a DSpark drafter without a
-    confidence head, as llama-server refuses it (common/speculative.cpp:999-1006)."""
-    if threshold is None:
-        return
-    if config.family != "dspark":
-        raise DrafterConfigError(
-            f"--confidence-threshold: {source} is a {family_label(config.family)} drafter; only a DSpark drafter's confidence "
-            "head cuts its proposals"
-        )
+    `confidence_threshold`; refused above 0 for a drafter without a confidence head, as llama-server
+    refuses it (common/speculative.cpp:999-1006)."""
     if threshold > 0.0 and not config.family_options["confidence_head"]:
         raise DrafterConfigError(
             f"--confidence-threshold {threshold}: {source} has no confidence head (llama-server refuses "
@@ -167,4 +160,10 @@ def set_confidence_threshold(config: DrafterConfig, threshold: float | None, sou
     config.family_options["confidence_threshold"] = float(threshold)
 
 
-FAMILY = Family("dspark", parse_drafter_config, DSparkDrafter, independent_drafts=False)
+FAMILY = Family(
+    "dspark",
+    parse_drafter_config,
+    DSparkDrafter,
+    independent_drafts=False,
+    set_confidence_threshold=set_confidence_threshold,
+)

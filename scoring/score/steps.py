@@ -21,7 +21,6 @@ from pipeline.common.sizes import format_size
 from pipeline.shards import ShardSet
 from proposers.checkpoints.compatibility import check_compatibility, target_layers
 from proposers.checkpoints.load import CheckpointInfo, load_proposer, read_drafter_config
-from proposers.dspark.config import set_confidence_threshold
 from proposers.interface import Proposer, drafts_trees, is_stateful, serves_requests
 from proposers.layouts import Override
 from proposers.registry import family, family_label
@@ -137,7 +136,7 @@ def prepare_job(ckpt: str, shardset: ShardSet, out_dir: str, config: ScoreConfig
     with timing.stage("load drafter"):
         proposer, info = load_proposer(ckpt, dtype, device, target_layers=layers, override=override)
     set_chain_steps(config.steps, info.config, ckpt, config.walk_rule)
-    set_confidence_threshold(info.config, config.confidence_threshold, ckpt)
+    set_confidence_threshold(config.confidence_threshold, info.config, ckpt)
     chosen, selection = choose_samples(shardset, config)
     sampling = sampling_of(manifest["settings"])
     if is_stateful(proposer):
@@ -247,6 +246,20 @@ def set_chain_steps(steps: int | None, drafter_config, ckpt: str, rule: str = DE
             f"use --steps {drafter_config.max_drafts} or fewer"
         )
     drafter_config.block_size = steps + drafter_config.first_draft_slot
+
+
+def set_confidence_threshold(threshold: float | None, drafter_config, ckpt: str) -> None:
+    """--confidence-threshold: a confidence cut instead of the checkpoint's, for a family whose
+    drafter has one (its record's `set_confidence_threshold`); refused by name for the others."""
+    if threshold is None:
+        return
+    setter = family(drafter_config.family).set_confidence_threshold
+    if setter is None:
+        raise UserError(
+            f"--confidence-threshold: {ckpt} is a {family_label(drafter_config.family)} drafter; only a DSpark "
+            "drafter's confidence head cuts its proposals"
+        )
+    setter(drafter_config, threshold, ckpt)
 
 
 def eagle_trees_of(config: ScoreConfig, proposer: Proposer, sampling, ckpt: str) -> tuple:

@@ -24,12 +24,15 @@ passes, so the replay must run exactly K passes, not the serial rule they conver
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import polars as pl
 import pytest
 import torch
 
 from pipeline.shards import ShardSet
+from proposers.toolkit.conventions import REFERENCE
 from proposers.xpress.model import XPressDrafter
 from tests.helpers import chain_parity as parity, dspark_online, xpress_online as online, xpress_vllm as vllm
 from tests.helpers.dspark_online import target_states
@@ -221,10 +224,25 @@ def test_vllms_layout_drafts_equal_vllms_refiner(setup, drafter, vllm_ckpts, anc
     assert from_speculators > 0
 
 
+def test_the_other_slot0_reading_is_speculators_rule(setup, vllm_ckpts, reference, monkeypatch):
+    """The vLLM-layout checkpoint replayed under Conventions.xpress_other_slot0 (diagnose's
+    xpress-slot0: the anchor slot reading x_{t-1}) drafts speculators' own rule at every anchor,
+    the 2 anchors where vLLM's rule differs included."""
+    tmp, _, greedy, _ = setup
+    drafts = XPressDrafter.drafts
+
+    def other_slot0(self, hidden, lm_head, previous, conventions=REFERENCE):
+        return drafts(self, hidden, lm_head, previous, replace(conventions, xpress_other_slot0=True))
+
+    monkeypatch.setattr(XPressDrafter, "drafts", other_slot0)
+    offline = _anchor_drafts(vllm_ckpts[None], greedy, tmp / "results-vllm-other-slot0")
+    assert {(s, a): d for s, a, d in offline.iter_rows()} == reference
+
+
 def test_diagnose_names_the_speculators_slot0_reading(setup, drafter, vllm_ckpts):
-    """The vLLM-layout checkpoint under diagnose's xpress-slot0 variant (the anchor slot reading
-    x_{t-1}) replays speculators' rule: the variant is measured for XPress and its tau is the
-    speculators checkpoint's (here equal to vLLM's too: its two anchors that differ change no walk)."""
+    """The vLLM-layout checkpoint under diagnose's xpress-slot0 variant (the reading the test above
+    checks anchor by anchor) is measured for XPress, and its tau is the speculators checkpoint's
+    (here equal to vLLM's too: its two anchors that differ change no walk)."""
     from click.testing import CliRunner
 
     from specreplay.cli import main
