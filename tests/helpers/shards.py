@@ -64,3 +64,16 @@ def question_fixtures(name: str, max_new_tokens: int):
         return stored_samples(shards)
 
     return shards, samples
+
+
+def tiny_synthetic(out, lengths=(14, 12), target_layers: int = 6, layers=(1, 3)) -> str:
+    """Synthetic shards at the tiny drafters' widths (bench/standins.py: random features, top-k 4, 4
+    prompt tokens) for a `target_layers`-layer target storing `layers`: what the families' CLI tests
+    score a random checkpoint on."""
+    from bench.standins import write_synthetic_shards
+    from tests.helpers.models import TINY_HIDDEN, TINY_VOCAB
+
+    write_synthetic_shards(
+        out, list(lengths), TINY_HIDDEN, TINY_VOCAB, target_layers, list(layers), top_k=4, prompt_tokens=4
+    )
+    return str(out)

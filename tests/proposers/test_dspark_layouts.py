@@ -15,15 +15,12 @@ from safetensors.torch import save_file
 from proposers.dspark.layout import REFUSED_ARCHITECTURES
 from specreplay.cli import main
 from tests.helpers.models import TINY_HIDDEN, TINY_VOCAB
+from tests.helpers.shards import tiny_synthetic
 
 
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory) -> str:
-    from bench.standins import write_synthetic_shards
-
-    out = tmp_path_factory.mktemp("dspark-layouts") / "shards"
-    write_synthetic_shards(out, [10], TINY_HIDDEN, TINY_VOCAB, 4, [1, 3], top_k=4, prompt_tokens=4)
-    return str(out)
+    return tiny_synthetic(tmp_path_factory.mktemp("dspark-layouts") / "shards", lengths=[10], target_layers=4)
 
 
 @pytest.mark.parametrize("architecture", sorted(REFUSED_ARCHITECTURES))

@@ -17,17 +17,14 @@ from proposers.checkpoints.load import load_proposer
 from specreplay.cli import main
 from tests.helpers.models import TINY_HIDDEN, TINY_VOCAB
 from tests.helpers.peagle_online import MASK_TOKEN, random_peagle
+from tests.helpers.shards import tiny_synthetic
 
 AUX_IDS = (2, 4)  # speculators' before-layer ids: the outputs of layers 1 and 3, as the shards store them
 
 
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory) -> str:
-    from bench.standins import write_synthetic_shards
-
-    out = tmp_path_factory.mktemp("peagle") / "shards"
-    write_synthetic_shards(out, [14, 12], TINY_HIDDEN, TINY_VOCAB, 6, [1, 3], top_k=4, prompt_tokens=4)
-    return str(out)
+    return tiny_synthetic(tmp_path_factory.mktemp("peagle") / "shards")
 
 
 @pytest.fixture(scope="module")

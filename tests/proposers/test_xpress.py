@@ -19,6 +19,7 @@ from proposers.checkpoints.load import load_proposer
 from specreplay.cli import main
 from tests.helpers.models import TINY_HIDDEN, TINY_VOCAB
 from tests.helpers.prompts import write_prompts
+from tests.helpers.shards import tiny_synthetic
 from tests.helpers.xpress_online import random_xpress
 
 AUX_IDS = (2, 4)  # speculators' before-layer ids: the outputs of layers 1 and 3, as the shards store them
@@ -26,11 +27,7 @@ AUX_IDS = (2, 4)  # speculators' before-layer ids: the outputs of layers 1 and 3
 
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory) -> str:
-    from bench.standins import write_synthetic_shards
-
-    out = tmp_path_factory.mktemp("xpress") / "shards"
-    write_synthetic_shards(out, [14, 12], TINY_HIDDEN, TINY_VOCAB, 6, [1, 3], top_k=4, prompt_tokens=4)
-    return str(out)
+    return tiny_synthetic(tmp_path_factory.mktemp("xpress") / "shards")
 
 
 @pytest.fixture(scope="module")
