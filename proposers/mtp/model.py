@@ -51,6 +51,7 @@ from proposers.mtp.experts import check_experts, fuse_experts
 from proposers.toolkit.attention import attend
 from proposers.toolkit.config import DrafterConfig, transformers_config
 from proposers.toolkit.conventions import REFERENCE, Conventions
+from proposers.toolkit.head import renamed
 from proposers.toolkit.layers import DrafterAttention, apply_rope
 from proposers.toolkit.step_chain import StepChainDrafter
 
@@ -160,9 +161,7 @@ def _native_name(name: str) -> str:
     prefix = "mtp_layers.0."
     if not name.startswith(prefix):
         return name
-    rest = name[len(prefix) :]
-    own = next((k for k in SPECULATORS_NAMES if rest.startswith(k)), None)
-    return SPECULATORS_NAMES[own] + rest[len(own) :] if own else "layers.0." + rest
+    return renamed(name[len(prefix) :], SPECULATORS_NAMES, "layers.0.")
 
 
 class TargetStateHead(StepChainDrafter):

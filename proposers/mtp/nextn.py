@@ -45,6 +45,7 @@ from proposers.mtp.mla import MlaAttention
 from proposers.mtp.model import TargetStateHead, partial_rope
 from proposers.toolkit.config import DrafterConfig, transformers_config
 from proposers.toolkit.conventions import Conventions
+from proposers.toolkit.head import renamed
 from proposers.toolkit.layers import DrafterAttention
 
 # the head's own module names (the rest of model.layers.{L} is its decoder layer, layers.0)
@@ -173,8 +174,8 @@ class NextnDrafter(TargetStateHead):
     def check_checkpoint(self, state: dict, source: str, config_file: str) -> None:
         """The layer's experts against the config (experts.check_experts), named as the file names them."""
         named = {_own_name(name): tensor for name, tensor in state.items()}
-        check_experts(named, nextn_config(self.config.raw), f"{self.embedded_prefix}mlp.", source, config_file,
-                      glm_fields(nextn_config(self.config.raw)))  # fmt: skip
+        hf = nextn_config(self.config.raw)
+        check_experts(named, hf, f"{self.embedded_prefix}mlp.", source, config_file, glm_fields(hf))
 
     def feedback(self, h: torch.Tensor) -> torch.Tensor:
         """vLLM's: GLM-4.5's layer output before shared_head.norm (glm4_moe_mtp.py:127-128),
@@ -195,5 +196,4 @@ class NextnDrafter(TargetStateHead):
 
 def _own_name(name: str) -> str:
     """A tensor of model.layers.{L} (its prefix stripped) under this model's names."""
-    own = next((k for k in OWN_NAMES if name.startswith(k)), None)
-    return OWN_NAMES[own] + name[len(own) :] if own else "layers.0." + name
+    return renamed(name, OWN_NAMES, "layers.0.")

@@ -17,6 +17,13 @@ from proposers.toolkit.conventions import REFERENCE, Conventions
 from proposers.toolkit.vocab import check_vocab_mapping, to_target_vocab
 
 
+def renamed(name: str, table: dict[str, str], others: str = "") -> str:
+    """`name` with the first prefix of `table` it starts with replaced by its value (a checkpoint's
+    own module names -> this model's); a name no prefix matches gets `others` in front."""
+    own = next((prefix for prefix in table if name.startswith(prefix)), None)
+    return table[own] + name[len(own) :] if own else others + name
+
+
 class DraftHead(nn.Module):
     """Mixin of the drafter models; a subclass sets `config`, `rotary` (transformers' rotary
     embedding: the loader rebuilds its buffers, which no state dict holds) and `lm_head`/`d2t`/`t2d`

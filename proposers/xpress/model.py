@@ -44,6 +44,7 @@ from proposers.interface import Drafts
 from proposers.toolkit.block_drafter import BlockDrafter
 from proposers.toolkit.config import DrafterConfig
 from proposers.toolkit.conventions import REFERENCE, Conventions
+from proposers.toolkit.head import renamed
 
 
 class XPressRefiner(nn.Module):
@@ -101,9 +102,7 @@ def _speculators_name(name: str) -> str:
     `refiner_head.token_embed.weight`); the backbone's names are z-lab's in both."""
     if not name.startswith("xpress_head."):
         return name
-    rest = name[len("xpress_head.") :]
-    own = next((k for k in VLLM_NAMES if rest.startswith(k)), None)
-    return "refiner_head." + (VLLM_NAMES[own] + rest[len(own) :] if own else rest)
+    return "refiner_head." + renamed(name[len("xpress_head.") :], VLLM_NAMES)
 
 
 class XPressDrafter(BlockDrafter):
