@@ -10,7 +10,9 @@ on that same layer class:
   the stored prefix, then its own drafts) up to and including its first draft the stored response
   does not hold: the drafts the walk reads, all of them;
 - a wrong rule fails: the routing weights of the top-k not renormalized (transformers' own Qwen3-Next
-  router with norm_topk_prob false), or no shared expert, changes drafts and walks.
+  router with norm_topk_prob false), or no shared expert, changes drafts and walks;
+- at T = 0.2 the offline expected tau equals the mean of seeded online runs within 3 standard errors,
+  and fc reading its halves in the other order falls outside them.
 """
 
 from __future__ import annotations
@@ -111,3 +113,26 @@ def test_a_wrong_expert_rule_fails(setup, wrong):
     tau = np.mean([n for w in walks.values() for n in w])
     print(f"{wrong.__name__}: {total - same}/{total} anchors differ, {differ}/{len(runs)} walks differ, tau {tau:.3f}")
     assert same < total and differ > 0
+
+
+TEMPERATURE = 0.2  # at 0.3 the tiny target is too flat for the wrong rule below to move tau past 3 SE
+SAMPLED_DRAWS = 24  # extracted responses per prompt, and online runs per prompt
+
+
+@pytest.mark.slow
+def test_sampled_expected_tau_equals_the_online_mean_over_seeds(setup):
+    """T = 0.2: per prompt the offline expected tau of SAMPLED_DRAWS extracted responses against the
+    mean tau of as many seeded online runs of the MoE head (each draft drawn from its q, z-lab's
+    rejection sampling), within 3 combined standard errors; fc reading its halves in the other
+    order outside them."""
+    from proposers.mtp.model import MtpDrafter
+
+    tmp, model_dir, target, head, shards, _ = setup
+    wrong = (MtpDrafter, "layer_input", replay.hidden_first)
+    sampled = dict(
+        prompts=PROMPTS, temperature=TEMPERATURE, draws=SAMPLED_DRAWS, wrong=wrong, label="[hidden ; embedding]"
+    )
+    verdict = replay.sampled_verdict(tmp, model_dir, target, head, shards, steps=STEPS, max_new=MAX_NEW, **sampled)
+    print(f"\nQwen3.5-MoE at T {TEMPERATURE}: z {verdict.z:+.2f}, wrong rule z {verdict.z_wrong:+.2f}")
+    assert all(abs(v) < 3 for v in verdict.z_prompts.values()) and abs(verdict.z) < 3, (verdict.z_prompts, verdict.z)
+    assert abs(verdict.z_wrong) > 3, (verdict.z_wrong_prompts, verdict.z_wrong)
