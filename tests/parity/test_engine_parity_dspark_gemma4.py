@@ -18,7 +18,6 @@ layers, layer scalars 0.6 and 1.4) fitted through the reference's own forward.
 
 from __future__ import annotations
 
-import contextlib
 
 import pytest
 import torch
@@ -71,3 +70,141 @@ def test_gemma4_dspark_counts_equal_llama_server(setup, n_max):
     found, drafter, _, _, loss = setup
     print(f"\nfitted Gemma 4 DSpark drafter: block loss {loss:.3f}")
     parity.assert_engine_counts(found, drafter, n_max)
+
+
+# -- vLLM's rule: every anchor's block against the reference written from gemma4_dspark.py --------
+
+
+@pytest.fixture(scope="module")
+def chain_at(setup):
+    """The reference's greedy chain at an anchor of a stored sample (its features from the target)."""
+    _, _, reference, target, _ = setup
+    features = {}
+
+    @torch.no_grad()
+    def chain(ids: torch.Tensor, anchor: int, count: int) -> list[int]:
+        key = tuple(ids.tolist())
+        if key not in features:
+            features[key] = g4.target_features(target, ids)
+        return reference.chain(features[key], ids, anchor, count)
+
+    return chain
+
+
+def test_every_anchor_equals_vllms_reference(setup, chain_at):
+    found, drafter, *_ = setup
+    anchors, drafts = chains.anchor_chains_compared(drafter.path, found.shards, found.tmp / "anchors", chain_at)
+    assert anchors > 100 and drafts > anchors, (anchors, drafts)
+
+
+# -- the wrong rules: each changes anchors' drafts and samples' walks -------------------------------
+
+
+def _values_from_normed_keys(patch):
+    from proposers.toolkit.gemma4_decoder import Gemma4BlockAttention
+
+    patch.setattr(Gemma4BlockAttention, "values_of", lambda self, x, projected: self.k_norm(projected))
+
+
+def _values_unnormed(patch):
+    from proposers.toolkit.gemma4_decoder import Gemma4BlockAttention
+
+    patch.setattr(Gemma4BlockAttention, "values_of", lambda self, x, projected: projected)
+
+
+def _no_layer_scalar(patch):
+    from proposers.toolkit.gemma4_decoder import Gemma4BlockLayer
+
+    forward = Gemma4BlockLayer.forward
+    patch.setattr(Gemma4BlockLayer, "forward", lambda self, h, *rest: forward(self, h, *rest) / self.layer_scalar)
+
+
+def _no_embedding_scale(patch):
+    import proposers.dspark.config as dspark_config
+
+    parse = dspark_config.parse_gemma4
+
+    def unscaled(*args):
+        config = parse(*args)
+        config.input_embedding_scale = 1.0
+        return config
+
+    patch.setattr(dspark_config, "parse_gemma4", unscaled)
+
+
+def _scaled_attention(patch):
+    from proposers.toolkit.gemma4_decoder import Gemma4BlockAttention
+
+    init = Gemma4BlockAttention.__init__
+
+    def scaled(self, config):
+        init(self, config)
+        self.scale = config.head_dim**-0.5
+
+    patch.setattr(Gemma4BlockAttention, "__init__", scaled)
+
+
+def _plain_rope(patch):
+    import copy
+
+    from proposers.dspark.gemma4 import Gemma4DSparkDrafter
+    from proposers.toolkit.gemma4_decoder import ProportionalRotary
+
+    class PlainRotary(ProportionalRotary):  # every frequency pair rotating: partial_rotary_factor 1
+        def __init__(self, config):
+            plain = copy.deepcopy(config)
+            plain.rope_parameters = {"full_attention": {**config.rope_parameters["full_attention"]}}
+            plain.rope_parameters["full_attention"]["partial_rotary_factor"] = 1.0
+            super().__init__(plain)
+            self.config = config
+
+    patch.setattr(Gemma4DSparkDrafter, "rotary_class", PlainRotary)
+
+
+WRONG = [
+    _values_from_normed_keys,
+    _values_unnormed,
+    _no_layer_scalar,
+    _no_embedding_scale,
+    _scaled_attention,
+    _plain_rope,
+]
+WRONG_IDS = ["V from normed K", "V unnormed", "no layer_scalar", "no embedding scale", "scale 1/sqrt(d)", "plain RoPE"]
+
+
+def _differing_anchors(out_dir: str, shards: str, chain_at) -> tuple[int, int]:
+    """(anchors whose block differs from the reference's chain along its verified prefix, anchors)."""
+    import polars as pl
+
+    from pipeline.shards import ShardSet
+
+    rows = pl.read_parquet(f"{out_dir}/anchors.parquet").select("sample_id", "anchor", "draft_tokens")
+    samples = {s.sample_id: s.input_ids for s in ShardSet(shards).samples(tensors=[])}
+    differ = total = 0
+    for sample_id, anchor, offline in rows.iter_rows():
+        ids = samples[sample_id]
+        known = min(len(offline), ids.numel() - 1 - anchor)
+        if known == 0:
+            continue
+        chain = chain_at(ids, anchor, known)
+        stored = ids[anchor + 1 : anchor + 1 + known].tolist()
+        verified = next((i + 1 for i, (d, y) in enumerate(zip(chain, stored)) if d != y), known)
+        differ, total = differ + (offline[:verified] != chain[:verified]), total + 1
+    return differ, total
+
+
+@pytest.mark.parametrize("wrong", WRONG, ids=WRONG_IDS)
+def test_a_wrong_rule_differs_from_both_engines(setup, chain_at, wrong):
+    found, drafter, *_ = setup
+    engine_walk = engine.walk_counts(parity.scored(found, drafter, g4.BLOCK, "llama.cpp"))  # = llama-server's
+    out = found.tmp / f"wrong-{wrong.__name__}"
+    with pytest.MonkeyPatch.context() as patch:
+        wrong(patch)
+        out_dir = parity.score(drafter, found.shards, out, walk_rule="llama.cpp", steps=g4.BLOCK, anchor_drafts=True)
+    walks = engine.walk_counts(out_dir)
+    differ = sum(walks.get(sid) != steps for sid, steps in engine_walk.items())
+    anchors, total = _differing_anchors(out_dir, found.shards, chain_at)
+    print(
+        f"\n{wrong.__name__}: {anchors}/{total} anchors differ from vLLM's rule, {differ}/{len(engine_walk)} walks from llama-server's"
+    )
+    assert anchors > 0 and differ > 0
