@@ -31,6 +31,7 @@ from proposers.dspark.gemma4_layout import DeepSpecGemma4DSpark, head_type_of
 from proposers.dspark.layout import resolve_heads
 from proposers.dspark.model import DSparkDrafter, rename_legacy_keys
 from proposers.fields.rules import dspark_from_anchor
+from proposers.fields.decoder_rules import shown
 from proposers.toolkit.config import DrafterConfig, DrafterConfigError, refuse_field
 from proposers.toolkit.gemma4_decoder import (
     FULL,
@@ -40,8 +41,6 @@ from proposers.toolkit.gemma4_decoder import (
     gemma4_config,
     with_layer_scalars,
 )
-
-ENGINES = "llama.cpp's converter (conversion/gemma.py:813-872) and vLLM's Gemma4DSparkModel"
 
 
 def parse_gemma4(checked: DeepSpecGemma4DSpark, raw: dict, source: str) -> DrafterConfig:
@@ -94,23 +93,23 @@ def _decoder_rules(checked: DeepSpecGemma4DSpark, hf) -> list[tuple[str, object,
     full = [FULL] * hf.num_hidden_layers
     rope = (hf.rope_parameters or {}).get(FULL, hf.rope_parameters or {})
     return [
-        ("attention_k_eq_v", True, hf.attention_k_eq_v, "both engines take V from K's projection; set it true"),
-        ("layer_types", full, list(hf.layer_types), "every layer must be full_attention (Gemma4TextConfig "
-         "makes every sixth layer full when the field is absent); list full_attention for each layer"),
-        ("hidden_activation", "gelu_pytorch_tanh", hf.hidden_activation, "set gelu_pytorch_tanh"),
-        ("attention_bias", False, bool(hf.attention_bias), "set it false"),
-        ("enable_moe_block", False, bool(hf.enable_moe_block), "a mixture-of-experts drafter; set it false"),
+        ("attention_k_eq_v", True, hf.attention_k_eq_v, "both engines take V from K's projection (llama.cpp's converter refuses false); set it true"),
+        ("layer_types", full, list(hf.layer_types), "llama.cpp's converter takes full_attention layers only "
+         "(Gemma4TextConfig makes five of six sliding when the field is absent); list full_attention for each layer"),
+        ("hidden_activation", "gelu_pytorch_tanh", hf.hidden_activation, "llama.cpp's converter takes gelu_pytorch_tanh only; set it"),
+        ("attention_bias", False, bool(hf.attention_bias), "llama.cpp's converter refuses attention biases; set it false"),
+        ("enable_moe_block", False, bool(hf.enable_moe_block), "llama.cpp's converter refuses a mixture-of-experts drafter; set it false"),
         ("draft_vocab_size", hf.vocab_size, checked.draft_vocab_size or hf.vocab_size,
-         f"a reduced draft vocabulary; llama.cpp serves this drafter over the full one ({hf.vocab_size})"),
-        ("markov_head_type", "vanilla", head_type_of(checked), "both engines run the vanilla Markov head only"),
+         f"llama.cpp's converter takes the full vocabulary ({hf.vocab_size}) only; remove it"),
+        ("markov_head_type", "vanilla", head_type_of(checked), "llama.cpp's converter and vLLM run the vanilla Markov head only; set vanilla"),
         ("rope_parameters.full_attention.rope_type", ("default", "proportional"), rope.get("rope_type", "default"),
-         "llama.cpp's converter takes default or proportional RoPE only"),
+         "llama.cpp's converter takes default or proportional RoPE only; set one"),
         ("final_logit_softcapping", None, hf.final_logit_softcapping or None,
          "vLLM caps the draft logits and llama.cpp's converter refuses it; remove it"),
         ("attn_logit_softcapping", None, checked.attn_logit_softcapping, "vLLM caps the attention logits and "
          "llama.cpp does not read it; remove it"),
         ("dflash_config.use_swa", None, (checked.dflash_config and checked.dflash_config.use_swa) or None,
-         "a sliding window over full-attention Gemma 4 layers, which vLLM's Gemma 4 DSpark does not apply; remove it"),
+         "vLLM's Gemma 4 DSpark applies no window where llama.cpp would; remove it"),
     ]  # fmt: skip
 
 
@@ -118,7 +117,9 @@ def _check_decoder(checked: DeepSpecGemma4DSpark, hf, source: str) -> None:
     for field, served, value, why in _decoder_rules(checked, hf):
         allowed = served if isinstance(served, tuple) else (served,)
         if value not in allowed:
-            raise DrafterConfigError(f"{source}: field '{field}' is {value!r}: {why} ({ENGINES} require it)")
+            raise DrafterConfigError(
+                f"{source}: field '{field}' is {shown(value)}: {why}; refusing rather than scoring it wrong"
+            )
 
 
 def _decoder_config(config: DrafterConfig):

@@ -105,8 +105,8 @@ class DeepSpecGemma4DSpark(Schema):
         top = getattr(self, name)
         if nested is not None and top is not None and nested != top:
             raise SchemaError(
-                f"{source}: field 'dflash_config.{name}' is {nested!r} but '{name}' is {top!r}: llama.cpp reads the first, "
-                f"vLLM the second; give one value"
+                f"{source}: field 'dflash_config.{name}' is {nested!r}: llama.cpp reads it, vLLM the top-level "
+                f"'{name}' ({top!r}); give one value"
             )
         return top if nested is None else nested
 

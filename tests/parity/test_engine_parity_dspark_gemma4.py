@@ -18,7 +18,6 @@ layers, layer scalars 0.6 and 1.4) fitted through the reference's own forward.
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
