@@ -1,5 +1,5 @@
 """DeepSpec's Gemma 4 DSpark drafter (`Gemma4DSparkModel`): its config read into a DrafterConfig, and
-the DSpark drafter on Gemma 4 block layers (proposers/toolkit/gemma4_decoder.py).
+the DSpark drafter on Gemma 4 block layers (proposers/toolkit/gemma4/decoder.py).
 
 The rule, as vLLM (model_executor/models/gemma4_dspark.py) and llama.cpp (conversion/gemma.py:813-911,
 src/models/dflash.cpp) both run it; they agree on every point below:
@@ -30,10 +30,10 @@ from transformers.models.gemma4.modeling_gemma4 import Gemma4RMSNorm
 from proposers.dspark.gemma4_layout import DeepSpecGemma4DSpark, head_type_of
 from proposers.dspark.layout import resolve_heads
 from proposers.dspark.model import DSparkDrafter, rename_legacy_keys
-from proposers.fields.rules import dspark_from_anchor
 from proposers.fields.decoder_rules import shown
+from proposers.fields.rules import dspark_from_anchor
 from proposers.toolkit.config import DrafterConfig, DrafterConfigError, refuse_field
-from proposers.toolkit.gemma4_decoder import (
+from proposers.toolkit.gemma4.decoder import (
     FULL,
     Gemma4BlockLayer,
     ProportionalRotary,

@@ -39,7 +39,7 @@ Threshold = Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)]
 
 
 # DSpark layouts engines serve whose decoder neither block drafter (proposers/toolkit/block_drafter.py's
-# Qwen3 layers, toolkit/gemma4_decoder.py's Gemma 4 layers) is: architecture -> (whose layout, what
+# Qwen3 layers, toolkit/gemma4/decoder.py's Gemma 4 layers) is: architecture -> (whose layout, what
 # specreplay lacks for it), refused by name
 REFUSED_ARCHITECTURES = {
     "K3DSparkModel": (

@@ -37,7 +37,7 @@ from proposers.toolkit.qwen3_decoder import decoder_hf_config
 
 class BlockDrafter(DraftHead):
     layer_class = DrafterLayer  # a family with other decoder layers (DFlash2) names its own
-    # a drafter of another decoder (Gemma 4's, toolkit/gemma4_decoder.py) names its own config, norm and RoPE
+    # a drafter of another decoder (Gemma 4's, toolkit/gemma4/decoder.py) names its own config, norm and RoPE
     decoder_config = staticmethod(decoder_hf_config)
     norm_class = Qwen3RMSNorm
     rotary_class = Qwen3RotaryEmbedding

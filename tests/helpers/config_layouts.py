@@ -275,6 +275,7 @@ REFUSALS += [  # DeepSpec's Gemma 4 DSpark: what llama.cpp's converter refuses o
 # Refusals that predate docs/config-fields.md or need several fields changed at once:
 # (layout, the field the error names, the changes that make the config refused)
 SLIDING = {"layer_types": ["sliding_attention", "full_attention"], "use_sliding_window": True, "sliding_window": 8}
+LINEAR_ROPE = {"rope_type": "linear", "factor": 2.0}
 PRIOR_REFUSALS = [
     ("dflash:z-lab", "dflash_config.use_swa", {**SLIDING, "dflash_config.use_swa": True}),
     ("dflash:speculators", "sample_from_anchor", {"sample_from_anchor": True}),
@@ -302,7 +303,9 @@ PRIOR_REFUSALS = [
     ("mtp:nextn", "topk_group", {"n_group": 2, "topk_group": 1}),
     ("mtp:nextn-deepseek", "quantization_config", {"quantization_config": {"quant_method": "fp8"}}),
     ("dspark:gemma4", "enable_moe_block", {"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2}),
-    ("dspark:gemma4", "rope_type", {"rope_parameters.full_attention": {"rope_type": "linear", "factor": 2.0}}),
+    ("dspark:gemma4", "rope_parameters.full_attention.rope_type", {"rope_parameters.full_attention": LINEAR_ROPE}),
+    ("dspark:gemma4", "dflash_config.markov_head_type", {"dflash_config.markov_head_type": "gated"}),
+    ("dspark:gemma4", "dflash_config.target_layer_ids", {"dflash_config.target_layer_ids": [1, 2]}),
     ("dspark:gemma4", "mask_token_id", {"mask_token_id": None}),
     ("dspark:gemma4", "target_layer_ids", {"target_layer_ids": None}),
     ("dspark:gemma4", "target_layer_ids", {"target_layer_ids": [1, 5]}),  # the target's last layer

@@ -100,19 +100,19 @@ def test_every_anchor_equals_vllms_reference(setup, chain_at):
 
 
 def _values_from_normed_keys(patch):
-    from proposers.toolkit.gemma4_decoder import Gemma4BlockAttention
+    from proposers.toolkit.gemma4.decoder import Gemma4BlockAttention
 
     patch.setattr(Gemma4BlockAttention, "values_of", lambda self, x, projected: self.k_norm(projected))
 
 
 def _values_unnormed(patch):
-    from proposers.toolkit.gemma4_decoder import Gemma4BlockAttention
+    from proposers.toolkit.gemma4.decoder import Gemma4BlockAttention
 
     patch.setattr(Gemma4BlockAttention, "values_of", lambda self, x, projected: projected)
 
 
 def _no_layer_scalar(patch):
-    from proposers.toolkit.gemma4_decoder import Gemma4BlockLayer
+    from proposers.toolkit.gemma4.decoder import Gemma4BlockLayer
 
     forward = Gemma4BlockLayer.forward
     patch.setattr(Gemma4BlockLayer, "forward", lambda self, h, *rest: forward(self, h, *rest) / self.layer_scalar)
@@ -132,7 +132,7 @@ def _no_embedding_scale(patch):
 
 
 def _scaled_attention(patch):
-    from proposers.toolkit.gemma4_decoder import Gemma4BlockAttention
+    from proposers.toolkit.gemma4.decoder import Gemma4BlockAttention
 
     init = Gemma4BlockAttention.__init__
 
@@ -147,7 +147,7 @@ def _plain_rope(patch):
     import copy
 
     from proposers.dspark.gemma4 import Gemma4DSparkDrafter
-    from proposers.toolkit.gemma4_decoder import ProportionalRotary
+    from proposers.toolkit.gemma4.decoder import ProportionalRotary
 
     class PlainRotary(ProportionalRotary):  # every frequency pair rotating: partial_rotary_factor 1
         def __init__(self, config):
