@@ -11,6 +11,7 @@
 * DeepSpec (`"architectures": ["Qwen3DSparkModel"]`): a copy of the TARGET's config with the draft
   fields at the top level (DeepSpec deepspec/modeling/dspark/qwen3/config.py:9-56). Layer ids count
   the output of layer i, -1 being the embedding output (deepspec/modeling/dspark/common.py:52-75).
+* DeepSpec's Gemma 4 (`"architectures": ["Gemma4DSparkModel"]`): gemma4_layout.py.
 
 Both resolve their head settings to `DSparkHeads`, with the defaults each reference applies. A
 `confidence_threshold` field is this project's, not the references': DeepSpec takes the threshold
