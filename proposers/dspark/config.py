@@ -17,8 +17,9 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
+from proposers.dspark.gemma4 import build, parse_gemma4
+from proposers.dspark.gemma4_layout import DeepSpecGemma4DSpark
 from proposers.dspark.layout import DeepSpecDSpark, DSparkHeads, SpecForgeDSpark, SpeculatorsDSpark, resolve_heads
-from proposers.dspark.model import DSparkDrafter
 from proposers.fields.rules import check_speculators_block, check_target_width, dspark_from_anchor
 from proposers.registry import Family
 from proposers.toolkit.config import DrafterConfig, DrafterConfigError
@@ -33,6 +34,8 @@ def parse_drafter_config(checked, raw: dict, source: str = "config", target_laye
         return _specforge(checked, raw, source)
     if isinstance(checked, DeepSpecDSpark):
         return _deepspec(checked, raw, source)
+    if isinstance(checked, DeepSpecGemma4DSpark):
+        return parse_gemma4(checked, raw, source)
     raise DrafterConfigError(f"{source}: a {type(checked).__name__} config is not one of DSpark's layouts")
 
 
@@ -163,7 +166,7 @@ def set_confidence_threshold(config: DrafterConfig, threshold: float, source: st
 FAMILY = Family(
     "dspark",
     parse_drafter_config,
-    DSparkDrafter,
+    build,
     independent_drafts=False,
     set_confidence_threshold=set_confidence_threshold,
 )

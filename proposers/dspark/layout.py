@@ -11,6 +11,7 @@
 * DeepSpec (`"architectures": ["Qwen3DSparkModel"]`): a copy of the TARGET's config with the draft
   fields at the top level (DeepSpec deepspec/modeling/dspark/qwen3/config.py:9-56). Layer ids count
   the output of layer i, -1 being the embedding output (deepspec/modeling/dspark/common.py:52-75).
+* DeepSpec's Gemma 4 (`"architectures": ["Gemma4DSparkModel"]`): gemma4_layout.py.
 
 Both resolve their head settings to `DSparkHeads`, with the defaults each reference applies. A
 `confidence_threshold` field is this project's, not the references': DeepSpec takes the threshold
@@ -27,6 +28,7 @@ from pydantic import Field, field_validator
 
 from pipeline.common.layer_ids import build_target_layer_ids
 from pipeline.common.schema import LARGEST, Count, Number, Positive, SchemaError, wrong
+from proposers.dspark.gemma4_layout import DeepSpecGemma4DSpark
 from proposers.toolkit.layout_fields import REQUIRED_SHAPE, BlockDecoderFields, DrafterNamespace, LayerIds, unique_ids
 from proposers.toolkit.speculators_layout import SpeculatorsBlock
 
@@ -37,14 +39,10 @@ DeepSpecIds = Annotated[list[Annotated[int, Field(ge=-1, le=LARGEST)]], Field(mi
 Threshold = Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)]
 
 
-# DSpark layouts engines serve whose decoder the block drafter (proposers/toolkit/block_drafter.py, Qwen3
-# layers) is not: architecture -> (whose layout, what specreplay lacks for it), refused by name
+# DSpark layouts engines serve whose decoder neither block drafter (proposers/toolkit/block_drafter.py's
+# Qwen3 layers, toolkit/gemma4/decoder.py's Gemma 4 layers) is: architecture -> (whose layout, what
+# specreplay lacks for it), refused by name
 REFUSED_ARCHITECTURES = {
-    "Gemma4DSparkModel": (
-        "DeepSpec's Gemma 4 DSpark",
-        "whose decoder is Gemma 4's: q/k/v norms, K and V from one projection, sandwich norms, layer scalars, "
-        "proportional RoPE, GELU, an embedding scale (llama.cpp conversion/gemma.py:813-911)",
-    ),
     "K3DSparkModel": (
         "Kimi K3's DSpark",
         "whose decoder attends with MLA (vLLM's kimi_k3 dspark_mla.py), and llama.cpp has no converter for it",
@@ -286,4 +284,4 @@ class DeepSpecDSpark(BlockDecoderFields):
         )
 
 
-LAYOUTS = (SpeculatorsDSpark, SpecForgeDSpark, DeepSpecDSpark)
+LAYOUTS = (SpeculatorsDSpark, SpecForgeDSpark, DeepSpecDSpark, DeepSpecGemma4DSpark)

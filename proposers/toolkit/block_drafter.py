@@ -37,16 +37,20 @@ from proposers.toolkit.qwen3_decoder import decoder_hf_config
 
 class BlockDrafter(DraftHead):
     layer_class = DrafterLayer  # a family with other decoder layers (DFlash2) names its own
+    # a drafter of another decoder (Gemma 4's, toolkit/gemma4/decoder.py) names its own config, norm and RoPE
+    decoder_config = staticmethod(decoder_hf_config)
+    norm_class = Qwen3RMSNorm
+    rotary_class = Qwen3RotaryEmbedding
 
     def __init__(self, config: DrafterConfig):
         super().__init__()
         self.config = config
-        hf = decoder_hf_config(config)
+        hf = self.decoder_config(config)
         self.fc = nn.Linear(len(config.target_layer_ids) * config.hidden_size, config.hidden_size, bias=False)
-        self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.hidden_norm = self.norm_class(config.hidden_size, eps=config.rms_norm_eps)
         self.layers = nn.ModuleList(self.layer_class(config, hf) for _ in range(config.num_hidden_layers))
-        self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.rotary = Qwen3RotaryEmbedding(hf)  # buffers only, not in the state dict
+        self.norm = self.norm_class(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary = self.rotary_class(hf)  # buffers only, not in the state dict
         self.add_draft_vocab(config)
 
     def context_kv(

@@ -32,6 +32,14 @@ DEEPSEEK = {k: v for k, v in GLM.items() if k != "head_dim"} | dict(
     qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, n_group=4, topk_group=2, moe_layer_freq=1,
     scoring_func="sigmoid", topk_method="noaux_tc", ep_size=1,
 )  # fmt: skip
+GEMMA4_DSPARK = dict(
+    architectures=["Gemma4DSparkModel"], hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, global_head_dim=16, num_global_key_value_heads=1, intermediate_size=128,
+    vocab_size=512, layer_types=["full_attention"] * 2, attention_k_eq_v=True, hidden_activation="gelu_pytorch_tanh",
+    rope_parameters={"full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6}},
+    num_target_layers=TARGET_LAYERS, block_size=4, mask_token_id=511, target_layer_ids=[1, 3], num_anchors=8,
+    markov_rank=8, markov_head_type="vanilla", enable_confidence_head=False, confidence_head_with_markov=False,
+)  # fmt: skip
 DFLASH2_KEYS = dict(conv_kernel_size=2, conv_group_size=8, selector_rank=8, selector_top_k=4)
 
 
@@ -94,6 +102,7 @@ BASE = {
         "enable_confidence_head": False,
         "markov_rank": 0,
     },
+    "dspark:gemma4": lambda: dict(GEMMA4_DSPARK),
     "eagle3:speculators": lambda: _speculators("eagle3", LLAMA, 3, eagle_aux_hidden_state_layer_ids=[2, 3, 4]),
     "peagle:speculators": lambda: _speculators(
         "peagle", LLAMA, 3, eagle_aux_hidden_state_layer_ids=[2, 3, 4], mask_token_id=1
@@ -250,9 +259,23 @@ REFUSALS = [
     ("draft:vllm", "draft_sample_method", "probabilistic", "vLLM", "greedy"),
 ]
 
+REFUSALS += [  # DeepSpec's Gemma 4 DSpark: what llama.cpp's converter refuses or vLLM reads otherwise
+    ("dspark:gemma4", "attention_k_eq_v", False, "llama.cpp", True),
+    ("dspark:gemma4", "layer_types", ["sliding_attention", "full_attention"], "llama.cpp", ["full_attention"] * 2),
+    ("dspark:gemma4", "hidden_activation", "gelu", "llama.cpp", "gelu_pytorch_tanh"),
+    ("dspark:gemma4", "attention_bias", True, "llama.cpp", False),
+    ("dspark:gemma4", "draft_vocab_size", 256, "llama.cpp", 512),
+    ("dspark:gemma4", "markov_head_type", "gated", "llama.cpp", "vanilla"),
+    ("dspark:gemma4", "final_logit_softcapping", 30.0, "vLLM", ABSENT),
+    ("dspark:gemma4", "attn_logit_softcapping", 50.0, "vLLM", ABSENT),
+    ("dspark:gemma4", "dflash_config.use_swa", True, "vLLM", ABSENT),
+    ("dspark:gemma4", "dflash_config.mask_token_id", 7, "vLLM", 511),
+]
+
 # Refusals that predate docs/config-fields.md or need several fields changed at once:
 # (layout, the field the error names, the changes that make the config refused)
 SLIDING = {"layer_types": ["sliding_attention", "full_attention"], "use_sliding_window": True, "sliding_window": 8}
+LINEAR_ROPE = {"rope_type": "linear", "factor": 2.0}
 PRIOR_REFUSALS = [
     ("dflash:z-lab", "dflash_config.use_swa", {**SLIDING, "dflash_config.use_swa": True}),
     ("dflash:speculators", "sample_from_anchor", {"sample_from_anchor": True}),
@@ -279,6 +302,14 @@ PRIOR_REFUSALS = [
     ("mtp:speculators", "num_nextn_predict_layers", {"num_nextn_predict_layers": 2}),
     ("mtp:nextn", "topk_group", {"n_group": 2, "topk_group": 1}),
     ("mtp:nextn-deepseek", "quantization_config", {"quantization_config": {"quant_method": "fp8"}}),
+    ("dspark:gemma4", "enable_moe_block", {"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2}),
+    ("dspark:gemma4", "rope_parameters.full_attention.rope_type", {"rope_parameters.full_attention": LINEAR_ROPE}),
+    ("dspark:gemma4", "dflash_config.markov_head_type", {"dflash_config.markov_head_type": "gated"}),
+    ("dspark:gemma4", "dflash_config.target_layer_ids", {"dflash_config.target_layer_ids": [1, 2]}),
+    ("dspark:gemma4", "mask_token_id", {"mask_token_id": None}),
+    ("dspark:gemma4", "target_layer_ids", {"target_layer_ids": None}),
+    ("dspark:gemma4", "target_layer_ids", {"target_layer_ids": [1, 5]}),  # the target's last layer
+    ("dspark:gemma4", "markov_rank", {"markov_rank": 0}),
     ("ngram:llama.cpp", "lookup-cache-static", {"spec-type": "ngram-cache", "lookup-cache-static": "static.bin"}),
     ("ngram:llama.cpp", "lookup-cache-dynamic", {"spec-type": "ngram-cache", "lookup-cache-dynamic": "dynamic.bin"}),
     ("ngram:sglang", "speculative_ngram_external_corpus_path", {"speculative_ngram_external_corpus_path": "c.jsonl"}),
