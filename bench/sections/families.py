@@ -12,7 +12,9 @@ z-lab's `dflash.model` DFlashDraftModel / DFlash2DraftModel, speculators 0.9.0 D
 heads) / XPressDraftModel (issue 36: its refiner's Jacobi passes must not dominate), with their own
 save_pretrained. SpecForge and DeepSpec are not installed: their DSpark
 layouts are the speculators drafter's tensors beside the config.json each writes
-(docs/drafter-families.md#dspark), DeepSpec with its own copies of the embedding and lm_head.
+(docs/drafter-families.md#dspark), DeepSpec with its own copies of the embedding and lm_head;
+DeepSpec's Gemma 4 DSpark is built and saved by the tests' reference of vLLM's rule (no public class
+trains it), on Gemma 4 block layers of the same shapes.
 Every family takes its extra fields at the defaults speculators gives them (DFlash2: kernel 2,
 group 16, selector rank 256, top 16; DSpark: Markov rank 256, confidence head on the Markov
 embedding; XPress: refiner rank 256, 6 Jacobi passes).
@@ -70,12 +72,14 @@ LAYOUTS = (
     ("speculators-dspark-rnn", "dspark", "speculators", "speculators DSpark, rnn head"),
     ("specforge-dspark", "dspark", "specforge", "SpecForge DSpark"),
     ("deepspec-dspark", "dspark", "deepspec", "DeepSpec DSpark"),
+    ("deepspec-gemma4-dspark", "dspark", "deepspec", "DeepSpec Gemma 4 DSpark, vanilla head"),
     ("speculators-xpress", "xpress", "speculators", "speculators XPress, 6 refiner passes"),
     ("vllm-xpress", "xpress", "vllm", "vLLM XPress, 6 refiner passes, top-512"),
 )
 # The work a family adds on top of the lm_head logits, measured on the loaded model (key: label)
 EXTRA_WORK = {"zlab-dflash2": "selector", "speculators-dspark": "Markov + confidence heads"}
 EXTRA_WORK["speculators-dspark-rnn"] = EXTRA_WORK["speculators-dspark"]
+EXTRA_WORK["deepspec-gemma4-dspark"] = "Markov head"
 EXTRA_WORK["speculators-xpress"] = "refiner passes"
 EXTRA_WORK["vllm-xpress"] = "refiner passes over the top-512"
 DOMINATES = 0.5  # the family's own extra work above this share of its replay would dominate it
@@ -96,6 +100,7 @@ BREAKDOWN_ROWS = (
     "zlab-dflash2",
     "speculators-dspark",
     "speculators-dspark-rnn",
+    "deepspec-gemma4-dspark",
     "speculators-xpress",
     "vllm-xpress",
 )
@@ -257,9 +262,49 @@ def build_drafters(work: Path, layer_ids: list[int]) -> dict[str, str]:
     dspark = speculators(work / "speculators-dspark", "dspark", layer_ids, seed=6, markov_head_type="vanilla", **DSPARK)
     speculators(work / "speculators-dspark-rnn", "dspark", layer_ids, seed=7, markov_head_type="rnn", **DSPARK)
     other_dspark_layouts(work, dspark, layer_ids)
+    gemma4_dspark(work / "deepspec-gemma4-dspark", layer_ids, seed=9)
     speculators(work / "speculators-xpress", "xpress", layer_ids, seed=8, **XPRESS)
     vllm_xpress(work)
     return {key: str(work / key) for key, *_ in LAYOUTS}
+
+
+def gemma4_dspark(out: Path, layer_ids: list[int], seed: int) -> None:
+    """DeepSpec's Gemma4DSparkModel at the same shapes (Gemma 4 block layers: K and V from one
+    projection, sandwich norms, proportional RoPE on half the head, GELU), random, in the layout
+    vLLM and llama.cpp load; built and saved by the tests' reference of vLLM's rule (no public
+    class trains it). Vanilla Markov head of rank 256, no confidence head (the reference has none)."""
+    from tests.helpers.gemma4_dspark import ROPE, ReferenceGemma4DSpark, save
+
+    hidden, vocab = SMOLLM2["hidden_size"], SMOLLM2["vocab_size"]
+    shapes = {k: DECODER[k] for k in ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim")}
+    raw = dict(
+        shapes,
+        architectures=["Gemma4DSparkModel"],
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=DECODER["intermediate_size"],
+        global_head_dim=DECODER["head_dim"],
+        num_global_key_value_heads=DECODER["num_key_value_heads"],
+        rms_norm_eps=1e-6,
+        hidden_activation="gelu_pytorch_tanh",
+        tie_word_embeddings=False,
+        max_position_embeddings=DECODER["max_position_embeddings"],
+        layer_types=["full_attention"] * DECODER["num_hidden_layers"],
+        attention_k_eq_v=True,
+        rope_parameters={"full_attention": ROPE},
+        hidden_size_per_layer_input=0,
+        num_target_layers=SMOLLM2["num_layers"],
+        block_size=BLOCK_SIZE,
+        mask_token_id=vocab - 1,
+        target_layer_ids=list(layer_ids),
+        num_anchors=512,
+        markov_rank=DSPARK["markov_rank"],
+        markov_head_type="vanilla",
+        enable_confidence_head=False,
+        confidence_head_with_markov=False,
+    )
+    torch.manual_seed(seed)
+    save(randomize(ReferenceGemma4DSpark(raw), seed), raw, out)
 
 
 def vllm_xpress(work: Path) -> None:
