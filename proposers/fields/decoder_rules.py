@@ -266,3 +266,39 @@ def _check_deepseek(raw: dict, hf, source: str) -> None:
             hf.v_head_dim,
             "specreplay's MLA pads the values to the key width (qk_nope_head_dim + qk_rope_head_dim), which is smaller",
         )
+
+
+# the keys one MiMo-V2-Flash MTP head's shapes come from, and where vLLM reads each
+MIMO_HEAD_KEYS = (
+    ("hidden_size", "mimo_v2_mtp.py:74-76"),
+    ("intermediate_size", "mimo_v2_mtp.py:113-118"),
+    ("vocab_size", "mimo_v2_mtp.py:184-187"),
+    ("swa_num_attention_heads", "mimo_v2_mtp.py:88"),
+    ("swa_num_key_value_heads", "mimo_v2_mtp.py:89"),
+    ("swa_head_dim", "mimo_v2_mtp.py:90"),
+)
+
+
+def check_mimo(raw: dict, source: str) -> None:
+    """MiMo-V2-Flash's MTP heads (proposers/mtp/mimo.py): the keys their shapes come from stated,
+    weights unquantized, a silu MLP."""
+    for key, line in MIMO_HEAD_KEYS:
+        if raw.get(key) is None:
+            refuse(
+                source,
+                key,
+                "absent",
+                f"vLLM builds every MTP head from it ({line}); state it as the released config.json does",
+            )
+    if raw.get("quantization_config") is not None:
+        refuse(
+            source,
+            "quantization_config",
+            shown(raw["quantization_config"]),
+            "specreplay replays unquantized weights only",
+        )
+    if raw.get("hidden_act", "silu") != "silu":
+        refuse(source, "hidden_act", raw["hidden_act"], "vLLM's MiMo MLP refuses any but silu (mimo_v2.py:104-107)")
+    heads = raw.get("num_nextn_predict_layers")
+    if heads is not None and heads > 3:
+        refuse(source, "num_nextn_predict_layers", heads, "MiMo-V2-Flash ships 3 MTP heads (conversion/mimo.py:22-24)")
