@@ -270,12 +270,12 @@ def _check_deepseek(raw: dict, hf, source: str) -> None:
 
 # the keys one MiMo-V2-Flash MTP head's shapes come from, and where vLLM reads each
 MIMO_HEAD_KEYS = (
-    ("hidden_size", "mimo_v2_mtp.py:74-76"),
-    ("intermediate_size", "mimo_v2_mtp.py:113-118"),
-    ("vocab_size", "mimo_v2_mtp.py:184-187"),
-    ("swa_num_attention_heads", "mimo_v2_mtp.py:88"),
-    ("swa_num_key_value_heads", "mimo_v2_mtp.py:89"),
-    ("swa_head_dim", "mimo_v2_mtp.py:90"),
+    ("hidden_size", "mimo_v2_mtp.py:73-76"),
+    ("intermediate_size", "mimo_v2_mtp.py:112-117"),
+    ("vocab_size", "mimo_v2_mtp.py:181-184"),
+    ("swa_num_attention_heads", "mimo_v2_mtp.py:91"),
+    ("swa_num_key_value_heads", "mimo_v2_mtp.py:92"),
+    ("swa_head_dim", "mimo_v2_mtp.py:93"),
 )
 
 
@@ -284,7 +284,7 @@ def check_mimo(raw: dict, source: str) -> None:
     weights unquantized, a silu MLP."""
     for key, line in MIMO_HEAD_KEYS:
         if raw.get(key) is None:
-            refuse(
+            refuse_field(
                 source,
                 key,
                 "absent",
@@ -294,11 +294,16 @@ def check_mimo(raw: dict, source: str) -> None:
         refuse(
             source,
             "quantization_config",
-            shown(raw["quantization_config"]),
+            raw["quantization_config"].get("quant_method", "set"),
             "specreplay replays unquantized weights only",
         )
     if raw.get("hidden_act", "silu") != "silu":
         refuse(source, "hidden_act", raw["hidden_act"], "vLLM's MiMo MLP refuses any but silu (mimo_v2.py:104-107)")
     heads = raw.get("num_nextn_predict_layers")
     if heads is not None and heads > 3:
-        refuse(source, "num_nextn_predict_layers", heads, "MiMo-V2-Flash ships 3 MTP heads (conversion/mimo.py:22-24)")
+        refuse(
+            source,
+            "num_nextn_predict_layers",
+            heads,
+            "MiMo-V2-Flash ships 3 MTP heads and llama.cpp's converter keeps 3 (conversion/mimo.py:22-24)",
+        )

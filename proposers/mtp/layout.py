@@ -209,7 +209,7 @@ class NativeMimo(Schema):
     model_type: Literal[MIMO_TARGET_TYPES]
     num_hidden_layers: Positive | None = None
     num_nextn_predict_layers: Positive | None = None  # absent: 3, the converter's count; vLLM reads head 0 only
-    swa_num_attention_heads: Positive | None = None  # the heads' attention (vLLM mimo_v2_mtp.py:86-89)
+    swa_num_attention_heads: Positive | None = None  # the heads' attention (vLLM mimo_v2_mtp.py:91-94)
     swa_num_key_value_heads: Positive | None = None
     swa_head_dim: Positive | None = None
     swa_v_head_dim: Positive | None = None

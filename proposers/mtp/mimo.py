@@ -1,28 +1,28 @@
 """MiMo-V2-Flash's MTP heads: `model.mtp.layers.{0..n-1}.*` of the target's checkpoint (three in
 the released ones), each a NextN layer of its own, written for batched teacher-forced replay.
 
-One head (vLLM 0.33 `model_executor/models/mimo_v2_mtp.py:61-140`, `MiMoV2MTPLayer`):
-  z = eh_proj([enorm(embed(x)) ; hnorm(h)])  (122-127, embedding first)
-  u = z + attn(input_layernorm(z)); h' = u + mlp(pre_mlp_layernorm(u))  (130-135)
-  logits = lm_head(final_layernorm(h'))  (137; compute_logits 222-228 applies lm_head alone)
-Its attention is the target's sliding-window kind (78-110): `swa_*` heads and widths, values scaled
+One head (vLLM 0.33 `model_executor/models/mimo_v2_mtp.py:61-142`, `MiMoV2MTPLayer`):
+  z = eh_proj([enorm(embed(x)) ; hnorm(h)])  (128-132, embedding first)
+  u = z + attn(input_layernorm(z)); h' = u + mlp(pre_mlp_layernorm(u))  (134-140)
+  logits = lm_head(final_layernorm(h'))  (142; compute_logits 214-220 applies lm_head alone)
+Its attention is the target's sliding-window kind (78-107): `swa_*` heads and widths, values scaled
 by attention_value_scale, a learned per-head sink logit (`attention_sink_bias`) beside the keys in
 every softmax, partial RoPE at swa_rope_theta, window `sliding_window_size`; the MLP is dense.
 q/k/v are `q_proj`/`k_proj`/`v_proj` (Flash) or one fused `qkv_proj` [Q;K;V] (MiMo-V2.5, and what
-llama.cpp's MTP graph asserts, src/models/mimo2.cpp:313): split here (`canonical_names`).
+llama.cpp's MTP graph asserts, src/models/mimo2.cpp:285): split here (`canonical_names`).
 
 Where the engines' loops differ (docs/drafter-families.md#mimo-v2-flash-mtp-heads):
-  - vLLM (the default): only head 0 is built (`_MIMO_V2_FLASH_NUM_MTP_LAYERS = 1`, 52-56; 178-179)
-    and reused at every step (`spec_step_idx % 1`, 205-208); the step output AFTER final_layernorm is
-    fed back (the single returned tensor, 137; v1/spec_decode/llm_base_proposer.py:599-602,753-760),
+  - vLLM (the default): only head 0 is built (`_MIMO_V2_FLASH_NUM_MTP_LAYERS = 1`, 52-54; 177; config/speculative.py:831-845)
+    and reused at every step (`spec_step_idx % 1`, 209-210); the step output AFTER final_layernorm is
+    fed back (the single returned tensor, 142; v1/spec_decode/llm_base_proposer.py:599-602,753-760),
     and step 1 reads the target's state after its final norm (mimo_v2.py:848).
   - llama.cpp (`--walk-rule llama.cpp`, `Conventions.chain_heads`): step k runs head k
-    (common/speculative.cpp:1615-1626 `llama_set_nextn_layer_offset(ctx_dft, i)`), n_max capped at the
-    head count (1451-1453); each head keeps its own KV of the verified context (process() decodes the
-    batch under every head, 1527-1547) and re-decodes the drafted prefix at each step with the states
-    the earlier heads returned (1682-1693); what is fed on is the state BEFORE final_layernorm
-    (`t_h_nextn`, src/models/mimo2.cpp:384-387), and step 1 reads the target's state before its final
-    norm too (mimo2.cpp:251-257).
+    (common/speculative.cpp:1621-1630 `llama_set_nextn_layer_offset(ctx_dft, i)`), n_max capped at the
+    head count (1421-1425); each head keeps its own KV of the verified context (process() decodes the
+    batch under every head, 1533-1552) and re-decodes the drafted prefix at each step with the states
+    the earlier heads returned (1686-1697); what is fed on is the state BEFORE final_layernorm
+    (`t_h_nextn`, src/models/mimo2.cpp:389-390), and step 1 reads the target's state before its final
+    norm too (mimo2.cpp:244-253).
 """
 
 from __future__ import annotations
@@ -144,7 +144,7 @@ class MimoHead(nn.Module):
         self.final_layernorm = MiMoV2FlashRMSNorm(hidden, eps)
 
     def combine(self, h: torch.Tensor, embeds: torch.Tensor):
-        """(what q/k/v read, the residual) of state h and token embeddings: mimo_v2_mtp.py:122-131."""
+        """(what q/k/v read, the residual) of state h and token embeddings: mimo_v2_mtp.py:128-136."""
         z = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(h)], dim=-1))
         return self.input_layernorm(z), z
 
@@ -280,7 +280,7 @@ class MimoDrafter(TargetStateHead):
         """Post-norm states [A, b, H]. Step j (0-based) runs head_at(j) over the drafted rows 1..j
         (row r: token r, the state step r - 1 fed on, position t - 1 + r), seeing the context before
         the anchor: a head reused (vLLM) recomputes the keys its own KV holds; a new head (llama.cpp)
-        writes its own for the drafted prefix, as common/speculative.cpp:1682-1693 re-decodes it."""
+        writes its own for the drafted prefix, as common/speculative.cpp:1686-1697 re-decodes it."""
         *layer_kv, _ = context
         states = [self.first_hidden(anchors, context, ctx_starts)]  # pre-norm outputs, step by step
         hidden, heads = [self.layers[0].final_layernorm(states[0])], [0]

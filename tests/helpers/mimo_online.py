@@ -2,19 +2,19 @@
 MiMoV2FlashDecoderLayer (its sliding-window attention with sinks and value scale, dense MLP), and a
 tiny MiMo-V2-Flash target saved as the released checkpoints are (hub config keys, three heads).
 
-vLLM 0.33 `model_executor/models/mimo_v2_mtp.py`, one head (`MiMoV2MTPLayer`, 61-140):
-  enorm/hnorm/eh_proj over [enorm(embed) ; hnorm(previous_hidden_states)] (122-127, embedding first),
-  input_layernorm, self_attn of the SWA kind (78-110: swa_* shapes, sinks, swa_rope_theta),
-  pre_mlp_layernorm, dense mlp (130-135), returned AFTER final_layernorm (137); compute_logits applies
-  lm_head to that (222-228); only head 0 exists (`_MIMO_V2_FLASH_NUM_MTP_LAYERS = 1`, 52-56, 178-179),
-  reused at each step (`spec_step_idx % num_mtp_layers`, 205-208) by v1/spec_decode/llm_base_proposer.py,
+vLLM 0.33 `model_executor/models/mimo_v2_mtp.py`, one head (`MiMoV2MTPLayer`, 61-142):
+  enorm/hnorm/eh_proj over [enorm(embed) ; hnorm(previous_hidden_states)] (128-132, embedding first),
+  input_layernorm, self_attn of the SWA kind (78-107: swa_* shapes, sinks, swa_rope_theta),
+  pre_mlp_layernorm, dense mlp (134-140), returned AFTER final_layernorm (142); compute_logits applies
+  lm_head to that (214-220); only head 0 exists (`_MIMO_V2_FLASH_NUM_MTP_LAYERS = 1`, 52-54, 177),
+  reused at each step (`spec_step_idx % num_mtp_layers`, 209-210) by v1/spec_decode/llm_base_proposer.py,
   which feeds the returned tensor back (599-602, 753-760): `Head.fed_back` is final_layernorm.
   Step 1 reads the target model's output, after its final norm (mimo_v2.py:848).
 
 The module names are the checkpoint's (`model.mtp.layers.{i}.*`): the decoder layer's
 `post_attention_layernorm` is saved as `pre_mlp_layernorm`, its `sinks` as `attention_sink_bias`
 (transformers' own renaming, conversion_mapping.py `mimo_v2_flash`), its q/k/v fused into `qkv_proj`
-[Q;K;V] (MiMo-V2.5's layout, which llama.cpp's MTP graph asserts, src/models/mimo2.cpp:313)."""
+[Q;K;V] (MiMo-V2.5's layout, which llama.cpp's MTP graph asserts, src/models/mimo2.cpp:285)."""
 
 from __future__ import annotations
 
@@ -89,10 +89,10 @@ class Head(nn.Module):
             self.layers[0].self_attn.sinks.normal_(0.0, 1.0)
 
     def combine(self, embeds, hidden, positions):
-        return self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden)], dim=-1))  # mimo_v2_mtp.py:122-127
+        return self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden)], dim=-1))  # mimo_v2_mtp.py:128-132
 
     def logit_state(self, h):
-        return self.final_layernorm(h)  # mimo_v2_mtp.py:137
+        return self.final_layernorm(h)  # mimo_v2_mtp.py:142
 
     def fed_back(self, h):
         return self.final_layernorm(h)  # the single returned tensor, llm_base_proposer.py:599-602
@@ -176,7 +176,7 @@ def convertible_copy(model_dir: str, out: str) -> str:
     """The target as llama.cpp's converter reads the released config.json: its files linked, the
     config's model_type one transformers does not know, so that the converter falls back to the
     file (conversion/base.py:1277-1289) instead of transformers' MiMoV2FlashConfig, whose derived
-    rope_parameters lack the top-level partial_rotary_factor conversion/mimo.py:164 reads."""
+    rope_parameters lack the top-level partial_rotary_factor conversion/mimo.py:165 reads."""
     shutil.rmtree(out, ignore_errors=True)
     os.makedirs(out)
     for name in os.listdir(model_dir):
