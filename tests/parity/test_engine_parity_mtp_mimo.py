@@ -233,3 +233,23 @@ def test_diagnose_replays_llama_cpps_chain_as_a_variant(setup):
     verdict = json.loads(next(out.glob("*/diagnose.json")).read_text())["verdict"]
     print(f"\ndiagnose tau {taus}; {verdict[0]}")
     assert taus["mimo-chain-heads"] != taus["as-configured"], taus
+
+
+def test_more_steps_than_chained_heads_is_one_error_line(setup, tmp_path):
+    """llama.cpp's chain has a head a step: --steps past the heads under its rule is refused by name,
+    nothing written; under vLLM's rule (head 0 every step) the same --steps scores."""
+    from click.testing import CliRunner
+
+    from specreplay.cli import main
+
+    found, *_ = setup
+    out = tmp_path / "out"
+    args = ["score", "--ckpt", found.target, "--shards", found.shards, "--out", str(out), "--steps", "4"]
+    run = CliRunner().invoke(main, [*args, "--walk-rule", "llama.cpp", "--no-progress"])
+    print(f"\n{run.output.strip()}")
+    assert run.exit_code != 0 and "Traceback" not in run.output, run.output
+    [line] = run.output.strip().splitlines()
+    assert line.startswith(f"error: {found.target}: --steps 4:") and "use --steps 3 or fewer" in line
+    assert not out.exists() or not any(out.iterdir())
+    run = CliRunner().invoke(main, [*args, "--limit", "2", "--no-progress", "--eagle-trees", ""])
+    assert run.exit_code == 0, run.output
