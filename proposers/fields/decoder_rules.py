@@ -266,3 +266,44 @@ def _check_deepseek(raw: dict, hf, source: str) -> None:
             hf.v_head_dim,
             "specreplay's MLA pads the values to the key width (qk_nope_head_dim + qk_rope_head_dim), which is smaller",
         )
+
+
+# the keys one MiMo-V2-Flash MTP head's shapes come from, and where vLLM reads each
+MIMO_HEAD_KEYS = (
+    ("hidden_size", "mimo_v2_mtp.py:73-76"),
+    ("intermediate_size", "mimo_v2_mtp.py:112-117"),
+    ("vocab_size", "mimo_v2_mtp.py:181-184"),
+    ("swa_num_attention_heads", "mimo_v2_mtp.py:91"),
+    ("swa_num_key_value_heads", "mimo_v2_mtp.py:92"),
+    ("swa_head_dim", "mimo_v2_mtp.py:93"),
+)
+
+
+def check_mimo(raw: dict, source: str) -> None:
+    """MiMo-V2-Flash's MTP heads (proposers/mtp/mimo.py): the keys their shapes come from stated,
+    weights unquantized, a silu MLP."""
+    for key, line in MIMO_HEAD_KEYS:
+        if raw.get(key) is None:
+            refuse_field(
+                source,
+                key,
+                "absent",
+                f"vLLM builds every MTP head from it ({line}); state it as the released config.json does",
+            )
+    if raw.get("quantization_config") is not None:
+        refuse(
+            source,
+            "quantization_config",
+            raw["quantization_config"].get("quant_method", "set"),
+            "specreplay replays unquantized weights only",
+        )
+    if raw.get("hidden_act", "silu") != "silu":
+        refuse(source, "hidden_act", raw["hidden_act"], "vLLM's MiMo MLP refuses any but silu (mimo_v2.py:104-107)")
+    heads = raw.get("num_nextn_predict_layers")
+    if heads is not None and heads > 3:
+        refuse(
+            source,
+            "num_nextn_predict_layers",
+            heads,
+            "MiMo-V2-Flash ships 3 MTP heads and llama.cpp's converter keeps 3 (conversion/mimo.py:22-24)",
+        )

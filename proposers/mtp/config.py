@@ -21,9 +21,15 @@ and proposing t + j. The model and the rule: model.py.
 from __future__ import annotations
 
 from pipeline.common.layer_ids import final_prenorm_id
-from proposers.fields.decoder_rules import check_mtp_decoder, check_mtp_experts, check_nextn_decoder, mtp_layer_is_moe
+from proposers.fields.decoder_rules import (
+    check_mimo,
+    check_mtp_decoder,
+    check_mtp_experts,
+    check_nextn_decoder,
+    mtp_layer_is_moe,
+)
 from proposers.mtp import nextn
-from proposers.mtp.layout import NativeMTP, NativeNextN, SpeculatorsMTP
+from proposers.mtp.layout import MIMO_HEADS, NativeMimo, NativeMTP, NativeNextN, SpeculatorsMTP
 from proposers.mtp.model import MtpDrafter, hf_config
 from proposers.registry import Family
 from proposers.toolkit.config import DrafterConfig, DrafterConfigError, decoder_shape, refuse_field
@@ -45,6 +51,8 @@ def parse_drafter_config(checked, raw: dict, source: str = "config", target_laye
     """An MTP head's config in the project's terms: a target's own config.json or a speculators export."""
     if isinstance(checked, NativeNextN):
         return _nextn(checked, raw, source)
+    if isinstance(checked, NativeMimo):
+        return _mimo(checked, raw, source)
     if isinstance(checked, NativeMTP):
         decoder, steps = raw.get("text_config") or raw, DEFAULT_STEPS
         where = "text_config." if raw.get("text_config") else ""
@@ -95,6 +103,22 @@ def _nextn(checked: NativeNextN, raw: dict, source: str) -> DrafterConfig:
     return _head_config(shape, hf.num_hidden_layers, DEFAULT_STEPS, {**raw}, checked, options)
 
 
+def _mimo(checked: NativeMimo, raw: dict, source: str) -> DrafterConfig:
+    """MiMo-V2-Flash's MTP heads (mimo.py): each a sliding-window layer of the `swa_*` shapes, dense MLP."""
+    check_mimo(raw, source)
+    heads = raw.get("num_nextn_predict_layers") or MIMO_HEADS
+    window = raw.get("sliding_window_size", -1)
+    shape = dict(
+        hidden_size=raw["hidden_size"], intermediate_size=raw["intermediate_size"], vocab_size=raw["vocab_size"],
+        num_hidden_layers=1,
+        num_attention_heads=raw["swa_num_attention_heads"], num_key_value_heads=raw["swa_num_key_value_heads"],
+        head_dim=raw["swa_head_dim"], rms_norm_eps=raw.get("layernorm_epsilon", 1e-5),
+        attention_bias=raw.get("attention_bias", False),
+    )  # fmt: skip
+    options = {"decoder": "mimo_v2_flash", "heads": heads, "window": window if window > 0 else None}
+    return _head_config(shape, raw["num_hidden_layers"], heads, {**raw}, checked, options)
+
+
 def _head_config(shape: dict, num_layers: int, steps: int, raw: dict, checked, options: dict) -> DrafterConfig:
     """An MTP head's config: the chain of `steps` drafts over the target's final hidden state before
     its norm (id L, the norm's weight from the target head), one full-attention layer of `shape`."""
@@ -122,7 +146,12 @@ def _head_config(shape: dict, num_layers: int, steps: int, raw: dict, checked, o
 
 
 def build_model(config: DrafterConfig):
-    """The head's network: a NextN layer (GLM-4.5, DeepSeek-V3) or a Qwen3.5 / Qwen3-Next `mtp.*` head."""
+    """The head's network: a NextN layer (GLM-4.5, DeepSeek-V3), MiMo's chained heads or a Qwen3.5 /
+    Qwen3-Next `mtp.*` head."""
+    if config.layout == NativeMimo.LAYOUT:
+        from proposers.mtp.mimo import MimoDrafter
+
+        return MimoDrafter(config)
     return nextn.NextnDrafter(config) if config.layout == NativeNextN.LAYOUT else MtpDrafter(config)
 
 

@@ -191,4 +191,62 @@ class NativeNextN(Schema):
     feature_layers = NativeMTP.feature_layers
 
 
-LAYOUTS = (SpeculatorsMTP, NativeMTP, NativeNextN)
+# MiMo-V2-Flash: three chained MTP heads `model.mtp.layers.{0,1,2}.*` (proposers/mtp/mimo.py)
+MIMO_TARGET_TYPES = ("mimo_v2_flash",)
+MIMO_HEADS = 3  # the converter's count when the config states none (conversion/mimo.py:22-24)
+
+
+class NativeMimo(Schema):
+    """A MiMo-V2-Flash target's own config.json (transformers' MiMoV2FlashConfig, plus the keys the
+    released config.json states and vLLM's mimo_v2_mtp.py and llama.cpp's conversion/mimo.py read):
+    its MTP heads are `model.mtp.layers.{i}.*`, each a sliding-window attention layer of the `swa_*`
+    shapes with a dense MLP (proposers/mtp/mimo.py). Typed here: what the heads' rule reads."""
+
+    LAYOUT: ClassVar[str] = "mimo"
+    CONVENTION: ClassVar[str] = "output"
+    MODEL_TYPES: ClassVar[tuple[str, ...]] = MIMO_TARGET_TYPES
+
+    model_type: Literal[MIMO_TARGET_TYPES]
+    num_hidden_layers: Positive | None = None
+    num_nextn_predict_layers: Positive | None = None  # absent: 3, the converter's count; vLLM reads head 0 only
+    swa_num_attention_heads: Positive | None = None  # the heads' attention (vLLM mimo_v2_mtp.py:91-94)
+    swa_num_key_value_heads: Positive | None = None
+    swa_head_dim: Positive | None = None
+    swa_v_head_dim: Positive | None = None
+    swa_rope_theta: float | None = None
+    sliding_window_size: int | None = None  # vLLM's window of the heads (-1: none)
+    add_swa_attention_sink_bias: bool | None = None  # the heads' per-head sink logit
+    add_full_attention_sink_bias: bool | None = None  # the target's full-attention layers: bookkeeping
+    layernorm_epsilon: float | None = None  # every norm of the heads
+    partial_rotary_factor: float | None = None
+    rope_theta: float | None = None  # the target's full-attention layers: bookkeeping
+    hybrid_layer_pattern: list[Count] | None = None  # the target's layer kinds (transformers: layer_types)
+    moe_layer_freq: list[Count] | None = None  # the target's MLP kinds (transformers: mlp_layer_types)
+    topk_method: str | None = None  # the target's router: bookkeeping
+    scoring_func: str | None = None  # the target's router: bookkeeping
+    attention_chunk_size: int | None = None  # vLLM strips it (model_arch_config_convertor.py:598-607)
+    attention_projection_layout: str | None = None  # vLLM reads it for quantized fused q/k/v only: bookkeeping
+    moe_router_dtype: str | None = None  # the target's router: bookkeeping
+    quantization_config: dict | None = None  # refused: quantized weights
+
+    def namespaces(self) -> dict:
+        return {"": ("MiMoV2FlashConfig", type(self))}
+
+    @property
+    def family(self) -> str:
+        return "mtp"
+
+    @property
+    def evidence(self) -> str:
+        return f"a target's config.json, model_type {self.model_type!r} (MTP heads model.mtp.layers.*)"
+
+    @property
+    def layers(self) -> int | None:
+        return self.num_hidden_layers
+
+    check_complete = NativeMTP.check_complete
+    stored_layer_ids = NativeMTP.stored_layer_ids
+    feature_layers = NativeMTP.feature_layers
+
+
+LAYOUTS = (SpeculatorsMTP, NativeMTP, NativeNextN, NativeMimo)

@@ -53,6 +53,11 @@ class Conventions:
     # reference: BEFORE it, as vLLM's Glm4MoeMultiTokenPredictorLayer.forward returns it
     # (model_executor/models/glm4_moe_mtp.py:127-128). Other heads feed back one state under every rule.
     nextn_feed_normed: bool = False
+    # True: llama.cpp's chained MTP heads (MiMo-V2-Flash's three, proposers/mtp/mimo.py): step k runs
+    # head k, each fed the state before its final_layernorm, step 1 the target's before its final norm
+    # (common/speculative.cpp:1615-1626, src/models/mimo2.cpp:251-257,384-387); reference: head 0 at
+    # every step fed its normed output, as vLLM's mimo_v2_mtp.py:52-56,205-208 serves it.
+    chain_heads: bool = False
     # True: llama.cpp's DFlash graph (every block family under --walk-rule llama.cpp): one causality
     # for every layer, is_causal's, absent bidirectional (common/speculative.cpp:990-991,1063: not
     # layer_types'), and a window hiding only keys w or more before the query (src/llama-hparams.h:

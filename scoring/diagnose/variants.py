@@ -135,6 +135,13 @@ def _variants() -> list[Variant]:  # 113 lines: a table, one entry per variant
             Conventions(nextn_feed_normed=True),
         ),
         Variant(
+            "mimo-chain-heads",
+            "MiMo's MTP heads chained as llama.cpp runs them: step k on head k, states fed on before the norms",
+            "the MiMo MTP heads were trained chained, step k on head k fed pre-norm states, as llama.cpp serves "
+            "them (--walk-rule llama.cpp replays that), while vLLM serves head 0 alone at every step",
+            Conventions(chain_heads=True),
+        ),
+        Variant(
             "rope-10000",
             "the drafter's RoPE with base 10000 whatever its rope_theta",
             "the checkpoint was trained with RoPE base 10000 (the EAGLE repository's cnets.py builds no other) while "
@@ -192,6 +199,8 @@ def not_applicable(variant: Variant, config: DrafterConfig) -> str | None:
         return "only XPress has a refiner"
     if variant.conventions.nextn_feed_normed and not config.family_options.get("feeds_pre_norm"):
         return "only a GLM-4.5 NextN head's engines disagree on the state fed back"
+    if variant.conventions.chain_heads and config.layout != "mimo":
+        return "only MiMo-V2-Flash's MTP heads are chained"
     if variant.name == "scales" and not config.has_scales:
         return "the config sets no scale"
     return None

@@ -9,7 +9,8 @@ accepted-draft counts they report. docs/walk-rules.md gives every rule with its 
     llama.cpp   llama-server: the full block is drafted, then cut to the budget minus one; a step with
                 no draft left is a plain decode (0 drafted); a stop token matched as the last draft
                 counts as accepted; an MTP head's draft KV holds one slot more (Conventions.lead_slot), a
-                NextN head feeds back its normed output (Conventions.nextn_feed_normed);
+                NextN head feeds back its normed output (Conventions.nextn_feed_normed), MiMo's
+                heads are chained, step k on head k (Conventions.chain_heads);
                 a block drafter attends as llama.cpp's DFlash graph (Conventions.llama_block)
     vllm        vLLM: the full block is drafted and verified; accepted drafts past the stop token or
                 the budget are counted too (the stored response cannot say how many: a lower bound)
@@ -51,7 +52,7 @@ class WalkRule:
         llama.cpp an MTP head (its extra first slot: Conventions.lead_slot) and a block drafter (its
         graph's causality and window: Conventions.llama_block)."""
         if self.mtp_lead_slot and family == "mtp":  # and a NextN head's step output fed back normed
-            return Conventions(lead_slot=True, nextn_feed_normed=True)
+            return Conventions(lead_slot=True, nextn_feed_normed=True, chain_heads=True)
         if self.llama_block and family in BLOCK_FAMILIES:
             return Conventions(llama_block=True)
         return REFERENCE

@@ -232,6 +232,7 @@ def set_chain_steps(steps: int | None, drafter_config, ckpt: str, rule: str = DE
     if fixed:
         raise UserError(f"--steps: {fixed}")
     if family(drafter_config.family).chain_steps:
+        _check_chained_heads(steps, drafter_config, rule)
         drafter_config.block_size = steps
         return
     if rule == DEFAULT_RULE:
@@ -246,6 +247,17 @@ def set_chain_steps(steps: int | None, drafter_config, ckpt: str, rule: str = DE
             f"use --steps {drafter_config.max_drafts} or fewer"
         )
     drafter_config.block_size = steps + drafter_config.first_draft_slot
+
+
+def _check_chained_heads(steps: int, drafter_config, rule: str) -> None:
+    """llama.cpp runs MiMo's MTP heads one a step, so it drafts at most as many steps as heads (it
+    caps its n_max there, common/speculative.cpp:1423-1425): more is refused, not capped unseen."""
+    heads = (drafter_config.family_options or {}).get("heads")
+    if heads and steps > heads and walk_rule(rule).conventions(drafter_config.family).chain_heads:
+        raise UserError(
+            f"--steps {steps}: the checkpoint holds {heads} MTP heads, which --walk-rule {rule} chains one a step "
+            f"(llama-server caps --spec-draft-n-max at {heads}); use --steps {heads} or fewer"
+        )
 
 
 def set_confidence_threshold(threshold: float | None, drafter_config, ckpt: str) -> None:

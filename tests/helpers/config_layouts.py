@@ -40,6 +40,12 @@ GEMMA4_DSPARK = dict(
     num_target_layers=TARGET_LAYERS, block_size=4, mask_token_id=511, target_layer_ids=[1, 3], num_anchors=8,
     markov_rank=8, markov_head_type="vanilla", enable_confidence_head=False, confidence_head_with_markov=False,
 )  # fmt: skip
+MIMO = dict(
+    model_type="mimo_v2_flash", hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
+    head_dim=24, v_head_dim=16, intermediate_size=128, vocab_size=512, swa_num_attention_heads=4,
+    swa_num_key_value_heads=2, swa_head_dim=24, swa_v_head_dim=16, swa_rope_theta=10000.0, sliding_window_size=64,
+    add_swa_attention_sink_bias=True, layernorm_epsilon=1e-5,
+)  # fmt: skip
 DFLASH2_KEYS = dict(conv_kernel_size=2, conv_group_size=8, selector_rank=8, selector_top_k=4)
 
 
@@ -130,6 +136,7 @@ BASE = {
     "mtp:native-moe": lambda: {"model_type": "qwen3_5_moe", "text_config": dict(MOE_TEXT)},
     "mtp:nextn": lambda: dict(GLM),
     "mtp:nextn-deepseek": lambda: dict(DEEPSEEK),
+    "mtp:mimo": lambda: dict(MIMO),
     "ngram:vllm": lambda: {"method": "ngram", "num_speculative_tokens": 3},
     "ngram:llama.cpp": lambda: {"spec-type": "ngram-simple"},
     "ngram:sglang": lambda: {"speculative_algorithm": "NGRAM"},
@@ -242,6 +249,8 @@ REFUSALS = [
     ("mtp:native", "text_config.attention_bias", True, "vLLM", False),
     ("mtp:native-qwen3-next", "num_nextn_predict_layers", 2, "llama.cpp", 1),
     ("mtp:native-moe", "text_config.norm_topk_prob", False, "vLLM", True),
+    ("mtp:mimo", "hidden_act", "gelu", "vLLM", "silu"),
+    ("mtp:mimo", "num_nextn_predict_layers", 4, "llama.cpp", 2),
     ("mtp:native-moe", "text_config.shared_expert_intermediate_size", 0, "vLLM", 48),
     ("mtp:native-moe", "text_config.num_experts_per_tok", 8, "vLLM", 4),
     ("mtp:speculators", "transformer_layer_config.mtp_num_hidden_layers", 3, "SGLang", 1),
@@ -310,6 +319,10 @@ PRIOR_REFUSALS = [
     ("dspark:gemma4", "target_layer_ids", {"target_layer_ids": None}),
     ("dspark:gemma4", "target_layer_ids", {"target_layer_ids": [1, 5]}),  # the target's last layer
     ("dspark:gemma4", "markov_rank", {"markov_rank": 0}),
+    ("mtp:mimo", "quantization_config", {"quantization_config": {"quant_method": "fp8"}}),
+    ("mtp:mimo", "swa_head_dim", {"swa_head_dim": None}),
+    ("mtp:mimo", "swa_num_attention_heads", {"swa_num_attention_heads": None}),
+    ("mtp:mimo", "swa_num_key_value_heads", {"swa_num_key_value_heads": None}),
     ("ngram:llama.cpp", "lookup-cache-static", {"spec-type": "ngram-cache", "lookup-cache-static": "static.bin"}),
     ("ngram:llama.cpp", "lookup-cache-dynamic", {"spec-type": "ngram-cache", "lookup-cache-dynamic": "dynamic.bin"}),
     ("ngram:sglang", "speculative_ngram_external_corpus_path", {"speculative_ngram_external_corpus_path": "c.jsonl"}),

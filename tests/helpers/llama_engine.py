@@ -109,9 +109,9 @@ def engine_target(
 def _output_projections(mlp) -> list[torch.Tensor]:
     """The weights an MLP's output is linear in: a dense MLP's down_proj; a sparse MoE block's
     routed experts' and shared expert's (the MTP engine tests' Qwen3.5-MoE and GLM-4.5)."""
-    if hasattr(mlp, "experts"):  # Qwen's `shared_expert`, GLM-4.5's `shared_experts`
-        shared = getattr(mlp, "shared_expert", None) or mlp.shared_experts
-        return [mlp.experts.down_proj, shared.down_proj.weight]
+    if hasattr(mlp, "experts"):  # Qwen's `shared_expert`, GLM-4.5's `shared_experts`, MiMo's none
+        shared = getattr(mlp, "shared_expert", None) or getattr(mlp, "shared_experts", None)
+        return [mlp.experts.down_proj] + ([] if shared is None else [shared.down_proj.weight])
     return [mlp.down_proj.weight]
 
 

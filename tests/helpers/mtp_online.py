@@ -54,6 +54,12 @@ def _classes(config):
         from transformers.models.deepseek_v3 import modeling_deepseek_v3 as m
 
         return m.DeepseekV3DecoderLayer, m.DeepseekV3RMSNorm, m.DeepseekV3RotaryEmbedding
+    if config.model_type == "mimo_v2_flash":  # tests/helpers/mimo_online.py's heads
+        from transformers.models.mimo_v2_flash import modeling_mimo_v2_flash as m
+
+        from tests.helpers.mimo_online import Rotary
+
+        return m.MiMoV2FlashDecoderLayer, m.MiMoV2FlashRMSNorm, Rotary
     if config.model_type == "qwen3_5_moe_text":
         from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as m
 
