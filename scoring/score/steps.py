@@ -252,7 +252,7 @@ def set_chain_steps(steps: int | None, drafter_config, ckpt: str, rule: str = DE
 def _check_chained_heads(steps: int, drafter_config, rule: str) -> None:
     """llama.cpp runs MiMo's MTP heads one a step, so it drafts at most as many steps as heads (it
     caps its n_max there, common/speculative.cpp:1423-1425): more is refused, not capped unseen."""
-    heads = (drafter_config.family_options or {}).get("heads")
+    heads = (getattr(drafter_config, "family_options", None) or {}).get("heads")  # a weightless proposer has none
     if heads and steps > heads and walk_rule(rule).conventions(drafter_config.family).chain_heads:
         raise UserError(
             f"--steps {steps}: the checkpoint holds {heads} MTP heads, which --walk-rule {rule} chains one a step "
