@@ -51,6 +51,7 @@ MTP_LABELS = (
     ("qwen3_5_moe", "Qwen3.5-MoE MTP head (32 experts, top 4)"),
     ("glm4_moe", "GLM-4.5 NextN head (32 experts, top 4)"),
     ("deepseek_v3", "DeepSeek-V3 NextN head (MLA, 32 experts, top 4)"),
+    ("mimo_v2_flash", "MiMo-V2-Flash MTP heads (vLLM's rule: head 0 each step)"),
 )
 
 
