@@ -28,6 +28,7 @@ from pydantic import Field, field_validator
 
 from pipeline.common.layer_ids import build_target_layer_ids
 from pipeline.common.schema import LARGEST, Count, Number, Positive, SchemaError, wrong
+from proposers.dspark.dsv4_layout import DeepseekV4DSpark
 from proposers.dspark.gemma4_layout import DeepSpecGemma4DSpark
 from proposers.toolkit.layout_fields import REQUIRED_SHAPE, BlockDecoderFields, DrafterNamespace, LayerIds, unique_ids
 from proposers.toolkit.speculators_layout import SpeculatorsBlock
@@ -51,11 +52,6 @@ REFUSED_ARCHITECTURES = {
         "vLLM's Qwen3-Omni DSpark",
         "whose decoder is Qwen3 DSpark's over the Omni thinker's features (vLLM's qwen3_omni_dspark.py) but "
         "whose config and layer numbering no public checkpoint here shows, and llama.cpp has no converter for it",
-    ),
-    "DeepseekV4DSparkModel": (
-        "DeepSeek-V4's DSpark",
-        "whose stages mtp.* are DeepSeek-V4 blocks: hyper-connections, MLA, mixture of experts "
-        "(llama.cpp conversion/deepseek.py:927-1034)",
     ),
 }
 
@@ -284,4 +280,4 @@ class DeepSpecDSpark(BlockDecoderFields):
         )
 
 
-LAYOUTS = (SpeculatorsDSpark, SpecForgeDSpark, DeepSpecDSpark, DeepSpecGemma4DSpark)
+LAYOUTS = (SpeculatorsDSpark, SpecForgeDSpark, DeepSpecDSpark, DeepSpecGemma4DSpark, DeepseekV4DSpark)
