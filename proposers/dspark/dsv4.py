@@ -8,11 +8,11 @@ speculator.py) and llama.cpp (conversion/deepseek.py:927-1034, src/models/dflash
   hyper-connection streams (vllm deepseek_v4/nvidia/model.py:1006-1011; src/models/deepseek4.cpp:
   1239-1241); context `main_norm(main_proj(features))`, each stage's keys from it (decoder.py);
 - the block [x_t, noise, ...] embedded by the TARGET's embedding, unscaled, copied into `hc_mult`
-  streams (dspark.py:245; dflash.cpp:936-940), through the stages, collapsed by `hc_head`
-  (dspark.py:252-262; dflash.cpp:1002);
-- logits `lm_head(norm(h))` with the target's lm_head (dspark.py:366-368; dflash.cpp:1008-1023), plus
+  streams (dspark.py:253; dflash.cpp:936-940), through the stages, collapsed by `hc_head`
+  (dspark.py:262-277; dflash.cpp:1002);
+- logits `lm_head(norm(h))` with the target's lm_head (dspark.py:418-420; dflash.cpp:1008-1023), plus
   the vanilla Markov bias; the confidence head reads the collapsed state BEFORE the norm, without a
-  bias (dspark.py:176-181, 377-383; dflash.cpp:1004-1005, converter maps `proj.weight` only).
+  bias (dspark.py:176-181, 435-441; dflash.cpp:1004-1005, converter maps `proj.weight` only).
 
 The engines differ in the context window (decoder.py): vLLM's anchored at the block is the default,
 llama.cpp's per query runs under `--walk-rule llama.cpp`. Every `--attention` mode gathers the
@@ -90,23 +90,24 @@ def _decoder_rules(checked: DeepseekV4DSpark) -> list[tuple[str, tuple, object, 
     return [
         ("scoring_func", ("sqrtsoftplus",), checked.scoring_func or "sqrtsoftplus",
          "llama.cpp's DSpark graph refuses any other MoE scoring (src/models/dflash.cpp:74-76); set sqrtsoftplus"),
-        ("hidden_act", ("silu",), checked.hidden_act or "silu", "both engines' experts are SiLU-gated "
-         "(src/models/dflash.cpp:979-990); set silu"),
-        ("norm_topk_prob", (True,), checked.norm_topk_prob is not False, "specreplay's stages (transformers' "
-         "DeepseekV4TopKRouter) renormalize the routed weights; set it true"),
-        ("num_key_value_heads", (1,), checked.num_key_value_heads or 1, "DeepSeek-V4 attends with one shared "
-         "key/value head; set 1"),
+        ("hidden_act", ("silu",), checked.hidden_act or "silu",
+         "llama.cpp's DSpark graph runs SiLU-gated experts only (src/models/dflash.cpp:975-992); set silu"),
+        ("norm_topk_prob", (True,), checked.norm_topk_prob is not False, "vLLM and llama.cpp would leave the routed "
+         "weights unnormalized (conversion/deepseek.py:670), which specreplay's stages (transformers' "
+         "DeepseekV4TopKRouter) do not implement; set it true"),
+        ("num_key_value_heads", (1,), checked.num_key_value_heads or 1,
+         "vLLM and llama.cpp attend with DeepSeek-V4's one shared key/value head; set 1"),
         ("n_shared_experts", (1,), 1 if checked.n_shared_experts is None else checked.n_shared_experts,
-         "both engines run one shared expert (src/models/dflash.cpp:992-997); set 1"),
-        ("compress_ratios", ((),), tuple(stage_ratios), "vLLM would compress the stages' attention "
+         "llama.cpp's DSpark graph runs one shared expert (src/models/dflash.cpp:988-992); set 1"),
+        ("compress_ratios", ((),), tuple(stage_ratios), "vLLM would compress a stage's attention "
          "(deepseek_v4/attention.py:236-242), llama.cpp's converter writes 0 for every stage "
-         "(conversion/deepseek.py:954); give the stages 0"),
+         "(conversion/deepseek.py:949); give the stages 0"),
         ("draft_vocab_size", (checked.vocab_size,), checked.draft_vocab_size or checked.vocab_size,
-         f"vLLM's DeepSeek-V4 DSpark drafts the full vocabulary ({checked.vocab_size}, dspark.py:316-318); remove it"),
+         f"vLLM's DeepSeek-V4 DSpark drafts the full vocabulary ({checked.vocab_size}, dspark.py:354); remove it"),
         ("dspark_draft_topk", (None,), checked.dspark_draft_topk, "vLLM samples drafts from the top k "
          "(spec_decode/dspark/speculator.py:78-80), llama.cpp does not read it; remove it"),
-        ("sample_from_anchor", (True,), dspark_from_anchor(checked), "both engines draft DeepSeek-V4's "
-         "block from the anchor's slot (speculator.py:49-55; llama.cpp's converter writes no other); remove it"),
+        ("sample_from_anchor", (True,), dspark_from_anchor(checked), "vLLM drafts DeepSeek-V4's block from the "
+         "anchor's slot (spec_decode/dspark/speculator.py:49-55) and llama.cpp's converter writes no other; remove it"),
     ]  # fmt: skip
 
 
@@ -123,7 +124,7 @@ def _decoder_config(config: DrafterConfig):
     return dsv4_config(config.raw, config.num_hidden_layers)
 
 
-# checkpoint names (DeepSeek's, llama.cpp conversion/deepseek.py:845-884) -> this model's (transformers')
+# checkpoint names (DeepSeek's, llama.cpp conversion/deepseek.py:810-878) -> this model's (transformers')
 ROOT = {
     "main_proj.": "fc.", "main_norm.": "hidden_norm.", "norm.": "norm.", "hc_head_fn": "hc_head.hc_fn",
     "hc_head_base": "hc_head.hc_base", "hc_head_scale": "hc_head.hc_scale", "markov_head.": "markov_head.",
@@ -148,10 +149,10 @@ def _renamed(rest: str, table: dict) -> str | None:
 
 def dsv4_names(state: dict) -> dict:
     """The `mtp.{i}.*` tensors under this model's names: the head stack and context projection at the
-    root (whichever stage holds them, as both engines read them: dspark.py:593-617,
-    conversion/deepseek.py:964-979), the routed experts stacked as transformers' DeepseekV4Experts
+    root (whichever stage holds them, as both engines read them: dspark.py:572-600,
+    conversion/deepseek.py:988-1005), the routed experts stacked as transformers' DeepseekV4Experts
     holds them (gate_up = [w1 ; w3]); every other tensor is the target's and dropped, as both do, and so
-    is the vision-only `ffn.gate.bias_vl` (conversion/deepseek.py:986-990)."""
+    is the vision-only `ffn.gate.bias_vl` (conversion/deepseek.py:1010-1015)."""
     out, experts = {}, {}
     for name, tensor in state.items():
         parts = name.split(".", 2)
@@ -174,7 +175,7 @@ def dsv4_names(state: dict) -> dict:
 
 
 class DSV4DSparkDrafter(DSparkDrafter):
-    """DSpark's heads over DeepSeek-V4 stages; the target's embedding and lm_head (dspark.py:295-301)."""
+    """DSpark's heads over DeepSeek-V4 stages; the target's embedding and lm_head (dspark.py:349-352)."""
 
     layer_class = DSV4BlockLayer
     decoder_config = staticmethod(_decoder_config)
@@ -191,7 +192,7 @@ class DSV4DSparkDrafter(DSparkDrafter):
 
     @property
     def optional_weights(self) -> tuple[str, ...]:
-        """Without its weights vLLM drops the confidence head (dspark.py:574-575); llama.cpp's is optional."""
+        """Without its weights vLLM drops the confidence head (dspark.py:567-568); llama.cpp's is optional."""
         return ("confidence_head.proj.weight",) if self.confidence_head is not None else ()
 
     def _layers(self, block_embeds, anchors, context, attention, ctx_starts, conventions) -> torch.Tensor:

@@ -3,12 +3,12 @@ DeepSeek-V4 checkpoint's own config.json (DeepSeek's key names, which transforme
 DeepseekV4Config reads) with the `dspark_*` fields at the top level; the drafter's stages are the
 checkpoint's `mtp.{i}.*` tensors (llama.cpp conversion/deepseek.py:927-1034; vLLM
 vllm/models/deepseek_v4/nvidia/dspark.py). `num_hidden_layers` is the TARGET's layer count (vLLM
-numbers the stages after it, dspark.py:124-133); the stage count is `n_mtp_layers` (vLLM, absent: 3).
+numbers the stages after it, dspark.py:131-139); the stage count is `n_mtp_layers` (vLLM, absent: 3).
 
 Read: `dspark_block_size`, `dspark_noise_token_id` (the mask token) and `dspark_target_layer_ids`
 (output of layer i: vLLM's aux layers and the GGUF both get i + 1, eagle3_utils.py:126-135,
 conversion/deepseek.py:1034) by llama.cpp's converter; `dspark_markov_rank` by vLLM
-(dspark.py:167-180), llama.cpp taking the rank from the tensors (src/models/dflash.cpp:120-136).
+(dspark.py:169-181), llama.cpp taking the rank from the tensors (src/models/dflash.cpp:120-136).
 What the engines refuse or run apart is refused by name in dsv4.py.
 """
 
@@ -110,7 +110,7 @@ class DeepseekV4DSpark(Schema):
         if missing:
             raise SchemaError(
                 f"{source}: missing field {missing[0]!r}; llama.cpp's converter and vLLM's DeepSeek-V4 DSpark "
-                f"need it (conversion/deepseek.py:724-748, 1028-1034; vllm deepseek_v4/nvidia/dspark.py:93-180)"
+                f"need it (conversion/deepseek.py:724-748, 1028-1034; vllm deepseek_v4/nvidia/dspark.py:93-181)"
             )
 
     def feature_layers(self, source: str, num_target_layers: int | None = None) -> list[int]:

@@ -43,7 +43,7 @@ BLOCK = 4
 WINDOW = 8  # sliding_window: shorter than most anchors, so the window decides what a block sees
 RANK = 4
 DRAFTER_INIT = 0.5  # the stages' init std: large, so their attention and experts move the drafts
-SINKS = (0.5, -1.0, 1.0, 0.0)  # each stage's attention sinks: not transformers' zeros, so reading them is checked
+SINKS = (2.0, -1.0, 3.0, 1.0)  # each stage's attention sinks: not transformers' zeros, so reading them is checked
 NOISE = engine.SPECIAL - 1  # an unused special token: the block's noise (mask) token
 # The decoder in DeepSeek's own config keys (the checkpoint's config.json, which DeepseekV4Config reads)
 DECODER = dict(
@@ -117,11 +117,11 @@ class ReferenceDSV4DSpark(nn.Module):
         super().__init__()
         hf = hf_config(STAGES)
         self.hf, size = hf, hf.hidden_size
-        self.main_proj = nn.Linear(size * len(FEATURES), size, bias=False)  # dspark.py:110-118
-        self.main_norm = DeepseekV4RMSNorm(size, eps=hf.rms_norm_eps)  # :119
-        self.layers = nn.ModuleList(DeepseekV4DecoderLayer(hf, i) for i in range(STAGES))  # :123-133
-        self.norm = DeepseekV4RMSNorm(size, eps=hf.rms_norm_eps)  # :146
-        self.hc_head = DeepseekV4HyperHead(hf)  # hc_head_fn / base / scale :147-156
+        self.main_proj = nn.Linear(size * len(FEATURES), size, bias=False)  # dspark.py:115-122
+        self.main_norm = DeepseekV4RMSNorm(size, eps=hf.rms_norm_eps)  # :123
+        self.layers = nn.ModuleList(DeepseekV4DecoderLayer(hf, i) for i in range(STAGES))  # :131-139
+        self.norm = DeepseekV4RMSNorm(size, eps=hf.rms_norm_eps)  # :154
+        self.hc_head = DeepseekV4HyperHead(hf)  # hc_head_fn / base / scale :156-164
         self.markov_head = nn.Module()  # qwen3_dspark.py DSparkMarkovHead: w1 [V, r], w2 [r -> V]
         self.markov_head.markov_w1 = nn.Embedding(hf.vocab_size, RANK)
         self.markov_head.markov_w2 = nn.Linear(RANK, hf.vocab_size, bias=False)
@@ -136,7 +136,7 @@ class ReferenceDSV4DSpark(nn.Module):
         return self.rotary(x, positions[None], "main")  # sliding layers: plain RoPE (common/rope.py:32-36)
 
     def context_kv(self, attn, main_x: torch.Tensor) -> torch.Tensor:
-        """precompute_and_store_context_kv (dspark.py:197-224) and _insert_context_kv's RoPE: every
+        """precompute_and_store_context_kv (dspark.py:193-224) and _insert_context_kv's RoPE: every
         stage's own kv_norm(wkv(main_x)) at the context's positions."""
         cos, sin = self.rope(main_x, torch.arange(main_x.shape[0]))
         return apply_rotary_pos_emb(attn.kv_norm(attn.kv_proj(main_x))[None, None], cos, sin)[0, 0]  # [T, d]
@@ -167,12 +167,12 @@ class ReferenceDSV4DSpark(nn.Module):
         return positions, torch.cat([ctx, torch.ones(queries, queries, dtype=torch.bool)], dim=1)
 
     def pre_norm(self, features, ids, anchor: int, queries: int, embed, rule: str = "vllm") -> torch.Tensor:
-        """[queries, H]: the hc_head-collapsed state (the forward's return, dspark.py:257-263) of the
+        """[queries, H]: the hc_head-collapsed state (the forward's return, dspark.py:262-277) of the
         block [x_t, noise, ...] at positions t.. over the context before t."""
-        main_x = self.main_norm(self.main_proj(features[:anchor]))  # combine_hidden_states :181-187
+        main_x = self.main_norm(self.main_proj(features[:anchor]))  # combine_hidden_states :185-190
         block = torch.full((queries,), NOISE, dtype=torch.long)
         block[0] = ids[anchor]
-        h = embed[block][:, None, :].repeat(1, self.hf.hc_mult, 1)[None]  # [1, b, hc, H] :245
+        h = embed[block][:, None, :].repeat(1, self.hf.hc_mult, 1)[None]  # [1, b, hc, H] :253
         positions = torch.arange(anchor, anchor + queries)
         kept, visible = self.window(anchor, queries, rule)
         for layer in self.layers:
@@ -186,7 +186,7 @@ class ReferenceDSV4DSpark(nn.Module):
         return self.hc_head(h)[0]
 
     def logits(self, features, ids, anchor: int, count: int, embed, head, rule: str = "vllm") -> torch.Tensor:
-        """[count, V] base logits lm_head(norm(h_k)) (compute_logits :366-368)."""
+        """[count, V] base logits lm_head(norm(h_k)) (compute_logits :418-420)."""
         return self.norm(self.pre_norm(features, ids, anchor, count, embed, rule)) @ head.T
 
     def chain(self, features, ids, anchor: int, count: int, embed, head, rule: str = "vllm") -> tuple[list, list]:
@@ -255,7 +255,7 @@ HEAD_STACK = {"norm.weight": "norm.weight", "hc_head.hc_fn": "hc_head_fn", "hc_h
 
 def deepseek_state(drafter: ReferenceDSV4DSpark) -> dict:
     """The reference's weights as DeepSeek's checkpoint names them: the context combiner in mtp.0, the
-    head stack and heads in the last stage (dspark.py:593-617), each routed expert's w1/w2/w3."""
+    head stack and heads in the last stage (dspark.py:572-600), each routed expert's w1/w2/w3."""
     last, out = STAGES - 1, {}
     for name, tensor in drafter.state_dict().items():
         tensor = tensor.detach().contiguous()

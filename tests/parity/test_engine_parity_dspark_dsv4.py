@@ -123,7 +123,11 @@ def scored(setup, name: str, rule: str) -> str:
 @pytest.mark.parametrize("rule", ["vllm", "llama.cpp"])
 def test_every_anchor_equals_the_engines_rule(setup, chain_at, rule):
     *_, loss = setup
-    found = differing(scored(setup, f"right-{rule}", rule), setup[1], chain_at, rule)
+    out_dir = scored(setup, f"right-{rule}", rule)
+    found = differing(out_dir, setup[1], chain_at, rule)
+    steps = [step for walk in engine.walk_counts(out_dir).values() for step in walk]
+    accepted, drafted = sum(a for a, _ in steps), sum(d for _, d in steps)
+    print(f"\n{rule} walk: {len(steps)} steps, {accepted}/{drafted} drafts accepted", end="")
     print(
         f"\n{rule}: {found['of'] - found['anchors']}/{found['of']} anchors' chains equal the reference "
         f"({found['verified']} drafts compared), {found['of_slots'] - found['slots']}/{found['of_slots']} "
@@ -227,3 +231,25 @@ def test_a_wrong_rule_differs_from_the_engines_rule(setup, chain_at, wrong):
         f"anchors' chains differ from vLLM's rule; {differ}/{len(right)} walks from the right rule's"
     )
     assert found["slots"] > 0
+
+
+def test_a_config_the_engines_refuse_is_one_error_line(setup, tmp_path):
+    """`specreplay score` on the drafter with softmax expert scoring, which llama.cpp's graph refuses: one
+    `error:` line naming the field and the fix, nothing written."""
+    import json
+    import shutil
+
+    from click.testing import CliRunner
+
+    from specreplay.cli import main
+
+    _, shards, ckpt, *_ = setup
+    bad = tmp_path / "softmax"
+    shutil.copytree(ckpt, bad)
+    (bad / "config.json").write_text(json.dumps(d4.drafter_config(scoring_func="softmax")))
+    out = tmp_path / "out"
+    run = CliRunner().invoke(main, ["score", "--ckpt", str(bad), "--shards", shards, "--out", str(out), "--quiet"])
+    print(f"\n{run.output.strip()}")
+    assert run.exit_code != 0 and run.output.count("error:") == 1, run.output
+    assert "field 'scoring_func' is 'softmax'" in run.output and "set sqrtsoftplus" in run.output, run.output
+    assert "Traceback" not in run.output and not any(out.glob("**/summary.parquet")), run.output

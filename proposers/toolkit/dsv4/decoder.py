@@ -4,13 +4,13 @@ both engines run it; neutral: any family whose block decoder is DeepSeek-V4's us
 Each stage is a full DeepSeek-V4 block on transformers' own modules (DeepseekV4DecoderLayer: its
 hyper-connections `attn_hc`/`ffn_hc` with the Sinkhorn-projected residual mix, DeepseekV4RMSNorm, the
 sqrtsoftplus-routed DeepseekV4SparseMoeBlock with its shared expert), with the attention over
-[context ; block] written here (vLLM deepseek_v4/nvidia/dspark.py:197-263; llama.cpp
+[context ; block] written here (vLLM deepseek_v4/nvidia/dspark.py:193-277; llama.cpp
 src/models/dflash.cpp:857-1031):
 
 - queries `q_b_norm(q_b_proj(q_a_norm(q_a_proj(x))))`, one shared key/value head
   `kv_norm(kv_proj(x))` (K = V), interleaved RoPE on the trailing `qk_rope_head_dim` channels;
 - the context's keys `kv_norm(kv_proj(main_norm(main_proj(features))))` at their own positions
-  (vLLM dspark.py:197-224; dflash.cpp:885-902);
+  (vLLM dspark.py:185-224; dflash.cpp:885-902);
 - per-head attention sinks in the softmax's denominator, scale head_dim^-0.5, the output's rope
   channels rotated back by the query's position, then the grouped output projection
   (transformers' DeepseekV4Attention, modeling_deepseek_v4.py:811-881);
@@ -74,7 +74,7 @@ def window_mask(anchors, block_len, ctx_starts, causal, window, per_query, conte
 
 def dsv4_config(raw: dict, stages: int) -> DeepseekV4Config:
     """transformers' DeepseekV4Config of the drafter's stages: `stages` uncompressed (sliding) layers
-    routed by top-k (no hash layers: llama.cpp's converter zeroes both, conversion/deepseek.py:954-955)."""
+    routed by top-k (no hash layers: llama.cpp's converter zeroes both, conversion/deepseek.py:949-950)."""
     keep = ("vocab_size", "hidden_size", "moe_intermediate_size", "num_attention_heads", "head_dim",
             "q_lora_rank", "num_experts_per_tok", "n_routed_experts", "n_shared_experts", "scoring_func",
             "norm_topk_prob", "routed_scaling_factor", "rope_theta", "hc_mult", "hc_sinkhorn_iters", "hc_eps",
