@@ -6,6 +6,8 @@
 * SpecForge (`dflash_config.projector_type: "dspark"`) and DeepSpec (`Qwen3DSparkModel`)
   (layout.py): output-of-layer ids, every slot drafts (unless the file says
   `sample_from_anchor: false`, which every engine serves as the fill-in block).
+* DeepSpec's Gemma 4 (`Gemma4DSparkModel`, gemma4.py) and DeepSeek-V4's (`DeepseekV4DSparkModel`,
+  dsv4.py): their own decoders (proposers/toolkit/gemma4/, proposers/toolkit/dsv4/).
 
 The backbone is the block drafter's (proposers/toolkit/block_drafter.py), the heads are model.py's; the head settings go to
 `DrafterConfig.family_options` (the fields of `DSparkHeads`). DeepSpec is the inference

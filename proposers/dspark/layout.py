@@ -12,6 +12,7 @@
   fields at the top level (DeepSpec deepspec/modeling/dspark/qwen3/config.py:9-56). Layer ids count
   the output of layer i, -1 being the embedding output (deepspec/modeling/dspark/common.py:52-75).
 * DeepSpec's Gemma 4 (`"architectures": ["Gemma4DSparkModel"]`): gemma4_layout.py.
+* DeepSeek-V4's (`"architectures": ["DeepseekV4DSparkModel"]`): dsv4_layout.py.
 
 Both resolve their head settings to `DSparkHeads`, with the defaults each reference applies. A
 `confidence_threshold` field is this project's, not the references': DeepSpec takes the threshold
@@ -40,9 +41,9 @@ DeepSpecIds = Annotated[list[Annotated[int, Field(ge=-1, le=LARGEST)]], Field(mi
 Threshold = Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)]
 
 
-# DSpark layouts engines serve whose decoder neither block drafter (proposers/toolkit/block_drafter.py's
-# Qwen3 layers, toolkit/gemma4/decoder.py's Gemma 4 layers) is: architecture -> (whose layout, what
-# specreplay lacks for it), refused by name
+# DSpark layouts engines serve whose decoder no block drafter here has (proposers/toolkit/block_drafter.py's
+# Qwen3 layers, toolkit/gemma4/decoder.py's Gemma 4 layers, toolkit/dsv4/decoder.py's DeepSeek-V4 stages):
+# architecture -> (whose layout, what specreplay lacks for it), refused by name
 REFUSED_ARCHITECTURES = {
     "K3DSparkModel": (
         "Kimi K3's DSpark",
