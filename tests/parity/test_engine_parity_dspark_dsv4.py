@@ -10,9 +10,9 @@
 - the wrong rules (no hyper-connection mixing, no window, softmax expert scoring, feature layers one
   off, no attention sinks, the output's rope left in place) each change anchors' drafts and samples' walks.
 
-No llama-server run: llama.cpp's converter takes DeepSeek-V4's experts only as MXFP4 blocks with E8M0
-scales (conversion/deepseek.py:736-757, conversion/base.py:758-790), which a transformers target has
-not (docs/drafter-families.md#dspark).
+No llama-server run: llama-server dies of SIGFPE loading a DeepSeek-V4 target without a compressed
+layer (src/llama-kv-cache.cpp:1455-1457, its indexer cache empty), and llama.cpp's converter takes
+DeepSeek's layout with MXFP4 experts only (conversion/deepseek.py:721-731); docs/drafter-families.md#dspark.
 
 The target: transformers' DeepseekV4ForCausalLM (four uncompressed layers, two hyper-connection
 streams, four experts), emitting twelve ids; the drafter (two stages) fitted through the reference's
