@@ -97,6 +97,8 @@ def _decoder_rules(checked: DeepseekV4DSpark) -> list[tuple[str, tuple, object, 
          "DeepseekV4TopKRouter) do not implement; set it true"),
         ("num_key_value_heads", (1,), checked.num_key_value_heads or 1,
          "vLLM and llama.cpp attend with DeepSeek-V4's one shared key/value head; set 1"),
+        ("hc_mult", (4,), checked.hc_mult, "llama.cpp's DeepSeek-V4 graph runs four hyper-connection streams only "
+         "(src/models/deepseek4.cpp:366); set 4"),
         ("n_shared_experts", (1,), 1 if checked.n_shared_experts is None else checked.n_shared_experts,
          "llama.cpp's DSpark graph runs one shared expert (src/models/dflash.cpp:988-992); set 1"),
         ("compress_ratios", ((),), tuple(stage_ratios), "vLLM would compress a stage's attention "

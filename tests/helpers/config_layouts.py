@@ -44,7 +44,7 @@ DSV4_DSPARK = dict(
     architectures=["DeepseekV4DSparkModel"], vocab_size=512, hidden_size=64, moe_intermediate_size=32,
     num_hidden_layers=TARGET_LAYERS, num_attention_heads=4, num_key_value_heads=1, head_dim=16, qk_rope_head_dim=8,
     q_lora_rank=32, o_groups=2, o_lora_rank=16, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
-    scoring_func="sqrtsoftplus", norm_topk_prob=True, hc_mult=2, sliding_window=8, rope_theta=10000.0,
+    scoring_func="sqrtsoftplus", norm_topk_prob=True, hc_mult=4, sliding_window=8, rope_theta=10000.0,
     compress_ratios=[4, 128, 4, 128, 4, 0, 0, 0], num_hash_layers=3, n_mtp_layers=2, dspark_block_size=4,
     dspark_noise_token_id=511, dspark_target_layer_ids=[1, 3], dspark_markov_rank=8, enable_confidence_head=False,
 )  # fmt: skip
@@ -287,6 +287,7 @@ REFUSALS += [  # DeepSeek-V4's DSpark: what llama.cpp's graph refuses, or the en
     ("dspark:deepseek-v4", "norm_topk_prob", False, "vLLM", True),
     ("dspark:deepseek-v4", "num_key_value_heads", 2, "vLLM", 1),
     ("dspark:deepseek-v4", "n_shared_experts", 2, "llama.cpp", 1),
+    ("dspark:deepseek-v4", "hc_mult", 2, "llama.cpp", 4),
     ("dspark:deepseek-v4", "draft_vocab_size", 256, "vLLM", 512),
     ("dspark:deepseek-v4", "dspark_draft_topk", 8, "vLLM", ABSENT),
     ("dspark:deepseek-v4", "sample_from_anchor", False, "vLLM", True),

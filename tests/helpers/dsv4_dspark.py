@@ -50,7 +50,7 @@ DECODER = dict(
     vocab_size=VOCAB, hidden_size=64, moe_intermediate_size=64, num_attention_heads=4, num_key_value_heads=1,
     head_dim=32, qk_rope_head_dim=16, q_lora_rank=32, o_groups=2, o_lora_rank=16, n_routed_experts=4,
     num_experts_per_tok=2, n_shared_experts=1, scoring_func="sqrtsoftplus", norm_topk_prob=True,
-    routed_scaling_factor=1.5, hc_mult=2, hc_sinkhorn_iters=20, hc_eps=1e-6, swiglu_limit=10.0,
+    routed_scaling_factor=1.5, hc_mult=4, hc_sinkhorn_iters=20, hc_eps=1e-6, swiglu_limit=10.0,
     sliding_window=WINDOW, rope_theta=10000.0, rms_norm_eps=1e-6, hidden_act="silu", max_position_embeddings=2048,
 )  # fmt: skip
 ROPE = {

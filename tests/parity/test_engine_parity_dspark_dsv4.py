@@ -10,11 +10,11 @@
 - the wrong rules (no hyper-connection mixing, no window, softmax expert scoring, feature layers one
   off, no attention sinks, the output's rope left in place) each change anchors' drafts and samples' walks.
 
-No llama-server run: llama-server dies of SIGFPE loading a DeepSeek-V4 target without a compressed
-layer (src/llama-kv-cache.cpp:1455-1457, its indexer cache empty), and llama.cpp's converter takes
-DeepSeek's layout with MXFP4 experts only (conversion/deepseek.py:721-731); docs/drafter-families.md#dspark.
+No llama-server run: llama.cpp's converter takes DeepSeek's layout with MXFP4 experts only
+(conversion/deepseek.py:721-731), and llama-server dies of SIGFPE loading a DeepSeek-V4 target without a
+compressed layer (src/llama-kv-cache.cpp:1455-1457, its indexer cache empty); docs/drafter-families.md#dspark.
 
-The target: transformers' DeepseekV4ForCausalLM (four uncompressed layers, two hyper-connection
+The target: transformers' DeepseekV4ForCausalLM (four uncompressed layers, four hyper-connection
 streams, four experts), emitting twelve ids; the drafter (two stages) fitted through the reference's
 own forward.
 """
