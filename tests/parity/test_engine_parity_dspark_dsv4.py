@@ -253,3 +253,17 @@ def test_a_config_the_engines_refuse_is_one_error_line(setup, tmp_path):
     assert run.exit_code != 0 and run.output.count("error:") == 1, run.output
     assert "field 'scoring_func' is 'softmax'" in run.output and "set sqrtsoftplus" in run.output, run.output
     assert "Traceback" not in run.output and not any(out.glob("**/summary.parquet")), run.output
+
+
+def test_sampled_shards_score_through_dsparks_sampled_path(setup):
+    """T > 0: shards the target sampled at 0.7 score through DSpark's sampled acceptance (DeepSpec's
+    q = softmax((base + bias) / T), proposers/dspark/model.py), a positive expected acceptance."""
+    import polars as pl
+
+    tmp, _, ckpt, *_ = setup
+    sampled = chains.extract(
+        tmp / "sampled", tmp / "target", tmp / "prompts.jsonl", MAX_NEW, d4.STORED, temperature=0.7
+    )
+    summary = pl.read_parquet(f"{chains.score(ckpt, sampled, tmp / 'sampled-score', eagle_trees=[])}/summary.parquet")
+    print(f"\nT 0.7: {summary.select('temperature', 'tau', 'tau_se').row(0)}")
+    assert summary["temperature"][0] == 0.7 and summary["tau"][0] > 0, summary
