@@ -27,6 +27,7 @@ import torch
 from torch import nn
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4RMSNorm
 
+from proposers.checkpoints.files import CheckpointError
 from proposers.dspark.dsv4_layout import DeepseekV4DSpark
 from proposers.dspark.layout import resolve_heads
 from proposers.dspark.model import DSparkDrafter
@@ -191,6 +192,16 @@ class DSV4DSparkDrafter(DSparkDrafter):
         self.hc_head = HyperHead(hf)
         if self.confidence_head is not None:  # no bias (vLLM's DSparkConfidenceHead default)
             self.confidence_head.proj = nn.Linear(self.confidence_head.proj.in_features, 1, bias=False)
+
+    def check_checkpoint(self, state: dict, source: str, config_file: str) -> None:
+        """A quantized checkpoint (FP8 block scales, MXFP4 experts: DeepSeek's released layout) is refused
+        by its first scale tensor: the stages are read in bf16/fp32 only."""
+        scale = next((name for name in state if name.startswith("mtp.") and name.endswith(".scale")), None)
+        if scale is not None:
+            raise CheckpointError(
+                f"{source}: tensor {scale!r} is a quantization scale; specreplay reads DeepSeek-V4 DSpark stages in "
+                "bf16 or fp32 only; dequantize the checkpoint first (FP8 block scales, MXFP4 experts)"
+            )
 
     @property
     def optional_weights(self) -> tuple[str, ...]:

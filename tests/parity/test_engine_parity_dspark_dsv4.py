@@ -233,26 +233,46 @@ def test_a_wrong_rule_differs_from_the_engines_rule(setup, chain_at, wrong):
     assert found["slots"] > 0
 
 
+def _one_error_line(ckpt: str, shards: str, out) -> str:
+    from click.testing import CliRunner
+
+    from specreplay.cli import main
+
+    run = CliRunner().invoke(main, ["score", "--ckpt", ckpt, "--shards", shards, "--out", str(out), "--quiet"])
+    print(f"\n{run.output.strip()}")
+    assert run.exit_code != 0 and run.output.count("error:") == 1, run.output
+    assert "Traceback" not in run.output and not any(out.glob("**/summary.parquet")), run.output
+    return run.output
+
+
 def test_a_config_the_engines_refuse_is_one_error_line(setup, tmp_path):
     """`specreplay score` on the drafter with softmax expert scoring, which llama.cpp's graph refuses: one
     `error:` line naming the field and the fix, nothing written."""
     import json
     import shutil
 
-    from click.testing import CliRunner
-
-    from specreplay.cli import main
-
     _, shards, ckpt, *_ = setup
     bad = tmp_path / "softmax"
     shutil.copytree(ckpt, bad)
     (bad / "config.json").write_text(json.dumps(d4.drafter_config(scoring_func="softmax")))
-    out = tmp_path / "out"
-    run = CliRunner().invoke(main, ["score", "--ckpt", str(bad), "--shards", shards, "--out", str(out), "--quiet"])
-    print(f"\n{run.output.strip()}")
-    assert run.exit_code != 0 and run.output.count("error:") == 1, run.output
-    assert "field 'scoring_func' is 'softmax'" in run.output and "set sqrtsoftplus" in run.output, run.output
-    assert "Traceback" not in run.output and not any(out.glob("**/summary.parquet")), run.output
+    output = _one_error_line(str(bad), shards, tmp_path / "out")
+    assert "field 'scoring_func' is 'softmax'" in output and "set sqrtsoftplus" in output, output
+
+
+def test_a_quantized_checkpoint_is_one_error_line(setup, tmp_path):
+    """DeepSeek's released layout (MXFP4 experts with E8M0 scales): refused by its first scale tensor."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    _, shards, ckpt, *_ = setup
+    bad = tmp_path / "mxfp4"
+    shutil.copytree(ckpt, bad)
+    state = load_file(str(bad / "model.safetensors"))
+    state["mtp.0.ffn.experts.0.w1.scale"] = torch.full((64, 2), 127, dtype=torch.uint8)
+    save_file(state, str(bad / "model.safetensors"), metadata={"format": "pt"})
+    output = _one_error_line(str(bad), shards, tmp_path / "out")
+    assert "'mtp.0.ffn.experts.0.w1.scale' is a quantization scale" in output and "dequantize" in output, output
 
 
 def test_sampled_shards_score_through_dsparks_sampled_path(setup):
