@@ -15,7 +15,8 @@ speculator.py) and llama.cpp (conversion/deepseek.py:927-1034, src/models/dflash
   bias (dspark.py:176-181, 435-441; dflash.cpp:1004-1005, converter maps `proj.weight` only).
 
 The engines differ in the context window (decoder.py): vLLM's anchored at the block is the default,
-llama.cpp's per query runs under `--walk-rule llama.cpp`. Every `--attention` mode gathers the
+llama.cpp's per query runs under `--walk-rule llama.cpp` (its mask as the graph states it; a
+running llama-server's draft KV ring keeps more state, not matched yet: docs/drafter-families.md#dspark). Every `--attention` mode gathers the
 window's keys (dense arithmetic over at most `sliding_window` context keys per anchor).
 """
 
