@@ -113,7 +113,10 @@ def layer_outputs(layers: torch.nn.ModuleList, hooks: list[tuple[int, int]], put
 
     def hook_for(layer_id):
         def hook(module, args, output):
-            put(layer_id, (output[0] if isinstance(output, (tuple, list)) else output)[0])
+            hidden = (output[0] if isinstance(output, (tuple, list)) else output)[0]
+            if hidden.dim() == 3:  # DeepSeek-V4's hyper-connection streams [T, hc, H]: their mean, as
+                hidden = hidden.mean(dim=-2)  # vLLM (deepseek_v4/nvidia/model.py:1006-1011) and llama.cpp keep
+            put(layer_id, hidden)  # (src/models/deepseek4.cpp:269, 1239-1241)
 
         return hook
 

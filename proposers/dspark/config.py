@@ -6,6 +6,8 @@
 * SpecForge (`dflash_config.projector_type: "dspark"`) and DeepSpec (`Qwen3DSparkModel`)
   (layout.py): output-of-layer ids, every slot drafts (unless the file says
   `sample_from_anchor: false`, which every engine serves as the fill-in block).
+* DeepSpec's Gemma 4 (`Gemma4DSparkModel`, gemma4.py) and DeepSeek-V4's (`DeepseekV4DSparkModel`,
+  dsv4.py): their own decoders (proposers/toolkit/gemma4/, proposers/toolkit/dsv4/).
 
 The backbone is the block drafter's (proposers/toolkit/block_drafter.py), the heads are model.py's; the head settings go to
 `DrafterConfig.family_options` (the fields of `DSparkHeads`). DeepSpec is the inference
@@ -17,7 +19,10 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
-from proposers.dspark.gemma4 import build, parse_gemma4
+from proposers.dspark import gemma4
+from proposers.dspark.dsv4 import DSV4DSparkDrafter, parse_dsv4
+from proposers.dspark.dsv4_layout import DeepseekV4DSpark
+from proposers.dspark.gemma4 import parse_gemma4
 from proposers.dspark.gemma4_layout import DeepSpecGemma4DSpark
 from proposers.dspark.layout import DeepSpecDSpark, DSparkHeads, SpecForgeDSpark, SpeculatorsDSpark, resolve_heads
 from proposers.fields.rules import check_speculators_block, check_target_width, dspark_from_anchor
@@ -36,6 +41,8 @@ def parse_drafter_config(checked, raw: dict, source: str = "config", target_laye
         return _deepspec(checked, raw, source)
     if isinstance(checked, DeepSpecGemma4DSpark):
         return parse_gemma4(checked, raw, source)
+    if isinstance(checked, DeepseekV4DSpark):
+        return parse_dsv4(checked, raw, source)
     raise DrafterConfigError(f"{source}: a {type(checked).__name__} config is not one of DSpark's layouts")
 
 
@@ -161,6 +168,13 @@ def set_confidence_threshold(config: DrafterConfig, threshold: float, source: st
             "--spec-draft-p-min above 0 for it); drop the option"
         )
     config.family_options["confidence_threshold"] = float(threshold)
+
+
+def build(config: DrafterConfig):
+    """The DSpark drafter of `config`: on DeepSeek-V4 stages, Gemma 4 layers or Qwen 3's."""
+    if config.family_options.get("decoder") == "dsv4":
+        return DSV4DSparkDrafter(config)
+    return gemma4.build(config)
 
 
 FAMILY = Family(

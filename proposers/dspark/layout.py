@@ -12,6 +12,7 @@
   fields at the top level (DeepSpec deepspec/modeling/dspark/qwen3/config.py:9-56). Layer ids count
   the output of layer i, -1 being the embedding output (deepspec/modeling/dspark/common.py:52-75).
 * DeepSpec's Gemma 4 (`"architectures": ["Gemma4DSparkModel"]`): gemma4_layout.py.
+* DeepSeek-V4's (`"architectures": ["DeepseekV4DSparkModel"]`): dsv4_layout.py.
 
 Both resolve their head settings to `DSparkHeads`, with the defaults each reference applies. A
 `confidence_threshold` field is this project's, not the references': DeepSpec takes the threshold
@@ -28,6 +29,7 @@ from pydantic import Field, field_validator
 
 from pipeline.common.layer_ids import build_target_layer_ids
 from pipeline.common.schema import LARGEST, Count, Number, Positive, SchemaError, wrong
+from proposers.dspark.dsv4_layout import DeepseekV4DSpark
 from proposers.dspark.gemma4_layout import DeepSpecGemma4DSpark
 from proposers.toolkit.layout_fields import REQUIRED_SHAPE, BlockDecoderFields, DrafterNamespace, LayerIds, unique_ids
 from proposers.toolkit.speculators_layout import SpeculatorsBlock
@@ -39,9 +41,9 @@ DeepSpecIds = Annotated[list[Annotated[int, Field(ge=-1, le=LARGEST)]], Field(mi
 Threshold = Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)]
 
 
-# DSpark layouts engines serve whose decoder neither block drafter (proposers/toolkit/block_drafter.py's
-# Qwen3 layers, toolkit/gemma4/decoder.py's Gemma 4 layers) is: architecture -> (whose layout, what
-# specreplay lacks for it), refused by name
+# DSpark layouts engines serve whose decoder no block drafter here has (proposers/toolkit/block_drafter.py's
+# Qwen3 layers, toolkit/gemma4/decoder.py's Gemma 4 layers, toolkit/dsv4/decoder.py's DeepSeek-V4 stages):
+# architecture -> (whose layout, what specreplay lacks for it), refused by name
 REFUSED_ARCHITECTURES = {
     "K3DSparkModel": (
         "Kimi K3's DSpark",
@@ -51,11 +53,6 @@ REFUSED_ARCHITECTURES = {
         "vLLM's Qwen3-Omni DSpark",
         "whose decoder is Qwen3 DSpark's over the Omni thinker's features (vLLM's qwen3_omni_dspark.py) but "
         "whose config and layer numbering no public checkpoint here shows, and llama.cpp has no converter for it",
-    ),
-    "DeepseekV4DSparkModel": (
-        "DeepSeek-V4's DSpark",
-        "whose stages mtp.* are DeepSeek-V4 blocks: hyper-connections, MLA, mixture of experts "
-        "(llama.cpp conversion/deepseek.py:927-1034)",
     ),
 }
 
@@ -284,4 +281,4 @@ class DeepSpecDSpark(BlockDecoderFields):
         )
 
 
-LAYOUTS = (SpeculatorsDSpark, SpecForgeDSpark, DeepSpecDSpark, DeepSpecGemma4DSpark)
+LAYOUTS = (SpeculatorsDSpark, SpecForgeDSpark, DeepSpecDSpark, DeepSpecGemma4DSpark, DeepseekV4DSpark)

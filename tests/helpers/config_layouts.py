@@ -46,6 +46,14 @@ MIMO = dict(
     swa_num_key_value_heads=2, swa_head_dim=24, swa_v_head_dim=16, swa_rope_theta=10000.0, sliding_window_size=64,
     add_swa_attention_sink_bias=True, layernorm_epsilon=1e-5,
 )  # fmt: skip
+DSV4_DSPARK = dict(
+    architectures=["DeepseekV4DSparkModel"], vocab_size=512, hidden_size=64, moe_intermediate_size=32,
+    num_hidden_layers=TARGET_LAYERS, num_attention_heads=4, num_key_value_heads=1, head_dim=16, qk_rope_head_dim=8,
+    q_lora_rank=32, o_groups=2, o_lora_rank=16, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+    scoring_func="sqrtsoftplus", norm_topk_prob=True, hc_mult=4, sliding_window=8, rope_theta=10000.0,
+    compress_ratios=[4, 128, 4, 128, 4, 0, 0, 0], num_hash_layers=3, n_mtp_layers=2, dspark_block_size=4,
+    dspark_noise_token_id=511, dspark_target_layer_ids=[1, 3], dspark_markov_rank=8, enable_confidence_head=False,
+)  # fmt: skip
 DFLASH2_KEYS = dict(conv_kernel_size=2, conv_group_size=8, selector_rank=8, selector_top_k=4)
 
 
@@ -109,6 +117,7 @@ BASE = {
         "markov_rank": 0,
     },
     "dspark:gemma4": lambda: dict(GEMMA4_DSPARK),
+    "dspark:deepseek-v4": lambda: dict(DSV4_DSPARK),
     "eagle3:speculators": lambda: _speculators("eagle3", LLAMA, 3, eagle_aux_hidden_state_layer_ids=[2, 3, 4]),
     "peagle:speculators": lambda: _speculators(
         "peagle", LLAMA, 3, eagle_aux_hidden_state_layer_ids=[2, 3, 4], mask_token_id=1
@@ -281,6 +290,18 @@ REFUSALS += [  # DeepSpec's Gemma 4 DSpark: what llama.cpp's converter refuses o
     ("dspark:gemma4", "dflash_config.mask_token_id", 7, "vLLM", 511),
 ]
 
+REFUSALS += [  # DeepSeek-V4's DSpark: what llama.cpp's graph refuses, or the engines run apart
+    ("dspark:deepseek-v4", "scoring_func", "softmax", "llama.cpp", "sqrtsoftplus"),
+    ("dspark:deepseek-v4", "hidden_act", "gelu", "llama.cpp", "silu"),
+    ("dspark:deepseek-v4", "norm_topk_prob", False, "vLLM", True),
+    ("dspark:deepseek-v4", "num_key_value_heads", 2, "vLLM", 1),
+    ("dspark:deepseek-v4", "n_shared_experts", 2, "llama.cpp", 1),
+    ("dspark:deepseek-v4", "hc_mult", 2, "llama.cpp", 4),
+    ("dspark:deepseek-v4", "draft_vocab_size", 256, "vLLM", 512),
+    ("dspark:deepseek-v4", "dspark_draft_topk", 8, "vLLM", ABSENT),
+    ("dspark:deepseek-v4", "sample_from_anchor", False, "vLLM", True),
+]
+
 # Refusals that predate docs/config-fields.md or need several fields changed at once:
 # (layout, the field the error names, the changes that make the config refused)
 SLIDING = {"layer_types": ["sliding_attention", "full_attention"], "use_sliding_window": True, "sliding_window": 8}
@@ -323,6 +344,11 @@ PRIOR_REFUSALS = [
     ("mtp:mimo", "swa_head_dim", {"swa_head_dim": None}),
     ("mtp:mimo", "swa_num_attention_heads", {"swa_num_attention_heads": None}),
     ("mtp:mimo", "swa_num_key_value_heads", {"swa_num_key_value_heads": None}),
+    ("dspark:deepseek-v4", "compress_ratios", {"compress_ratios": [0] * 6 + [4, 0]}),  # a stage compressed
+    ("dspark:deepseek-v4", "dspark_noise_token_id", {"dspark_noise_token_id": 600}),  # past the vocabulary
+    ("dspark:deepseek-v4", "dspark_noise_token_id", {"dspark_noise_token_id": None}),
+    ("dspark:deepseek-v4", "dspark_target_layer_ids", {"dspark_target_layer_ids": [1, 5]}),  # the target's last
+    ("dspark:deepseek-v4", "dspark_markov_rank", {"dspark_markov_rank": None}),
     ("ngram:llama.cpp", "lookup-cache-static", {"spec-type": "ngram-cache", "lookup-cache-static": "static.bin"}),
     ("ngram:llama.cpp", "lookup-cache-dynamic", {"spec-type": "ngram-cache", "lookup-cache-dynamic": "dynamic.bin"}),
     ("ngram:sglang", "speculative_ngram_external_corpus_path", {"speculative_ngram_external_corpus_path": "c.jsonl"}),
