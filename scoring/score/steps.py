@@ -136,6 +136,7 @@ def prepare_job(ckpt: str, shardset: ShardSet, out_dir: str, config: ScoreConfig
     with timing.stage("load drafter"):
         proposer, info = load_proposer(ckpt, dtype, device, target_layers=layers, override=override)
     set_chain_steps(config.steps, info.config, ckpt, config.walk_rule)
+    warn_unmatched_rule(info.config, ckpt, config.walk_rule)
     set_confidence_threshold(config.confidence_threshold, info.config, ckpt)
     chosen, selection = choose_samples(shardset, config)
     sampling = sampling_of(manifest["settings"])
@@ -247,6 +248,16 @@ def set_chain_steps(steps: int | None, drafter_config, ckpt: str, rule: str = DE
             f"use --steps {drafter_config.max_drafts} or fewer"
         )
     drafter_config.block_size = steps + drafter_config.first_draft_slot
+
+
+def warn_unmatched_rule(drafter_config, ckpt: str, rule: str) -> None:
+    """A layout whose engine's counts under `rule` are not matched yet says so (family_options'
+    `unmatched_rules`: rule -> why), rather than its figures passing for the engine's."""
+    why = (getattr(drafter_config, "family_options", None) or {}).get("unmatched_rules", {}).get(rule)
+    if why:
+        warnings.warn(
+            f"{ckpt}: --walk-rule {rule} is not matched to the engine for this layout yet: {why}", stacklevel=2
+        )
 
 
 def _check_chained_heads(steps: int, drafter_config, rule: str) -> None:

@@ -287,3 +287,18 @@ def test_sampled_shards_score_through_dsparks_sampled_path(setup):
     summary = pl.read_parquet(f"{chains.score(ckpt, sampled, tmp / 'sampled-score', eagle_trees=[])}/summary.parquet")
     print(f"\nT 0.7: {summary.select('temperature', 'tau', 'tau_se').row(0)}")
     assert summary["temperature"][0] == 0.7 and summary["tau"][0] > 0, summary
+
+
+def test_llama_cpps_rule_says_it_is_not_matched_to_the_server(setup, tmp_path):
+    """`--walk-rule llama.cpp` scores llama.cpp's mask as its graph states it, which a running llama-server
+    did not match (docs/drafter-families.md#dspark): a warning says so, naming the checkpoint; the
+    default rule none."""
+    import warnings
+
+    _, shards, ckpt, *_ = setup
+    with pytest.warns(UserWarning, match=r"--walk-rule llama.cpp is not matched to the engine") as caught:
+        chains.score(ckpt, shards, tmp_path / "a", eagle_trees=[], walk_rule="llama.cpp", limit=1)
+    assert [str(w.message).startswith(f"{ckpt}: ") for w in caught] == [True], [str(w.message) for w in caught]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        chains.score(ckpt, shards, tmp_path / "b", eagle_trees=[], limit=1)
