@@ -38,7 +38,6 @@ from proposers.toolkit.config import DrafterConfig, DrafterConfigError, refuse_f
 from proposers.toolkit.conventions import REFERENCE, Conventions
 from proposers.toolkit.dsv4.decoder import SLIDING, DSV4BlockLayer, HyperHead, MainRotary, dsv4_config, window_mask
 
-
 # what --walk-rule llama.cpp leaves out for this layout: the probe in docs/drafter-families.md#dspark
 UNMATCHED = {
     "llama.cpp": "llama-server's DeepSeek-V4 DSpark counts differed from this replay on the samples probed "
