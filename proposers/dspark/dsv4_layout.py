@@ -18,8 +18,8 @@ from typing import Any, ClassVar
 
 from pydantic import field_validator
 
-from pipeline.common.schema import Count, Number, Positive, Schema, SchemaError, wrong
-from proposers.toolkit.layout_fields import LayerIds, unique_ids
+from pipeline.common.schema import Count, Number, Positive, Schema, SchemaError
+from proposers.toolkit.layout_fields import LayerIds, names_architecture, unique_ids
 
 ARCHITECTURE = "DeepseekV4DSparkModel"
 STAGES = 3  # vLLM's default stage count (dspark.py:106)
@@ -81,12 +81,7 @@ class DeepseekV4DSpark(Schema):
 
     _unique = field_validator("dspark_target_layer_ids")(unique_ids)
 
-    @field_validator("architectures")
-    @classmethod
-    def _deepseek_v4(cls, value):
-        if ARCHITECTURE not in value:
-            raise wrong(value, f"['{ARCHITECTURE}']")
-        return value
+    _architecture = field_validator("architectures")(names_architecture(ARCHITECTURE))
 
     @property
     def family(self) -> str:

@@ -17,8 +17,8 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import field_validator
 
-from pipeline.common.schema import Count, Number, Positive, Schema, SchemaError, wrong
-from proposers.toolkit.layout_fields import REQUIRED_SHAPE, DrafterNamespace, LayerIds, unique_ids
+from pipeline.common.schema import Count, Number, Positive, Schema, SchemaError
+from proposers.toolkit.layout_fields import REQUIRED_SHAPE, DrafterNamespace, LayerIds, names_architecture, unique_ids
 
 ARCHITECTURE = "Gemma4DSparkModel"
 
@@ -79,12 +79,7 @@ class DeepSpecGemma4DSpark(Schema):
 
     _unique = field_validator("target_layer_ids")(unique_ids)
 
-    @field_validator("architectures")
-    @classmethod
-    def _gemma4(cls, value):
-        if ARCHITECTURE not in value:
-            raise wrong(value, f"['{ARCHITECTURE}']")
-        return value
+    _architecture = field_validator("architectures")(names_architecture(ARCHITECTURE))
 
     @property
     def family(self) -> str:

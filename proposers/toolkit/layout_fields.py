@@ -32,6 +32,17 @@ def unique_ids(value):
     return value
 
 
+def names_architecture(architecture: str):
+    """A validator of `architectures` for a layout told apart by one architecture name."""
+
+    def check(value):
+        if architecture not in value:
+            raise wrong(value, f"['{architecture}']")
+        return value
+
+    return check
+
+
 LayerType = Literal["full_attention", "sliding_attention"]
 # transformers' activation names (ACT2FN), which the MLP looks its function up by; declared here so
 # a typo is refused with the config, not as a KeyError once the model is built (a test checks the
