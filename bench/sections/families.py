@@ -13,8 +13,8 @@ heads) / XPressDraftModel (issue 36: its refiner's Jacobi passes must not domina
 save_pretrained. SpecForge and DeepSpec are not installed: their DSpark
 layouts are the speculators drafter's tensors beside the config.json each writes
 (docs/drafter-families.md#dspark), DeepSpec with its own copies of the embedding and lm_head;
-DeepSpec's Gemma 4 DSpark is built and saved by the tests' reference of vLLM's rule (no public class
-trains it), on Gemma 4 block layers of the same shapes.
+DeepSpec's Gemma 4 DSpark and DeepSeek-V4's DSpark (one stage: a full DeepSeek-V4 block, DSV4) are
+built and saved by the tests' references of vLLM's rule (no public class trains them).
 Every family takes its extra fields at the defaults speculators gives them (DFlash2: kernel 2,
 group 16, selector rank 256, top 16; DSpark: Markov rank 256, confidence head on the Markov
 embedding; XPress: refiner rank 256, 6 Jacobi passes).
@@ -73,6 +73,7 @@ LAYOUTS = (
     ("specforge-dspark", "dspark", "specforge", "SpecForge DSpark"),
     ("deepspec-dspark", "dspark", "deepspec", "DeepSpec DSpark"),
     ("deepspec-gemma4-dspark", "dspark", "deepspec", "DeepSpec Gemma 4 DSpark, vanilla head"),
+    ("deepseek-v4-dspark", "dspark", "deepseek-v4", "DeepSeek-V4 DSpark, one stage, vanilla head"),
     ("speculators-xpress", "xpress", "speculators", "speculators XPress, 6 refiner passes"),
     ("vllm-xpress", "xpress", "vllm", "vLLM XPress, 6 refiner passes, top-512"),
 )
@@ -80,6 +81,7 @@ LAYOUTS = (
 EXTRA_WORK = {"zlab-dflash2": "selector", "speculators-dspark": "Markov + confidence heads"}
 EXTRA_WORK["speculators-dspark-rnn"] = EXTRA_WORK["speculators-dspark"]
 EXTRA_WORK["deepspec-gemma4-dspark"] = "Markov head"
+EXTRA_WORK["deepseek-v4-dspark"] = "Markov head"
 EXTRA_WORK["speculators-xpress"] = "refiner passes"
 EXTRA_WORK["vllm-xpress"] = "refiner passes over the top-512"
 DOMINATES = 0.5  # the family's own extra work above this share of its replay would dominate it
@@ -101,6 +103,7 @@ BREAKDOWN_ROWS = (
     "speculators-dspark",
     "speculators-dspark-rnn",
     "deepspec-gemma4-dspark",
+    "deepseek-v4-dspark",
     "speculators-xpress",
     "vllm-xpress",
 )
@@ -263,6 +266,7 @@ def build_drafters(work: Path, layer_ids: list[int]) -> dict[str, str]:
     speculators(work / "speculators-dspark-rnn", "dspark", layer_ids, seed=7, markov_head_type="rnn", **DSPARK)
     other_dspark_layouts(work, dspark, layer_ids)
     gemma4_dspark(work / "deepspec-gemma4-dspark", layer_ids, seed=9)
+    dsv4_dspark(work / "deepseek-v4-dspark", layer_ids, seed=10)
     speculators(work / "speculators-xpress", "xpress", layer_ids, seed=8, **XPRESS)
     vllm_xpress(work)
     return {key: str(work / key) for key, *_ in LAYOUTS}
@@ -305,6 +309,48 @@ def gemma4_dspark(out: Path, layer_ids: list[int], seed: int) -> None:
     )
     torch.manual_seed(seed)
     save(randomize(ReferenceGemma4DSpark(raw), seed), raw, out)
+
+
+# one DeepSeek-V4 stage at SmolLM2's width: a shared key/value head of 64 for 9 query heads, 3 output
+# groups, 4 hyper-connection streams, 32 experts (top 4) and a shared one, a 128-token window
+DSV4 = dict(
+    num_attention_heads=9, num_key_value_heads=1, head_dim=64, qk_rope_head_dim=32, q_lora_rank=192, o_groups=3,
+    o_lora_rank=128, n_routed_experts=32, num_experts_per_tok=4, n_shared_experts=1, moe_intermediate_size=384,
+    scoring_func="sqrtsoftplus", norm_topk_prob=True, routed_scaling_factor=1.5, hc_mult=4, hc_sinkhorn_iters=20,
+    hc_eps=1e-6, swiglu_limit=10.0, sliding_window=128, rms_norm_eps=1e-6, hidden_act="silu",
+    max_position_embeddings=DECODER["max_position_embeddings"],
+)  # fmt: skip
+
+
+def dsv4_dspark(out: Path, layer_ids: list[int], seed: int) -> None:
+    """DeepSeek-V4's DSpark at SmolLM2's width: one stage (a full DeepSeek-V4 block, DSV4), random, in
+    DeepSeek's checkpoint names; built and saved by the tests' reference of vLLM's rule
+    (tests/helpers/dsv4_dspark.py; no public class trains it), on the target's embedding and lm_head."""
+    from transformers import DeepseekV4Config
+
+    from tests.helpers.dsv4_dspark import ROPE, ReferenceDSV4DSpark, save
+
+    hidden, vocab, layers = SMOLLM2["hidden_size"], SMOLLM2["vocab_size"], SMOLLM2["num_layers"]
+    stage = dict(DSV4, vocab_size=vocab, hidden_size=hidden, rope_parameters=ROPE)
+    hf = DeepseekV4Config(**stage, num_hidden_layers=1, layer_types=["sliding_attention"], mlp_layer_types=["moe"])
+    hf._attn_implementation = "eager"
+    raw = dict(
+        {k: v for k, v in stage.items() if k != "rope_parameters"},
+        architectures=["DeepseekV4DSparkModel"],
+        rope_theta=ROPE["main"]["rope_theta"],
+        num_hidden_layers=layers,
+        compress_ratios=[0] * (layers + 1),
+        num_hash_layers=0,
+        n_mtp_layers=1,
+        dspark_block_size=BLOCK_SIZE,
+        dspark_noise_token_id=vocab - 1,
+        dspark_target_layer_ids=list(layer_ids),
+        dspark_markov_rank=DSPARK["markov_rank"],
+        enable_confidence_head=False,
+    )
+    torch.manual_seed(seed)
+    model = ReferenceDSV4DSpark(hf, features=len(layer_ids), rank=DSPARK["markov_rank"], sinks=None)
+    save(randomize(model, seed), raw, out)
 
 
 def vllm_xpress(work: Path) -> None:

@@ -113,24 +113,30 @@ def drafter_config(**changes) -> dict:
 class ReferenceDSV4DSpark(nn.Module):
     """vLLM's DSparkDeepseekV4Model at one anchor's block, on transformers' DeepSeek-V4 modules."""
 
-    def __init__(self):
+    def __init__(
+        self, hf: DeepseekV4Config | None = None, features: int = len(FEATURES), rank: int = RANK, sinks=SINKS
+    ):
+        """`hf` the stages' config (the tests': hf_config(STAGES); the bench's, at its own widths), `sinks`
+        each head's attention sink (None: transformers' zeros)."""
         super().__init__()
-        hf = hf_config(STAGES)
+        hf = hf or hf_config(STAGES)
         self.hf, size = hf, hf.hidden_size
-        self.main_proj = nn.Linear(size * len(FEATURES), size, bias=False)  # dspark.py:115-122
+        self.main_proj = nn.Linear(size * features, size, bias=False)  # dspark.py:115-122
         self.main_norm = DeepseekV4RMSNorm(size, eps=hf.rms_norm_eps)  # :123
-        self.layers = nn.ModuleList(DeepseekV4DecoderLayer(hf, i) for i in range(STAGES))  # :131-139
+        self.layers = nn.ModuleList(DeepseekV4DecoderLayer(hf, i) for i in range(hf.num_hidden_layers))  # :131-139
         self.norm = DeepseekV4RMSNorm(size, eps=hf.rms_norm_eps)  # :154
         self.hc_head = DeepseekV4HyperHead(hf)  # hc_head_fn / base / scale :156-164
         self.markov_head = nn.Module()  # qwen3_dspark.py DSparkMarkovHead: w1 [V, r], w2 [r -> V]
-        self.markov_head.markov_w1 = nn.Embedding(hf.vocab_size, RANK)
-        self.markov_head.markov_w2 = nn.Linear(RANK, hf.vocab_size, bias=False)
+        self.markov_head.markov_w1 = nn.Embedding(hf.vocab_size, rank)
+        self.markov_head.markov_w2 = nn.Linear(rank, hf.vocab_size, bias=False)
         self.rotary = DeepseekV4RotaryEmbedding(hf)
-        model = DeepseekV4ForCausalLM(hf_config(STAGES, DRAFTER_INIT))  # transformers' own initialisation
+        init = type(hf)(**{**hf.to_dict(), "initializer_range": DRAFTER_INIT})
+        init._attn_implementation = "eager"
+        model = DeepseekV4ForCausalLM(init)  # transformers' own initialisation
         self.layers.load_state_dict(model.model.layers.state_dict())
         self.hc_head.load_state_dict(model.model.hc_head.state_dict())
-        for layer in self.layers:
-            layer.self_attn.sinks.data = torch.tensor(SINKS)
+        for layer in self.layers if sinks else ():
+            layer.self_attn.sinks.data = torch.tensor(sinks)
 
     def rope(self, x: torch.Tensor, positions: torch.Tensor):
         return self.rotary(x, positions[None], "main")  # sliding layers: plain RoPE (common/rope.py:32-36)
@@ -256,7 +262,7 @@ HEAD_STACK = {"norm.weight": "norm.weight", "hc_head.hc_fn": "hc_head_fn", "hc_h
 def deepseek_state(drafter: ReferenceDSV4DSpark) -> dict:
     """The reference's weights as DeepSeek's checkpoint names them: the context combiner in mtp.0, the
     head stack and heads in the last stage (dspark.py:572-600), each routed expert's w1/w2/w3."""
-    last, out = STAGES - 1, {}
+    last, out = len(drafter.layers) - 1, {}
     for name, tensor in drafter.state_dict().items():
         tensor = tensor.detach().contiguous()
         if name.startswith("layers."):
