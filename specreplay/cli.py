@@ -112,14 +112,20 @@ def interrupts_noted():
         yield seen
         return
 
+    from pipeline.common.errors import note_stop
+
+    note_stop(None)
+
     def handler(signum, frame):
         seen.set()
+        note_stop("SIGINT")  # for a stage whose native code turns the KeyboardInterrupt into another error
         signal.default_int_handler(signum, frame)
 
     def terminate(signum, frame):  # SIGTERM stops the work where it is, as Ctrl-C does
         from pipeline.common.errors import Terminated
 
         seen.set()
+        note_stop("SIGTERM")
         raise Terminated("SIGTERM")
 
     previous = signal.getsignal(signal.SIGTERM)

@@ -23,3 +23,23 @@ class Interrupted(KeyboardInterrupt):
 class Terminated(KeyboardInterrupt):
     """SIGTERM (a scheduler's stop, a lost node's shutdown) raised where the work is, as Ctrl-C is,
     so the same code keeps what was finished; exits 143."""
+
+
+# The stop the command line's handler saw (specreplay/cli.py interrupts_noted), none before one. Native
+# code a KeyboardInterrupt lands in may turn it into another error (safetensors: a ValueError); an
+# error raised after a stop is its echo, and a stage keeps its work as for the stop itself.
+_SEEN: list[str] = []
+
+
+def note_stop(signal_name: str | None) -> None:
+    """Record the stop ("SIGINT", "SIGTERM") a handler saw; None forgets it (a new command's start)."""
+    _SEEN[:] = [] if signal_name is None else [signal_name]
+
+
+def stop_behind(error: Exception) -> KeyboardInterrupt | None:
+    """The stop `error` echoes when one was seen (a Terminated for SIGTERM), else None."""
+    if not _SEEN:
+        return None
+    stop = Terminated("SIGTERM") if _SEEN[0] == "SIGTERM" else KeyboardInterrupt()
+    stop.__context__ = error
+    return stop

@@ -50,6 +50,7 @@ from pipeline import shards
 from pipeline.common import timing
 from pipeline.common.distributed import Dist, barrier, dist_from_env, init_dist, leave_dist, resolve_device
 from pipeline.common.dtypes import STORAGE_DTYPES
+from pipeline.common.errors import stop_behind
 from pipeline.common.layer_ids import final_prenorm_id
 from pipeline.common.sampling import Sampling
 from pipeline.common.settings import settings_diff
@@ -99,7 +100,10 @@ def write_rank_share(
         fetched = None if engine is None else engine_responses(engine, mine, plan, config, info, dist.rank, bar)
         run_rounds(model, info, mine, writer, capture_config, plan, config, bar, fetched, tokenizer, done)
         writer.close()
-    except KeyboardInterrupt as stop:  # Ctrl-C, or SIGTERM raised as one (specreplay/cli.py)
+    except (KeyboardInterrupt, Exception) as error:  # Ctrl-C, SIGTERM raised as one, or their echo
+        stop = error if isinstance(error, KeyboardInterrupt) else stop_behind(error)
+        if stop is None:
+            raise
         also = f" (and the engine's responses so far in {config.out}/responses/)" if engine is not None else ""
         raise kept_on_stop(writer, len(done), len(plan.items), config.out + also, stop) from None
     finally:

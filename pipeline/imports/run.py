@@ -34,7 +34,7 @@ import torch
 
 from pipeline import shards
 from pipeline.common.dtypes import FP8, STORAGE_NAMES
-from pipeline.common.errors import UserError
+from pipeline.common.errors import UserError, stop_behind
 from pipeline.common.layer_ids import check_layer_ids
 from pipeline.extract.capture import nonfinite_values
 from pipeline.extract.progress import SilentProgress
@@ -228,7 +228,10 @@ def write_samples(config, capture, head, plan: ImportPlan, dataset: str, progres
                 writer.exclude(excluded)
             bar.update(entry.kept, samples=f"{number}/{len(pending)}")
         writer.close()
-    except KeyboardInterrupt as stop:  # Ctrl-C, or SIGTERM raised as one (specreplay/cli.py)
+    except (KeyboardInterrupt, Exception) as error:  # Ctrl-C, SIGTERM raised as one, or their echo
+        stop = error if isinstance(error, KeyboardInterrupt) else stop_behind(error)
+        if stop is None:
+            raise
         raise kept_on_stop(writer, len(done), len(plan.entries), config.out, stop) from None
     finally:
         bar.close()
