@@ -144,13 +144,37 @@ class SpeculatorsMTP(SpeculatorsFormat):
         return [layers]
 
 
-class NativeNextN(Schema):
+class TargetHeadFields(Schema):
+    """What every head kept in its target's own checkpoint shares (NextN, MiMo's): the family, the
+    evidence naming the model_type and where the heads are (HEADS_AT), and NativeMTP's layer reading."""
+
+    HEADS_AT: ClassVar[str]
+
+    @property
+    def family(self) -> str:
+        return "mtp"
+
+    @property
+    def evidence(self) -> str:
+        return f"a target's config.json, model_type {self.model_type!r} ({self.HEADS_AT})"
+
+    @property
+    def layers(self) -> int | None:
+        return self.num_hidden_layers
+
+    check_complete = NativeMTP.check_complete
+    stored_layer_ids = NativeMTP.stored_layer_ids
+    feature_layers = NativeMTP.feature_layers
+
+
+class NativeNextN(TargetHeadFields):
     """A GLM-4.5 or DeepSeek-V3 target's own config.json (transformers' Glm4MoeConfig,
     DeepseekV3Config): its NextN head is `model.layers.{num_hidden_layers}.*` in the target's
     checkpoint (proposers/mtp/nextn.py). Only the keys the head's rule reads are typed here; the rest
     are the config class's (fields/known.py)."""
 
     LAYOUT: ClassVar[str] = "nextn"
+    HEADS_AT: ClassVar[str] = "NextN head"
     CONVENTION: ClassVar[str] = "output"
     MODEL_TYPES: ClassVar[tuple[str, ...]] = NEXTN_TARGET_TYPES
 
@@ -174,35 +198,20 @@ class NativeNextN(Schema):
     def namespaces(self) -> dict:
         return {"": (NEXTN_CONFIG_CLASSES[self.model_type], type(self))}
 
-    @property
-    def family(self) -> str:
-        return "mtp"
-
-    @property
-    def evidence(self) -> str:
-        return f"a target's config.json, model_type {self.model_type!r} (NextN head)"
-
-    @property
-    def layers(self) -> int | None:
-        return self.num_hidden_layers
-
-    check_complete = NativeMTP.check_complete
-    stored_layer_ids = NativeMTP.stored_layer_ids
-    feature_layers = NativeMTP.feature_layers
-
 
 # MiMo-V2-Flash: three chained MTP heads `model.mtp.layers.{0,1,2}.*` (proposers/mtp/mimo.py)
 MIMO_TARGET_TYPES = ("mimo_v2_flash",)
 MIMO_HEADS = 3  # the converter's count when the config states none (conversion/mimo.py:22-24)
 
 
-class NativeMimo(Schema):
+class NativeMimo(TargetHeadFields):
     """A MiMo-V2-Flash target's own config.json (transformers' MiMoV2FlashConfig, plus the keys the
     released config.json states and vLLM's mimo_v2_mtp.py and llama.cpp's conversion/mimo.py read):
     its MTP heads are `model.mtp.layers.{i}.*`, each a sliding-window attention layer of the `swa_*`
     shapes with a dense MLP (proposers/mtp/mimo.py). Typed here: what the heads' rule reads."""
 
     LAYOUT: ClassVar[str] = "mimo"
+    HEADS_AT: ClassVar[str] = "MTP heads model.mtp.layers.*"
     CONVENTION: ClassVar[str] = "output"
     MODEL_TYPES: ClassVar[tuple[str, ...]] = MIMO_TARGET_TYPES
 
@@ -231,22 +240,6 @@ class NativeMimo(Schema):
 
     def namespaces(self) -> dict:
         return {"": ("MiMoV2FlashConfig", type(self))}
-
-    @property
-    def family(self) -> str:
-        return "mtp"
-
-    @property
-    def evidence(self) -> str:
-        return f"a target's config.json, model_type {self.model_type!r} (MTP heads model.mtp.layers.*)"
-
-    @property
-    def layers(self) -> int | None:
-        return self.num_hidden_layers
-
-    check_complete = NativeMTP.check_complete
-    stored_layer_ids = NativeMTP.stored_layer_ids
-    feature_layers = NativeMTP.feature_layers
 
 
 LAYOUTS = (SpeculatorsMTP, NativeMTP, NativeNextN, NativeMimo)
