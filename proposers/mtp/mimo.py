@@ -279,23 +279,26 @@ class MimoDrafter(TargetStateHead):
     def _steps(self, block_embeds, anchors, context, attention, ctx_starts, conventions) -> torch.Tensor:
         """Post-norm states [A, b, H]. Step j (0-based) runs head_at(j) over the drafted rows 1..j
         (row r: token r, the state step r - 1 fed on, position t - 1 + r), seeing the context before
-        the anchor: a head reused (vLLM) recomputes the keys its own KV holds; a new head (llama.cpp)
-        writes its own for the drafted prefix, as common/speculative.cpp:1686-1697 re-decodes it."""
+        the anchor: a head reused (vLLM) keeps the keys of the rows it ran (its own KV) and runs row j
+        alone; a new head (llama.cpp) writes its own for the whole drafted prefix, as
+        common/speculative.cpp:1686-1697 re-decodes it."""
         *layer_kv, _ = context
         states = [self.first_hidden(anchors, context, ctx_starts)]  # pre-norm outputs, step by step
         hidden, heads = [self.layers[0].final_layernorm(states[0])], [0]
         starts = torch.zeros_like(anchors) if ctx_starts is None else ctx_starts
         ctx_len, backend = layer_kv[0][0].shape[-2], _backend(attention)
         bases = [self._base(anchors, starts, ctx_len, backend, r) for r in range(1, block_embeds.shape[1])]
+        held = {}  # head index -> (its block keys, the sink first; the rows they hold)
         for j in range(1, block_embeds.shape[1]):
             index = self.head_at(j, conventions)
             head, (ctx_k, ctx_v) = self.layers[index], layer_kv[index if conventions.chain_heads else 0]
-            keys = [head.self_attn.sink(anchors.shape[0], block_embeds)]
-            for r in range(1, j + 1):
+            keys, done = held.get(index, ([head.self_attn.sink(anchors.shape[0], block_embeds)], 0))
+            for r in range(done + 1, j + 1):
                 state = self.fed_on(states[r - 1], heads[r - 1], conventions)[:, None]
                 out, keys = self._row(
                     head, state, block_embeds[:, r : r + 1], anchors + r - 1, bases[r - 1], ctx_k, ctx_v, keys
                 )
+            held[index] = keys, j
             states.append(out)
             heads.append(index)
             hidden.append(head.final_layernorm(out))
