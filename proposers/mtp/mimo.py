@@ -232,15 +232,9 @@ class MimoDrafter(TargetStateHead):
         """Per head the rule runs (k, v) [heads, T, d + 1] of slots 0..T-1 (slot s = (embed(x_{s+1}),
         state s) at position s; llama.cpp's lead slot as step_chain.context_kv), then (h [1, T, H],):
         head 0's output at every slot, before final_layernorm (step 1 at every anchor)."""
-        if tokens is None or embed is None:
-            raise ValueError("a step chain's context rows read the sample's tokens and the target's embedding")
-        if conventions.lead_slot:
-            features = torch.cat([torch.zeros_like(features[:1]), features[:-1]])
-            tokens = torch.cat([tokens[:1], tokens])
-        device, dtype = self.fc.weight.device, dtype or features.dtype
+        features, nxt, table, device, dtype = self.slot_inputs(features, tokens, embed, dtype, conventions)
         total, rows = features.shape[0], chunk_rows or features.shape[0]
-        nxt = torch.cat([tokens[1:], tokens[-1:]]).to(device)
-        table, heads = self.embedding_table(embed), self.heads if conventions.chain_heads else 1
+        heads = self.heads if conventions.chain_heads else 1
         kv, first = [], None
         with timing.stage("drafter context", tokens=total):
             for index in range(heads):

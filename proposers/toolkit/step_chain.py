@@ -77,16 +77,9 @@ class StepChainDrafter(DraftHead):
         queries attend to the keys of every slot up to them (causal), so the pass never holds more
         than the keys, values and two [T, H] layer outputs. The last slot has no next token; its row
         is never visible to an anchor (anchor t sees slots < t <= T - 2), its own token stands in."""
-        if tokens is None or embed is None:
-            raise ValueError("a step chain's context rows read the sample's tokens and the target's embedding")
-        if conventions.lead_slot:  # slot k reads (x_k, row k - 1); the last row is never visible
-            features = torch.cat([torch.zeros_like(features[:1]), features[:-1]])
-            tokens = torch.cat([tokens[:1], tokens])
-        device, dtype = self.fc.weight.device, dtype or features.dtype
+        features, nxt, table, device, dtype = self.slot_inputs(features, tokens, embed, dtype, conventions)
         total = features.shape[0]
         rows = chunk_rows or total
-        nxt = torch.cat([tokens[1:], tokens[-1:]]).to(device)  # [T] the token slot s reads
-        table = self.embedding_table(embed)
         with timing.stage("drafter context", tokens=total):
             kv, h = [], None
             for layer in self.layers:
@@ -110,6 +103,18 @@ class StepChainDrafter(DraftHead):
                 kv.append((keys, values))
                 h = out
         return kv + [(h[None],)]
+
+    def slot_inputs(self, features, tokens, embed, dtype, conventions: Conventions):
+        """(features [T, .], the token each slot reads [T], the embedding table, device, dtype) of the
+        context pass, under llama.cpp's lead slot where the rule has one."""
+        if tokens is None or embed is None:
+            raise ValueError("a step chain's context rows read the sample's tokens and the target's embedding")
+        if conventions.lead_slot:  # slot k reads (x_k, row k - 1); the last row is never visible
+            features = torch.cat([torch.zeros_like(features[:1]), features[:-1]])
+            tokens = torch.cat([tokens[:1], tokens])
+        device = self.fc.weight.device
+        nxt = torch.cat([tokens[1:], tokens[-1:]]).to(device)  # [T] the token slot s reads
+        return features, nxt, self.embedding_table(embed), device, dtype or features.dtype
 
     def _context_rows(self, layer: nn.Module, inputs, embeds, keys, values, start: int, attention: str, conventions):
         """Layer output [c, H] of slots start..start + c - 1 (inputs [c, H]); writes their keys and
