@@ -18,8 +18,8 @@ from typing import Any, ClassVar
 
 from pydantic import field_validator
 
-from pipeline.common.schema import Count, Number, Positive, Schema, SchemaError
-from proposers.toolkit.layout_fields import LayerIds, names_architecture, unique_ids
+from pipeline.common.schema import Count, Number, Positive, SchemaError
+from proposers.toolkit.layout_fields import ArchitectureFields, LayerIds, unique_ids
 
 ARCHITECTURE = "DeepseekV4DSparkModel"
 STAGES = 3  # vLLM's default stage count (dspark.py:106)
@@ -32,10 +32,11 @@ REQUIRED = (
 )  # fmt: skip
 
 
-class DeepseekV4DSpark(Schema):
+class DeepseekV4DSpark(ArchitectureFields):
     LAYOUT: ClassVar[str] = "deepseek-v4"
     CONVENTION: ClassVar[str] = "output"
     ARCHITECTURES: ClassVar[tuple[str, ...]] = (ARCHITECTURE,)
+    FAMILY: ClassVar[str] = "dspark"
     DECODER_CLASS: ClassVar[str] = "DeepseekV4Config"
 
     architectures: list[str]
@@ -80,16 +81,6 @@ class DeepseekV4DSpark(Schema):
     draft_vocab_size: Positive | None = None
 
     _unique = field_validator("dspark_target_layer_ids")(unique_ids)
-
-    _architecture = field_validator("architectures")(names_architecture(ARCHITECTURE))
-
-    @property
-    def family(self) -> str:
-        return "dspark"
-
-    @property
-    def evidence(self) -> str:
-        return f"architectures ['{ARCHITECTURE}']"
 
     @property
     def stages(self) -> int:

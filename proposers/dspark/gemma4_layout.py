@@ -17,8 +17,8 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import field_validator
 
-from pipeline.common.schema import Count, Number, Positive, Schema, SchemaError
-from proposers.toolkit.layout_fields import REQUIRED_SHAPE, DrafterNamespace, LayerIds, names_architecture, unique_ids
+from pipeline.common.schema import Count, Number, Positive, SchemaError
+from proposers.toolkit.layout_fields import REQUIRED_SHAPE, ArchitectureFields, DrafterNamespace, LayerIds, unique_ids
 
 ARCHITECTURE = "Gemma4DSparkModel"
 
@@ -35,10 +35,11 @@ class Gemma4DSparkOptions(DrafterNamespace):
     _unique = field_validator("target_layer_ids")(unique_ids)
 
 
-class DeepSpecGemma4DSpark(Schema):
+class DeepSpecGemma4DSpark(ArchitectureFields):
     LAYOUT: ClassVar[str] = "deepspec"
     CONVENTION: ClassVar[str] = "output"
     ARCHITECTURES: ClassVar[tuple[str, ...]] = (ARCHITECTURE,)
+    FAMILY: ClassVar[str] = "dspark"
     DECODER_CLASS: ClassVar[str] = "Gemma4TextConfig"
 
     architectures: list[str]
@@ -78,16 +79,6 @@ class DeepSpecGemma4DSpark(Schema):
     dflash_config: Gemma4DSparkOptions | None = None
 
     _unique = field_validator("target_layer_ids")(unique_ids)
-
-    _architecture = field_validator("architectures")(names_architecture(ARCHITECTURE))
-
-    @property
-    def family(self) -> str:
-        return "dspark"
-
-    @property
-    def evidence(self) -> str:
-        return f"architectures ['{ARCHITECTURE}']"
 
     def namespaces(self) -> dict:
         """Gemma4TextConfig's keys at the top level, whatever model_type says."""

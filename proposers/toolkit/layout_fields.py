@@ -32,15 +32,26 @@ def unique_ids(value):
     return value
 
 
-def names_architecture(architecture: str):
-    """A validator of `architectures` for a layout told apart by one architecture name."""
+class ArchitectureFields(Schema):
+    """A layout told apart by one architecture name (the first of ARCHITECTURES) of family FAMILY."""
 
-    def check(value):
-        if architecture not in value:
-            raise wrong(value, f"['{architecture}']")
+    ARCHITECTURES: ClassVar[tuple[str, ...]]
+    FAMILY: ClassVar[str]
+
+    @field_validator("architectures", check_fields=False)
+    @classmethod
+    def _named(cls, value):
+        if cls.ARCHITECTURES[0] not in value:
+            raise wrong(value, f"['{cls.ARCHITECTURES[0]}']")
         return value
 
-    return check
+    @property
+    def family(self) -> str:
+        return self.FAMILY
+
+    @property
+    def evidence(self) -> str:
+        return f"architectures ['{self.ARCHITECTURES[0]}']"
 
 
 LayerType = Literal["full_attention", "sliding_attention"]
