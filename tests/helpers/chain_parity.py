@@ -220,3 +220,78 @@ def anchor_chains_compared(ckpt: str, shards: str, out, chain_at, **options) -> 
         compared, drafts = compared + 1, drafts + verified
     print(f"every anchor: {compared} anchors' chains equal the online proposer's ({drafts} drafts compared)")
     return compared, drafts
+
+
+# --------------------------------------------------------------------------- paired sampled checks
+
+
+@dataclass
+class PairedVerdict:
+    """Per prompt, the z of the paired residual (online tau minus the offline expected tau given the
+    run's own tokens: mean over the prompt's runs in standard errors), and over every run; the
+    same for the wrong rule."""
+
+    z_prompts: dict
+    z: float
+    z_wrong_prompts: dict
+    z_wrong: float
+
+
+def paired_runs(run, count: int, draws: int) -> list[tuple[str, list[int], list[int], float]]:
+    """(sample id `p<i>#<draw>`, prompt ids, the run's response ids, its tau) of `draws` seeded online
+    runs on each of the `count` prompts (`run(prompt ids)` -> a run with .tau and .output_ids);
+    runs whose first token stops take no step and are left out."""
+    runs = []
+    for i, prompt in enumerate(prompt_ids(count)):
+        for draw in range(draws):
+            torch.manual_seed(1000 * i + draw)
+            done = run(torch.tensor(prompt))
+            if done.tau is not None:
+                runs.append((f"p{i}#{draw}", prompt, done.output_ids[len(prompt) :].tolist(), done.tau))
+    return runs
+
+
+def _residual_z(runs: list, expected: dict[str, float]) -> tuple[dict[str, float], float]:
+    """Per prompt and over all runs: mean(online tau - expected[sample id]) / its standard error."""
+    residuals: dict[str, list[float]] = {}
+    for sample_id, _, _, tau in runs:
+        residuals.setdefault(sample_id.split("#")[0], []).append(tau - expected[sample_id])
+    z = {p: m / se if se > 0 else (0.0 if m == 0 else np.inf) for p, (m, se) in per_prompt(residuals).items()}
+    mean, se = mean_se([r for rs in residuals.values() for r in rs])
+    return z, mean / se if se > 0 else (0.0 if mean == 0 else np.inf)
+
+
+def paired_verdict(ckpt: str, model_dir: str, runs: list, out, wrong: tuple, label: str, **extract_options):
+    """Every online run's own response (paired_runs) extracted as a given response at the run's
+    temperature (`extract_options`: max_new, layer_ids, temperature), scored as it is and with the
+    wrong rule (object, attribute, value) patched in: the paired residual online tau - offline
+    E[tau | those tokens] has mean zero under the right rule; the pairing removes the tokens'
+    variance, so far fewer runs separate a wrong rule than comparing two means does."""
+    import pytest
+
+    from tests.helpers.prompts import write_prompts
+
+    records = [{"id": sid, "input_ids": prompt, "response": response} for sid, prompt, response, _ in runs]
+    prompts = write_prompts(out / "paired.jsonl", records)
+    shards = extract(
+        out / "paired-shards",
+        model_dir,
+        prompts,
+        extract_options["max_new"],
+        extract_options["layer_ids"],
+        extract_options["temperature"],
+    )
+    expected = _expected_by_sample(score(ckpt, shards, out / "paired-results"))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(*wrong)
+        expected_wrong = _expected_by_sample(score(ckpt, shards, out / "paired-results-wrong"))
+    verdict = PairedVerdict(*_residual_z(runs, expected), *_residual_z(runs, expected_wrong))
+    for prompt, z in verdict.z_prompts.items():
+        print(f"{prompt}: paired residual z {z:+.2f}, {label} z {verdict.z_wrong_prompts[prompt]:+.2f}")
+    print(f"over {len(runs)} runs: z {verdict.z:+.2f}, {label} z {verdict.z_wrong:+.2f}")
+    return verdict
+
+
+def _expected_by_sample(out_dir: str) -> dict[str, float]:
+    samples = pl.read_parquet(f"{out_dir}/samples.parquet").filter(pl.col("method") == "chain")
+    return dict(samples.select("sample_id", "tau").iter_rows())

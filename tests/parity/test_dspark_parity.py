@@ -11,9 +11,10 @@ its save_pretrained; specreplay then scores the saved checkpoint from extracted 
 - greedy: walk.parquet's `produced` per sample equals the online loop's list, for a vanilla
   and an rnn Markov head, also with a confidence threshold that cuts some proposals;
 - the same weights in SpecForge's and DeepSpec's layouts walk exactly as the speculators one;
-- T = 0.7: the offline expected tau per prompt equals the mean over seeds of the online tau
-  within 3 combined standard errors, and the same statistic rejects the Markov head fed its own
-  greedy draft as predecessor instead of the stored token (not teacher-forced).
+- T = 0.7, paired: each seeded online run's own response is extracted and scored; the online tau
+  minus the offline expected tau given those tokens has mean zero within 3 standard errors, and
+  the same statistic rejects the Markov head fed its own greedy draft as predecessor instead of
+  the stored token (not teacher-forced).
 """
 
 from __future__ import annotations
@@ -263,7 +264,7 @@ def test_specforge_and_deepspec_layouts_walk_as_speculators(setup, drafters, hea
 # ---------------------------------------------------------------------------------------------
 # sampled, T = 0.7
 
-SAMPLED_DRAWS = 200  # extracted responses per prompt, and online runs per prompt
+SAMPLED_DRAWS = 64  # seeded online runs per prompt, each one's response extracted and scored
 
 
 def _greedy_predecessors(drafts):
@@ -282,26 +283,22 @@ def _greedy_predecessors(drafts):
 
 
 @pytest.mark.slow
-def test_sampled_expected_tau_equals_the_online_mean_over_seeds(setup, drafters):
-    """Per prompt, the mean offline expected tau over SAMPLED_DRAWS extracted responses (T 0.7,
-    samples.parquet) against the mean tau of as many seeded online runs, within 3 combined
-    standard errors, and over the prompts. The wrong rule is the same replay re-run with
-    DSparkDrafter.drafts patched to replace the stored predecessors it receives by the drafter's
-    own greedy chain (`_greedy_predecessors`): it must fall outside 3 standard errors."""
+def test_sampled_expected_tau_equals_the_online_tau_run_by_run(setup, drafters):
+    """T 0.7, paired: SAMPLED_DRAWS seeded online runs per prompt, each run's own response extracted
+    (its tokens given) and scored; the online tau minus the offline expected tau given those tokens
+    has mean zero within 3 standard errors, per prompt and over every run. The wrong rule is the same
+    replay re-run with DSparkDrafter.drafts patched to replace the stored predecessors it receives by
+    the drafter's own greedy chain (`_greedy_predecessors`): far outside 3 standard errors."""
     tmp, model_dir, prompts, target, _, stop_ids = setup
     model, ckpt = drafters["vanilla"]
-    shards = _extract(tmp / "sampled", model_dir, prompts, TEMPERATURE, num_samples=SAMPLED_DRAWS, seed=11)
 
     def run(prompt):
         return online.online_dspark(model, target, prompt, MAX_NEW, stop_ids, TEMPERATURE)
 
-    online_taus = chains.online_taus(run, PROMPTS, SAMPLED_DRAWS)
+    runs = chains.paired_runs(run, PROMPTS, SAMPLED_DRAWS)
+    assert np.mean([tau for *_, tau in runs]) > 1.3  # several tokens a step: the test has something to measure
     wrong = (DSparkDrafter, "drafts", _greedy_predecessors(DSparkDrafter.drafts))
-    verdict = chains.sampled_verdict(ckpt, shards, tmp, online_taus, wrong, "greedy predecessors")
-    online_stats, z_prompts, z = verdict.online, verdict.z_prompts, verdict.z
-    z_wrong_prompts, z_wrong = verdict.z_wrong_prompts, verdict.z_wrong
-    assert np.mean([m for m, _ in online_stats.values()]) > 1.3, online_stats  # several tokens a step
-    assert all(abs(v) < 3 for v in z_prompts.values()) and abs(z) < 3, (z_prompts, z)
-    # the wrong rule moves the expectation only where sampled responses branch off the drafter's
-    # greedy chain and the branch is still drafted well (here one prompt): outside 3 SE there
-    assert max(abs(v) for v in z_wrong_prompts.values()) > 3, (z_wrong_prompts, z_wrong)
+    options = dict(max_new=MAX_NEW, layer_ids=OUTPUT_IDS, temperature=TEMPERATURE)
+    verdict = chains.paired_verdict(ckpt, model_dir, runs, tmp, wrong, "greedy predecessors", **options)
+    assert all(abs(v) < 3 for v in verdict.z_prompts.values()) and abs(verdict.z) < 3, verdict
+    assert abs(verdict.z_wrong) > 3, verdict
