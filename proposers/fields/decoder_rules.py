@@ -187,7 +187,13 @@ def check_nextn_decoder(raw: dict, hf, source: str) -> None:
     routed over every expert (llama.cpp's export has no groups), DeepSeek-V3's as its own keys say."""
     layers = hf.num_nextn_predict_layers  # absent: Glm4MoeConfig's 1
     if not layers:
-        refuse(source, "num_nextn_predict_layers", layers, "the target has no NextN head to score")
+        refuse(
+            source,
+            "num_nextn_predict_layers",
+            layers,
+            "the target has no NextN head to score (vLLM builds none, deepseek_mtp.py:157-167; llama.cpp's MTP "
+            "graph asserts one, src/models/glm4-moe.cpp:134)",
+        )
     if hf.first_k_dense_replace > hf.num_hidden_layers:
         refuse(
             source,

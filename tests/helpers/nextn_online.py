@@ -233,7 +233,9 @@ def fit_later_heads(heads: list[NextnHead], target, sequences, steps: int, lr: f
                 embeds = embed(ids[1 + j : 1 + j + n])
             out = _stack_pass(head, embeds, state[:n])
             if j:
-                losses.append(nn.functional.cross_entropy(target.lm_head(head.logit_state(out)), ids[2 + j : 2 + j + n]))
+                losses.append(
+                    nn.functional.cross_entropy(target.lm_head(head.logit_state(out)), ids[2 + j : 2 + j + n])
+                )
             state = head.fed_back(out)
         loss = sum(losses)
         optimizer.zero_grad()

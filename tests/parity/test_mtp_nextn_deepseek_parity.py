@@ -8,7 +8,12 @@ no llama-server comparison exists for it.
   the reference's own chain up to its first draft the response does not hold;
 - a wrong rule changes anchors and walks: GLM-4.5's feedback (the state before shared_head.norm),
   position 0's embedding kept, routing over every expert group, the shared experts left out;
-- the target's final state read before its norm (`mtp-prenorm`) walks measurably worse.
+- the target's final state read before its norm (`mtp-prenorm`) walks measurably worse;
+- a stack of two heads (`num_nextn_predict_layers` 2: the fitted head and a second fitted briefly)
+  against vLLM's default model runner's multi-module speculator (nextn_online.online_stack, citing
+  v1/worker/gpu/spec_decode/multi_module_mtp/speculator.py): every walk and anchor equal; head 0 at
+  every step (its V1 runner, `Conventions.first_head_only`) or the heads swapped differ; more steps
+  than heads are refused in one line.
 
 The target: transformers' DeepseekV3ForCausalLM (layer 0 dense, layer 1 MoE: 8 experts in 4 groups,
 2 kept, top-2, a shared expert, drawn score-correction biases; MLA with a q LoRA, interleaved rope,
@@ -235,5 +240,14 @@ def test_vllms_v1_runner_is_the_first_head_only_convention(setup, stack):
     step: at the module's 3 steps, the online loop of head 0 alone, walk for walk."""
     _, _, _, _, shards, runs, _ = setup
     three = Conventions(first_head_only=True)
-    first = replay.offline_produced(stack[0], shards, MAX_NEW, three, change=lambda d: setattr(d.config, "block_size", STEPS))
+    first = replay.offline_produced(
+        stack[0], shards, MAX_NEW, three, change=lambda d: setattr(d.config, "block_size", STEPS)
+    )
     assert first == {k: run.produced for k, run in runs.items()}
+
+
+def test_more_steps_than_the_stack_holds_are_refused(setup, stack, tmp_path):
+    """vLLM would reuse head 0 at step 3 over a KV cache its step 1 wrote (history-dependent): one line."""
+    _, _, _, _, shards, *_ = setup
+    line = replay.score_error(stack[0], shards, tmp_path / "out", "--steps", "3")
+    assert "--steps 3" in line and "2 NextN heads" in line and "--steps 2 or fewer" in line, line
