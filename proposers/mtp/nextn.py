@@ -293,9 +293,9 @@ class NextnDrafter(TargetStateHead):
         """Under the multi-module rule, per head j < min(N, steps) its output o_j [1, T, H] at every
         slot: slot s reads (embed(x_{s+1+j}), o_{j-1}[s] as fed on; head 0 the target's state) at
         position s, causal over head j's own slots (its own KV cache). vLLM's draft window
-        (multi_module_mtp/speculator.py:425-476) runs head j over its slots with the inputs shifted
-        left by j (update_draft_inputs, 784-830) and the previous head's outputs (463), and re-prefills
-        the slots a rejection left stale (539-595): teacher-forced, every slot reads the stored tokens."""
+        (multi_module_mtp/speculator.py:426-478) runs head j over its slots with the inputs shifted
+        left by j (update_draft_inputs, 467-475, 1002-1031) and the previous head's outputs (455), and
+        re-prefills the slots a rejection left stale (514-517, 582-595): teacher-forced, every slot reads the stored tokens."""
         if not self.multi_module(conventions):
             return super().context_kv(
                 features, dtype, chunk_rows, tokens=tokens, embed=embed, attention=attention, conventions=conventions
@@ -318,7 +318,7 @@ class NextnDrafter(TargetStateHead):
                         stage.layers[0], state, embeds, keys, values, start, attention, conventions
                     )
                 outputs.append((out[None],))
-                fed = out if self.kind.feeds_pre_norm else stage.norm(out)  # _run_model's second output (463)
+                fed = out if self.kind.feeds_pre_norm else stage.norm(out)  # _run_model's second output (317-323, 455)
         return outputs
 
     def forward(

@@ -62,7 +62,7 @@ class Conventions:
     # every step of the chain, as v1/spec_decode/llm_base_proposer.py:731-753 passes no spec_step_idx
     # (deepseek_mtp.py:231 then picks head 0 % N); reference: vLLM's default model runner (V2),
     # whose multi-module speculator runs step j on head j over the draft window
-    # (v1/worker/gpu/spec_decode/multi_module_mtp/speculator.py:425-476).
+    # (v1/worker/gpu/spec_decode/multi_module_mtp/speculator.py:426-478).
     first_head_only: bool = False
     # True: llama.cpp's DFlash graph (every block family under --walk-rule llama.cpp): one causality
     # for every layer, is_causal's, absent bidirectional (common/speculative.cpp:990-991,1063: not

@@ -265,7 +265,7 @@ def _check_chained_heads(steps: int, drafter_config, rule: str) -> None:
     caps its n_max there, common/speculative.cpp:1423-1425): more is refused, not capped unseen.
     vLLM's multi-module speculator runs a stack of NextN heads one a step; past the last it reuses
     head j % N, whose one KV cache its earlier step wrote over the draft window
-    (v1/worker/gpu/spec_decode/multi_module_mtp/speculator.py:425-436): what that step attends to then
+    (v1/worker/gpu/spec_decode/multi_module_mtp/speculator.py:426-437): what that step attends to then
     depends on the walk's history, which no replay reproduces: refused too."""
     heads = (getattr(drafter_config, "family_options", None) or {}).get("heads")  # a weightless proposer has none
     if not heads or steps <= heads:
@@ -280,7 +280,7 @@ def _check_chained_heads(steps: int, drafter_config, rule: str) -> None:
         raise UserError(
             f"--steps {steps}: the checkpoint holds {heads} NextN heads, which vLLM runs one a step; past them it "
             f"reuses head j % {heads} over a KV cache its earlier step wrote (multi_module_mtp/speculator.py:"
-            f"425-436), which depends on the walk's history; use --steps {heads} or fewer"
+            f"426-437), which depends on the walk's history; use --steps {heads} or fewer"
         )
 
 

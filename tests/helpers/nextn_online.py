@@ -246,15 +246,15 @@ def fit_later_heads(heads: list[NextnHead], target, sequences, steps: int, lr: f
 
 @torch.no_grad()
 def propose_stack(caches, lm_head, hidden, seq, window: int, start: int, count: int, temperature: float = 0.0):
-    """`count` drafts at anchor `start` (_generate_drafts, 392-476). The draft window is slots
+    """`count` drafts at anchor `start` (_generate_drafts, 392-478). The draft window is slots
     window..start - 1, slot s reading x_{s+1} and the target's state at s at position s (the target's
-    inputs shifted left by one, 549-568, its states 636-680). Step j runs head j (`spec_module_idx=step`,
-    433; `spec_step_idx % N`, deepseek_mtp.py:217, glm4_moe_mtp.py:172) over every slot of the window,
+    inputs shifted left by one, 555-568, its states 664-760). Step j runs head j (`spec_module_idx=step`,
+    436; `spec_step_idx % N`, deepseek_mtp.py:217, glm4_moe_mtp.py:172) over every slot of the window,
     writing its own KV cache there (each head its own attention layer); the draft comes from the
-    window's last slot (441-451) through head j's shared_head (compute_logits, deepseek_mtp.py:228-237);
+    window's last slot (442-451) through head j's shared_head (compute_logits, deepseek_mtp.py:228-237);
     step j + 1 reads the inputs shifted left by one more, the draft appended (update_draft_inputs,
-    470-478, _shift_input_ids_kernel 784-805), and every slot's output of step j as its state (463, the
-    feedback element of _run_model, 348-355: GLM-4.5's pre-norm output, DeepSeek-V3's normed one)."""
+    467-475, _shift_input_ids_kernel 1002-1031), and every slot's output of step j as its state (455,
+    the feedback element of _run_model, 317-323: GLM-4.5's pre-norm output, DeepSeek-V3's normed one)."""
     from dflash.model import _sample_probs
 
     from tests.helpers.mtp_online import _Proposal
@@ -280,7 +280,7 @@ def propose_stack(caches, lm_head, hidden, seq, window: int, start: int, count: 
 def online_stack(heads, target, prompt, steps: int, max_new: int, stop_ids, temperature: float = 0.0):
     """mtp_online.online_mtp's loop with the stack's speculator: after a step verified with r drafts
     rejected, the next window starts max(0, r - 1) slots before the previous anchor, the slots whose
-    later heads read a rejected draft re-prefilled (_prepare_input_buffers_kernel, 521-545, 580-595)."""
+    later heads read a rejected draft re-prefilled (_prepare_input_buffers_kernel, 514-517, 582-595)."""
     from tests.helpers.dspark_online import commit, sample, verify
     from tests.helpers.eagle3_online import OnlineRun
     from tests.helpers.mtp_online import DraftCache, target_states
