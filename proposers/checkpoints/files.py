@@ -347,18 +347,26 @@ def listing(names: list[str]) -> str:
     return ", ".join(names[:MAX_LISTED]) + more
 
 
-def read_prefixed(files: list[str], prefix: str, source: str, promise: str | None = None) -> dict[str, torch.Tensor]:
+def read_prefixed(
+    files: list[str], prefix: str | tuple[str, ...], source: str, promise: str | None = None
+) -> dict[str, torch.Tensor]:
     """The tensors named `prefix`... of safetensors files, the prefix stripped, each read alone
-    (safe_open): a target's MTP head out of its checkpoint without reading the target. `promise`:
-    the config field that says the head is there, named when it is not."""
+    (safe_open): a target's MTP head out of its checkpoint without reading the target. Several
+    prefixes (a stack of heads, `model.layers.{L + i}.`): what they share up to its last dot is
+    stripped, so that each name keeps its head's index. `promise`: the config field that says the
+    head is there, named when it is not."""
+    prefixes = (prefix,) if isinstance(prefix, str) else prefix
+    shared = os.path.commonprefix(list(prefixes))
+    cut = len(prefixes[0]) if len(prefixes) == 1 else shared.rfind(".") + 1
     state: dict[str, torch.Tensor] = {}
     for path in files:
         if not path.endswith(".safetensors"):
             raise CheckpointError(f"{path}: a target's MTP head is read from safetensors files only")
         with safe_open(path, framework="pt", device="cpu") as handle:
             for name in handle.keys():  # noqa: SIM118 - safe_open is not a dict
-                if name.startswith(prefix):
-                    state[name[len(prefix) :]] = handle.get_tensor(name)
+                if name.startswith(prefixes):
+                    state[name[cut:]] = handle.get_tensor(name)
+    prefix = prefixes[0]
     if not state:
         said = f", although its config.json's {promise}" if promise else ""
         raise CheckpointError(

@@ -183,19 +183,16 @@ def check_mtp_experts(decoder: dict, hf, kind: str, where: str, source: str) -> 
 
 
 def check_nextn_decoder(raw: dict, hf, source: str) -> None:
-    """A GLM-4.5 or DeepSeek-V3 target's NextN head (proposers/mtp/nextn.py): one head, MoE; GLM-4.5's
+    """A GLM-4.5 or DeepSeek-V3 target's NextN heads (proposers/mtp/nextn.py): MoE; GLM-4.5's
     routed over every expert (llama.cpp's export has no groups), DeepSeek-V3's as its own keys say."""
     layers = hf.num_nextn_predict_layers  # absent: Glm4MoeConfig's 1
     if not layers:
-        refuse(source, "num_nextn_predict_layers", layers, "the target has no NextN head to score")
-    if layers > 1:
         refuse(
             source,
             "num_nextn_predict_layers",
             layers,
-            f"vLLM cycles the draft steps through the {layers} heads (glm4_moe_mtp.py:172, step i uses head "
-            f"i % {layers}) and llama.cpp's GLM-4.5 MTP graph builds one (src/models/glm4-moe.cpp:135); specreplay "
-            "scores one",
+            "the target has no NextN head to score (vLLM builds none, deepseek_mtp.py:157-167; llama.cpp's MTP "
+            "graph asserts one, src/models/glm4-moe.cpp:134)",
         )
     if hf.first_k_dense_replace > hf.num_hidden_layers:
         refuse(

@@ -37,6 +37,11 @@ from proposers.toolkit.config import DrafterConfig, DrafterConfigError, decoder_
 # Steps a native head drafts when nothing says (vLLM takes num_speculative_tokens at serving time;
 # speculators' MTP default is 3)
 DEFAULT_STEPS = 3
+# why llama.cpp's rule is not an engine's for a stack of NextN heads
+NEXTN_STACK_LLAMA = (
+    "llama.cpp's GLM-4.5 and DeepSeek MTP graphs build a single NextN head (src/models/glm4-moe.cpp:135, "
+    "deepseek2.cpp:173); the replay runs head 0's chain"
+)
 # model_type -> the decoder kind model.PARTS builds (Qwen3.5's wrapper nests its text config)
 KINDS = {
     "qwen3_next": "qwen3_next",
@@ -98,9 +103,12 @@ def _nextn(checked: NativeNextN, raw: dict, source: str) -> DrafterConfig:
         shape["head_dim"] = hf.qk_nope_head_dim + hf.qk_rope_head_dim
         shape["num_key_value_heads"] = hf.num_attention_heads
     # feeds_pre_norm: vLLM feeds back the state before shared_head.norm, where llama.cpp does not (GLM-4.5)
-    kind = nextn.KINDS[checked.model_type]
-    options = {"decoder": checked.model_type, "moe": True, "feeds_pre_norm": kind.feeds_pre_norm}
-    return _head_config(shape, hf.num_hidden_layers, DEFAULT_STEPS, {**raw}, checked, options)
+    kind, heads = nextn.KINDS[checked.model_type], hf.num_nextn_predict_layers
+    options = {"decoder": checked.model_type, "moe": True, "feeds_pre_norm": kind.feeds_pre_norm, "heads": heads}
+    if heads > 1:  # a stack drafts a step per head by default (vLLM reuses head j % N past them: steps.py)
+        options["unmatched_rules"] = {"llama.cpp": NEXTN_STACK_LLAMA}
+    steps = heads if heads > 1 else DEFAULT_STEPS
+    return _head_config(shape, hf.num_hidden_layers, steps, {**raw}, checked, options)
 
 
 def _mimo(checked: NativeMimo, raw: dict, source: str) -> DrafterConfig:

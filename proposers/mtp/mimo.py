@@ -37,8 +37,7 @@ from transformers.models.mimo_v2_flash.modeling_mimo_v2_flash import (
 )
 
 from pipeline.common import timing
-from proposers.checkpoints.files import CheckpointError
-from proposers.mtp.model import TargetStateHead, partial_rope
+from proposers.mtp.model import TargetStateHead, check_heads_held, partial_rope
 from proposers.toolkit.attention import MASK_BUILDERS, attend, with_block_keys
 from proposers.toolkit.config import DrafterConfig
 from proposers.toolkit.conventions import REFERENCE, Conventions
@@ -196,13 +195,8 @@ class MimoDrafter(TargetStateHead):
     def check_checkpoint(self, state: dict, source: str, config_file: str) -> None:
         """Every head the config promises present (a missing one would score the others' rule)."""
         held = sorted({int(name.split(".")[1]) for name in state if name.startswith("layers.")})
-        if held != list(range(self.heads)):
-            said = ", ".join(map(str, held)) or "none"
-            raise CheckpointError(
-                f"{source}: model.mtp.layers.* holds heads {said}, but the config's field "
-                f"'num_nextn_predict_layers' is {self.heads} (absent: 3, llama.cpp's conversion/mimo.py:22-24); "
-                f"set it to the heads the checkpoint holds in {config_file}"
-            )
+        said = f"{self.heads} (absent: 3, llama.cpp's conversion/mimo.py:22-24)"
+        check_heads_held(held, list(range(self.heads)), "model.mtp.layers.*", said, source, config_file)
 
     def head_at(self, step: int, conventions: Conventions) -> int:
         """The head drafting step `step` (0-based): llama.cpp's step k, vLLM's head 0 always."""

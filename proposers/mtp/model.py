@@ -47,6 +47,7 @@ from transformers.models.qwen3_next.modeling_qwen3_next import (
 )
 
 from pipeline.common import timing
+from proposers.checkpoints.files import CheckpointError
 from proposers.mtp.experts import check_experts, fuse_experts
 from proposers.toolkit.attention import attend
 from proposers.toolkit.config import DrafterConfig, transformers_config
@@ -162,6 +163,18 @@ def _native_name(name: str) -> str:
     if not name.startswith(prefix):
         return name
     return renamed(name[len(prefix) :], SPECULATORS_NAMES, "layers.0.")
+
+
+def check_heads_held(held: list[int], promised: list[int], where: str, said: str, source: str, config_file: str):
+    """A stack of MTP heads in the target's checkpoint: every head the config promises present (a
+    missing one would score the others' rule). `held`/`promised`: the head indices as the tensor
+    names spell them; `where`: the tensors' names; `said`: the field's value as the config states it."""
+    if held != promised:
+        shown = ", ".join(map(str, held)) or "none"
+        raise CheckpointError(
+            f"{source}: {where} holds heads {shown}, but the config's field 'num_nextn_predict_layers' is {said}; "
+            f"set it to the heads the checkpoint holds in {config_file}"
+        )
 
 
 class TargetStateHead(StepChainDrafter):

@@ -58,6 +58,12 @@ class Conventions:
     # (common/speculative.cpp:1615-1626, src/models/mimo2.cpp:251-257,384-387); reference: head 0 at
     # every step fed its normed output, as vLLM's mimo_v2_mtp.py:52-56,205-208 serves it.
     chain_heads: bool = False
+    # True: vLLM's V1 model runner on a stack of N > 1 NextN heads (proposers/mtp/nextn.py): head 0 at
+    # every step of the chain, as v1/spec_decode/llm_base_proposer.py:731-753 passes no spec_step_idx
+    # (deepseek_mtp.py:231 then picks head 0 % N); reference: vLLM's default model runner (V2),
+    # whose multi-module speculator runs step j on head j over the draft window
+    # (v1/worker/gpu/spec_decode/multi_module_mtp/speculator.py:426-478).
+    first_head_only: bool = False
     # True: llama.cpp's DFlash graph (every block family under --walk-rule llama.cpp): one causality
     # for every layer, is_causal's, absent bidirectional (common/speculative.cpp:990-991,1063: not
     # layer_types'), and a window hiding only keys w or more before the query (src/llama-hparams.h:

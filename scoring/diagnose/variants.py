@@ -142,6 +142,14 @@ def _variants() -> list[Variant]:  # 113 lines: a table, one entry per variant
             Conventions(chain_heads=True),
         ),
         Variant(
+            "nextn-first-head",
+            "a stack of NextN heads run as vLLM's V1 model runner runs it: head 0 at every step",
+            "the stack of NextN heads scores as vLLM's V1 model runner serves it (head 0's chain at every step), "
+            "not as its default V2 runner does (step j on head j): serve it with VLLM_USE_V2_MODEL_RUNNER=0, or "
+            "the heads were not trained as a stack",
+            Conventions(first_head_only=True),
+        ),
+        Variant(
             "rope-10000",
             "the drafter's RoPE with base 10000 whatever its rope_theta",
             "the checkpoint was trained with RoPE base 10000 (the EAGLE repository's cnets.py builds no other) while "
@@ -201,6 +209,10 @@ def not_applicable(variant: Variant, config: DrafterConfig) -> str | None:
         return "only a GLM-4.5 NextN head's engines disagree on the state fed back"
     if variant.conventions.chain_heads and config.layout != "mimo":
         return "only MiMo-V2-Flash's MTP heads are chained"
+    if variant.conventions.first_head_only and not (
+        config.layout == "nextn" and config.family_options.get("heads", 1) > 1
+    ):
+        return "only a stack of NextN heads runs a head a step"
     if variant.name == "scales" and not config.has_scales:
         return "the config sets no scale"
     return None

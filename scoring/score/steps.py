@@ -262,12 +262,25 @@ def warn_unmatched_rule(drafter_config, ckpt: str, rule: str) -> None:
 
 def _check_chained_heads(steps: int, drafter_config, rule: str) -> None:
     """llama.cpp runs MiMo's MTP heads one a step, so it drafts at most as many steps as heads (it
-    caps its n_max there, common/speculative.cpp:1423-1425): more is refused, not capped unseen."""
+    caps its n_max there, common/speculative.cpp:1423-1425): more is refused, not capped unseen.
+    vLLM's multi-module speculator runs a stack of NextN heads one a step; past the last it reuses
+    head j % N, whose one KV cache its earlier step wrote over the draft window
+    (v1/worker/gpu/spec_decode/multi_module_mtp/speculator.py:426-437): what that step attends to then
+    depends on the walk's history, which no replay reproduces: refused too."""
     heads = (getattr(drafter_config, "family_options", None) or {}).get("heads")  # a weightless proposer has none
-    if heads and steps > heads and walk_rule(rule).conventions(drafter_config.family).chain_heads:
+    if not heads or steps <= heads:
+        return
+    conventions = walk_rule(rule).conventions(drafter_config.family)
+    if conventions.chain_heads and drafter_config.layout == "mimo":
         raise UserError(
             f"--steps {steps}: the checkpoint holds {heads} MTP heads, which --walk-rule {rule} chains one a step "
             f"(llama-server caps --spec-draft-n-max at {heads}); use --steps {heads} or fewer"
+        )
+    if heads > 1 and drafter_config.layout == "nextn" and not conventions.lead_slot:
+        raise UserError(
+            f"--steps {steps}: the checkpoint holds {heads} NextN heads, which vLLM runs one a step; past them it "
+            f"reuses head j % {heads} over a KV cache its earlier step wrote (multi_module_mtp/speculator.py:"
+            f"426-437), which depends on the walk's history; use --steps {heads} or fewer"
         )
 
 

@@ -161,11 +161,11 @@ class SampledVerdict:
     z_wrong: float
 
 
-def online_taus(run, count: int, draws: int) -> dict[str, list[float]]:
-    """Prompt id -> the tau of `draws` seeded online runs on each of the `count` prompts
-    (`run(prompt ids) -> a run with .tau`; a run whose first token stops has none)."""
+def online_taus(run, count: int, draws: int, prompts: list | None = None) -> dict[str, list[float]]:
+    """Prompt id -> the tau of `draws` seeded online runs on each of the `count` prompts (`prompts`,
+    else prompt_ids') (`run(prompt ids) -> a run with .tau`; a run whose first token stops has none)."""
     taus: dict[str, list[float]] = {}
-    for i, prompt in enumerate(prompt_ids(count)):
+    for i, prompt in enumerate((prompts or prompt_ids(count))[:count]):
         for draw in range(draws):
             torch.manual_seed(1000 * i + draw)
             tau = run(torch.tensor(prompt)).tau

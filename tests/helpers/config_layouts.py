@@ -263,7 +263,7 @@ REFUSALS = [
     ("mtp:native-moe", "text_config.shared_expert_intermediate_size", 0, "vLLM", 48),
     ("mtp:native-moe", "text_config.num_experts_per_tok", 8, "vLLM", 4),
     ("mtp:speculators", "transformer_layer_config.mtp_num_hidden_layers", 3, "SGLang", 1),
-    ("mtp:nextn", "num_nextn_predict_layers", 2, "vLLM", 1),
+    ("mtp:nextn", "num_nextn_predict_layers", 0, "llama.cpp", 2),
     ("mtp:nextn", "first_k_dense_replace", 4, "llama.cpp", 3),
     ("mtp:nextn", "n_shared_experts", 0, "llama.cpp", 2),
     ("mtp:nextn-deepseek", "moe_layer_freq", 2, "vLLM", 1),

@@ -19,15 +19,16 @@ from scoring.replay.walk import stop_mask
 from tests.helpers import mtp_online as online
 
 
-def score_error(ckpt: str, shards: str, out) -> str:
-    """`specreplay score`'s one `error:` line for a head it refuses: exit 1, no traceback, nothing written."""
+def score_error(ckpt: str, shards: str, out, *options: str) -> str:
+    """`specreplay score`'s one `error:` line for a head it refuses (score's `options` given too):
+    exit 1, no traceback, nothing written."""
     import os
 
     from click.testing import CliRunner
 
     from specreplay.cli import main
 
-    result = CliRunner().invoke(main, ["score", "--ckpt", ckpt, "--shards", shards, "--out", str(out)])
+    result = CliRunner().invoke(main, ["score", "--ckpt", ckpt, "--shards", shards, "--out", str(out), *options])
     errors = [line for line in result.output.splitlines() if line.startswith("error: ")]
     assert result.exit_code == 1 and "Traceback" not in result.output, result.output
     assert len(errors) == 1, result.output

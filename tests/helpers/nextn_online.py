@@ -174,9 +174,9 @@ def build_target(config, seed: int = 0):
     return model
 
 
-def save_head(head: NextnHead, save_dir: str, target) -> None:
-    """The head's tensors added to the target's safetensors as `model.layers.{L}.*`, experts one at
-    a time (transformers' revert_weight_conversion, as the target's own layers are saved)."""
+def save_head(head: NextnHead, save_dir: str, target, index: int = 0) -> None:
+    """The head's tensors added to the target's safetensors as `model.layers.{L + index}.*`, experts
+    one at a time (transformers' revert_weight_conversion, as the target's own layers are saved)."""
     import os
 
     from safetensors.torch import load_file, save_file
@@ -184,7 +184,7 @@ def save_head(head: NextnHead, save_dir: str, target) -> None:
 
     path = os.path.join(save_dir, "model.safetensors")
     state = load_file(path)
-    state.update(revert_weight_conversion(target, head.eval().state(target.config.num_hidden_layers)))
+    state.update(revert_weight_conversion(target, head.eval().state(target.config.num_hidden_layers + index)))
     save_file({k: v.contiguous() for k, v in state.items()}, path, metadata={"format": "pt"})
 
 
@@ -201,3 +201,121 @@ def build_dir(save_dir, config) -> tuple[str, object, NextnHead]:
     with seeded(1):
         head = NextnHead(config)
     return str(save_dir), target, head
+
+
+# -- a stack of N heads under vLLM's default model runner (V2): its multi-module speculator ----------
+# vLLM 0.33 `v1/worker/gpu/spec_decode/multi_module_mtp/speculator.py` (the speculator whenever
+# min(num_nextn_predict_layers, num_speculative_tokens) > 1: config/speculative.py:2188-2194,
+# v1/worker/gpu/spec_decode/__init__.py:65-70; the V2 runner is the default, config/vllm.py:731-767).
+
+
+def _stack_pass(head: NextnHead, embeds, states) -> torch.Tensor:
+    """One head over slots 0..n-1 (embeds, states [n, H]) at positions 0..n-1, causal: its outputs."""
+    from tests.helpers.mtp_online import _forward
+
+    return _forward(head, embeds[None], states[None], torch.arange(embeds.shape[0])[None], None)[0]
+
+
+def fit_later_heads(heads: list[NextnHead], target, sequences, steps: int, lr: float = 5e-3) -> float:
+    """Adam on heads 1.. (head 0 as fitted), each on its teacher-forced loss: head j's slot s reads
+    (x_{s+1+j}, head j - 1's output at s as fed on) and predicts x_{s+2+j}; the last head's loss."""
+    from tests.helpers.mtp_online import target_states
+
+    data = [(ids, target_states(target, ids)[1]) for ids in sequences]
+    optimizer = torch.optim.Adam([p for head in heads[1:] for p in head.parameters()], lr=lr)
+    embed, loss = target.model.embed_tokens, torch.tensor(0.0)
+    for step in range(steps):
+        ids, state = data[step % len(data)]
+        losses = []
+        for j, head in enumerate(heads):
+            n = ids.numel() - 2 - j
+            with torch.no_grad():
+                embeds = embed(ids[1 + j : 1 + j + n])
+            out = _stack_pass(head, embeds, state[:n])
+            if j:
+                losses.append(
+                    nn.functional.cross_entropy(target.lm_head(head.logit_state(out)), ids[2 + j : 2 + j + n])
+                )
+            state = head.fed_back(out)
+        loss = sum(losses)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return float(losses[-1].detach())
+
+
+@torch.no_grad()
+def propose_stack(caches, lm_head, hidden, seq, window: int, start: int, count: int, temperature: float = 0.0):
+    """`count` drafts at anchor `start` (_generate_drafts, 392-478). The draft window is slots
+    window..start - 1, slot s reading x_{s+1} and the target's state at s at position s (the target's
+    inputs shifted left by one, 555-568, its states 664-760). Step j runs head j (`spec_module_idx=step`,
+    436; `spec_step_idx % N`, deepseek_mtp.py:217, glm4_moe_mtp.py:172) over every slot of the window,
+    writing its own KV cache there (each head its own attention layer); the draft comes from the
+    window's last slot (442-451) through head j's shared_head (compute_logits, deepseek_mtp.py:228-237);
+    step j + 1 reads the inputs shifted left by one more, the draft appended (update_draft_inputs,
+    467-475, _shift_input_ids_kernel 1002-1031), and every slot's output of step j as its state (455,
+    the feedback element of _run_model, 317-323: GLM-4.5's pre-norm output, DeepSeek-V3's normed one)."""
+    from dflash.model import _sample_probs
+
+    from tests.helpers.mtp_online import _Proposal
+
+    tokens, state = seq[window + 1 : start + 1], hidden[window:start]
+    drafts, probs = [], []
+    for j in range(count):
+        cache = caches[j % len(caches)]
+        cache.crop(window)  # the window's slots are rewritten; those before it kept
+        out = cache.append(tokens, state)
+        logits = lm_head(cache.head.logit_state(out[-1:]))[0]
+        if temperature <= 0:
+            token = logits.argmax()
+        else:
+            probs.append(torch.softmax(logits.float() / temperature, dim=-1))
+            token = _sample_probs(probs[-1][None])[0]
+        drafts.append(token)
+        tokens, state = torch.cat([tokens[1:], token.reshape(1)]), cache.head.fed_back(out)
+    return _Proposal(torch.stack(drafts), torch.stack(probs) if probs else None)
+
+
+@torch.no_grad()
+def online_stack(heads, target, prompt, steps: int, max_new: int, stop_ids, temperature: float = 0.0):
+    """mtp_online.online_mtp's loop with the stack's speculator: after a step verified with r drafts
+    rejected, the next window starts max(0, r - 1) slots before the previous anchor, the slots whose
+    later heads read a rejected draft re-prefilled (_prepare_input_buffers_kernel, 514-517, 582-595)."""
+    from tests.helpers.dspark_online import commit, sample, verify
+    from tests.helpers.eagle3_online import OnlineRun
+    from tests.helpers.mtp_online import DraftCache, target_states
+
+    max_length = prompt.numel() + max_new
+    logits, hidden = target_states(target, prompt)
+    first = logits[-1].argmax() if temperature <= 0 else sample(logits[-1:], temperature)[0]
+    seq = torch.cat([prompt, first.reshape(1)])
+    run, caches = OnlineRun(seq), [DraftCache(head, target.model.embed_tokens) for head in heads]
+    start, window, stopped = prompt.numel(), 0, int(seq[-1]) in stop_ids
+    while start + 1 < max_length and not stopped:
+        count = min(steps, max_length - start - 1)
+        proposal = propose_stack(caches, target.lm_head, hidden, seq, window, start, count, temperature)
+        logits, candidate_hidden = target_states(target, torch.cat([seq[: start + 1], proposal.drafts]))
+        accepted, bonus = verify(logits[start:], proposal, temperature)
+        new_tokens = torch.cat([proposal.drafts[:accepted], bonus.reshape(1)])
+        seq, hidden, produced, stopped = commit(seq, hidden, candidate_hidden, start, new_tokens, max_length, stop_ids)
+        window = start - max(0, count - accepted - 1)
+        start += produced
+        run.produced.append(produced)
+        run.accepted.append(accepted)
+    run.output_ids = seq[: min(start + 1, max_length)]
+    return run
+
+
+def stack_chains(heads, target, sample, steps: int) -> list:
+    """(anchor row, the stack's drafts, the stored tokens they propose) at every anchor: fresh caches,
+    the whole stored prefix its first window (as after the prompt's prefill)."""
+    from tests.helpers.mtp_online import DraftCache, target_states
+
+    ids, chains = sample.input_ids, []
+    hidden = target_states(target, ids)[1]
+    for t in range(sample.prompt_len, ids.numel() - 1):
+        depth = min(steps, ids.numel() - 1 - t)
+        caches = [DraftCache(head, target.model.embed_tokens) for head in heads]
+        drafts = propose_stack(caches, target.lm_head, hidden, ids, 0, t, depth).drafts
+        chains.append((t - sample.prompt_len, drafts, ids[t + 1 : t + 1 + depth]))
+    return chains

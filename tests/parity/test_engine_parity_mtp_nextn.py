@@ -12,7 +12,9 @@
   response does not hold; a wrong rule (post-norm feedback, the concat order swapped, position 0's
   embedding kept, the shared experts left out) changes anchors and walks;
 - the layer convention: the head reads the target's final state after the norm; read before it
-  (`mtp-prenorm`) the same weights score measurably worse, and `diagnose` keeps the configured one.
+  (`mtp-prenorm`) the same weights score measurably worse, and `diagnose` keeps the configured one;
+- sampled (T > 0): per prompt the offline expected tau equals the mean tau of seeded runs of vLLM's
+  online loop within 3 standard errors; fc reading [hidden ; embedding] falls outside them.
 
 The target: transformers' Glm4MoeForCausalLM (layer 0 dense, layer 1 MoE: 4 experts, top-2, a
 shared expert, sigmoid routing with a drawn score-correction bias, routed_scaling_factor 2.5, q/k/v
@@ -220,3 +222,40 @@ def test_the_pre_norm_state_scores_worse_and_diagnose_keeps_the_configured_one(s
     print(f"\npre-norm reading: {differ}/{len(online_runs)} walks differ; diagnose tau {taus}; {verdict[0]}")
     assert differ > 0 and taus["mtp-prenorm"] < taus["as-configured"] - 0.1, taus
     assert "consistent" in verdict[0] or "mtp-prenorm" not in verdict[0], verdict
+
+
+# -- sampled: the expected tau against seeded runs of vLLM's online loop -------------------------
+
+TEMPERATURE = 0.05
+SAMPLED_PROMPTS = 3  # the module's first prompts
+SAMPLED_DRAWS = 10  # extracted responses per prompt, and online runs per prompt
+
+
+def test_sampled_expected_tau_equals_the_online_mean_over_seeds(setup):
+    """T = 0.2: per prompt the offline expected tau of SAMPLED_DRAWS extracted responses against the
+    mean tau of as many seeded runs of vLLM's rule on the module's fitted head (each draft drawn from
+    its q, z-lab's rejection sampling), within 3 combined standard errors; fc reading its halves in
+    the other order outside them."""
+    from pipeline.shards import ShardSet
+    from proposers.mtp.nextn import NextnDrafter
+    from tests.helpers import mtp_online
+    from tests.helpers.prompts import write_prompts
+
+    found, _, _, target, head = setup
+    prompts = parity.prompt_ids(SAMPLED_PROMPTS)
+    records = [{"id": f"p{i}", "input_ids": ids} for i, ids in enumerate(prompts)]
+    written = write_prompts(found.tmp / "sampled-prompts.jsonl", records)
+    layers = [target.config.num_hidden_layers]
+    shards = chains.extract(
+        found.tmp / "sampled", found.target, written, found.max_new, layers, TEMPERATURE, SAMPLED_DRAWS
+    )
+    stop_ids = ShardSet(found.shards).settings["target"]["stop_token_ids"]
+
+    def run(prompt):
+        return mtp_online.online_mtp(head, target, prompt, STEPS, found.max_new, stop_ids, TEMPERATURE)
+
+    online = chains.online_taus(run, SAMPLED_PROMPTS, SAMPLED_DRAWS, prompts)
+    wrong = (NextnDrafter, "layer_input", replay.hidden_first)
+    verdict = chains.sampled_verdict(found.target, shards, found.tmp, online, wrong, "[hidden ; embedding]")
+    assert all(abs(v) < 3 for v in verdict.z_prompts.values()) and abs(verdict.z) < 3, (verdict.z_prompts, verdict.z)
+    assert verdict.z_wrong < -3, (verdict.z_wrong_prompts, verdict.z_wrong)

@@ -8,7 +8,12 @@ no llama-server comparison exists for it.
   the reference's own chain up to its first draft the response does not hold;
 - a wrong rule changes anchors and walks: GLM-4.5's feedback (the state before shared_head.norm),
   position 0's embedding kept, routing over every expert group, the shared experts left out;
-- the target's final state read before its norm (`mtp-prenorm`) walks measurably worse.
+- the target's final state read before its norm (`mtp-prenorm`) walks measurably worse;
+- a stack of two heads (`num_nextn_predict_layers` 2: the fitted head and a second fitted briefly)
+  against vLLM's default model runner's multi-module speculator (nextn_online.online_stack, citing
+  v1/worker/gpu/spec_decode/multi_module_mtp/speculator.py): every walk and anchor equal; head 0 at
+  every step (its V1 runner, `Conventions.first_head_only`) or the heads swapped differ; more steps
+  than heads are refused in one line.
 
 The target: transformers' DeepseekV3ForCausalLM (layer 0 dense, layer 1 MoE: 8 experts in 4 groups,
 2 kept, top-2, a shared expert, drawn score-correction biases; MLA with a q LoRA, interleaved rope,
@@ -136,3 +141,113 @@ def test_sampled_expected_tau_equals_the_online_mean_over_seeds(setup):
     verdict = replay.sampled_verdict(tmp, model_dir, target, head, shards, steps=STEPS, max_new=MAX_NEW, **sampled)
     assert all(abs(v) < 3 for v in verdict.z_prompts.values()) and abs(verdict.z) < 3, (verdict.z_prompts, verdict.z)
     assert abs(verdict.z_wrong) > 3, (verdict.z_wrong_prompts, verdict.z_wrong)
+
+
+# -- a stack of two heads (num_nextn_predict_layers 2) under vLLM's default model runner ----------
+
+STACK_STEPS = 2  # a stack drafts a step per head by default (mtp/config.py)
+STACK_FIT_STEPS = 200
+
+
+@pytest.fixture(scope="module")
+def stack(setup):
+    """(its dir, the two heads, the online runs, the reference's chains): the module's target and its
+    fitted head as head 0, head 1 fitted briefly on its own teacher-forced loss (nextn_online.
+    fit_later_heads) and saved as model.layers.{L + 1}.*, the config saying 2."""
+    import json
+    import shutil
+
+    from tests.helpers.models import seeded
+
+    tmp, model_dir, target, head, shards, *_ = setup
+    stack_dir = tmp / "stack"
+    shutil.copytree(model_dir, stack_dir)
+    config = json.loads((stack_dir / "config.json").read_text()) | {"num_nextn_predict_layers": 2}
+    (stack_dir / "config.json").write_text(json.dumps(config))
+    with seeded(2):
+        second = nextn_online.NextnHead(target.config)
+    heads = [head.eval().requires_grad_(False), second]
+    sequences = [replay.greedy(target, p, MAX_NEW) for p in parity.prompt_ids(12, seed=9) + parity.prompt_ids(PROMPTS)]
+    loss = nextn_online.fit_later_heads(heads, target, sequences, steps=STACK_FIT_STEPS)
+    print(f"fitted head 1 of the stack: loss {loss:.3f}")
+    nextn_online.save_head(second, str(stack_dir), target, index=1)
+    stop_ids = _stop_ids(shards)
+    runs = {}
+    for sample, _ in _samples(shards):
+        prompt = sample.input_ids[: sample.prompt_len]
+        runs[sample.sample_id] = nextn_online.online_stack(heads, target, prompt, STACK_STEPS, MAX_NEW, stop_ids)
+        assert runs[sample.sample_id].output_ids.tolist() == sample.input_ids.tolist(), sample.sample_id
+    chains = {s.sample_id: nextn_online.stack_chains(heads, target, s, STACK_STEPS) for s, _ in _samples(shards)}
+    return str(stack_dir), heads, runs, chains
+
+
+def _stop_ids(shards: str):
+    from pipeline.shards import ShardSet
+
+    return ShardSet(shards).settings["target"]["stop_token_ids"]
+
+
+def _stack_anchors(setup, stack, change=None) -> tuple[int, int, int]:
+    _, _, target, _, shards, *_ = setup
+    stack_dir, heads, _, chains = stack
+    return replay.anchors_equal(stack_dir, heads, target, shards, MAX_NEW, STACK_STEPS, change, chains)
+
+
+def test_a_stacks_walks_and_every_anchor_equal_vllms_multi_module_speculator(setup, stack):
+    tmp, _, _, _, shards, *_ = setup
+    stack_dir, _, runs, _ = stack
+    walks = parity.walks(parity.score(stack_dir, shards, tmp / "stack-results"))
+    stepped = {k: run.produced for k, run in runs.items() if run.produced}
+    assert {sid: w["produced"].to_list() for sid, w in walks.items()} == stepped
+    accepted = [n for run in runs.values() for n in run.accepted]
+    same, total, compared = _stack_anchors(setup, stack)
+    print(
+        f"\n2-head stack: {len(stepped)} walks equal (tau {np.mean([n for r in runs.values() for n in r.produced]):.3f}); "
+        f"{same}/{total} anchors equal ({compared} drafts); accepted {np.bincount(accepted).tolist()}"
+    )
+    assert same == total > 0
+    assert accepted.count(STACK_STEPS) >= 3, accepted  # head 1 accepts: step 2 drafts are verified
+
+
+def _first_head_only(drafter) -> None:
+    """vLLM's V1 model runner: head 0's chain at every step (Conventions.first_head_only)."""
+    drafter.multi_module = lambda conventions: False
+
+
+def _heads_swapped(drafter) -> None:
+    first = {k: v.clone() for k, v in drafter.state_dict().items() if not k.startswith("later.")}
+    second = {k: v.clone() for k, v in drafter.later[0].state_dict().items()}
+    drafter.later[0].load_state_dict({k: first[k] for k in second})
+    drafter.load_state_dict({**drafter.state_dict(), **second})
+
+
+STACK_WRONG = [_first_head_only, _heads_swapped]
+
+
+@pytest.mark.parametrize("wrong", STACK_WRONG, ids=["head 0 every step", "heads swapped"])
+def test_a_wrong_stack_rule_differs(setup, stack, wrong):
+    _, _, _, _, shards, *_ = setup
+    stack_dir, _, runs, _ = stack
+    same, total, _ = _stack_anchors(setup, stack, wrong)
+    walks = replay.offline_produced(stack_dir, shards, MAX_NEW, change=wrong)
+    differ = sum(walks[k] != run.produced for k, run in runs.items())
+    print(f"\n{wrong.__name__}: {total - same}/{total} anchors, {differ}/{len(runs)} walks differ")
+    assert same < total and differ > 0
+
+
+def test_vllms_v1_runner_is_the_first_head_only_convention(setup, stack):
+    """Conventions.first_head_only replays vLLM's V1 runner on the stack, head 0's chain at every
+    step: at the module's 3 steps, the online loop of head 0 alone, walk for walk."""
+    _, _, _, _, shards, runs, _ = setup
+    three = Conventions(first_head_only=True)
+    first = replay.offline_produced(
+        stack[0], shards, MAX_NEW, three, change=lambda d: setattr(d.config, "block_size", STEPS)
+    )
+    assert first == {k: run.produced for k, run in runs.items()}
+
+
+def test_more_steps_than_the_stack_holds_are_refused(setup, stack, tmp_path):
+    """vLLM would reuse head 0 at step 3 over a KV cache its step 1 wrote (history-dependent): one line."""
+    _, _, _, _, shards, *_ = setup
+    line = replay.score_error(stack[0], shards, tmp_path / "out", "--steps", "3")
+    assert "--steps 3" in line and "2 NextN heads" in line and "--steps 2 or fewer" in line, line

@@ -2,8 +2,8 @@
 `specreplay score --ckpt <target dir>` refusing one it cannot score in one `error:` line naming the
 file and the field, nothing written, no traceback: a config promising a head
 (`num_nextn_predict_layers` 1) whose checkpoint holds no `model.layers.{L}.*` tensors; an expert
-count in the checkpoint other than `n_routed_experts`; `num_nextn_predict_layers` 2 (vLLM cycles
-the steps through the heads, llama.cpp's GLM-4.5 graph builds one)."""
+count in the checkpoint other than `n_routed_experts`; `num_nextn_predict_layers` 2 over a checkpoint
+holding one head (a stack missing a head would score the others' rule)."""
 
 from __future__ import annotations
 
@@ -78,7 +78,8 @@ def test_an_expert_count_other_than_the_configs(target, tmp_path):
     assert "field 'n_routed_experts' is 8" in line and "config.json" in line, line
 
 
-def test_more_than_one_head(target, tmp_path):
+def test_a_stack_missing_a_promised_head(target, tmp_path):
     with_head, _, shards, _ = target
     line = replay.score_error(_edit_config(with_head, tmp_path, num_nextn_predict_layers=2), shards, tmp_path / "out")
-    assert "config.json: field 'num_nextn_predict_layers' is 2" in line and "i % 2" in line, line
+    assert "model.safetensors: model.layers.2..3.* holds heads 2," in line, line
+    assert "field 'num_nextn_predict_layers' is 2" in line and "config.json" in line, line
