@@ -353,6 +353,7 @@ def target_head(model, plan: Plan):
 
 
 def _run(config: ExtractConfig, dist: Dist, records, progress, loaded) -> dict:
+    from pipeline.extract.capture import stream_layer_ids
     from pipeline.extract.target import text_config
 
     device = resolve_device(config.device, dist)
@@ -362,6 +363,7 @@ def _run(config: ExtractConfig, dist: Dist, records, progress, loaded) -> dict:
     # Planning and check_out_dir only read: a bad input leaves OUT untouched.
     max_positions = getattr(text_config(model), "max_position_embeddings", None)
     plan = plan_extract(config, records, tokenizer, info, fingerprint, max_positions)
+    stream_layer_ids(text_config(model), info.num_layers, plan.storage.layer_ids)  # refused before OUT is touched
     try:
         engine = connect_engine(config, tokenizer, info, plan)  # its checks too write nothing
     except Unreachable:
