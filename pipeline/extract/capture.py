@@ -107,7 +107,7 @@ def ties_last_hidden_state(decoder) -> bool:
 
 def stream_layer_ids(text, num_layers: int, layer_ids: list[int]) -> set[int]:
     """The stored ids kept as hyper-connection streams: id L of a DeepSeek-V4 target (`hc_mult` streams),
-    flat [N, hc * H], what its MTP head reads (vLLM deepseek_v4/nvidia/model.py:1038-1040, llama.cpp
+    flat [N, hc * H], what its MTP head reads (vLLM deepseek_v4/nvidia/model.py:1036-1038, llama.cpp
     src/models/deepseek4.cpp:1334-1341). Its width is not the other ids', so it is stored alone."""
     hc = getattr(text, "hc_mult", None)
     if not hc or num_layers not in layer_ids:

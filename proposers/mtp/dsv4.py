@@ -4,7 +4,7 @@ checkpoint), written for batched teacher-forced replay of its chain.
 One head (vLLM 0.33 `vllm/models/deepseek_v4/nvidia/mtp.py`, `DeepSeekV4MultiTokenPredictorLayer`,
 98-210; llama.cpp `src/models/deepseek4.cpp:1362-1500`, `graph_mtp`):
   - it reads the target's last layer output as its `hc_mult` hyper-connection streams [hc, H], before
-    the target's hc_head and final norm (vLLM's `_mtp_hidden_buffer`, nvidia/model.py:1038-1040;
+    the target's hc_head and final norm (vLLM's `_mtp_hidden_buffer`, nvidia/model.py:1036-1038;
     llama.cpp's `t_h_nextn` = the streams, deepseek4.cpp:1334-1341): this project's id L, stored as
     the flat streams [hc * H] for a hyper-connection target (pipeline/extract/capture.py);
   - z = h_proj(hnorm(streams)) + e_proj(enorm(embed(x))), the embedding added to every stream, hnorm per

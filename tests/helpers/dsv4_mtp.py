@@ -7,7 +7,7 @@ saved in DeepSeek's checkpoint layout (the names vLLM's load_weights reads, mtp.
 
 The rule (nvidia/mtp.py):
   - the target's last layer output streams [T, hc, H], before hc_head and the final norm (the target stashes
-    them in `_mtp_hidden_buffer`, nvidia/model.py:1038-1040);
+    them in `_mtp_hidden_buffer`, nvidia/model.py:1036-1038);
   - the embedding zeroed at position 0, enorm; hnorm per stream (fused_mtp_input_rmsnorm.py:3-9, 87-119);
   - x = h_proj(hnorm(h)) + e_proj(enorm(e)) into every stream (mtp.py:183-185), through mtp_block and its
     hc_post (198-204), returned as streams and fed to the next step (207-210, spec_step_idx % 1: one head);
