@@ -33,6 +33,7 @@ from torch import nn
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4RMSNorm
 
 from pipeline.common import timing
+from pipeline.common.errors import UserError
 from proposers.checkpoints.files import CheckpointError
 from proposers.mtp.model import TargetStateHead
 from proposers.toolkit.attention import MASK_BUILDERS, with_block_keys
@@ -126,6 +127,12 @@ class DSV4MtpDrafter(TargetStateHead):
     ) -> list[tuple]:  # fmt: skip
         """[(k, v) [1, T, d + heads] of slots 0..T-1 (slot s = (embed(x_{s+1}), streams s) at position s;
         llama.cpp's lead slot as step_chain.context_kv), (the head's output streams, flat [1, T, hc * H],)]."""
+        if features.shape[-1] != self.hc * self.config.hidden_size:  # id L stored as the streams' mean
+            raise UserError(
+                f"the shards' id {self.config.num_target_layers} is {features.shape[-1]} wide, not the target's "
+                f"{self.hc} streams ({self.hc * self.config.hidden_size}) DeepSeek-V4's MTP head reads; extract it "
+                "again with this specreplay, which stores id L of a hyper-connection target as its streams"
+            )
         features, nxt, table, device, dtype = self.slot_inputs(features, tokens, embed, dtype, conventions)
         total, rows = features.shape[0], chunk_rows or features.shape[0]
         attn = self.layers[0].self_attn
