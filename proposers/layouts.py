@@ -8,7 +8,7 @@ Detection, in this order (docs/drafter-families.md#detection): `speculators_mode
 (speculators exports may carry z-lab's own `"architectures": ["DFlashDraftModel"]` with another
 layout and another layer convention, so the architecture alone misleads), then an engine's
 speculative `method` (vLLM's `speculative_config`, for proposers without weights), then a target's
-own `model_type` (its native MTP head), then `architectures`, then the keys of `dflash_config`. Two of
+own `model_type` (its native MTP head, unless `architectures` names a drafter layout), then `architectures`, then the keys of `dflash_config`. Two of
 these are assumptions, said in `Detected.assumed`: a config without `architectures` is read as
 z-lab's DFlash, and a Qwen3.5 / Qwen3-Next target config as its native MTP head. `score --family
 NAME[:LAYOUT]` (an `Override`) replaces detection by the family's own layouts.
@@ -91,9 +91,16 @@ def detect_layout(raw: dict, source: str, override: Override | None = None) -> D
     for key in METHOD_KEYS:  # an engine's speculative config: a proposer with no weights
         if key in raw and (any(k == key for k, _ in methods) or not override):
             return Detected(_method_layout(raw[key], methods, source, key))
-    if raw.get("model_type") in model_types:
+    if raw.get("model_type") in model_types and not _names_drafter(raw, architectures):
         return Detected(model_types[raw["model_type"]], _assumed_native(raw, override))
     return _by_architecture(raw, source, classes, architectures, override)
+
+
+def _names_drafter(raw: dict, architectures: dict) -> bool:
+    """Whether the config's first architecture is a drafter layout's: DeepSeek's own config.json with
+    `DeepseekV4DSparkModel` keeps the target's model_type, and is the DSpark stages', not its MTP head."""
+    said = raw.get("architectures")
+    return isinstance(said, list) and bool(said) and said[0] in architectures
 
 
 def _speculators_layout(kind, speculators: dict, source: str, override: Override | None) -> type:

@@ -4,7 +4,8 @@ forward hooks) and the next-token distribution (lm_head over fixed-size windows 
 What is stored for a sample of N tokens (prompt_len P, R = N - P response tokens):
 
     features         [N, n*H]  storage dtype  layer ids in list order, concatenated on the last dim;
-                                              absent with no layer ids (--layer-ids none)
+                                              absent with no layer ids (--layer-ids none); a DeepSeek-V4
+                                              target's id L alone: its streams [N, hc*H] (stream_layer_ids)
     features_scale   [N, n]    float32        only with fp8 features: per token and layer (shards.quantize_fp8)
     topk_ids         [R+1, k]  int32          row i: top-k of the distribution of token P+i
     topk_logprobs    [R+1, k]  float32        log_softmax of the logits (computed in float32)
@@ -36,6 +37,7 @@ import torch
 
 from pipeline import shards
 from pipeline.common import timing
+from pipeline.common.errors import UserError
 from pipeline.common.sampling import Sampling, token_logprob
 from pipeline.extract.chunked_forward import MIN_WINDOW_ROWS, forward_rows, row_windows, windowed_forward
 from pipeline.extract.generate import model_device
@@ -103,20 +105,40 @@ def ties_last_hidden_state(decoder) -> bool:
     return True if tie is None else bool(tie)
 
 
+def stream_layer_ids(text, num_layers: int, layer_ids: list[int]) -> set[int]:
+    """The stored ids kept as hyper-connection streams: id L of a DeepSeek-V4 target (`hc_mult` streams),
+    flat [N, hc * H], what its MTP head reads (vLLM deepseek_v4/nvidia/model.py:1036-1038, llama.cpp
+    src/models/deepseek4.cpp:1334-1341). Its width is not the other ids', so it is stored alone."""
+    hc = getattr(text, "hc_mult", None)
+    if not hc or num_layers not in layer_ids:
+        return set()
+    if len(layer_ids) > 1:
+        others = [i for i in layer_ids if i != num_layers]
+        raise UserError(
+            f"--layer-ids {','.join(map(str, layer_ids))}: id {num_layers} of this hyper-connection target is stored as "
+            f"its {hc} streams ({hc} x hidden_size wide, what DeepSeek-V4's MTP head reads), which cannot share the "
+            f"features with layers {others}; extract id {num_layers} alone into its own output directory"
+        )
+    return {num_layers}
+
+
 @contextmanager
-def layer_outputs(layers: torch.nn.ModuleList, hooks: list[tuple[int, int]], put):
+def layer_outputs(layers: torch.nn.ModuleList, hooks: list[tuple[int, int]], put, streams: set[int] = frozenset()):
     """Forward hooks on just the layers of `hooks` [(layer index, stored layer id)], each handing
     its output [T, H] to `put(stored id, output)` at once (the windowed forward overwrites it with
     the next layer's). Two ids may come from one layer (the last one's output, stored as id L - 1
-    and as id L, the final hidden state before the norm)."""
+    and as id L, the final hidden state before the norm). DeepSeek-V4's outputs are hyper-connection
+    streams [T, hc, H]: stored as their mean, as vLLM (deepseek_v4/nvidia/model.py:1006-1011) and
+    llama.cpp (src/models/deepseek4.cpp:269, 1239-1241) hand them to a drafter, or flat [T, hc * H]
+    for the ids in `streams` (stream_layer_ids)."""
     handles = []
 
     def hook_for(layer_id):
         def hook(module, args, output):
             hidden = (output[0] if isinstance(output, (tuple, list)) else output)[0]
-            if hidden.dim() == 3:  # DeepSeek-V4's hyper-connection streams [T, hc, H]: their mean, as
-                hidden = hidden.mean(dim=-2)  # vLLM (deepseek_v4/nvidia/model.py:1006-1011) and llama.cpp keep
-            put(layer_id, hidden)  # (src/models/deepseek4.cpp:269, 1239-1241)
+            if hidden.dim() == 3:
+                hidden = hidden.flatten(-2) if layer_id in streams else hidden.mean(dim=-2)
+            put(layer_id, hidden)
 
         return hook
 
@@ -279,9 +301,11 @@ def capture_features(model, input_ids: list[int], config: CaptureConfig) -> tupl
     ids = torch.tensor([input_ids], dtype=torch.long, device=model_device(model))
     text, itemsize = text_config(model), next(decoder.parameters()).element_size()
     rows = forward_rows(text, config.head_budget_bytes, itemsize, len(input_ids))
-    sink = FeatureSink(len(input_ids), text.hidden_size, config.layer_ids, config.feature_dtype, rows)
+    streams = stream_layer_ids(text, len(layers), config.layer_ids)
+    width = text.hidden_size * (text.hc_mult if streams else 1)
+    sink = FeatureSink(len(input_ids), width, config.layer_ids, config.feature_dtype, rows)
     with (
-        layer_outputs(layers, hooked, sink.put),
+        layer_outputs(layers, hooked, sink.put, streams),
         windowed_forward(decoder, layers, rows if config.windowed else 0, ids.device),
     ):
         final = decoder(input_ids=ids, use_cache=False).last_hidden_state[0]  # [N, H], final-norm output

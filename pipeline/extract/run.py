@@ -352,6 +352,22 @@ def target_head(model, plan: Plan):
     )
 
 
+def with_streams(plan: Plan, text, info, config: ExtractConfig) -> Plan:
+    """`plan`, its storage sized for id L stored as a hyper-connection target's streams (hc_mult times a
+    layer's width; capture.stream_layer_ids, which refuses that id beside others)."""
+    from pipeline.extract.capture import stream_layer_ids
+    from pipeline.outdir.storage import plan_storage
+
+    storage = plan.storage
+    if not stream_layer_ids(text, info.num_layers, storage.layer_ids):
+        return plan
+    wide = plan_storage(
+        storage.layer_ids, storage.feature_dtype, storage.top_k, info.hidden_size * text.hc_mult,
+        config.memory_bytes, sampled=plan.sampling is not None,
+    )  # fmt: skip
+    return replace(plan, storage=wide)
+
+
 def _run(config: ExtractConfig, dist: Dist, records, progress, loaded) -> dict:
     from pipeline.extract.target import text_config
 
@@ -362,6 +378,7 @@ def _run(config: ExtractConfig, dist: Dist, records, progress, loaded) -> dict:
     # Planning and check_out_dir only read: a bad input leaves OUT untouched.
     max_positions = getattr(text_config(model), "max_position_embeddings", None)
     plan = plan_extract(config, records, tokenizer, info, fingerprint, max_positions)
+    plan = with_streams(plan, text_config(model), info, config)  # a refusal touches no OUT either
     try:
         engine = connect_engine(config, tokenizer, info, plan)  # its checks too write nothing
     except Unreachable:

@@ -37,6 +37,7 @@ from proposers.fields.rules import dspark_from_anchor
 from proposers.toolkit.config import DrafterConfig, DrafterConfigError, refuse_field
 from proposers.toolkit.conventions import REFERENCE, Conventions
 from proposers.toolkit.dsv4.decoder import SLIDING, DSV4BlockLayer, HyperHead, MainRotary, dsv4_config, window_mask
+from proposers.toolkit.dsv4.names import dsv4_state
 
 # what --walk-rule llama.cpp leaves out for this layout: the probe in docs/drafter-families.md#dspark
 UNMATCHED = {
@@ -140,48 +141,14 @@ ROOT = {
     "hc_head_base": "hc_head.hc_base", "hc_head_scale": "hc_head.hc_scale", "markov_head.": "markov_head.",
     "confidence_head.": "confidence_head.",
 }  # fmt: skip
-STAGE = {
-    "attn.wq_a.": "self_attn.q_a_proj.", "attn.q_norm.": "self_attn.q_a_norm.", "attn.wq_b.": "self_attn.q_b_proj.",
-    "attn.wkv.": "self_attn.kv_proj.", "attn.kv_norm.": "self_attn.kv_norm.", "attn.wo_a.": "self_attn.o_a_proj.",
-    "attn.wo_b.": "self_attn.o_b_proj.", "attn.attn_sink": "self_attn.sinks", "attn_norm.": "input_layernorm.",
-    "ffn_norm.": "post_attention_layernorm.", "hc_attn_fn": "attn_hc.fn", "hc_attn_base": "attn_hc.base",
-    "hc_attn_scale": "attn_hc.scale", "hc_ffn_fn": "ffn_hc.fn", "hc_ffn_base": "ffn_hc.base",
-    "hc_ffn_scale": "ffn_hc.scale", "ffn.gate.weight": "mlp.gate.weight",
-    "ffn.gate.bias": "mlp.gate.e_score_correction_bias", "ffn.shared_experts.w1.": "mlp.shared_experts.gate_proj.",
-    "ffn.shared_experts.w3.": "mlp.shared_experts.up_proj.", "ffn.shared_experts.w2.": "mlp.shared_experts.down_proj.",
-}  # fmt: skip
-
-
-def _renamed(rest: str, table: dict) -> str | None:
-    own = next((prefix for prefix in table if rest.startswith(prefix)), None)
-    return None if own is None else table[own] + rest[len(own) :]
 
 
 def dsv4_names(state: dict) -> dict:
-    """The `mtp.{i}.*` tensors under this model's names: the head stack and context projection at the
-    root (whichever stage holds them, as both engines read them: dspark.py:572-600,
-    conversion/deepseek.py:988-1005), the routed experts stacked as transformers' DeepseekV4Experts
-    holds them (gate_up = [w1 ; w3]); every other tensor is the target's and dropped, as both do, and so
-    is the vision-only `ffn.gate.bias_vl` (conversion/deepseek.py:1010-1015)."""
-    out, experts = {}, {}
-    for name, tensor in state.items():
-        parts = name.split(".", 2)
-        if len(parts) < 3 or parts[0] != "mtp" or not parts[1].isdecimal() or parts[2].endswith("gate.bias_vl"):
-            continue
-        stage, rest = parts[1], parts[2]
-        if rest.startswith("ffn.experts."):
-            _, _, expert, which, _ = rest.split(".")
-            experts.setdefault(stage, {}).setdefault(which, {})[int(expert)] = tensor
-            continue
-        root = _renamed(rest, ROOT)
-        out[root if root is not None else f"layers.{stage}." + (_renamed(rest, STAGE) or rest)] = tensor
-    for stage, by in experts.items():
-        rows = range(len(by.get("w2", {})))
-        out[f"layers.{stage}.mlp.experts.gate_up_proj"] = torch.stack(
-            [torch.cat([by["w1"][e], by["w3"][e]]) for e in rows]
-        )
-        out[f"layers.{stage}.mlp.experts.down_proj"] = torch.stack([by["w2"][e] for e in rows])
-    return out
+    """The `mtp.{i}.*` tensors under this model's names (toolkit/dsv4/names.py): the head stack and
+    context projection at the root (whichever stage holds them, as both engines read them:
+    dspark.py:572-600, conversion/deepseek.py:988-1005), every other tensor the target's and dropped, as
+    both do."""
+    return dsv4_state(state, ROOT)
 
 
 class DSV4DSparkDrafter(DSparkDrafter):

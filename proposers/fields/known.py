@@ -54,7 +54,8 @@ ROPE_KEYS = frozenset(
         "rope_dim",
     )
 )  # fmt: skip
-LAYER_TYPES = ("full_attention", "sliding_attention")  # rope_parameters nested per layer type
+# rope_parameters nested per layer type (DeepSeek-V4's per rope type: transformers' DeepseekV4Config)
+LAYER_TYPES = ("full_attention", "sliding_attention", "main", "compress")
 
 
 @cache

@@ -8,6 +8,9 @@ trees no).
   `transformer_layer_config`, its tensors `mtp_layers.0.*` (mtp_model.canonical_names);
   k = `speculators_config.proposal_methods[0].speculative_tokens`.
 
+* deepseek-v4 (a DeepSeek-V4 target's config.json, `model_type` `deepseek_v4`): its MTP head `mtp.0.*`, one
+  DeepSeek-V4 block on the target's last layer's hyper-connection streams (dsv4.py; dsv4_rules.py).
+
 * nextn (a GLM-4.5 or DeepSeek-V3 target's config.json, `model_type` `glm4_moe` / `deepseek_v3`): its NextN head
   `model.layers.{L}.*`, the target's own config its decoder (nextn.py; decoder_rules.check_nextn_decoder).
 
@@ -29,7 +32,8 @@ from proposers.fields.decoder_rules import (
     mtp_layer_is_moe,
 )
 from proposers.mtp import nextn
-from proposers.mtp.layout import MIMO_HEADS, NativeMimo, NativeMTP, NativeNextN, SpeculatorsMTP
+from proposers.mtp.dsv4_rules import check_dsv4_mtp, dsv4_shape
+from proposers.mtp.layout import MIMO_HEADS, NativeDSV4, NativeMimo, NativeMTP, NativeNextN, SpeculatorsMTP
 from proposers.mtp.model import MtpDrafter, hf_config
 from proposers.registry import Family
 from proposers.toolkit.config import DrafterConfig, DrafterConfigError, decoder_shape, refuse_field
@@ -58,6 +62,8 @@ def parse_drafter_config(checked, raw: dict, source: str = "config", target_laye
         return _nextn(checked, raw, source)
     if isinstance(checked, NativeMimo):
         return _mimo(checked, raw, source)
+    if isinstance(checked, NativeDSV4):
+        return _dsv4(checked, raw, source)
     if isinstance(checked, NativeMTP):
         decoder, steps = raw.get("text_config") or raw, DEFAULT_STEPS
         where = "text_config." if raw.get("text_config") else ""
@@ -127,6 +133,23 @@ def _mimo(checked: NativeMimo, raw: dict, source: str) -> DrafterConfig:
     return _head_config(shape, raw["num_hidden_layers"], heads, {**raw}, checked, options)
 
 
+# what --walk-rule llama.cpp leaves unchecked for this layout (docs/drafter-families.md#deepseek-v4-mtp-head)
+DSV4_UNMATCHED = {
+    "llama.cpp": "llama.cpp's DeepSeek-V4 MTP rule (its lead slot) is written from src/models/deepseek4.cpp and "
+    "common/speculative.cpp, not yet compared with a running llama-server (docs/drafter-families.md#deepseek-v4-mtp-head)"
+}
+
+
+def _dsv4(checked: NativeDSV4, raw: dict, source: str) -> DrafterConfig:
+    """DeepSeek-V4's MTP head (dsv4.py): one DeepSeek-V4 block over the target's last layer's streams,
+    stored as id L; the target's final norm is never read."""
+    check_dsv4_mtp(raw, source)
+    options = {"decoder": "deepseek_v4", "unmatched_rules": DSV4_UNMATCHED}
+    config = _head_config(dsv4_shape(raw), raw["num_hidden_layers"], DEFAULT_STEPS, {**raw}, checked, options)
+    config.reads_final_norm = False
+    return config
+
+
 def _head_config(shape: dict, num_layers: int, steps: int, raw: dict, checked, options: dict) -> DrafterConfig:
     """An MTP head's config: the chain of `steps` drafts over the target's final hidden state before
     its norm (id L, the norm's weight from the target head), one full-attention layer of `shape`."""
@@ -160,6 +183,10 @@ def build_model(config: DrafterConfig):
         from proposers.mtp.mimo import MimoDrafter
 
         return MimoDrafter(config)
+    if config.layout == NativeDSV4.LAYOUT:
+        from proposers.mtp.dsv4 import DSV4MtpDrafter
+
+        return DSV4MtpDrafter(config)
     return nextn.NextnDrafter(config) if config.layout == NativeNextN.LAYOUT else MtpDrafter(config)
 
 

@@ -242,4 +242,49 @@ class NativeMimo(TargetHeadFields):
         return {"": ("MiMoV2FlashConfig", type(self))}
 
 
-LAYOUTS = (SpeculatorsMTP, NativeMTP, NativeNextN, NativeMimo)
+# DeepSeek-V4: one MTP head `mtp.0.*` on the target's last layer's hyper-connection streams (proposers/mtp/dsv4.py);
+# DeepSeek-V4.1 ships DSpark stages under `mtp.*` instead (read as DeepseekV4DSparkModel), refused by name
+DSV4_TARGET_TYPES = ("deepseek_v4", "deepseek_v41")
+
+
+class NativeDSV4(TargetHeadFields):
+    """A DeepSeek-V4 target's own config.json (transformers' DeepseekV4Config, whose keys are DeepSeek's):
+    its MTP head is `mtp.0.*` in the target's checkpoint, one DeepSeek-V4 block on the target's last
+    layer's streams (proposers/mtp/dsv4.py). Typed here: what the head's rule reads or refuses
+    (proposers/mtp/dsv4_rules.py); the rest are DeepseekV4Config's (fields/known.py)."""
+
+    LAYOUT: ClassVar[str] = "deepseek-v4"
+    HEADS_AT: ClassVar[str] = "MTP head mtp.0.*"
+    CONVENTION: ClassVar[str] = "output"
+    MODEL_TYPES: ClassVar[tuple[str, ...]] = DSV4_TARGET_TYPES
+
+    model_type: Literal[DSV4_TARGET_TYPES]
+    num_hidden_layers: Positive | None = None
+    num_nextn_predict_layers: Count | None = None  # absent: DeepseekV4Config's 1; 0 no head; above 1 refused
+    hidden_size: Positive | None = None
+    num_attention_heads: Positive | None = None
+    num_key_value_heads: Positive | None = None  # refused other than 1
+    head_dim: Positive | None = None
+    q_lora_rank: Positive | None = None
+    qk_rope_head_dim: Positive | None = None
+    o_groups: Positive | None = None
+    o_lora_rank: Positive | None = None
+    moe_intermediate_size: Positive | None = None
+    n_routed_experts: Positive | None = None
+    n_shared_experts: Count | None = None  # refused other than 1
+    num_experts_per_tok: Positive | None = None
+    scoring_func: str | None = None  # refused other than sqrtsoftplus
+    norm_topk_prob: bool | None = None  # refused when false
+    hc_mult: Positive | None = None  # refused other than 4
+    sliding_window: Positive | None = None
+    hidden_act: str | None = None  # refused other than silu
+    compress_ratios: list[Count] | None = None  # DeepSeek's per-layer ratios; the head's (index L) refused above 0
+    num_hash_layers: Count | None = None  # refused past the target's layers: the head would be hash-routed
+    quantization_config: dict | None = None  # refused: quantized weights
+    vocab_size: Positive | None = None
+
+    def namespaces(self) -> dict:
+        return {"": ("DeepseekV4Config", type(self))}
+
+
+LAYOUTS = (SpeculatorsMTP, NativeMTP, NativeNextN, NativeMimo, NativeDSV4)

@@ -54,6 +54,9 @@ DSV4_DSPARK = dict(
     compress_ratios=[4, 128, 4, 128, 4, 0, 0, 0], num_hash_layers=3, n_mtp_layers=2, dspark_block_size=4,
     dspark_noise_token_id=511, dspark_target_layer_ids=[1, 3], dspark_markov_rank=8, enable_confidence_head=False,
 )  # fmt: skip
+DSV4_MTP = {k: v for k, v in DSV4_DSPARK.items() if not k.startswith(("dspark_", "n_mtp", "enable_conf", "arch"))} | dict(
+    model_type="deepseek_v4", num_nextn_predict_layers=1, compress_ratios=[4, 128, 4, 128, 4, 0, 0],
+)  # fmt: skip
 DFLASH2_KEYS = dict(conv_kernel_size=2, conv_group_size=8, selector_rank=8, selector_top_k=4)
 
 
@@ -146,6 +149,7 @@ BASE = {
     "mtp:nextn": lambda: dict(GLM),
     "mtp:nextn-deepseek": lambda: dict(DEEPSEEK),
     "mtp:mimo": lambda: dict(MIMO),
+    "mtp:deepseek-v4": lambda: dict(DSV4_MTP),
     "ngram:vllm": lambda: {"method": "ngram", "num_speculative_tokens": 3},
     "ngram:llama.cpp": lambda: {"spec-type": "ngram-simple"},
     "ngram:sglang": lambda: {"speculative_algorithm": "NGRAM"},
@@ -302,6 +306,18 @@ REFUSALS += [  # DeepSeek-V4's DSpark: what llama.cpp's graph refuses, or the en
     ("dspark:deepseek-v4", "sample_from_anchor", False, "vLLM", True),
 ]
 
+REFUSALS += [  # DeepSeek-V4's own MTP head: what llama.cpp's graph refuses, or the engines run apart
+    ("mtp:deepseek-v4", "num_nextn_predict_layers", 2, "llama.cpp", 1),
+    ("mtp:deepseek-v4", "scoring_func", "softmax", "specreplay", "sqrtsoftplus"),
+    ("mtp:deepseek-v4", "hidden_act", "gelu", "llama.cpp", "silu"),
+    ("mtp:deepseek-v4", "norm_topk_prob", False, "specreplay", True),
+    ("mtp:deepseek-v4", "num_key_value_heads", 2, "vLLM", 1),
+    ("mtp:deepseek-v4", "n_shared_experts", 2, "llama.cpp", 1),
+    ("mtp:deepseek-v4", "hc_mult", 2, "llama.cpp", 4),
+    ("mtp:deepseek-v4", "num_hash_layers", 7, "llama.cpp", 3),
+    ("mtp:deepseek-v4", "model_type", "deepseek_v41", "vLLM", "deepseek_v4"),
+]
+
 # Refusals that predate docs/config-fields.md or need several fields changed at once:
 # (layout, the field the error names, the changes that make the config refused)
 SLIDING = {"layer_types": ["sliding_attention", "full_attention"], "use_sliding_window": True, "sliding_window": 8}
@@ -345,6 +361,9 @@ PRIOR_REFUSALS = [
     ("mtp:mimo", "swa_num_attention_heads", {"swa_num_attention_heads": None}),
     ("mtp:mimo", "swa_num_key_value_heads", {"swa_num_key_value_heads": None}),
     ("dspark:deepseek-v4", "compress_ratios", {"compress_ratios": [0] * 6 + [4, 0]}),  # a stage compressed
+    ("mtp:deepseek-v4", "compress_ratios", {"compress_ratios": [0] * 6 + [4]}),  # the head compressed
+    ("mtp:deepseek-v4", "quantization_config", {"quantization_config": {"quant_method": "fp8"}}),
+    ("mtp:deepseek-v4", "sliding_window", {"sliding_window": None}),
     ("dspark:deepseek-v4", "dspark_noise_token_id", {"dspark_noise_token_id": 600}),  # past the vocabulary
     ("dspark:deepseek-v4", "dspark_noise_token_id", {"dspark_noise_token_id": None}),
     ("dspark:deepseek-v4", "dspark_target_layer_ids", {"dspark_target_layer_ids": [1, 5]}),  # the target's last

@@ -334,3 +334,11 @@ def test_score_refuses_in_one_error_line_and_writes_nothing(world, tmp_path, cha
     assert result.exit_code != 0 and "Traceback" not in result.output, result.output
     assert len(errors) == 1 and str(ckpt) in errors[0] and said in errors[0], result.output
     assert not os.path.exists(out)
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v4", "deepseek_v41"])
+def test_deepseeks_config_naming_dspark_is_the_dspark_stages_not_the_mtp_head(model_type):
+    """DeepSeek's config.json keeps the target's model_type beside `DeepseekV4DSparkModel`: the architecture,
+    a drafter layout's, wins over the MTP head's model_type; without it the model_type says the MTP head."""
+    assert parse({**base("dspark:deepseek-v4"), "model_type": model_type}).family == "dspark"
+    assert (parse(base("mtp:deepseek-v4")).family, parse(base("mtp:deepseek-v4")).layout) == ("mtp", "deepseek-v4")
