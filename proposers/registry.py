@@ -33,6 +33,7 @@ LAYOUT_LABELS = {
     "speculators": "speculators",
     "specforge": "SpecForge",
     "deepspec": "DeepSpec",
+    "qwen3-omni": "vLLM's Qwen3-Omni",
     "native": "the target's own",
     "vllm": "vLLM's",
     "llama.cpp": "llama.cpp's",

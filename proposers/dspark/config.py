@@ -8,6 +8,8 @@
   `sample_from_anchor: false`, which every engine serves as the fill-in block).
 * DeepSpec's Gemma 4 (`Gemma4DSparkModel`, gemma4.py) and DeepSeek-V4's (`DeepseekV4DSparkModel`,
   dsv4.py): their own decoders (proposers/toolkit/gemma4/, proposers/toolkit/dsv4/).
+* vLLM's Qwen3-Omni (`Qwen3OmniDSparkModel`, omni.py): DeepSpec's Qwen3 decoder and heads under
+  vLLM's checkpoint contract.
 
 The backbone is the block drafter's (proposers/toolkit/block_drafter.py), the heads are model.py's; the head settings go to
 `DrafterConfig.family_options` (the fields of `DSparkHeads`). DeepSpec is the inference
@@ -25,6 +27,8 @@ from proposers.dspark.dsv4_layout import DeepseekV4DSpark
 from proposers.dspark.gemma4 import parse_gemma4
 from proposers.dspark.gemma4_layout import DeepSpecGemma4DSpark
 from proposers.dspark.layout import DeepSpecDSpark, DSparkHeads, SpecForgeDSpark, SpeculatorsDSpark, resolve_heads
+from proposers.dspark.omni import parse_omni
+from proposers.dspark.omni_layout import Qwen3OmniDSpark
 from proposers.fields.rules import check_speculators_block, check_target_width, dspark_from_anchor
 from proposers.registry import Family
 from proposers.toolkit.config import DrafterConfig, DrafterConfigError
@@ -43,6 +47,8 @@ def parse_drafter_config(checked, raw: dict, source: str = "config", target_laye
         return parse_gemma4(checked, raw, source)
     if isinstance(checked, DeepseekV4DSpark):
         return parse_dsv4(checked, raw, source)
+    if isinstance(checked, Qwen3OmniDSpark):
+        return parse_omni(checked, raw, source, _drafter_config, target_layers)
     raise DrafterConfigError(f"{source}: a {type(checked).__name__} config is not one of DSpark's layouts")
 
 

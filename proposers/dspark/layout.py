@@ -13,6 +13,7 @@
   the output of layer i, -1 being the embedding output (deepspec/modeling/dspark/common.py:52-75).
 * DeepSpec's Gemma 4 (`"architectures": ["Gemma4DSparkModel"]`): gemma4_layout.py.
 * DeepSeek-V4's (`"architectures": ["DeepseekV4DSparkModel"]`): dsv4_layout.py.
+* vLLM's Qwen3-Omni (`"architectures": ["Qwen3OmniDSparkModel"]`): omni_layout.py.
 
 Both resolve their head settings to `DSparkHeads`, with the defaults each reference applies. A
 `confidence_threshold` field is this project's, not the references': DeepSpec takes the threshold
@@ -31,6 +32,7 @@ from pipeline.common.layer_ids import build_target_layer_ids
 from pipeline.common.schema import LARGEST, Count, Number, Positive, SchemaError, wrong
 from proposers.dspark.dsv4_layout import DeepseekV4DSpark
 from proposers.dspark.gemma4_layout import DeepSpecGemma4DSpark
+from proposers.dspark.omni_layout import Qwen3OmniDSpark
 from proposers.toolkit.layout_fields import REQUIRED_SHAPE, BlockDecoderFields, DrafterNamespace, LayerIds, unique_ids
 from proposers.toolkit.speculators_layout import SpeculatorsBlock
 
@@ -48,11 +50,6 @@ REFUSED_ARCHITECTURES = {
     "K3DSparkModel": (
         "Kimi K3's DSpark",
         "whose decoder attends with MLA (vLLM's kimi_k3 dspark_mla.py), and llama.cpp has no converter for it",
-    ),
-    "Qwen3OmniDSparkModel": (
-        "vLLM's Qwen3-Omni DSpark",
-        "whose decoder is Qwen3 DSpark's over the Omni thinker's features (vLLM's qwen3_omni_dspark.py) but "
-        "whose config and layer numbering no public checkpoint here shows, and llama.cpp has no converter for it",
     ),
 }
 
@@ -281,4 +278,4 @@ class DeepSpecDSpark(BlockDecoderFields):
         )
 
 
-LAYOUTS = (SpeculatorsDSpark, SpecForgeDSpark, DeepSpecDSpark, DeepSpecGemma4DSpark, DeepseekV4DSpark)
+LAYOUTS = (SpeculatorsDSpark, SpecForgeDSpark, DeepSpecDSpark, DeepSpecGemma4DSpark, DeepseekV4DSpark, Qwen3OmniDSpark)

@@ -116,6 +116,17 @@ BASE = {
         "enable_confidence_head": False,
         "markov_rank": 0,
     },
+    "dspark:qwen3-omni": lambda: {
+        **QWEN3,
+        "architectures": ["Qwen3OmniDSparkModel"],
+        "block_size": 4,
+        "target_hidden_size": 64,
+        "target_layer_ids": [1, 3],
+        "use_aux_hidden_state": True,
+        "markov_rank": 8,
+        "markov_head_type": "vanilla",
+        "mask_token_id": 511,
+    },
     "dspark:gemma4": lambda: dict(GEMMA4_DSPARK),
     "dspark:deepseek-v4": lambda: dict(DSV4_DSPARK),
     "eagle3:speculators": lambda: _speculators("eagle3", LLAMA, 3, eagle_aux_hidden_state_layer_ids=[2, 3, 4]),
@@ -300,6 +311,17 @@ REFUSALS += [  # DeepSeek-V4's DSpark: what llama.cpp's graph refuses, or the en
     ("dspark:deepseek-v4", "draft_vocab_size", 256, "vLLM", 512),
     ("dspark:deepseek-v4", "dspark_draft_topk", 8, "vLLM", ABSENT),
     ("dspark:deepseek-v4", "sample_from_anchor", False, "vLLM", True),
+    ("dspark:qwen3-omni", "markov_head_type", "gated", "vLLM", "vanilla"),
+    ("dspark:qwen3-omni", "markov_rank", 0, "vLLM", 8),
+    ("dspark:qwen3-omni", "use_aux_hidden_state", False, "vLLM", True),
+    ("dspark:qwen3-omni", "sample_from_anchor", False, "vLLM", True),
+    ("dspark:qwen3-omni", "dspark_bonus_anchor", True, "vLLM", False),
+    ("dspark:qwen3-omni", "draft_vocab_size", 256, "vocab_size", 512),
+    ("dspark:qwen3-omni", "target_hidden_size", 128, "vLLM", 64),
+    ("dspark:qwen3-omni", "mrope_section", [8, 4, 4], "vLLM", ABSENT),
+    ("dspark:qwen3-omni", "rope_parameters.mrope_section", [8, 4, 4], "vLLM", ABSENT),
+    ("dspark:qwen3-omni", "rope_scaling.mrope_section", [8, 4, 4], "vLLM", ABSENT),
+    ("dspark:qwen3-omni", "mask_token_id", 512, "vLLM", 511),
 ]
 
 # Refusals that predate docs/config-fields.md or need several fields changed at once:
@@ -349,6 +371,22 @@ PRIOR_REFUSALS = [
     ("dspark:deepseek-v4", "dspark_noise_token_id", {"dspark_noise_token_id": None}),
     ("dspark:deepseek-v4", "dspark_target_layer_ids", {"dspark_target_layer_ids": [1, 5]}),  # the target's last
     ("dspark:deepseek-v4", "dspark_markov_rank", {"dspark_markov_rank": None}),
+    ("dspark:qwen3-omni", "dflash_config.use_aux_hidden_state", {"dflash_config.use_aux_hidden_state": False}),
+    ("dspark:qwen3-omni", "eagle_config.use_aux_hidden_state", {"eagle_config.use_aux_hidden_state": False}),
+    ("dspark:qwen3-omni", "use_aux_hidden_state", {"use_aux_hidden_state": None}),  # vLLM requires it stated
+    ("dspark:qwen3-omni", "markov_head_type", {"markov_head_type": None}),
+    ("dspark:qwen3-omni", "block_size", {"block_size": None}),
+    ("dspark:qwen3-omni", "mask_token_id", {"mask_token_id": None}),
+    ("dspark:qwen3-omni", "target_layer_ids", {"target_layer_ids": [3, 1]}),  # not increasing
+    ("dspark:qwen3-omni", "target_layer_ids", {"target_layer_ids": [1, 5]}),  # the target's last layer
+    ("dspark:qwen3-omni", "dflash_config.target_layer_ids", {"dflash_config.target_layer_ids": [2, 5]}),
+    ("dspark:qwen3-omni", "dspark_target_layer_ids", {"dspark_target_layer_ids": [3, 2]}),
+    ("dspark:qwen3-omni", "dflash_config.mask_token_id", {"dflash_config.mask_token_id": 600}),
+    ("dspark:qwen3-omni", "dspark_noise_token_id", {"mask_token_id": None, "dspark_noise_token_id": 600}),
+    ("dspark:qwen3-omni", "pard_token", {"mask_token_id": None, "pard_token": 600}),
+    ("dspark:qwen3-omni", "ptd_token_id", {"mask_token_id": None, "ptd_token_id": 600}),
+    ("dspark:qwen3-omni", "dspark_block_size", {"block_size": None, "dspark_block_size": None}),
+    ("dspark:qwen3-omni", "eagle_aux_hidden_state_layer_ids", {"eagle_aux_hidden_state_layer_ids": [1, 3]}),
     ("ngram:llama.cpp", "lookup-cache-static", {"spec-type": "ngram-cache", "lookup-cache-static": "static.bin"}),
     ("ngram:llama.cpp", "lookup-cache-dynamic", {"spec-type": "ngram-cache", "lookup-cache-dynamic": "dynamic.bin"}),
     ("ngram:sglang", "speculative_ngram_external_corpus_path", {"speculative_ngram_external_corpus_path": "c.jsonl"}),
