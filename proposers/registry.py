@@ -34,6 +34,7 @@ LAYOUT_LABELS = {
     "specforge": "SpecForge",
     "deepspec": "DeepSpec",
     "qwen3-omni": "vLLM's Qwen3-Omni",
+    "k3": "Kimi K3's",
     "native": "the target's own",
     "vllm": "vLLM's",
     "llama.cpp": "llama.cpp's",
