@@ -119,7 +119,8 @@ def k3_config(config: DrafterConfig) -> DeepseekV3Config:
     raw = {k: v for k, v in config.raw.items() if k not in ("architectures", "model_type")}
     if "rope_parameters" not in raw and "rope_scaling" not in raw:
         raw["rope_parameters"] = {"rope_type": "default", "rope_theta": float(raw.get("rope_theta", 50000.0))}
-    return DeepseekV3Config(**raw, n_routed_experts=0, n_shared_experts=0, num_experts_per_tok=0, rope_interleave=True)
+    raw.update(n_routed_experts=0, n_shared_experts=0, num_experts_per_tok=0, rope_interleave=True)  # dense, pairs
+    return DeepseekV3Config(**raw)
 
 
 class K3Layer(nn.Module):

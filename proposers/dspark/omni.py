@@ -55,6 +55,8 @@ def parse_omni(checked: Qwen3OmniDSpark, raw: dict, source: str, drafter_config,
 def _check_served(checked: Qwen3OmniDSpark, raw: dict, source: str) -> None:
     """The fields `_validate_qwen3_omni_dspark` refuses (speculative.py:296-324, 340-353, 379-393)."""
     key, aux = checked.aux_features
+    if aux is None:
+        raise DrafterConfigError(f"{source}: missing field 'use_aux_hidden_state'; {VALIDATOR} requires it true")
     if aux is not True:
         refuse(source, key, aux, f"{VALIDATOR} requires it true")
     if not checked.markov_rank:
