@@ -150,21 +150,7 @@ def _by_architecture(raw: dict, source: str, classes, architectures: dict, overr
     return Detected(architectures[said[0]], None if override else assumed)
 
 
-def known_elsewhere() -> dict[str, tuple[str, str]]:
-    """Known layouts this version does not read, as the families declare them (a layout class's
-    REFUSED_ARCHITECTURES): architecture -> (whose layout, what is missing); refused by name rather
-    than read wrong."""
-    return {a: why for c in layout_classes() for a, why in vars(c).get("REFUSED_ARCHITECTURES", {}).items()}
-
-
 def _check_known(arch: str, source: str, architectures: dict, override: Override | None) -> None:
-    refused = known_elsewhere()
-    if arch in refused:
-        whose, missing = refused[arch]
-        raise SchemaError(
-            f"{source}: architecture {arch!r} is {whose} layout, which specreplay does not read yet, {missing}; "
-            "refusing rather than scoring it wrong"
-        )
     if arch not in architectures and override is None:
         speculators = sorted(c.FAMILY for c in layout_classes() if issubclass(c, SpeculatorsFormat))
         raise SchemaError(

@@ -33,6 +33,8 @@ LAYOUT_LABELS = {
     "speculators": "speculators",
     "specforge": "SpecForge",
     "deepspec": "DeepSpec",
+    "qwen3-omni": "vLLM's Qwen3-Omni",
+    "k3": "Kimi K3's",
     "native": "the target's own",
     "vllm": "vLLM's",
     "llama.cpp": "llama.cpp's",

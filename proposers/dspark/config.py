@@ -8,6 +8,9 @@
   `sample_from_anchor: false`, which every engine serves as the fill-in block).
 * DeepSpec's Gemma 4 (`Gemma4DSparkModel`, gemma4.py) and DeepSeek-V4's (`DeepseekV4DSparkModel`,
   dsv4.py): their own decoders (proposers/toolkit/gemma4/, proposers/toolkit/dsv4/).
+* Kimi K3's (`K3DSparkModel`, k3.py): dense MLA layers (proposers/toolkit/mla/attention.py).
+* vLLM's Qwen3-Omni (`Qwen3OmniDSparkModel`, omni.py): DeepSpec's Qwen3 decoder and heads under
+  vLLM's checkpoint contract.
 
 The backbone is the block drafter's (proposers/toolkit/block_drafter.py), the heads are model.py's; the head settings go to
 `DrafterConfig.family_options` (the fields of `DSparkHeads`). DeepSpec is the inference
@@ -24,7 +27,11 @@ from proposers.dspark.dsv4 import DSV4DSparkDrafter, parse_dsv4
 from proposers.dspark.dsv4_layout import DeepseekV4DSpark
 from proposers.dspark.gemma4 import parse_gemma4
 from proposers.dspark.gemma4_layout import DeepSpecGemma4DSpark
+from proposers.dspark.k3 import K3DSparkDrafter, parse_k3
+from proposers.dspark.k3_layout import K3DSpark
 from proposers.dspark.layout import DeepSpecDSpark, DSparkHeads, SpecForgeDSpark, SpeculatorsDSpark, resolve_heads
+from proposers.dspark.omni import parse_omni
+from proposers.dspark.omni_layout import Qwen3OmniDSpark
 from proposers.fields.rules import check_speculators_block, check_target_width, dspark_from_anchor
 from proposers.registry import Family
 from proposers.toolkit.config import DrafterConfig, DrafterConfigError
@@ -43,6 +50,10 @@ def parse_drafter_config(checked, raw: dict, source: str = "config", target_laye
         return parse_gemma4(checked, raw, source)
     if isinstance(checked, DeepseekV4DSpark):
         return parse_dsv4(checked, raw, source)
+    if isinstance(checked, K3DSpark):
+        return parse_k3(checked, raw, source, target_layers)
+    if isinstance(checked, Qwen3OmniDSpark):
+        return parse_omni(checked, raw, source, _drafter_config, target_layers)
     raise DrafterConfigError(f"{source}: a {type(checked).__name__} config is not one of DSpark's layouts")
 
 
@@ -171,9 +182,11 @@ def set_confidence_threshold(config: DrafterConfig, threshold: float, source: st
 
 
 def build(config: DrafterConfig):
-    """The DSpark drafter of `config`: on DeepSeek-V4 stages, Gemma 4 layers or Qwen 3's."""
+    """The DSpark drafter of `config`: on DeepSeek-V4 stages, K3's MLA layers, Gemma 4 layers or Qwen 3's."""
     if config.family_options.get("decoder") == "dsv4":
         return DSV4DSparkDrafter(config)
+    if config.family_options.get("decoder") == "k3":
+        return K3DSparkDrafter(config)
     return gemma4.build(config)
 
 

@@ -13,6 +13,8 @@
   the output of layer i, -1 being the embedding output (deepspec/modeling/dspark/common.py:52-75).
 * DeepSpec's Gemma 4 (`"architectures": ["Gemma4DSparkModel"]`): gemma4_layout.py.
 * DeepSeek-V4's (`"architectures": ["DeepseekV4DSparkModel"]`): dsv4_layout.py.
+* vLLM's Qwen3-Omni (`"architectures": ["Qwen3OmniDSparkModel"]`): omni_layout.py.
+* Kimi K3's (`"architectures": ["K3DSparkModel"]`): k3_layout.py.
 
 Both resolve their head settings to `DSparkHeads`, with the defaults each reference applies. A
 `confidence_threshold` field is this project's, not the references': DeepSpec takes the threshold
@@ -31,6 +33,8 @@ from pipeline.common.layer_ids import build_target_layer_ids
 from pipeline.common.schema import LARGEST, Count, Number, Positive, SchemaError, wrong
 from proposers.dspark.dsv4_layout import DeepseekV4DSpark
 from proposers.dspark.gemma4_layout import DeepSpecGemma4DSpark
+from proposers.dspark.k3_layout import K3DSpark
+from proposers.dspark.omni_layout import Qwen3OmniDSpark
 from proposers.toolkit.layout_fields import REQUIRED_SHAPE, BlockDecoderFields, DrafterNamespace, LayerIds, unique_ids
 from proposers.toolkit.speculators_layout import SpeculatorsBlock
 
@@ -39,22 +43,6 @@ HEAD_TYPES = ("vanilla", "gated", "rnn")
 # DeepSpec's ids: the output of layer i, or -1 for the embedding output
 DeepSpecIds = Annotated[list[Annotated[int, Field(ge=-1, le=LARGEST)]], Field(min_length=1)]
 Threshold = Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)]
-
-
-# DSpark layouts engines serve whose decoder no block drafter here has (proposers/toolkit/block_drafter.py's
-# Qwen3 layers, toolkit/gemma4/decoder.py's Gemma 4 layers, toolkit/dsv4/decoder.py's DeepSeek-V4 stages):
-# architecture -> (whose layout, what specreplay lacks for it), refused by name
-REFUSED_ARCHITECTURES = {
-    "K3DSparkModel": (
-        "Kimi K3's DSpark",
-        "whose decoder attends with MLA (vLLM's kimi_k3 dspark_mla.py), and llama.cpp has no converter for it",
-    ),
-    "Qwen3OmniDSparkModel": (
-        "vLLM's Qwen3-Omni DSpark",
-        "whose decoder is Qwen3 DSpark's over the Omni thinker's features (vLLM's qwen3_omni_dspark.py) but "
-        "whose config and layer numbering no public checkpoint here shows, and llama.cpp has no converter for it",
-    ),
-}
 
 
 @dataclass(frozen=True)
@@ -200,7 +188,6 @@ class DeepSpecDSpark(BlockDecoderFields):
     LAYOUT: ClassVar[str] = "deepspec"
     CONVENTION: ClassVar[str] = "output"
     ARCHITECTURES: ClassVar[tuple[str, ...]] = ("Qwen3DSparkModel",)
-    REFUSED_ARCHITECTURES: ClassVar[dict[str, tuple[str, str]]] = REFUSED_ARCHITECTURES  # read by proposers/layouts.py
 
     architectures: list[str]
     num_target_layers: Positive | None = None
@@ -281,4 +268,12 @@ class DeepSpecDSpark(BlockDecoderFields):
         )
 
 
-LAYOUTS = (SpeculatorsDSpark, SpecForgeDSpark, DeepSpecDSpark, DeepSpecGemma4DSpark, DeepseekV4DSpark)
+LAYOUTS = (
+    SpeculatorsDSpark,
+    SpecForgeDSpark,
+    DeepSpecDSpark,
+    DeepSpecGemma4DSpark,
+    DeepseekV4DSpark,
+    Qwen3OmniDSpark,
+    K3DSpark,
+)

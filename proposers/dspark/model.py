@@ -40,6 +40,9 @@ from proposers.toolkit.vocab import target_ids
 # Early SpecForge DSpark checkpoints saved the heads under a `logit_head.` container; SpecForge
 # maps them back on load (specforge/modeling/draft/dflash.py:296-332), and so does this model.
 LEGACY_PREFIXES = {"logit_head.markov_head.": "markov_head.", "logit_head.confidence_head.": "confidence_head."}
+# layouts whose checkpoint may carry the target's embedding and lm_head (DeepSpec saves copies; vLLM
+# loads a Qwen3-Omni drafter's when present, else shares the target's: qwen3_dspark.py:325-365)
+OWN_COPIES = ("deepspec", "qwen3-omni")
 GREEDY_BELOW = 1e-5  # DeepSpec samples greedily (one-hot q) below this temperature (utils/sampling.py)
 
 
@@ -149,7 +152,7 @@ class DSparkDrafter(BlockDrafter):
         with_markov = options["confidence_head_with_markov"]
         self.confidence_head = ConfidenceHead(hidden + rank * with_markov) if options["confidence_head"] else None
         self.embed_tokens = None
-        if config.draft_vocab_size is None and config.layout == "deepspec":  # its own copies of the target's
+        if config.draft_vocab_size is None and config.layout in OWN_COPIES:  # its own copies of the target's
             self.embed_tokens = nn.Embedding(config.vocab_size, hidden)  # (qwen3/modeling.py:227-246)
             self.lm_head = nn.Linear(hidden, config.vocab_size, bias=False)
         self.register_load_state_dict_pre_hook(_rename_legacy_heads)
@@ -160,7 +163,7 @@ class DSparkDrafter(BlockDrafter):
     def optional_weights(self) -> tuple[str, ...]:
         """Weights a checkpoint may leave out, the target's then used in their place (DeepSpec's
         frozen copies of the target's embedding and lm_head)."""
-        return ("embed_tokens.weight", "lm_head.weight") if self.config.layout == "deepspec" else ()
+        return ("embed_tokens.weight", "lm_head.weight") if self.config.layout in OWN_COPIES else ()
 
     def markov_bias(self, hidden: torch.Tensor, previous: torch.Tensor) -> torch.Tensor | None:
         """[a, D, Vo] bias over the output vocabulary, None without a Markov head."""

@@ -54,12 +54,12 @@ from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeMoE, Glm4MoeRM
 
 from pipeline.common import timing
 from proposers.mtp.experts import ExpertFields, check_experts, fuse_experts
-from proposers.mtp.mla import MlaAttention
 from proposers.mtp.model import TargetStateHead, check_heads_held, partial_rope
 from proposers.toolkit.config import DrafterConfig, transformers_config
 from proposers.toolkit.conventions import REFERENCE, Conventions
 from proposers.toolkit.head import renamed
 from proposers.toolkit.layers import DrafterAttention
+from proposers.toolkit.mla.attention import MlaAttention
 
 # the head's own module names (the rest of model.layers.{L} is its decoder layer, layers.0)
 OWN_NAMES = {

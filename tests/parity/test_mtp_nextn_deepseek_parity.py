@@ -1,5 +1,5 @@
 """Exactness of a DeepSeek-V3 NextN head (`model.layers.{L}.*`, proposers/mtp/nextn.py with MLA,
-proposers/mtp/mla.py), scored by `specreplay score --ckpt <target dir>`, against vLLM's rule on
+proposers/toolkit/mla/attention.py), scored by `specreplay score --ckpt <target dir>`, against vLLM's rule on
 transformers' own DeepseekV3DecoderLayer (tests/helpers/nextn_online.py, citing deepseek_mtp.py):
 llama.cpp's converter drops DeepSeek-V3's MTP layers (conversion/deepseek.py:238-240, 396-401), so
 no llama-server comparison exists for it.

@@ -68,7 +68,10 @@ def test_the_override_reads_the_file_as_the_named_familys():
             "dflash3",
             r"no family 'dflash3'; choose from dflash, dflash2, xpress, dspark, eagle3, peagle, eagle, mtp, ngram",
         ),
-        ("dspark:z-lab", r"dspark has no layout 'z-lab'; its layouts: deepseek-v4, deepspec, specforge, speculators"),
+        (
+            "dspark:z-lab",
+            r"dspark has no layout 'z-lab'; its layouts: deepseek-v4, deepspec, k3, qwen3-omni, specforge, speculators",
+        ),
     ],
 )
 def test_a_misspelt_override_is_one_line_naming_the_choices(text, message):

@@ -85,7 +85,7 @@ def test_a_speculators_config_is_validated_before_it_is_refused():
 
 
 def test_architecture_then_dflash_config_keys():
-    with pytest.raises(DrafterConfigError, match="architecture 'K3DSparkModel' is Kimi K3's DSpark"):
+    with pytest.raises(DrafterConfigError, match="missing field 'q_lora_rank'; vLLM's K3DSparkConfig"):
         parse_drafter_config({**drafter_config(), "architectures": ["K3DSparkModel"]}, "c.json")
     with pytest.raises(DrafterConfigError, match="architecture 'GPT2LMHeadModel' is not a drafter layout"):
         parse_drafter_config({**drafter_config(), "architectures": ["GPT2LMHeadModel"]}, "c.json")

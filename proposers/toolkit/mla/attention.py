@@ -1,5 +1,6 @@
-"""DeepSeek-V3's multi-head latent attention (transformers' DeepseekV3Attention) for the step chain
-of a NextN head (nextn.py): queries through the q LoRA (or q_proj), keys and values expanded from
+"""DeepSeek-V3's multi-head latent attention (transformers' DeepseekV3Attention), shared by the MLA
+drafters: the step chain of a NextN head (proposers/mtp/nextn.py) and Kimi K3's DSpark block
+(proposers/dspark/k3.py). Queries through the q LoRA (or q_proj), keys and values expanded from
 the compressed latent (kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj), RoPE on the last
 qk_rope_head_dim dims of each query and on the one shared rope key (interleaved pairs when
 `rope_interleave`), softmax scale qk_head_dim^-0.5 with YaRN's mscale (yarn_apply_mscale).
@@ -64,6 +65,11 @@ class MlaAttention(nn.Module):
         k_rot = self._rope(k_rot.unsqueeze(-3), cos, sin).expand(*k_nope.shape[:-1], self.rot)
         padded = nn.functional.pad(v, (0, self.qk_dim - self.v_dim))
         return torch.cat([k_nope, k_rot], dim=-1), padded
+
+    def forward(self, x, cos, sin, ctx_k, ctx_v, mask):
+        """Block queries x [A, b, H] attend to [context ; the block's own keys] (DrafterAttention's call)."""
+        k, v = self.keys_values(x, cos, sin)
+        return self.attend_to(self.queries(x, cos, sin), k, v, ctx_k, ctx_v, mask)
 
     def attend_to(self, q, k, v, ctx_k, ctx_v, mask) -> torch.Tensor:
         """Queries q [A, heads, b, qk_dim] to [context ; block keys] -> [A, b, H]."""
