@@ -135,68 +135,6 @@ def per_prompt(values: dict[str, list[float]]) -> dict[str, tuple[float, float]]
     return {prompt: mean_se(v) for prompt, v in sorted(values.items())}
 
 
-def z_scores(offline: dict, online: dict) -> tuple[dict[str, float], float]:
-    """Per prompt, and over the prompts (mean of the per-prompt means, errors combined), the
-    offline minus online mean in combined standard errors."""
-    each, diffs, variances = {}, [], []
-    for prompt, (mean_on, se_on) in online.items():
-        mean_off, se_off = offline[prompt]
-        each[prompt] = (mean_off - mean_on) / np.hypot(se_off, se_on)
-        diffs.append(mean_off - mean_on)
-        variances.append(se_off**2 + se_on**2)
-    return each, float(np.mean(diffs) / (np.sqrt(np.sum(variances)) / len(diffs)))
-
-
-@dataclass
-class SampledVerdict:
-    """Per prompt (mean, se) of the online taus, the offline expected taus and the wrong rule's, and
-    the z of each against the online ones (per prompt, and over the prompts)."""
-
-    online: dict
-    offline: dict
-    wrong: dict
-    z_prompts: dict
-    z: float
-    z_wrong_prompts: dict
-    z_wrong: float
-
-
-def online_taus(run, count: int, draws: int, prompts: list | None = None) -> dict[str, list[float]]:
-    """Prompt id -> the tau of `draws` seeded online runs on each of the `count` prompts (`prompts`,
-    else prompt_ids') (`run(prompt ids) -> a run with .tau`; a run whose first token stops has none)."""
-    taus: dict[str, list[float]] = {}
-    for i, prompt in enumerate((prompts or prompt_ids(count))[:count]):
-        for draw in range(draws):
-            torch.manual_seed(1000 * i + draw)
-            tau = run(torch.tensor(prompt)).tau
-            if tau is not None:
-                taus.setdefault(f"p{i}", []).append(tau)
-    return taus
-
-
-def sampled_verdict(ckpt: str, shards: str, out, online: dict, wrong: tuple, label: str, **options) -> SampledVerdict:
-    """`ckpt` scored on sampled `shards` as it is and with the wrong rule patched in (`wrong`:
-    (object, attribute, value), set for that scoring only), each one's expected taus against the
-    `online` taus (prompt -> taus); printed per prompt and over the prompts, the wrong rule named
-    `label`; `options` score's."""
-    import pytest
-
-    online = per_prompt(online)
-    offline = per_prompt(offline_taus(score(ckpt, shards, out / "sampled-results", **options)))
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(*wrong)
-        wrong_taus = per_prompt(offline_taus(score(ckpt, shards, out / "sampled-results-wrong", **options)))
-    verdict = SampledVerdict(online, offline, wrong_taus, *z_scores(offline, online), *z_scores(wrong_taus, online))
-    for prompt, (mean_on, se_on) in online.items():
-        print(
-            f"{prompt}: online {mean_on:.4f} ± {se_on:.4f}, offline {offline[prompt][0]:.4f} ± {offline[prompt][1]:.4f} "
-            f"(z {verdict.z_prompts[prompt]:+.2f}), {label} {wrong_taus[prompt][0]:.4f} "
-            f"(z {verdict.z_wrong_prompts[prompt]:+.2f})"
-        )
-    print(f"over the prompts: z {verdict.z:+.2f}, {label} z {verdict.z_wrong:+.2f}")
-    return verdict
-
-
 def anchor_chains_compared(ckpt: str, shards: str, out, chain_at, **options) -> tuple[int, int]:
     """anchors.parquet's draft block at every response anchor (score --anchor-drafts) against the
     online proposer's greedy chain there, `chain_at(ids, anchor, count)`, up to the chain's first
@@ -237,12 +175,14 @@ class PairedVerdict:
     z_wrong: float
 
 
-def paired_runs(run, count: int, draws: int) -> list[tuple[str, list[int], list[int], float]]:
+def paired_runs(
+    run, count: int, draws: int, prompts: list | None = None
+) -> list[tuple[str, list[int], list[int], float]]:
     """(sample id `p<i>#<draw>`, prompt ids, the run's response ids, its tau) of `draws` seeded online
-    runs on each of the `count` prompts (`run(prompt ids)` -> a run with .tau and .output_ids);
-    runs whose first token stops take no step and are left out."""
+    runs on each of the `count` prompts (`prompts`, else prompt_ids') (`run(prompt ids)` -> a run with
+    .tau and .output_ids); runs whose first token stops take no step and are left out."""
     runs = []
-    for i, prompt in enumerate(prompt_ids(count)):
+    for i, prompt in enumerate((prompts or prompt_ids(count))[:count]):
         for draw in range(draws):
             torch.manual_seed(1000 * i + draw)
             done = run(torch.tensor(prompt))
@@ -261,30 +201,25 @@ def _residual_z(runs: list, expected: dict[str, float]) -> tuple[dict[str, float
     return z, mean / se if se > 0 else (0.0 if mean == 0 else np.inf)
 
 
-def paired_verdict(ckpt: str, model_dir: str, runs: list, out, wrong: tuple, label: str, **extract_options):
-    """Every online run's own response (paired_runs) extracted as a given response at the run's
-    temperature (`extract_options`: max_new, layer_ids, temperature), scored as it is and with the
-    wrong rule (object, attribute, value) patched in: the paired residual online tau - offline
-    E[tau | those tokens] has mean zero under the right rule; the pairing removes the tokens'
-    variance, so far fewer runs separate a wrong rule than comparing two means does."""
+def paired_verdict(
+    ckpt: str, model_dir: str, runs: list, out, wrong: tuple, label: str, *, max_new, layer_ids, temperature, **options
+) -> PairedVerdict:
+    """Every online run's own response (paired_runs) extracted as a given response (`layer_ids`, at the
+    runs' `temperature`), `ckpt` scored on them (score's `options`) as it is and with the wrong rule
+    (object, attribute, value) patched in: the paired residual online tau - offline E[tau | those
+    tokens] has mean zero under the right rule; pairing removes the tokens' own variance, so far
+    fewer runs separate a wrong rule than comparing two means over separate draws does."""
     import pytest
 
     from tests.helpers.prompts import write_prompts
 
     records = [{"id": sid, "input_ids": prompt, "response": response} for sid, prompt, response, _ in runs]
     prompts = write_prompts(out / "paired.jsonl", records)
-    shards = extract(
-        out / "paired-shards",
-        model_dir,
-        prompts,
-        extract_options["max_new"],
-        extract_options["layer_ids"],
-        extract_options["temperature"],
-    )
-    expected = _expected_by_sample(score(ckpt, shards, out / "paired-results"))
+    shards = extract(out / "paired-shards", model_dir, prompts, max_new, layer_ids, temperature)
+    expected = _expected_by_sample(score(ckpt, shards, out / "paired-results", **options))
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(*wrong)
-        expected_wrong = _expected_by_sample(score(ckpt, shards, out / "paired-results-wrong"))
+        expected_wrong = _expected_by_sample(score(ckpt, shards, out / "paired-results-wrong", **options))
     verdict = PairedVerdict(*_residual_z(runs, expected), *_residual_z(runs, expected_wrong))
     for prompt, z in verdict.z_prompts.items():
         print(f"{prompt}: paired residual z {z:+.2f}, {label} z {verdict.z_wrong_prompts[prompt]:+.2f}")

@@ -176,19 +176,18 @@ def hidden_first(self, layer, h, embeds):
 
 
 def sampled_verdict(tmp, model_dir: str, target, head, greedy: str, *, steps: int, max_new: int, **sampled):
-    """fitted_native_head's head at T > 0: its prompts (tmp/prompts.jsonl, p0, p1, ...) extracted
-    `draws` times each at `temperature` (id L), the offline expected taus against as many seeded
-    online runs of mtp_online's loop, and the `wrong` rule (object, attribute, value) named `label`
-    (chain_parity.sampled_verdict); `sampled` holds prompts, temperature, draws, wrong, label."""
+    """fitted_native_head's head at T > 0, paired (chain_parity.paired_verdict): `draws` seeded online
+    runs of mtp_online's loop on each of its prompts, each run's own response extracted (id L) and
+    scored as it is and with the `wrong` rule (object, attribute, value) named `label`; `sampled`
+    holds prompts, temperature, draws, wrong, label."""
     from tests.helpers import chain_parity as parity
 
-    temperature, draws = sampled["temperature"], sampled["draws"]
-    layers = [target.config.num_hidden_layers]
-    shards = parity.extract(tmp / "sampled", model_dir, str(tmp / "prompts.jsonl"), max_new, layers, temperature, draws)
+    temperature = sampled["temperature"]
     stop_ids = ShardSet(greedy).settings["target"]["stop_token_ids"]
 
     def run(prompt):
         return online.online_mtp(head, target, prompt, steps, max_new, stop_ids, temperature)
 
-    online_taus = parity.online_taus(run, sampled["prompts"], draws)
-    return parity.sampled_verdict(model_dir, shards, tmp, online_taus, sampled["wrong"], sampled["label"])
+    runs = parity.paired_runs(run, sampled["prompts"], sampled["draws"])
+    options = dict(max_new=max_new, layer_ids=[target.config.num_hidden_layers], temperature=temperature)
+    return parity.paired_verdict(model_dir, model_dir, runs, tmp, sampled["wrong"], sampled["label"], **options)

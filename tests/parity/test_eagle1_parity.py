@@ -204,19 +204,20 @@ def test_eagle2_trees_equal_the_online_tree_at_every_anchor_and_walk(setup, draf
 
 
 @pytest.mark.slow
-def test_sampled_expected_tau_equals_the_online_mean_over_seeds(setup, drafter):
-    """Per prompt, the offline expected tau over SAMPLED_DRAWS responses (T 0.7) against as many
-    seeded online runs, within 3 combined standard errors; the swapped fc inputs fall outside."""
-    tmp, model_dir, prompts, target, _, stop_ids = setup
-    shards = parity.extract(tmp / "sampled", model_dir, prompts, MAX_NEW, FEATURE, TEMPERATURE, SAMPLED_DRAWS)
+def test_sampled_expected_tau_equals_the_online_tau_run_by_run(setup, drafter):
+    """T 0.7, paired: SAMPLED_DRAWS seeded online runs per prompt, each run's own response extracted
+    and scored; the online tau minus the offline expected tau given those tokens has mean zero within
+    3 standard errors; the swapped fc inputs fall outside."""
+    tmp, model_dir, _, target, _, stop_ids = setup
 
     def run(prompt):
         return online.online_eagle3(drafter[0], target, prompt, MAX_NEW, stop_ids, TEMPERATURE)
 
-    taus = parity.online_taus(run, PROMPTS, SAMPLED_DRAWS)
-    verdict = parity.sampled_verdict(drafter[1], shards, tmp, taus, WRONG, "[hidden ; embedding]", steps=STEPS)
-    assert all(abs(v) < 3 for v in verdict.z_prompts.values()) and abs(verdict.z) < 3, (verdict.z_prompts, verdict.z)
-    assert abs(verdict.z_wrong) > 3, (verdict.z_wrong_prompts, verdict.z_wrong)
+    runs = parity.paired_runs(run, PROMPTS, SAMPLED_DRAWS)
+    options = dict(max_new=MAX_NEW, layer_ids=FEATURE, temperature=TEMPERATURE, steps=STEPS)
+    verdict = parity.paired_verdict(drafter[1], model_dir, runs, tmp, WRONG, "[hidden ; embedding]", **options)
+    assert all(abs(v) < 3 for v in verdict.z_prompts.values()) and abs(verdict.z) < 3, verdict
+    assert abs(verdict.z_wrong) > 3, verdict
 
 
 @pytest.mark.slow

@@ -53,10 +53,10 @@ PROMPTS = 6
 STEPS = 4  # speculative tokens a step drafts
 DRAFT_VOCAB = 48  # of the target's 64
 TEMPERATURE = 0.7
-# extracted responses per prompt, and online runs per prompt. At 120 the wrong rule (post-norm fed
-# back) stood at z -20.05 over the prompts (-4.15 .. -17.32 per prompt) and the correct one within
-# |z| 1.71: 60 keeps it near -14, far past the 3 asserted, at half the online runs
-SAMPLED_DRAWS = 60
+# seeded online runs per prompt, each one's response extracted and scored (paired): at 60 the wrong
+# rule (post-norm fed back) stood at z +15.3 over the runs and the correct one at +1.5; 32 keeps the
+# wrong one far past the 3 asserted at about half the runs
+SAMPLED_DRAWS = 32
 TARGET_LAYERS = 6
 NEAR_TIE = 1e-4  # logits this close may rank apart between two kernels' float sums
 
@@ -196,26 +196,24 @@ def _post_norm_feedback(self, h):
 
 
 @pytest.mark.slow
-def test_sampled_expected_tau_equals_the_online_mean_over_seeds(setup, drafter):
-    """Per prompt, the mean offline expected tau over SAMPLED_DRAWS extracted responses (T 0.7,
-    samples.parquet) against the mean tau of as many seeded online runs, within 3 combined standard
-    errors, and over the prompts. The wrong rule is the same replay re-run with the post-norm hidden
-    state fed back (`_post_norm_feedback`): it must fall outside 3 standard errors."""
-    tmp, model_dir, prompts, target, _, stop_ids = setup
+def test_sampled_expected_tau_equals_the_online_tau_run_by_run(setup, drafter):
+    """T 0.7, paired: SAMPLED_DRAWS seeded online runs per prompt, each run's own response extracted
+    and scored; the online tau minus the offline expected tau given those tokens has mean zero within
+    3 standard errors, per prompt and over every run. The wrong rule is the same replay re-run with
+    the post-norm hidden state fed back (`_post_norm_feedback`): outside 3 standard errors."""
+    tmp, model_dir, _, target, _, stop_ids = setup
     model, ckpt, _ = drafter
-    shards = parity.extract(tmp / "sampled", model_dir, prompts, MAX_NEW, OUTPUT_IDS, TEMPERATURE, SAMPLED_DRAWS)
 
     def run(prompt):
         return online.online_eagle3(model, target, prompt, MAX_NEW, stop_ids, TEMPERATURE)
 
-    online_taus = parity.online_taus(run, PROMPTS, SAMPLED_DRAWS)
+    runs = parity.paired_runs(run, PROMPTS, SAMPLED_DRAWS)
+    assert np.mean([tau for *_, tau in runs]) > 1.5  # several tokens a step
     wrong = (Eagle3Drafter, "feedback", _post_norm_feedback)
-    verdict = parity.sampled_verdict(ckpt, shards, tmp, online_taus, wrong, "post-norm fed back")
-    online_stats, z_prompts, z = verdict.online, verdict.z_prompts, verdict.z
-    z_wrong_prompts, z_wrong = verdict.z_wrong_prompts, verdict.z_wrong
-    assert np.mean([m for m, _ in online_stats.values()]) > 1.5, online_stats  # several tokens a step
-    assert all(abs(v) < 3 for v in z_prompts.values()) and abs(z) < 3, (z_prompts, z)
-    assert abs(z_wrong) > 3, (z_wrong_prompts, z_wrong)
+    options = dict(max_new=MAX_NEW, layer_ids=OUTPUT_IDS, temperature=TEMPERATURE)
+    verdict = parity.paired_verdict(ckpt, model_dir, runs, tmp, wrong, "post-norm fed back", **options)
+    assert all(abs(v) < 3 for v in verdict.z_prompts.values()) and abs(verdict.z) < 3, verdict
+    assert abs(verdict.z_wrong) > 3, verdict
 
 
 # ---------------------------------------------------------------------------------------------

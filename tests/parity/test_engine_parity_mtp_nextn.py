@@ -228,34 +228,29 @@ def test_the_pre_norm_state_scores_worse_and_diagnose_keeps_the_configured_one(s
 
 TEMPERATURE = 0.05
 SAMPLED_PROMPTS = 3  # the module's first prompts
-SAMPLED_DRAWS = 10  # extracted responses per prompt, and online runs per prompt
+SAMPLED_DRAWS = 10  # seeded online runs per prompt, each one's response extracted and scored
 
 
-def test_sampled_expected_tau_equals_the_online_mean_over_seeds(setup):
-    """T = 0.2: per prompt the offline expected tau of SAMPLED_DRAWS extracted responses against the
-    mean tau of as many seeded runs of vLLM's rule on the module's fitted head (each draft drawn from
-    its q, z-lab's rejection sampling), within 3 combined standard errors; fc reading its halves in
-    the other order outside them."""
+def test_sampled_expected_tau_equals_the_online_tau_run_by_run(setup):
+    """T = TEMPERATURE, paired: SAMPLED_DRAWS seeded runs of vLLM's rule on the module's fitted head
+    per prompt (each draft drawn from its q, z-lab's rejection sampling), each run's own response
+    extracted and scored; the online tau minus the offline expected tau given those tokens has mean
+    zero within 3 standard errors; fc reading its halves in the other order outside them."""
     from pipeline.shards import ShardSet
     from proposers.mtp.nextn import NextnDrafter
     from tests.helpers import mtp_online
-    from tests.helpers.prompts import write_prompts
 
     found, _, _, target, head = setup
-    prompts = parity.prompt_ids(SAMPLED_PROMPTS)
-    records = [{"id": f"p{i}", "input_ids": ids} for i, ids in enumerate(prompts)]
-    written = write_prompts(found.tmp / "sampled-prompts.jsonl", records)
-    layers = [target.config.num_hidden_layers]
-    shards = chains.extract(
-        found.tmp / "sampled", found.target, written, found.max_new, layers, TEMPERATURE, SAMPLED_DRAWS
-    )
     stop_ids = ShardSet(found.shards).settings["target"]["stop_token_ids"]
 
     def run(prompt):
         return mtp_online.online_mtp(head, target, prompt, STEPS, found.max_new, stop_ids, TEMPERATURE)
 
-    online = chains.online_taus(run, SAMPLED_PROMPTS, SAMPLED_DRAWS, prompts)
+    runs = chains.paired_runs(run, SAMPLED_PROMPTS, SAMPLED_DRAWS, parity.prompt_ids(SAMPLED_PROMPTS))
     wrong = (NextnDrafter, "layer_input", replay.hidden_first)
-    verdict = chains.sampled_verdict(found.target, shards, found.tmp, online, wrong, "[hidden ; embedding]")
-    assert all(abs(v) < 3 for v in verdict.z_prompts.values()) and abs(verdict.z) < 3, (verdict.z_prompts, verdict.z)
-    assert verdict.z_wrong < -3, (verdict.z_wrong_prompts, verdict.z_wrong)
+    options = dict(max_new=found.max_new, layer_ids=[target.config.num_hidden_layers], temperature=TEMPERATURE)
+    verdict = chains.paired_verdict(
+        found.target, found.target, runs, found.tmp, wrong, "[hidden ; embedding]", **options
+    )
+    assert all(abs(v) < 3 for v in verdict.z_prompts.values()) and abs(verdict.z) < 3, verdict
+    assert abs(verdict.z_wrong) > 3, verdict

@@ -116,15 +116,15 @@ def test_a_wrong_expert_rule_fails(setup, wrong):
 
 
 TEMPERATURE = 0.2  # at 0.3 the tiny target is too flat for the wrong rule below to move tau past 3 SE
-SAMPLED_DRAWS = 24  # extracted responses per prompt, and online runs per prompt
+SAMPLED_DRAWS = 24  # seeded online runs per prompt, each one's response extracted and scored
 
 
 @pytest.mark.slow
 def test_sampled_expected_tau_equals_the_online_mean_over_seeds(setup):
-    """T = 0.2: per prompt the offline expected tau of SAMPLED_DRAWS extracted responses against the
-    mean tau of as many seeded online runs of the MoE head (each draft drawn from its q, z-lab's
-    rejection sampling), within 3 combined standard errors; fc reading its halves in the other
-    order outside them."""
+    """T = 0.2, paired (mtp_replay.sampled_verdict): SAMPLED_DRAWS seeded online runs of the MoE head
+    per prompt (each draft drawn from its q, z-lab's rejection sampling), each run's own response
+    extracted and scored; the online tau minus the offline expected tau given those tokens has mean
+    zero within 3 standard errors; fc reading its halves in the other order outside them."""
     from proposers.mtp.model import MtpDrafter
 
     tmp, model_dir, target, head, shards, _ = setup

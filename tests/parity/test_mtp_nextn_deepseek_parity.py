@@ -124,13 +124,14 @@ def test_the_pre_norm_state_walks_worse(setup):
 
 
 TEMPERATURE = 0.1  # this head accepts little at 0.3 (tau 1.06), where no wrong rule shows
-SAMPLED_DRAWS = 24
+SAMPLED_DRAWS = 16
 
 
 def test_sampled_expected_tau_equals_the_online_mean_over_seeds(setup):
-    """T = 0.1: per prompt the offline expected tau against the mean tau of as many seeded runs of
-    vLLM's rule (each draft drawn from its q, z-lab's rejection sampling), within 3 combined
-    standard errors; fc reading [hidden ; embedding] outside them."""
+    """T = 0.1, paired (mtp_replay.sampled_verdict): SAMPLED_DRAWS seeded runs of vLLM's rule per
+    prompt (each draft drawn from its q, z-lab's rejection sampling), each run's own response
+    extracted and scored; the online tau minus the offline expected tau given those tokens has mean
+    zero within 3 standard errors; fc reading [hidden ; embedding] outside them."""
     from proposers.mtp.nextn import NextnDrafter
 
     tmp, model_dir, target, head, shards, *_ = setup

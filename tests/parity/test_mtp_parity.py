@@ -155,16 +155,15 @@ def test_the_exports_speculative_tokens_set_k(setup):
 
 
 TEMPERATURE = 0.3  # at 0.7 the tiny target is so flat that even a wrong fc moves tau less than the test resolves
-SAMPLED_DRAWS = 24  # extracted responses per prompt, and online runs per prompt
+SAMPLED_DRAWS = 24  # seeded online runs per prompt, each one's response extracted and scored
 
 
 @pytest.mark.slow
 def test_sampled_expected_tau_equals_the_online_mean_over_seeds(setup):
-    """T = 0.3: per prompt the offline expected tau (samples.parquet, SAMPLED_DRAWS extracted
-    responses) against the mean tau of as many seeded online runs (each draft drawn from its q,
-    z-lab's rejection sampling) within 3 combined standard errors; fc reading its halves in the
-    other order outside them (milder wrong rules, the pre-norm state or feedback, move tau by less
-    than this statistic resolves on this tiny target)."""
+    """T = 0.3, paired (mtp_replay.sampled_verdict): SAMPLED_DRAWS seeded online runs per prompt
+    (each draft drawn from its q, z-lab's rejection sampling), each run's own response extracted and
+    scored; the online tau minus the offline expected tau given those tokens has mean zero within 3
+    standard errors; fc reading its halves in the other order outside them."""
     from proposers.mtp.model import MtpDrafter
 
     tmp, model_dir, target, head, greedy = setup
