@@ -42,7 +42,7 @@ from proposers.toolkit.dsv4.names import dsv4_state
 # what --walk-rule llama.cpp leaves out for this layout: the probe in docs/drafter-families.md#dspark
 UNMATCHED = {
     "llama.cpp": "llama-server's DeepSeek-V4 DSpark counts differed from this replay on the samples probed "
-    "(its draft KV ring carries state across steps the replay does not model; docs/drafter-families.md#dspark)"
+    "(a block of several queries attends otherwise in its draft graph; docs/drafter-families.md#dspark)"
 }
 
 

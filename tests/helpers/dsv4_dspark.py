@@ -30,10 +30,10 @@ from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
     eager_attention_forward,
 )
 
-from tests.helpers import gemma4_dspark as g4, llama_engine as engine
+from tests.helpers import dsv4_served as served, llama_engine as engine
 from tests.helpers.models import seeded
 
-VOCAB = g4.VOCAB  # the Gemma 4 test's byte-fallback BPE tokenizer (extract needs one; a small vocabulary fits fast)
+VOCAB = engine.SMOLLM2_VOCAB  # SmolLM2's tokenizer: its pre-tokenizer is one llama.cpp's converter knows
 LIVE = 12  # the target emits ids SPECIAL .. SPECIAL + LIVE - 1 only
 TARGET_LAYERS = 4
 FEATURES = [0, 1]  # output of layers 0 and 1
@@ -53,18 +53,21 @@ DECODER = dict(
     routed_scaling_factor=1.5, hc_mult=4, hc_sinkhorn_iters=20, hc_eps=1e-6, swiglu_limit=10.0,
     sliding_window=WINDOW, rope_theta=10000.0, rms_norm_eps=1e-6, hidden_act="silu", max_position_embeddings=2048,
 )  # fmt: skip
+CSA = dict(index_n_heads=2, index_head_dim=128, index_topk=64)  # a CSA layer's indexer: top-k above any context's
 ROPE = {
     "main": {"rope_type": "default", "rope_theta": 10000.0},
     "compress": {"rope_type": "default", "rope_theta": 1e5},
 }
 
 
-def hf_config(layers: int, init: float = 0.05) -> DeepseekV4Config:
-    """transformers' DeepseekV4Config of `layers` uncompressed, top-k routed layers; `init` the weights'
-    std (small: the target's greedy responses repeat, which a briefly fitted drafter can follow)."""
+def hf_config(layers: int, init: float = 0.05, last: str = "sliding_attention") -> DeepseekV4Config:
+    """transformers' DeepseekV4Config of `layers` top-k routed layers, uncompressed but the last (of
+    type `last`); `init` the weights' std (small: the target's greedy responses repeat, which a
+    briefly fitted drafter can follow)."""
     fields = {k: v for k, v in DECODER.items() if k != "rope_theta"}
     config = DeepseekV4Config(
-        **fields, num_hidden_layers=layers, layer_types=["sliding_attention"] * layers,
+        **fields, num_hidden_layers=layers, layer_types=["sliding_attention"] * (layers - 1) + [last],
+        compress_rope_theta=ROPE["compress"]["rope_theta"], **CSA,
         mlp_layer_types=["moe"] * layers, rope_parameters=json.loads(json.dumps(ROPE)), initializer_range=init,
         eos_token_id=engine.STOP, bos_token_id=1, pad_token_id=0,
     )  # fmt: skip
@@ -73,16 +76,22 @@ def hf_config(layers: int, init: float = 0.05) -> DeepseekV4Config:
 
 
 def save_target(model_dir) -> str:
-    """A tiny random DeepSeek-V4 (transformers' class) emitting LIVE ids, saved with a BPE tokenizer."""
+    """A tiny random DeepSeek-V4 (transformers' class) emitting LIVE ids, saved with SmolLM2's
+    tokenizer; its last layer compressed (CSA) and its experts MXFP4-exact, as llama-server serves it
+    (tests/helpers/dsv4_served.py)."""
     with seeded(0):
-        model = DeepseekV4ForCausalLM(hf_config(TARGET_LAYERS)).eval()
+        model = DeepseekV4ForCausalLM(hf_config(TARGET_LAYERS, last="compressed_sparse_attention")).eval()
+    served.mxfp4_exact(model)
     with torch.no_grad():
+        # the CSA layer only lets llama-server load the target (tests/helpers/dsv4_served.py): its output is
+        # zeroed, as transformers' and llama.cpp's compressed attention differ (4 of 8 greedy responses)
+        model.model.layers[-1].self_attn.o_b_proj.weight.zero_()
         model.lm_head.weight.mul_(10.0)
         model.lm_head.weight[: engine.SPECIAL] = 0.0  # logit 0 never wins: only live ids are emitted
         model.lm_head.weight[engine.SPECIAL + LIVE :] = 0.0
     model.generation_config = GenerationConfig(eos_token_id=engine.STOP, pad_token_id=engine.STOP, do_sample=False)
     model.save_pretrained(str(model_dir))
-    g4.save_tokenizer(model_dir)
+    engine.smollm2_tokenizer(model_dir)
     return str(model_dir)
 
 
@@ -93,6 +102,8 @@ def drafter_config(**changes) -> dict:
         dict(
             architectures=["DeepseekV4DSparkModel"],
             **DECODER,
+            **CSA,  # the target's indexer keys, which llama.cpp's converter reads from the config
+            compress_rope_theta=ROPE["compress"]["rope_theta"],
             num_hidden_layers=TARGET_LAYERS,
             compress_ratios=[0] * (TARGET_LAYERS + STAGES),
             num_hash_layers=0,

@@ -10,13 +10,14 @@
 - the wrong rules (no hyper-connection mixing, no window, softmax expert scoring, feature layers one
   off, no attention sinks, the output's rope left in place) each change anchors' drafts and samples' walks.
 
-No llama-server run: llama.cpp's converter takes DeepSeek's layout with MXFP4 experts only
-(conversion/deepseek.py:721-731), and llama-server dies of SIGFPE loading a DeepSeek-V4 target without a
-compressed layer (src/llama-kv-cache.cpp:1455-1457, its indexer cache empty); docs/drafter-families.md#dspark.
+No llama-server comparison in the suite: llama-server serves this target (tests/helpers/dsv4_served.py
+makes it: DeepSeek's layout, MXFP4-exact experts, an F32 GGUF, a CSA layer so it loads) and its greedy
+responses are transformers', but its DSpark draft does not yet equal llama.cpp's rule as the replay runs
+it for blocks of several queries (docs/drafter-families.md#dspark; `python -m tests.helpers.dsv4_served`).
 
-The target: transformers' DeepseekV4ForCausalLM (four uncompressed layers, four hyper-connection
-streams, four experts), emitting twelve ids; the drafter (two stages) fitted through the reference's
-own forward.
+The target: transformers' DeepseekV4ForCausalLM (three uncompressed layers and a CSA one whose output is
+zeroed, four hyper-connection streams, four experts), emitting twelve ids; the drafter (two stages)
+fitted through the reference's own forward.
 """
 
 from __future__ import annotations
