@@ -30,10 +30,11 @@ from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
     eager_attention_forward,
 )
 
-from tests.helpers import dsv4_served as served, llama_engine as engine
+from tests.helpers import dsv4_served as served, gemma4_dspark as g4, llama_engine as engine
 from tests.helpers.models import seeded
 
 VOCAB = engine.SMOLLM2_VOCAB  # SmolLM2's tokenizer: its pre-tokenizer is one llama.cpp's converter knows
+SMALL_VOCAB = g4.VOCAB  # the Gemma 4 test's byte-fallback BPE tokenizer (no server: a small vocabulary fits fast)
 LIVE = 12  # the target emits ids SPECIAL .. SPECIAL + LIVE - 1 only
 TARGET_LAYERS = 4
 FEATURES = [0, 1]  # output of layers 0 and 1
@@ -54,20 +55,21 @@ DECODER = dict(
     sliding_window=WINDOW, rope_theta=10000.0, rms_norm_eps=1e-6, hidden_act="silu", max_position_embeddings=2048,
 )  # fmt: skip
 CSA = dict(index_n_heads=2, index_head_dim=128, index_topk=64)  # a CSA layer's indexer: top-k above any context's
+COMPRESSED = dict(compress_rope_theta=1e5, **CSA)  # a compressed last layer's fields (ROPE["compress"])
 ROPE = {
     "main": {"rope_type": "default", "rope_theta": 10000.0},
     "compress": {"rope_type": "default", "rope_theta": 1e5},
 }
 
 
-def hf_config(layers: int, init: float = 0.05, last: str = "sliding_attention") -> DeepseekV4Config:
+def hf_config(layers: int, init: float = 0.05, last: str = "sliding_attention", vocab: int = VOCAB) -> DeepseekV4Config:
     """transformers' DeepseekV4Config of `layers` top-k routed layers, uncompressed but the last (of
-    type `last`); `init` the weights' std (small: the target's greedy responses repeat, which a
-    briefly fitted drafter can follow)."""
-    fields = {k: v for k, v in DECODER.items() if k != "rope_theta"}
+    type `last`), at `vocab` ids; `init` the weights' std (small: the target's greedy responses repeat,
+    which a briefly fitted drafter can follow)."""
+    fields = {k: v for k, v in DECODER.items() if k not in ("rope_theta", "vocab_size")}
     config = DeepseekV4Config(
-        **fields, num_hidden_layers=layers, layer_types=["sliding_attention"] * (layers - 1) + [last],
-        compress_rope_theta=ROPE["compress"]["rope_theta"], **CSA,
+        **fields, vocab_size=vocab, num_hidden_layers=layers, layer_types=["sliding_attention"] * (layers - 1) + [last],
+        **(COMPRESSED if last != "sliding_attention" else {}),
         mlp_layer_types=["moe"] * layers, rope_parameters=json.loads(json.dumps(ROPE)), initializer_range=init,
         eos_token_id=engine.STOP, bos_token_id=1, pad_token_id=0,
     )  # fmt: skip
@@ -75,23 +77,28 @@ def hf_config(layers: int, init: float = 0.05, last: str = "sliding_attention") 
     return config
 
 
-def save_target(model_dir) -> str:
-    """A tiny random DeepSeek-V4 (transformers' class) emitting LIVE ids, saved with SmolLM2's
-    tokenizer; its last layer compressed (CSA) and its experts MXFP4-exact, as llama-server serves it
-    (tests/helpers/dsv4_served.py)."""
+def save_target(model_dir, servable: bool = True) -> str:
+    """A tiny random DeepSeek-V4 (transformers' class) emitting LIVE ids. Servable: saved with SmolLM2's
+    tokenizer, its last layer compressed (CSA) and its experts MXFP4-exact, as llama-server serves it
+    (tests/helpers/dsv4_served.py); else (the MTP head's test, no server) four uncompressed layers at
+    the Gemma 4 test's small BPE vocabulary, which a head fits faster."""
+    last = "compressed_sparse_attention" if servable else "sliding_attention"
     with seeded(0):
-        model = DeepseekV4ForCausalLM(hf_config(TARGET_LAYERS, last="compressed_sparse_attention")).eval()
-    served.mxfp4_exact(model)
+        model = DeepseekV4ForCausalLM(
+            hf_config(TARGET_LAYERS, last=last, vocab=VOCAB if servable else SMALL_VOCAB)
+        ).eval()
+    if servable:
+        served.mxfp4_exact(model)
     with torch.no_grad():
-        # the CSA layer only lets llama-server load the target (tests/helpers/dsv4_served.py): its output is
-        # zeroed, as transformers' and llama.cpp's compressed attention differ (4 of 8 greedy responses)
-        model.model.layers[-1].self_attn.o_b_proj.weight.zero_()
+        if servable:  # the CSA layer only lets llama-server load the target (tests/helpers/dsv4_served.py):
+            # its output is zeroed, as transformers' and llama.cpp's compressed attention differ (4 of 8 responses)
+            model.model.layers[-1].self_attn.o_b_proj.weight.zero_()
         model.lm_head.weight.mul_(10.0)
         model.lm_head.weight[: engine.SPECIAL] = 0.0  # logit 0 never wins: only live ids are emitted
         model.lm_head.weight[engine.SPECIAL + LIVE :] = 0.0
     model.generation_config = GenerationConfig(eos_token_id=engine.STOP, pad_token_id=engine.STOP, do_sample=False)
     model.save_pretrained(str(model_dir))
-    engine.smollm2_tokenizer(model_dir)
+    engine.smollm2_tokenizer(model_dir) if servable else g4.save_tokenizer(model_dir)
     return str(model_dir)
 
 

@@ -12,7 +12,7 @@ DeepSeek-V4 modules, its online greedy loop re-running the head over every row):
 - bad input: a second head `mtp.1.*`, and id L extracted beside other layers, are one `error:` line each.
 
 No llama-server run: llama-server dies loading a DeepSeek-V4 target without a compressed layer
-(docs/drafter-families.md#dspark). The target: tests/helpers/dsv4_dspark.py's (transformers'
+(docs/drafter-families.md#dspark). The target: tests/helpers/dsv4_dspark.py's unservable one (transformers'
 DeepseekV4ForCausalLM, four uncompressed layers, four streams, window 8), its head fitted briefly.
 """
 
@@ -47,14 +47,14 @@ def setup(tmp_path_factory):
     from tests.helpers.prompts import write_prompts
 
     tmp = tmp_path_factory.mktemp("mtp_dsv4_parity")
-    model_dir = d4.save_target(tmp / "target")
+    model_dir = d4.save_target(tmp / "target", servable=False)
     records = [{"id": f"p{i}", "input_ids": ids} for i, ids in enumerate(prompt_ids(PROMPTS))]
     prompts = write_prompts(tmp / "prompts.jsonl", records)
     shards = chains.extract(tmp / "shards", model_dir, prompts, MAX_NEW, [d4.TARGET_LAYERS])  # id L: the streams
     sequences = [s.input_ids for s in ShardSet(shards).samples(tensors=[])]
     target = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     with seeded(1):
-        head = dsv4_mtp.ReferenceHead()
+        head = dsv4_mtp.ReferenceHead(d4.hf_config(1, vocab=d4.SMALL_VOCAB))
     loss = dsv4_mtp.fit(head, target, sequences, FIT_STEPS, FIT_LR)
     head.eval().requires_grad_(False)
     dsv4_mtp.save_head(head, model_dir)
