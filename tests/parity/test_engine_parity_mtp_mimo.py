@@ -10,7 +10,8 @@ proposers/mtp/mimo.py), scored by `specreplay score --ckpt <target dir>`, agains
   transformers' own MiMoV2FlashDecoderLayer, each line citing mimo_v2_mtp.py, run by
   tests/helpers/mtp_online.py's growing-cache loop): every greedy walk equals that online loop and at
   every anchor the teacher-forced chain equals the loop's own up to its first draft the response does
-  not hold; llama.cpp's chained heads there change anchors;
+  not hold; llama.cpp's chained heads there change anchors; at T 0.05, paired against seeded runs of
+  that loop, the online tau minus the offline expected tau given each run's tokens has mean zero;
 - bad input: a config promising three heads over a checkpoint holding two, one `error:` line.
 
 The target: transformers' MiMoV2FlashForCausalLM (layer 0 full attention, dense; layer 1 sliding with
@@ -194,6 +195,40 @@ def test_a_wrong_rule_differs_from_vllms_reference(setup, online_runs, wrong):
     differ = sum(walks[k] != run.produced for k, run in online_runs.items())
     print(f"\n{wrong.__name__}: {total - same}/{total} anchors, {differ}/{len(online_runs)} walks differ")
     assert same < total
+
+
+# -- sampled (T > 0), vLLM's rule: paired against seeded online runs -----------------------------
+
+TEMPERATURE = 0.05  # at 0.2 this tiny target is so flat that the head accepts almost nothing (tau 1.01)
+SAMPLED_PROMPTS, SAMPLED_DRAWS = 4, 12  # the module's first prompts; seeded online runs per prompt
+
+
+def test_sampled_expected_tau_equals_the_online_tau_run_by_run(setup):
+    """T = TEMPERATURE, paired: SAMPLED_DRAWS seeded runs per prompt of vLLM's rule (head 0 at every
+    step, each draft drawn from its q, z-lab's rejection sampling), each run's own response extracted
+    and scored; the online tau minus the offline expected tau given those tokens has mean zero within 3
+    standard errors; eh_proj reading [hnorm(h) ; enorm(e)] (the halves swapped) outside them."""
+    import numpy as np
+
+    from pipeline.shards import ShardSet
+    from proposers.mtp.mimo import MimoHead
+    from tests.helpers import mtp_online
+
+    found, _, _, target, heads = setup
+    stop_ids = ShardSet(found.shards).settings["target"]["stop_token_ids"]
+
+    def run(prompt):
+        return mtp_online.online_mtp(heads[0], target, prompt, STEPS, found.max_new, stop_ids, TEMPERATURE)
+
+    runs = chains.paired_runs(run, SAMPLED_PROMPTS, SAMPLED_DRAWS, parity.prompt_ids(SAMPLED_PROMPTS))
+    assert np.mean([tau for *_, tau in runs]) > 1.3  # several tokens a step: something to measure
+    options = dict(max_new=found.max_new, layer_ids=[target.config.num_hidden_layers], temperature=TEMPERATURE)
+    wrong = (MimoHead, "combine", _swapped)
+    verdict = chains.paired_verdict(
+        found.target, found.target, runs, found.tmp, wrong, "eh_proj halves swapped", **options
+    )
+    assert all(abs(v) < 3 for v in verdict.z_prompts.values()) and abs(verdict.z) < 3, verdict
+    assert abs(verdict.z_wrong) > 3, verdict
 
 
 # -- bad input ------------------------------------------------------------------------------------
