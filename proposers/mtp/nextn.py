@@ -157,16 +157,23 @@ class NextnStage(nn.Module):
 
     def __init__(self, config: DrafterConfig, hf: PretrainedConfig, kind: Kind):
         super().__init__()
-        hidden, eps = config.hidden_size, config.rms_norm_eps
-        self.fc = nn.Linear(2 * hidden, hidden, bias=False)
-        self.pre_fc_norm_embedding = kind.norm(hidden, eps=eps)
-        self.pre_fc_norm_hidden = kind.norm(hidden, eps=eps)
-        self.layers = nn.ModuleList([NextnLayer(config, hf, kind)])
-        self.norm = kind.norm(hidden, eps=eps)
         # vLLM's predictor embeds with one table (glm4_moe_mtp.py:153-156, every head's embed_tokens
         # loaded onto it, 419-442): a later head's own is read, and head 0's (or the target's) used
-        self.embed_tokens = nn.Embedding(config.vocab_size, hidden)
-        self.lm_head = nn.Linear(hidden, config.vocab_size, bias=False)  # absent: the target's
+        add_head_modules(self, config, hf, kind)
+
+
+def add_head_modules(module: nn.Module, config: DrafterConfig, hf: PretrainedConfig, kind: Kind) -> None:
+    """One head's modules on `module`, named as the checkpoint's `model.layers.{L + i}.*`: fc (eh_proj)
+    over the two normed halves, its decoder layer, its output norm, and its optional own embedding
+    and lm_head (absent: the target's)."""
+    hidden, eps = config.hidden_size, config.rms_norm_eps
+    module.fc = nn.Linear(2 * hidden, hidden, bias=False)
+    module.pre_fc_norm_embedding = kind.norm(hidden, eps=eps)
+    module.pre_fc_norm_hidden = kind.norm(hidden, eps=eps)
+    module.layers = nn.ModuleList([NextnLayer(config, hf, kind)])
+    module.norm = kind.norm(hidden, eps=eps)
+    module.embed_tokens = nn.Embedding(config.vocab_size, hidden)
+    module.lm_head = nn.Linear(hidden, config.vocab_size, bias=False)
 
 
 class NextnDrafter(TargetStateHead):
@@ -191,17 +198,10 @@ class NextnDrafter(TargetStateHead):
     def __init__(self, config: DrafterConfig):
         super().__init__()
         self.config = config
-        hidden, eps = config.hidden_size, config.rms_norm_eps
         hf, kind = nextn_config(config.raw), KINDS[config.family_options["decoder"]]
         self.kind = kind
         self.heads = config.family_options.get("heads", 1)
-        self.fc = nn.Linear(2 * hidden, hidden, bias=False)
-        self.pre_fc_norm_embedding = kind.norm(hidden, eps=eps)
-        self.pre_fc_norm_hidden = kind.norm(hidden, eps=eps)
-        self.layers = nn.ModuleList([NextnLayer(config, hf, kind)])
-        self.norm = kind.norm(hidden, eps=eps)
-        self.embed_tokens = nn.Embedding(config.vocab_size, hidden)
-        self.lm_head = nn.Linear(hidden, config.vocab_size, bias=False)
+        add_head_modules(self, config, hf, kind)
         self.later = nn.ModuleList([NextnStage(config, hf, kind) for _ in range(self.heads - 1)])
         self.rowwise_drafts = not self.later  # a stack's steps read their own heads' lm_heads (logits)
         self.d2t = self.t2d = None
