@@ -170,7 +170,7 @@ class EagleOptions(DrafterNamespace):
     _unique = field_validator("eagle_aux_hidden_state_layer_ids")(unique_ids)
 
 
-class SpecForgeEagleFields(DraftDecoderFields):
+class SpecForgeEagleFields(ArchitectureFields, DraftDecoderFields):
     """What SpecForge's EAGLE-style configs share (EAGLE-3's `LlamaForCausalLMEagle3`, P-EAGLE's
     `PEagleDraftModel`): the draft decoder's LlamaConfig at the top level, `draft_vocab_size`
     beside it, the feature ids in `eagle_config`, and the keys an engine reads that SpecForge's
@@ -180,7 +180,6 @@ class SpecForgeEagleFields(DraftDecoderFields):
     LAYOUT: ClassVar[str] = "specforge"
     IDS_FIELD: ClassVar[str] = "eagle_config.eagle_aux_hidden_state_layer_ids"
     DECODER_CLASS: ClassVar[str] = "LlamaConfig"
-    FAMILY: ClassVar[str]
 
     architectures: list[str]
     draft_vocab_size: Positive | None = None
@@ -192,24 +191,9 @@ class SpecForgeEagleFields(DraftDecoderFields):
     target_model_type: str | None = None  # which target SpecForge trains against: training-only
     decoder_sparse_step: Any = None  # copied from a MoE target's config; no Llama layer reads it
 
-    @field_validator("architectures")
-    @classmethod
-    def _architecture(cls, value):
-        if cls.ARCHITECTURES[0] not in value:
-            raise wrong(value, f"['{cls.ARCHITECTURES[0]}']")
-        return value
-
     def namespaces(self) -> dict:
         """LlamaConfig's keys whatever model_type says: SpecForge's EAGLE-style drafters are Llama layers."""
         return {"": (self.DECODER_CLASS, type(self))}
-
-    @property
-    def family(self) -> str:
-        return self.FAMILY
-
-    @property
-    def evidence(self) -> str:
-        return f"architectures ['{self.ARCHITECTURES[0]}']"
 
     @property
     def options(self) -> EagleOptions:
