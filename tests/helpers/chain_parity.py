@@ -196,9 +196,13 @@ def _residual_z(runs: list, expected: dict[str, float]) -> tuple[dict[str, float
     residuals: dict[str, list[float]] = {}
     for sample_id, _, _, tau in runs:
         residuals.setdefault(sample_id.split("#")[0], []).append(tau - expected[sample_id])
-    z = {p: m / se if se > 0 else (0.0 if m == 0 else np.inf) for p, (m, se) in per_prompt(residuals).items()}
-    mean, se = mean_se([r for rs in residuals.values() for r in rs])
-    return z, mean / se if se > 0 else (0.0 if mean == 0 else np.inf)
+    z = {p: _z(*stats) for p, stats in per_prompt(residuals).items()}
+    return z, _z(*mean_se([r for rs in residuals.values() for r in rs]))
+
+
+def _z(mean: float, se: float) -> float:
+    """mean / se; runs whose every residual is equal have se 0: z 0 if they are 0, else infinite."""
+    return mean / se if se > 0 else (0.0 if mean == 0 else np.inf)
 
 
 def paired_verdict(
