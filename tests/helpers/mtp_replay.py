@@ -191,3 +191,20 @@ def sampled_verdict(tmp, model_dir: str, target, head, greedy: str, *, steps: in
     runs = parity.paired_runs(run, sampled["prompts"], sampled["draws"])
     options = dict(max_new=max_new, layer_ids=[target.config.num_hidden_layers], temperature=temperature)
     return parity.paired_verdict(model_dir, model_dir, runs, tmp, sampled["wrong"], sampled["label"], **options)
+
+
+def diagnose_taus(ckpt: str, shards: str, out, variant: str, limit: int = 6) -> tuple[dict[str, float], str]:
+    """`specreplay diagnose` of `ckpt` with `variant` on `limit` samples: (variant -> tau, the verdict's first line)."""
+    import json
+
+    import polars as pl
+    from click.testing import CliRunner
+
+    from specreplay.cli import main
+
+    args = ["diagnose", "--ckpt", ckpt, "--shards", shards, "--out", str(out), "--variants", variant]
+    run = CliRunner().invoke(main, [*args, "--limit", str(limit), "--no-progress"])
+    assert run.exit_code == 0, run.output
+    [table] = [pl.read_parquet(path) for path in out.glob("*/diagnose.parquet")]
+    taus = dict(table.filter(pl.col("metric") == "tau").select("variant", "value").iter_rows())
+    return taus, json.loads(next(out.glob("*/diagnose.json")).read_text())["verdict"][0]

@@ -253,20 +253,9 @@ def test_a_head_missing_is_one_error_line(setup, tmp_path):
 def test_diagnose_replays_llama_cpps_chain_as_a_variant(setup):
     """`diagnose`'s mimo-chain-heads variant replays llama.cpp's chain under the default walk: its tau
     is not the configured (vLLM) rule's."""
-    import polars as pl
-    from click.testing import CliRunner
-
-    from specreplay.cli import main
-
     found, *_ = setup
-    out = found.tmp / "diagnose"
-    args = ["diagnose", "--ckpt", found.target, "--shards", found.shards, "--out", str(out)]
-    run = CliRunner().invoke(main, [*args, "--variants", "mimo-chain-heads", "--limit", "6", "--no-progress"])
-    assert run.exit_code == 0, run.output
-    [table] = [pl.read_parquet(path) for path in out.glob("*/diagnose.parquet")]
-    taus = dict(table.filter(pl.col("metric") == "tau").select("variant", "value").iter_rows())
-    verdict = json.loads(next(out.glob("*/diagnose.json")).read_text())["verdict"]
-    print(f"\ndiagnose tau {taus}; {verdict[0]}")
+    taus, verdict = replay.diagnose_taus(found.target, found.shards, found.tmp / "diagnose", "mimo-chain-heads")
+    print(f"\ndiagnose tau {taus}; {verdict}")
     assert taus["mimo-chain-heads"] != taus["as-configured"], taus
 
 

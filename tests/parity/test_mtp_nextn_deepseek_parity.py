@@ -247,6 +247,14 @@ def test_vllms_v1_runner_is_the_first_head_only_convention(setup, stack):
     assert first == {k: run.produced for k, run in runs.items()}
 
 
+def test_diagnose_replays_vllms_v1_runner_as_a_variant(setup, stack, tmp_path):
+    """`diagnose`'s nextn-first-head variant (head 0 at every step, vLLM's V1 runner) on the stack: its
+    tau is not the configured (V2 runner's) rule's."""
+    taus, verdict = replay.diagnose_taus(stack[0], setup[4], tmp_path / "diagnose", "nextn-first-head")
+    print(f"\ndiagnose tau {taus}; {verdict}")
+    assert taus["nextn-first-head"] != taus["as-configured"], taus
+
+
 def test_more_steps_than_the_stack_holds_are_refused(setup, stack, tmp_path):
     """vLLM would reuse head 0 at step 3 over a KV cache its step 1 wrote (history-dependent): one line."""
     _, _, _, _, shards, *_ = setup
