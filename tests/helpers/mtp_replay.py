@@ -70,12 +70,13 @@ def fitted_native_head(
     return model_dir, target, head, shards, loss
 
 
-def online_runs(head, target, shards: str, steps: int, max_new: int) -> dict[str, online.OnlineRun]:
-    """The online loop over every stored sample's prompt; its output must be the stored response."""
+def online_runs(head, target, shards: str, steps: int, max_new: int, loop=online.online_mtp) -> dict:
+    """The online `loop` (mtp_online's, or a family's own with its arguments) over every stored sample's
+    prompt; its output must be the stored response."""
     stop_ids = ShardSet(shards).settings["target"]["stop_token_ids"]
     runs = {}
     for sample in ShardSet(shards).samples(tensors=[]):
-        run = online.online_mtp(head, target, sample.input_ids[: sample.prompt_len], steps, max_new, stop_ids)
+        run = loop(head, target, sample.input_ids[: sample.prompt_len], steps, max_new, stop_ids)
         assert run.output_ids.tolist() == sample.input_ids.tolist(), sample.sample_id
         runs[sample.sample_id] = run
     return runs

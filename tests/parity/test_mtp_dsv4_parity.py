@@ -92,16 +92,8 @@ def anchors_differing(setup, reference_chains, change=None) -> tuple[int, int, i
 
 @pytest.fixture(scope="module")
 def online_runs(setup):
-    from pipeline.shards import ShardSet
-
     _, _, shards, target, head, _ = setup
-    stop_ids = ShardSet(shards).settings["target"]["stop_token_ids"]
-    runs = {}
-    for sample in ShardSet(shards).samples(tensors=[]):
-        run = dsv4_mtp.online_mtp(head, target, sample.input_ids[: sample.prompt_len], STEPS, MAX_NEW, stop_ids)
-        assert run.output_ids.tolist() == sample.input_ids.tolist(), sample.sample_id
-        runs[sample.sample_id] = run
-    return runs
+    return replay.online_runs(head, target, shards, STEPS, MAX_NEW, loop=dsv4_mtp.online_mtp)
 
 
 def test_greedy_walks_equal_vllms_online_loop(setup, online_runs):
